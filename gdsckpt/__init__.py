@@ -1,0 +1,24 @@
+"""gdsckpt: GPU-native, compressed, chunked and indexed checkpoints of training state.
+
+``import gdsckpt`` needs neither a GPU nor torch, CuPy, nvCOMP or kvikio: array libraries and
+GPU packages are imported when a state or a call needs them.
+"""
+
+__version__ = "0.1.0"
+
+from .api import (  # noqa: E402
+    Checkpoint, CheckpointInfo, SaveReport, TensorInfo, VerifyReport, inspect, load, load_into, open,
+    save, verify,
+)
+from .config import Config  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointError, CodecUnavailableError, CorruptCheckpointError, StateMismatchError,
+    UnsupportedFormatError,
+)
+
+__all__ = [
+    "Checkpoint", "CheckpointError", "CheckpointInfo", "CodecUnavailableError", "Config",
+    "CorruptCheckpointError", "SaveReport", "StateMismatchError", "TensorInfo",
+    "UnsupportedFormatError", "VerifyReport", "__version__", "inspect", "load", "load_into", "open",
+    "save", "verify",
+]

@@ -1,0 +1,584 @@
+"""The public API: save, load, load_into, open, inspect, verify.
+
+Each call flattens or rebuilds the state (``state.py``), plans chunks, and runs the one pipeline
+(``pipeline/``) with an engine and a storage backend chosen from the configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from . import __version__
+from .codecs import Chain, PORTABLE_CODECS, known_codec_names, versioned_name
+from .config import Config
+from .errors import CheckpointError, StateMismatchError
+from .format import Index, TensorRecord
+from .io import PosixReader, PosixWriter, StorageReader, StorageWriter
+from .pipeline.engine import HostEngine
+from .pipeline.load import OpenedFile, open_file, run_restore, run_verify
+from .pipeline.plan import plan_chunks
+from .pipeline.save import SaveResult, run_save
+from .state import (
+    CupyTarget, FlatState, JaxTarget, NumpyTarget, Selection, TorchTarget, escape_key, flatten,
+    join_key, unflatten,
+)
+
+PathLike = str | os.PathLike[str]
+
+
+# ---------------------------------------------------------------------------------------------
+# reports
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What a save did. ``ratio`` is logical bytes over bytes on disk (the whole file)."""
+
+    path: str
+    logical_bytes: int
+    stored_bytes: int
+    ratio: float
+    seconds: float
+    codec: str
+    backend: str
+    engine: str
+    tensors: int
+    chunks: int
+    chains: dict[str, int] = field(default_factory=dict)
+    """How many chunks used each codec chain, e.g. ``{"byteplanes/1+zstd/1": 12, "none/1": 1}``."""
+
+    @property
+    def throughput(self) -> float:
+        """Logical bytes per second of wall time, durable writes included."""
+        return self.logical_bytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One array in a checkpoint, as ``inspect`` and ``open().info`` describe it."""
+
+    key: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    nbytes: int
+    stored_bytes: int
+    chunks: int
+    codecs: tuple[str, ...]
+    alias_of: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """Summary of a checkpoint file (``inspect``)."""
+
+    path: str
+    format_version: tuple[int, int]
+    writer: str
+    file_bytes: int
+    logical_bytes: int
+    ratio: float
+    tensors: tuple[TensorInfo, ...]
+    codecs: dict[str, int]
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Outcome of ``verify``: every chunk was read, checksummed and decoded."""
+
+    path: str
+    chunks: int
+    stored_bytes: int
+    logical_bytes: int
+    seconds: float
+
+
+def chain_label(chain: list[dict[str, Any]]) -> str:
+    """A chain as text: stage names joined by ``+`` (``"byteplanes/1+zstd/1"``)."""
+    return "+".join(stage["name"] for stage in chain)
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration and backends
+
+def _config(config: Config | None, **overrides: Any) -> Config:
+    base = config if config is not None else Config.from_env()
+    changes = {name: value for name, value in overrides.items() if value is not None}
+    return base.replace(**changes) if changes else base
+
+
+def _resolve_codec(name: str) -> str:
+    """The user-facing codec a save runs with on the CPU engine."""
+    if name == "auto":
+        return "zstd"
+    versioned_name(name)  # raises ValueError listing the valid names for an unknown one
+    if name not in PORTABLE_CODECS:
+        from .codecs import host_codec
+
+        host_codec(name)  # raises CodecUnavailableError naming the portable alternatives
+    return name
+
+
+def _writer(path: PathLike, config: Config) -> StorageWriter:
+    target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(f"checkpoint path {str(target)!r} is a directory; give a file path")
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"directory {str(target.parent)!r} of checkpoint path does not exist")
+    return PosixWriter(target, threads=config.io_threads, o_direct=config.o_direct, fsync=config.fsync)
+
+
+def _reader(path: PathLike, config: Config) -> StorageReader:
+    if isinstance(path, StorageReader):
+        return path
+    return PosixReader(path, threads=config.io_threads)
+
+
+def _host_engine(config: Config, sources: list[Any] | None = None, codec: str = "none") -> HostEngine:
+    return HostEngine(sources or [], codec=codec, byte_planes=config.byte_planes,
+                      threads=config.effective_codec_threads, level=config.level)
+
+
+# ---------------------------------------------------------------------------------------------
+# save
+
+def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
+         config: Config | None = None) -> SaveReport:
+    """Save ``state`` (nested dicts/lists/tuples of tensors, arrays and plain values) to ``path``.
+
+    The file appears at ``path`` atomically and durably (fsync of file and directory) when this
+    returns; on any error ``path`` keeps its previous content and no temporary file remains.
+    ``codec``: ``"auto"`` (byte planes where they help + zstd on the CPU), ``"zstd"``,
+    ``"lz4"``, ``"deflate"``, ``"none"``; ``"auto"`` defers to ``config.codec``.
+    ``chunk_bytes`` overrides ``config.chunk_bytes``. Raises ``TypeError`` naming the key path of
+    any value that cannot be saved.
+    """
+    started = time.perf_counter()
+    cfg = _config(config, chunk_bytes=chunk_bytes, codec=None if codec == "auto" else codec)
+    codec_name = _resolve_codec(cfg.codec)
+    flat = flatten(state)
+    sources = [array.source for array in flat.arrays]
+    plans = plan_chunks(
+        [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
+          a.source.plane_width if a.source else 0) for a in flat.arrays],
+        chunk_bytes=cfg.chunk_bytes, pack_below=min(cfg.pack_below, cfg.chunk_bytes),
+    )
+    engine = _host_engine(cfg, sources, codec_name)
+    try:
+        writer = _writer(path, cfg)
+        result = run_save(plans, engine, writer, max_inflight_bytes=cfg.max_inflight_bytes,
+                          build_index=lambda r: _build_index(flat, r), timeout=cfg.timeout)
+    finally:
+        engine.close()
+    logical = sum(a.source.nbytes for a in flat.arrays if a.alias is None)
+    chains: dict[str, int] = {}
+    for chunk in result.chunks:
+        label = chain_label(result.chains[chunk.chain].to_json())
+        chains[label] = chains.get(label, 0) + 1
+    return SaveReport(
+        path=str(path), logical_bytes=logical, stored_bytes=result.file_bytes,
+        ratio=logical / result.file_bytes if result.file_bytes else 0.0,
+        seconds=time.perf_counter() - started, codec=codec_name, backend=writer.name,
+        engine=engine.name, tensors=len(flat.arrays), chunks=len(result.chunks), chains=chains,
+    )
+
+
+def _build_index(flat: FlatState, result: SaveResult) -> Index:
+    tensors = [
+        TensorRecord(key=a.key, kind=a.kind, dtype=a.dtype, shape=a.shape, device=a.device,
+                     segments=result.segments.get(i, []), alias=a.alias, extra=a.extra)
+        for i, a in enumerate(flat.arrays)
+    ]
+    chains: list[Chain] = result.chains
+    return Index(chains=[c.to_json() for c in chains], chunks=result.chunks, tensors=tensors, tree=flat.tree,
+                 writer=f"gdsckpt {__version__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+
+def _parse_device(device: Any) -> str | None:
+    if device is None:
+        return None
+    text = str(device)
+    if text == "cpu":
+        return text
+    if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        torch = sys.modules.get("torch")
+        if torch is None:
+            import torch
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {text!r} requested but CUDA is not available on this machine")
+        index = int(text[5:]) if ":" in text else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {text!r} requested but this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+        return f"cuda:{index}"
+    raise ValueError(f"device {text!r} is invalid (expected None, 'cpu', 'cuda' or 'cuda:N')")
+
+
+def _new_target(record: TensorRecord, device: str | None) -> Any:
+    if record.kind == "torch":
+        parameter = record.extra.get("parameter")
+        requires_grad = bool(parameter.get("requires_grad")) if isinstance(parameter, dict) else None
+        return TorchTarget(record.shape, record.dtype, device or "cpu", parameter=requires_grad)
+    if record.kind == "numpy":
+        return NumpyTarget(record.shape, record.dtype, scalar=bool(record.extra.get("scalar")))
+    if record.kind == "cupy":
+        chosen = device if device and device.startswith("cuda") else record.device
+        return CupyTarget(record.shape, record.dtype, int(chosen.split(":")[1]) if ":" in chosen else 0)
+    return JaxTarget(record.shape, record.dtype, device)
+
+
+def _restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int], config: Config,
+                    make_target: Any) -> dict[int, Any]:
+    """Restore the arrays ``ids`` (aliases resolved) and return id -> finished object."""
+    index = opened.index
+    ids = list(ids)
+    data_ids = sorted({index.tensors[i].alias if index.tensors[i].alias is not None else i for i in ids})
+    targets = {i: make_target(i, index.tensors[i]) for i in data_ids}
+    engine = _host_engine(config)
+    try:
+        run_restore(reader, index, engine, targets, max_inflight_bytes=config.max_inflight_bytes,
+                    timeout=config.timeout)
+    finally:
+        engine.close()
+    finished = {i: target.finish() for i, target in targets.items()}
+    for i in ids:
+        alias = index.tensors[i].alias
+        if alias is not None:
+            finished[i] = finished[alias]
+    return finished
+
+
+def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = None,
+         config: Config | None = None) -> Any:
+    """Load a checkpoint into the same nested structure and types it was saved from.
+
+    ``device``: None or ``"cpu"`` puts torch tensors on the CPU; ``"cuda[:N]"`` on that GPU
+    (NumPy arrays stay NumPy; CuPy arrays go to that GPU or, with None, the GPU they were saved
+    from). ``keys``: key strings (``"model/layer.weight"``) or prefixes of subtrees
+    (``"optimizer"``) to load; only the chunks holding them are read. Dict entries outside the
+    selection are left out, list and tuple slots outside it are None. Unknown keys raise
+    ``KeyError``.
+    """
+    cfg = _config(config)
+    target_device = _parse_device(device)
+    selection = Selection(keys)
+    with _reader(path, cfg) as reader:
+        opened = open_file(reader)
+        index = opened.index
+        wanted = [i for i, record in enumerate(index.tensors) if selection.covers(record.key)]
+        arrays = _restore_arrays(reader, opened, wanted, cfg,
+                                 lambda _i, record: _new_target(record, target_device))
+    state = unflatten(index.tree, arrays, selection)
+    _check_selection(selection, index)
+    return state
+
+
+def _check_selection(selection: Selection, index: Index) -> None:
+    if selection.keys is None:
+        return
+    unknown = [key for key in selection.keys if key not in selection.matched]
+    if unknown:
+        sample = ", ".join(repr(t.key) for t in index.tensors[:8])
+        raise KeyError(f"keys not in checkpoint: {', '.join(map(repr, unknown))} "
+                       f"(tensor keys include: {sample}{', ...' if len(index.tensors) > 8 else ''})")
+
+
+# ---------------------------------------------------------------------------------------------
+# load_into
+
+def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Config | None = None) -> Any:
+    """Copy a checkpoint into existing tensors, in place, and return ``target``.
+
+    ``target`` is an ``nn.Module`` (its state_dict tensors are filled in place), an
+    ``Optimizer`` (restored with ``optimizer.load_state_dict``, which also works on a fresh
+    optimizer that has no state yet), a tensor-holding state dict, or a dict / list nesting any
+    of these (``{"model": model, "optimizer": optimizer, "step": 0}``): key paths in ``target``
+    correspond to key paths in the checkpoint. Plain values (ints, floats, ...) in a target dict
+    are replaced by the checkpoint's. Any missing key, or a shape or dtype that differs, raises
+    ``StateMismatchError`` listing every difference before anything is written. With
+    ``strict=False``, checkpoint entries that ``target`` does not hold are ignored.
+    """
+    cfg = _config(config)
+    existing: dict[str, Any] = {}
+    optimizers: list[tuple[list[Any], Any]] = []
+    plain_slots: list[tuple[Any, Any, str]] = []
+    _collect_targets(target, [], existing, optimizers, plain_slots)
+
+    with _reader(path, cfg) as reader:
+        opened = open_file(reader)
+        index = opened.index
+        by_key = {record.key: i for i, record in enumerate(index.tensors)}
+        plain_values = _plain_values(index.tree)
+        problems = []
+        for key, tensor in existing.items():
+            if key not in by_key:
+                problems.append(f"{key!r}: in target, missing from checkpoint")
+                continue
+            record = index.tensors[by_key[key]]
+            from .state import _torch_dtype_name
+
+            dtype = _torch_dtype_name(tensor.dtype)
+            if tuple(tensor.shape) != record.shape or dtype != record.dtype:
+                problems.append(f"{key!r}: target {dtype}{list(tensor.shape)} != checkpoint "
+                                f"{record.dtype}{list(record.shape)}")
+        optimizer_prefixes = [join_key(prefix) for prefix, _ in optimizers]
+        for _container, _slot, key in plain_slots:
+            if key not in plain_values:
+                problems.append(f"{key!r}: in target, missing from checkpoint")
+        if strict:
+            for key in by_key:
+                if key not in existing and not any(_under(key, p) for p in optimizer_prefixes):
+                    problems.append(f"{key!r}: in checkpoint, missing from target")
+        optimizer_ids = [i for i, record in enumerate(index.tensors)
+                         if any(_under(record.key, p) for p in optimizer_prefixes)]
+        for prefix in optimizer_prefixes:
+            if not _has_path(index.tree, prefix):
+                problems.append(f"{prefix!r}: optimizer state missing from checkpoint")
+        if problems:
+            raise StateMismatchError("checkpoint does not match target:\n  " + "\n  ".join(problems))
+
+        wanted = {by_key[key]: tensor for key, tensor in existing.items()}
+
+        def make_target(i: int, record: TensorRecord) -> Any:
+            tensor = wanted.get(i)
+            if tensor is not None:
+                return TorchTarget(record.shape, record.dtype, str(tensor.device), existing=tensor)
+            return _new_target(record, None)
+
+        arrays = _restore_arrays(reader, opened, list(wanted) + optimizer_ids, cfg, make_target)
+
+    import torch
+
+    with torch.no_grad():
+        for i, tensor in wanted.items():
+            if arrays[i] is not tensor:  # an alias whose data landed in another tensor
+                tensor.copy_(arrays[i])
+    for prefix, optimizer in optimizers:
+        selection = Selection([join_key(prefix)] if prefix else None)
+        subtree = unflatten(index.tree, arrays, selection)
+        for part in prefix:
+            subtree = subtree[part]
+        try:
+            optimizer.load_state_dict(subtree)
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise StateMismatchError(f"optimizer at {join_key(prefix)!r} rejected the checkpoint's "
+                                     f"state: {err}") from err
+    for container, slot, key in plain_slots:
+        container[slot] = plain_values[key]
+    return target
+
+
+def _under(key: str, prefix: str) -> bool:
+    return prefix == "" or key == prefix or key.startswith(prefix + "/")
+
+
+def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any],
+                     optimizers: list[tuple[list[Any], Any]], plain_slots: list[tuple[Any, Any, str]]) -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        for name, tensor in obj.state_dict(keep_vars=True).items():
+            existing[join_key(path + [name])] = tensor
+        return
+    if torch is not None and isinstance(obj, torch.optim.Optimizer):
+        optimizers.append((list(path), obj))
+        return
+    if torch is not None and isinstance(obj, torch.Tensor):
+        existing[join_key(path)] = obj
+        return
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if _is_plain(value):
+                plain_slots.append((obj, key, join_key(path + [key])))
+            else:
+                _collect_targets(value, path + [key], existing, optimizers, plain_slots)
+        return
+    if isinstance(obj, list):
+        for i, value in enumerate(obj):
+            if _is_plain(value):
+                plain_slots.append((obj, i, join_key(path + [i])))
+            else:
+                _collect_targets(value, path + [i], existing, optimizers, plain_slots)
+        return
+    if isinstance(obj, tuple):
+        for i, value in enumerate(obj):
+            _collect_targets(value, path + [i], existing, optimizers, plain_slots)
+        return
+    if _is_plain(obj):
+        return
+    raise TypeError(f"load_into cannot fill {type(obj).__qualname__} at {join_key(path)!r}: give an "
+                    f"nn.Module, an Optimizer, tensors, or dicts/lists of them")
+
+
+def _is_plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _plain_values(tree: Any) -> dict[str, Any]:
+    from .state import decode_scalar
+
+    values: dict[str, Any] = {}
+    stack: list[tuple[Any, list[Any]]] = [(tree, [])]
+    while stack:
+        node, path = stack.pop()
+        kind = node["t"]
+        if kind in ("list", "tuple"):
+            stack.extend((child, path + [i]) for i, child in enumerate(node["items"]))
+        elif kind == "dict":
+            stack.extend((child, path + [decode_scalar(k)]) for k, child in node["items"])
+        elif kind != "tensor":
+            values[join_key(path)] = decode_scalar(node)
+    return values
+
+
+def _has_path(tree: Any, key: str) -> bool:
+    from .state import decode_scalar
+
+    if key == "":
+        return True
+    stack: list[tuple[Any, list[Any]]] = [(tree, [])]
+    while stack:
+        node, path = stack.pop()
+        if path and join_key(path) == key:
+            return True
+        if node["t"] in ("list", "tuple"):
+            stack.extend((child, path + [i]) for i, child in enumerate(node["items"]))
+        elif node["t"] == "dict":
+            stack.extend((child, path + [decode_scalar(k)]) for k, child in node["items"])
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# open / inspect / verify
+
+class Checkpoint:
+    """A lazily read checkpoint (``gdsckpt.open``): the index is read once, arrays on demand."""
+
+    def __init__(self, path: PathLike, config: Config | None = None):
+        self.path = str(path)
+        self._config = _config(config)
+        self._reader = _reader(path, self._config)
+        try:
+            self._opened = open_file(self._reader)
+        except BaseException:
+            self._reader.close()
+            raise
+        self._by_key = {record.key: i for i, record in enumerate(self._opened.index.tensors)}
+
+    def keys(self) -> list[str]:
+        """Key strings of every array, in file order."""
+        return list(self._by_key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._by_key
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def _id(self, key: str) -> int:
+        try:
+            return self._by_key[key]
+        except KeyError:
+            raise KeyError(f"no array {key!r} in {self.path!r}") from None
+
+    def info(self, key: str) -> TensorInfo:
+        """Dtype, shape, sizes and codecs of one array, from the index alone."""
+        return _tensor_infos(self._opened.index)[self._id(key)]
+
+    def get(self, key: str, device: Any = None) -> Any:
+        """Read one array (only its chunks), as the type it was saved as."""
+        i = self._id(key)
+        target_device = _parse_device(device)
+        arrays = _restore_arrays(self._reader, self._opened, [i], self._config,
+                                 lambda _i, record: _new_target(record, target_device))
+        return arrays[i]
+
+    def close(self) -> None:
+        """Close the file."""
+        self._reader.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open(path: PathLike, *, config: Config | None = None) -> Checkpoint:  # noqa: A001 - public name
+    """Open a checkpoint for lazy access: ``.keys()``, ``.info(key)``, ``.get(key, device=None)``.
+
+    Use as a context manager (``with gdsckpt.open(p) as ckpt: ...``) or call ``.close()``.
+    """
+    return Checkpoint(path, config)
+
+
+def _tensor_infos(index: Index) -> list[TensorInfo]:
+    infos = []
+    for record in index.tensors:
+        stored = 0.0
+        chunks = set()
+        codecs = []
+        for segment in record.segments:
+            chunk = index.chunks[segment.chunk]
+            chunks.add(segment.chunk)
+            stored += chunk.stored * segment.length / chunk.raw if chunk.raw else 0
+            label = chain_label(index.chains[chunk.chain])
+            if label not in codecs:
+                codecs.append(label)
+        alias = index.tensors[record.alias].key if record.alias is not None else None
+        infos.append(TensorInfo(record.key, record.kind, record.dtype, record.shape, record.device,
+                                record.nbytes, round(stored), len(chunks), tuple(codecs), alias))
+    return infos
+
+
+def inspect(path: PathLike, *, config: Config | None = None) -> CheckpointInfo:
+    """Describe a checkpoint from its index alone (no chunk is read)."""
+    cfg = _config(config)
+    with _reader(path, cfg) as reader:
+        opened = open_file(reader)
+        size = reader.size
+    index = opened.index
+    logical = sum(record.nbytes for record in index.tensors if record.alias is None)
+    codecs: dict[str, int] = {}
+    for chunk in index.chunks:
+        label = chain_label(index.chains[chunk.chain])
+        codecs[label] = codecs.get(label, 0) + 1
+    return CheckpointInfo(str(path), (opened.header.major, index.minor), index.writer, size, logical,
+                          logical / size if size else 0.0, tuple(_tensor_infos(index)), codecs)
+
+
+def verify(path: PathLike, *, config: Config | None = None) -> VerifyReport:
+    """Read every chunk, check every checksum and decode every stream.
+
+    Returns a ``VerifyReport`` when the file is sound; raises ``CorruptCheckpointError`` naming
+    the first bad tensor and chunk otherwise.
+    """
+    cfg = _config(config)
+    started = time.perf_counter()
+    with _reader(path, cfg) as reader:
+        opened = open_file(reader)
+        engine = _host_engine(cfg)
+        try:
+            stored = run_verify(reader, opened.index, engine, max_inflight_bytes=cfg.max_inflight_bytes,
+                                timeout=cfg.timeout)
+        finally:
+            engine.close()
+    index = opened.index
+    logical = sum(record.nbytes for record in index.tensors if record.alias is None)
+    return VerifyReport(str(path), len(index.chunks), stored, logical, time.perf_counter() - started)
+
+
+__all__ = [
+    "CheckpointError", "CheckpointInfo", "SaveReport", "TensorInfo", "VerifyReport", "escape_key",
+    "inspect", "known_codec_names", "load", "load_into", "open", "save", "verify",
+]

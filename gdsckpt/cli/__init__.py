@@ -1,0 +1,1 @@
+"""The ``gdsckpt`` command: argument parsing and printing over the library."""

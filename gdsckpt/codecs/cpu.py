@@ -1,0 +1,150 @@
+"""Host codecs, byte-compatible with nvCOMP's RAW bitstreams, and the byte-plane transform.
+
+- ``zstd/1``: one standard zstd frame (python-zstandard; nvCOMP Zstd RAW reads and writes these).
+- ``lz4/1``: one raw LZ4 block, no size prefix (``lz4.block`` with ``store_size=False``; nvCOMP
+  LZ4 RAW).
+- ``deflate/1``: raw deflate, RFC 1951, no zlib/gzip wrapper (``zlib`` with ``wbits=-15``;
+  nvCOMP Deflate RAW).
+- ``none/1``: the bytes as they are.
+
+Every compressor object is per thread: python-zstandard's and zlib's objects are not safe to share
+between threads, and the pipeline calls codecs from a pool.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from typing import Any
+
+import lz4.block
+import numpy as np
+import zstandard
+
+from .base import Codec, Transform, register_codec, register_gpu_only, register_transform
+
+DEFAULT_ZSTD_LEVEL = 3
+
+
+class ZstdCodec(Codec):
+    """Zstandard frames; ``level`` only affects compression (decoders need no parameter)."""
+
+    name = "zstd/1"
+
+    def __init__(self, level: int = DEFAULT_ZSTD_LEVEL):
+        self.level = level
+        self._local = threading.local()
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        compressor = getattr(self._local, "compressor", None)
+        if compressor is None:
+            compressor = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+            self._local.compressor = compressor
+        return compressor
+
+    def encode(self, data: np.ndarray) -> Any:
+        return self._compressor().compress(data)
+
+    def decode(self, data: Any, raw_length: int) -> Any:
+        decompressor = getattr(self._local, "decompressor", None)
+        if decompressor is None:
+            decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
+        # max_output_size covers frames without a content size (nvCOMP may omit it).
+        out = decompressor.decompress(data, max_output_size=raw_length)
+        if len(out) != raw_length:
+            raise ValueError(f"zstd frame decoded to {len(out)} bytes, expected {raw_length}")
+        return out
+
+
+class Lz4Codec(Codec):
+    """Raw LZ4 blocks without a size prefix (the decoder is told the raw length)."""
+
+    name = "lz4/1"
+
+    def encode(self, data: np.ndarray) -> Any:
+        return lz4.block.compress(data, store_size=False)
+
+    def decode(self, data: Any, raw_length: int) -> Any:
+        if raw_length == 0:
+            return b""
+        try:
+            out = lz4.block.decompress(data, uncompressed_size=raw_length)
+        except lz4.block.LZ4BlockError as err:
+            raise ValueError(f"invalid LZ4 block: {err}") from err
+        if len(out) != raw_length:
+            raise ValueError(f"LZ4 block decoded to {len(out)} bytes, expected {raw_length}")
+        return out
+
+
+class DeflateCodec(Codec):
+    """Raw deflate streams (RFC 1951)."""
+
+    name = "deflate/1"
+
+    def __init__(self, level: int = 6):
+        self.level = level
+
+    def encode(self, data: np.ndarray) -> Any:
+        compressor = zlib.compressobj(self.level, zlib.DEFLATED, -15)
+        return compressor.compress(data) + compressor.flush()
+
+    def decode(self, data: Any, raw_length: int) -> Any:
+        decompressor = zlib.decompressobj(-15)
+        out = decompressor.decompress(data, raw_length)
+        if len(out) != raw_length or not decompressor.eof or decompressor.unconsumed_tail:
+            raise ValueError(f"deflate stream did not decode to exactly {raw_length} bytes")
+        return out
+
+
+class NoneCodec(Codec):
+    """Stores the bytes unchanged; used when compression does not pay, and for ``codec="none"``."""
+
+    name = "none/1"
+
+    def encode(self, data: np.ndarray) -> Any:
+        return data
+
+    def decode(self, data: Any, raw_length: int) -> Any:
+        if len(memoryview(data).cast("B")) != raw_length:
+            raise ValueError(f"stored chunk has {len(data)} bytes, expected {raw_length}")
+        return data
+
+
+class BytePlanes(Transform):
+    """Groups the bytes of each ``width``-byte scalar by significance, most significant first.
+
+    For little-endian element bytes ``b0 b1 .. b{w-1}`` (b{w-1} holding sign and exponent), the
+    output is every element's ``b{w-1}``, then every ``b{w-2}``, ... then every ``b0``. Sign and
+    exponent bytes of trained weights repeat a lot; separated from the noisy mantissa bytes they
+    compress well, which is the point.
+    """
+
+    name = "byteplanes/1"
+
+    def forward(self, data: np.ndarray, params: dict[str, Any]) -> np.ndarray:
+        width = _width(data, params)
+        return np.ascontiguousarray(data.reshape(-1, width)[:, ::-1].T).reshape(-1)
+
+    def inverse(self, data: np.ndarray, params: dict[str, Any]) -> np.ndarray:
+        width = _width(data, params)
+        return np.ascontiguousarray(data.reshape(width, -1)[::-1].T).reshape(-1)
+
+
+def _width(data: np.ndarray, params: dict[str, Any]) -> int:
+    width = params.get("width")
+    if not isinstance(width, int) or width not in (2, 4, 8) or data.size % width:
+        raise ValueError(f"byte planes of width {width!r} do not fit {data.size} bytes")
+    return width
+
+
+BYTE_PLANES = BytePlanes()
+
+register_codec("zstd/1", "zstd", ZstdCodec)
+register_codec("lz4/1", "lz4", Lz4Codec)
+register_codec("deflate/1", "deflate", DeflateCodec)
+register_codec("none/1", "none", NoneCodec)
+register_transform(BYTE_PLANES)
+for _user, _versioned in (("ans", "nvcomp.ans/1"), ("gdeflate", "nvcomp.gdeflate/1"),
+                          ("snappy", "nvcomp.snappy/1"), ("bitcomp", "nvcomp.bitcomp/1"),
+                          ("cascaded", "nvcomp.cascaded/1")):
+    register_gpu_only(_user, _versioned)

@@ -1,0 +1,127 @@
+"""Configuration: every knob of a save or load, with its default.
+
+Precedence, highest first: an argument of ``save``/``load`` > a ``Config`` passed as ``config=``
+> a ``GDSCKPT_<FIELD>`` environment variable (e.g. ``GDSCKPT_CHUNK_BYTES=8MiB``) > the default.
+
+| field | default | meaning |
+|---|---|---|
+| codec | ``"auto"`` | ``auto`` (CPU: byte planes + zstd), ``zstd``, ``lz4``, ``deflate``, ``none`` |
+| chunk_bytes | 4 MiB | uncompressed bytes per chunk (multiple of 4096) |
+| pack_below | 1 MiB | arrays smaller than this share chunks |
+| byte_planes | ``"auto"`` | ``auto`` (per array, kept where it compresses better), ``always``, ``never`` |
+| level | ``None`` | compression level for zstd/deflate (None: the codec's default, zstd 3) |
+| codec_threads | 0 | CPU threads for codecs (0: one per core) |
+| io_threads | 8 | threads issuing reads and writes |
+| max_inflight_bytes | 256 MiB | bound on chunk bytes between read/encode and write/decode |
+| o_direct | ``"auto"`` | O_DIRECT for aligned I/O: ``auto`` (where the filesystem allows), true, false |
+| fsync | True | fsync the file and its directory before a save returns |
+| timeout | 600 | seconds any single wait on a worker may take before failing the operation |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: int | str) -> int:
+    """Parse a byte size: an int, or a string like ``"4MiB"``, ``"512k"``, ``"1G"`` (binary units)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"not a byte size: {value!r} (examples: 4194304, '4MiB', '512k')")
+    unit = (match.group(2) or "").lower()[:1]
+    return int(match.group(1)) * _UNITS[unit]
+
+
+_CHOICES = {
+    "byte_planes": ("auto", "always", "never"),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Options of save and load. Immutable; ``replace(**changes)`` derives a modified copy."""
+
+    codec: str = "auto"
+    chunk_bytes: int = 4 << 20
+    pack_below: int = 1 << 20
+    byte_planes: str = "auto"
+    level: int | None = None
+    codec_threads: int = 0
+    io_threads: int = 8
+    max_inflight_bytes: int = 256 << 20
+    o_direct: bool | str = "auto"
+    fsync: bool = True
+    timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_bytes", "pack_below", "max_inflight_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name)))
+        if self.chunk_bytes <= 0 or self.chunk_bytes % 4096 or self.chunk_bytes > 1 << 30:
+            raise ValueError(f"chunk_bytes must be a multiple of 4096 between 4 KiB and 1 GiB, "
+                             f"got {self.chunk_bytes}")
+        if self.max_inflight_bytes < self.chunk_bytes:
+            raise ValueError(f"max_inflight_bytes ({self.max_inflight_bytes}) must be at least "
+                             f"chunk_bytes ({self.chunk_bytes})")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid (expected one of: "
+                                 f"{', '.join(choices)})")
+        if self.o_direct not in ("auto", True, False):
+            raise ValueError(f"o_direct={self.o_direct!r} is invalid (expected one of: auto, True, False)")
+        if self.io_threads < 1 or self.codec_threads < 0:
+            raise ValueError("io_threads must be >= 1 and codec_threads >= 0")
+
+    @property
+    def effective_codec_threads(self) -> int:
+        """``codec_threads``, with 0 meaning one per available core."""
+        if self.codec_threads:
+            return self.codec_threads
+        if hasattr(os, "sched_getaffinity"):
+            return len(os.sched_getaffinity(0))
+        return os.cpu_count() or 1
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` applied (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Config:
+        """Defaults overridden by ``GDSCKPT_<FIELD>`` environment variables."""
+        environ = dict(os.environ if environ is None else environ)
+        changes: dict[str, Any] = {}
+        for f in fields(cls):
+            text = environ.get(f"GDSCKPT_{f.name.upper()}")
+            if text is None:
+                continue
+            changes[f.name] = _coerce(f.name, text)
+        return cls(**changes)
+
+
+def _coerce(name: str, text: str) -> Any:
+    if name in ("chunk_bytes", "pack_below", "max_inflight_bytes"):
+        return parse_size(text)
+    if name in ("codec_threads", "io_threads"):
+        return int(text)
+    if name == "level":
+        return None if text.lower() in ("", "none") else int(text)
+    if name == "timeout":
+        return float(text)
+    if name in ("fsync", "o_direct"):
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        if name == "o_direct" and lowered == "auto":
+            return "auto"
+        raise ValueError(f"GDSCKPT_{name.upper()}={text!r} is not a boolean")
+    return text

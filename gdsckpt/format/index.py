@@ -1,0 +1,358 @@
+"""The JSON index of format v1: schema, serialisation and validation.
+
+docs/format.md ("Index") is normative; this module mirrors it. Pure Python.
+
+The index is parsed with ``json`` (never pickle) and validated completely before the reader
+allocates anything from it: every offset and length is checked against the file size, every
+tensor's byte count against its shape, and the tensors' segments must tile every chunk exactly
+(no holes, no overlaps), so no chunk can be referenced twice to amplify a small file into a
+large allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from .checksum import CHECKSUM_ALGORITHM
+from .dtypes import DTYPES
+from .layout import ALIGNMENT, FORMAT_MAJOR, FORMAT_MINOR, HEADER_REGION
+
+MAX_CHUNK_RAW_BYTES = 1 << 30
+"""No chunk may decode to more than 1 GiB."""
+MAX_EXPANSION = 1 << 16
+"""A chunk's raw length is at most this many times its stored length (zstd's own ceiling is
+about 32,768:1), so a small file cannot claim a huge decoded size."""
+MAX_TENSOR_BYTES = 1 << 60
+MAX_TREE_DEPTH = 512
+TENSOR_KINDS = ("torch", "numpy", "cupy", "jax")
+_CODEC_NAME = re.compile(r"^[a-z0-9_.\-]+/[0-9]+$")
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One chunk: ``stored`` bytes at ``offset`` that decode through chain ``chain`` to ``raw`` bytes."""
+
+    offset: int
+    stored: int
+    raw: int
+    crc: int
+    chain: int
+
+    def to_json(self) -> list[int]:
+        return [self.offset, self.stored, self.raw, self.crc, self.chain]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``length`` bytes of a tensor, found at ``raw_offset`` in the decoded bytes of ``chunk``."""
+
+    chunk: int
+    raw_offset: int
+    length: int
+
+
+@dataclass
+class TensorRecord:
+    """One array: where its bytes are and how to rebuild it.
+
+    ``segments`` concatenated give the array's elements in C order, little-endian. ``alias``, when
+    set, means this entry is the very same array as tensor ``alias`` (no segments of its own).
+    """
+
+    key: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    device: str = "cpu"
+    segments: list[Segment] = field(default_factory=list)
+    alias: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "key": self.key, "kind": self.kind, "dtype": self.dtype, "shape": list(self.shape),
+            "device": self.device,
+        }
+        if self.alias is not None:
+            out["alias"] = self.alias
+        else:
+            out["segments"] = [[s.chunk, s.raw_offset, s.length] for s in self.segments]
+        out.update(self.extra)
+        return out
+
+
+@dataclass
+class Index:
+    """The decoded index of one checkpoint file."""
+
+    chains: list[list[dict[str, Any]]]
+    chunks: list[ChunkRecord]
+    tensors: list[TensorRecord]
+    tree: Any
+    writer: str = ""
+    minor: int = FORMAT_MINOR
+    user: dict[str, Any] = field(default_factory=dict)
+
+    def to_json_bytes(self) -> bytes:
+        """Serialise: compact UTF-8 JSON with a fixed key order (files are reproducible)."""
+        doc: dict[str, Any] = {
+            "format": "gdsckpt",
+            "version": [FORMAT_MAJOR, self.minor],
+            "writer": self.writer,
+            "checksum": CHECKSUM_ALGORITHM,
+            "alignment": ALIGNMENT,
+            "chains": self.chains,
+            "chunks": [c.to_json() for c in self.chunks],
+            "tensors": [t.to_json() for t in self.tensors],
+            "tree": self.tree,
+        }
+        if self.user:
+            doc["user"] = self.user
+        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def _fail(message: str, **context: Any) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"invalid index: {message}", **context)
+
+
+def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 63) -> int:
+    # bool is an int subclass in Python; the format never stores a bool where an int is due.
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value < hi:
+        raise _fail(f"{what} must be an integer in [{lo}, {hi}), got {value!r:.80}")
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def parse_index(data: bytes, *, index_offset: int) -> Index:
+    """Parse and fully validate index bytes; ``index_offset`` bounds every chunk's extent.
+
+    Raises ``CorruptCheckpointError`` naming the first violated rule, or
+    ``UnsupportedFormatError`` for an index of another major version.
+    """
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except RecursionError:
+        raise _fail("nesting too deep") from None
+    except (UnicodeDecodeError, ValueError) as err:
+        raise _fail(f"not valid UTF-8 JSON ({err})") from err
+    if not isinstance(doc, dict) or doc.get("format") != "gdsckpt":
+        raise _fail("not a gdsckpt index object")
+    version = doc.get("version")
+    if (not isinstance(version, list) or len(version) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in version)):
+        raise _fail(f"version must be [major, minor], got {version!r:.80}")
+    if version[0] != FORMAT_MAJOR:
+        raise UnsupportedFormatError(
+            f"index format version {version[0]}.{version[1]} is not supported (this reader reads "
+            f"major version {FORMAT_MAJOR}); upgrade gdsckpt"
+        )
+    if doc.get("checksum") != CHECKSUM_ALGORITHM:
+        raise _fail(f"checksum algorithm {doc.get('checksum')!r:.40} is not {CHECKSUM_ALGORITHM!r}")
+    if doc.get("alignment", ALIGNMENT) != ALIGNMENT:
+        raise _fail(f"alignment must be {ALIGNMENT}")
+
+    chains = _parse_chains(doc.get("chains"))
+    chunks = _parse_chunks(doc.get("chunks"), len(chains), index_offset)
+    tensors = _parse_tensors(doc.get("tensors"), chunks)
+    tree = doc.get("tree")
+    _validate_tree(tree, len(tensors))
+    user = doc.get("user", {})
+    if not isinstance(user, dict):
+        raise _fail("user must be an object")
+    writer = doc.get("writer", "")
+    return Index(chains=chains, chunks=chunks, tensors=tensors, tree=tree,
+                 writer=writer if isinstance(writer, str) else "", minor=version[1], user=user)
+
+
+def _parse_chains(raw: Any) -> list[list[dict[str, Any]]]:
+    if not isinstance(raw, list):
+        raise _fail("chains must be a list")
+    chains = []
+    for i, chain in enumerate(raw):
+        if not isinstance(chain, list) or not chain:
+            raise _fail(f"chain {i} must be a non-empty list of stages")
+        for stage in chain:
+            if not isinstance(stage, dict) or not isinstance(stage.get("name"), str) \
+                    or not _CODEC_NAME.match(stage["name"]):
+                raise _fail(f"chain {i} has a stage without a valid versioned name: {stage!r:.80}")
+        chains.append(chain)
+    return chains
+
+
+def _parse_chunks(raw: Any, n_chains: int, index_offset: int) -> list[ChunkRecord]:
+    if not isinstance(raw, list):
+        raise _fail("chunks must be a list")
+    chunks: list[ChunkRecord] = []
+    previous_end = HEADER_REGION
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, list) or len(entry) != 5:
+            raise _fail("chunk record must be [offset, stored, raw, crc, chain]", chunk=i)
+        offset = _int(entry[0], f"chunk {i} offset", HEADER_REGION, index_offset + 1)
+        stored = _int(entry[1], f"chunk {i} stored length", 0, index_offset + 1)
+        raw_len = _int(entry[2], f"chunk {i} raw length", 0, MAX_CHUNK_RAW_BYTES + 1)
+        crc = _int(entry[3], f"chunk {i} checksum", 0, 1 << 32)
+        chain = _int(entry[4], f"chunk {i} chain", 0, max(n_chains, 1))
+        if chain >= n_chains:
+            raise _fail(f"chunk {i} names chain {chain} of {n_chains}", chunk=i)
+        if offset % ALIGNMENT:
+            raise _fail(f"chunk offset {offset} is not a multiple of {ALIGNMENT}", chunk=i)
+        if offset < previous_end:
+            raise _fail(f"chunk at {offset} overlaps the previous chunk or the header", chunk=i)
+        if offset + stored > index_offset:
+            raise _fail(f"chunk [{offset}, +{stored}) runs past the index at {index_offset}", chunk=i)
+        if raw_len > max(stored, 1) * MAX_EXPANSION or (stored == 0) != (raw_len == 0):
+            raise _fail(f"chunk claims {raw_len} raw bytes from {stored} stored bytes", chunk=i)
+        previous_end = offset + stored
+        chunks.append(ChunkRecord(offset, stored, raw_len, crc, chain))
+    return chunks
+
+
+def _parse_tensors(raw: Any, chunks: list[ChunkRecord]) -> list[TensorRecord]:
+    if not isinstance(raw, list):
+        raise _fail("tensors must be a list")
+    tensors: list[TensorRecord] = []
+    keys: set[str] = set()
+    coverage: list[list[tuple[int, int, int]]] = [[] for _ in chunks]
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict):
+            raise _fail(f"tensor {i} must be an object")
+        key = entry.get("key")
+        if not isinstance(key, str) or key in keys:
+            raise _fail(f"tensor {i} has a missing or duplicate key {key!r:.80}")
+        keys.add(key)
+        kind, dtype, shape_raw = entry.get("kind"), entry.get("dtype"), entry.get("shape")
+        if kind not in TENSOR_KINDS:
+            raise _fail(f"kind {kind!r:.40} is not one of {TENSOR_KINDS}", key=key)
+        if dtype not in DTYPES:
+            raise _fail(f"unknown dtype {dtype!r:.40}", key=key)
+        if not isinstance(shape_raw, list) or len(shape_raw) > 64:
+            raise _fail("shape must be a list of at most 64 dimensions", key=key)
+        shape = tuple(_int(d, f"tensor {key!r} dimension", 0, MAX_TENSOR_BYTES) for d in shape_raw)
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        if nbytes > MAX_TENSOR_BYTES:
+            raise _fail(f"tensor claims {nbytes} bytes", key=key)
+        device = entry.get("device", "cpu")
+        if not isinstance(device, str):
+            raise _fail("device must be a string", key=key)
+        extra = {k: v for k, v in entry.items()
+                 if k not in ("key", "kind", "dtype", "shape", "device", "segments", "alias")}
+        record = TensorRecord(key=key, kind=kind, dtype=dtype, shape=shape, device=device, extra=extra)
+        if "alias" in entry:
+            target = _int(entry["alias"], f"tensor {key!r} alias", 0, max(i, 1))
+            if target >= i or tensors[target].alias is not None \
+                    or (tensors[target].dtype, tensors[target].shape) != (dtype, shape):
+                raise _fail(f"alias {target} must name an earlier tensor of the same dtype and shape",
+                            key=key)
+            record.alias = target
+        else:
+            record.segments = _parse_segments(entry.get("segments"), chunks, key, nbytes, i, coverage)
+        tensors.append(record)
+    for c, spans in enumerate(coverage):
+        position = 0
+        for start, length, _owner in sorted(spans):
+            if start != position:
+                raise _fail(f"decoded bytes [{min(start, position)}, {max(start, position)}) are "
+                            f"{'referenced twice' if start < position else 'not referenced by any tensor'}",
+                            chunk=c)
+            position = start + length
+        if position != chunks[c].raw:
+            raise _fail(f"tensors cover {position} of the chunk's {chunks[c].raw} decoded bytes", chunk=c)
+    return tensors
+
+
+def _parse_segments(raw: Any, chunks: list[ChunkRecord], key: str, nbytes: int, owner: int,
+                    coverage: list[list[tuple[int, int, int]]]) -> list[Segment]:
+    if not isinstance(raw, list):
+        raise _fail("segments must be a list", key=key)
+    segments = []
+    total = 0
+    for entry in raw:
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise _fail("segment must be [chunk, raw_offset, length]", key=key)
+        chunk = _int(entry[0], "segment chunk", 0, max(len(chunks), 1))
+        if chunk >= len(chunks):
+            raise _fail(f"segment names chunk {chunk} of {len(chunks)}", key=key)
+        start = _int(entry[1], "segment offset", 0, MAX_CHUNK_RAW_BYTES + 1)
+        length = _int(entry[2], "segment length", 1, MAX_CHUNK_RAW_BYTES + 1)
+        if start + length > chunks[chunk].raw:
+            raise _fail(f"segment [{start}, +{length}) runs past the chunk's {chunks[chunk].raw} bytes",
+                        key=key, chunk=chunk)
+        coverage[chunk].append((start, length, owner))
+        segments.append(Segment(chunk, start, length))
+        total += length
+    if total != nbytes:
+        raise _fail(f"segments hold {total} bytes but dtype and shape need {nbytes}", key=key)
+    return segments
+
+
+_SCALAR_TYPES = {"int", "float", "bool", "str", "none"}
+
+
+def _validate_tree(tree: Any, n_tensors: int) -> None:
+    """Check the structure tree: node kinds, scalar encodings, each tensor referenced exactly once."""
+    seen = [False] * n_tensors
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TREE_DEPTH:
+            raise _fail(f"structure nested deeper than {MAX_TREE_DEPTH}")
+        if not isinstance(node, dict) or not isinstance(node.get("t"), str):
+            raise _fail(f"structure node must be an object with a type 't': {node!r:.80}")
+        kind = node["t"]
+        if kind in ("list", "tuple"):
+            items = node.get("items")
+            if not isinstance(items, list):
+                raise _fail(f"{kind} node needs an items list")
+            stack.extend((child, depth + 1) for child in items)
+        elif kind == "dict":
+            items = node.get("items")
+            if not isinstance(items, list):
+                raise _fail("dict node needs an items list")
+            for pair in items:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise _fail("dict item must be [key, value]")
+                if not isinstance(pair[0], dict) or pair[0].get("t") not in _SCALAR_TYPES:
+                    raise _fail(f"dict key must be a scalar node: {pair[0]!r:.80}")
+                stack.append((pair[0], depth + 1))
+                stack.append((pair[1], depth + 1))
+            if "meta" in node:
+                stack.append((node["meta"], depth + 1))
+        elif kind == "tensor":
+            tid = _int(node.get("id"), "tensor node id", 0, max(n_tensors, 1))
+            if tid >= n_tensors or seen[tid]:
+                raise _fail(f"tensor {tid} is missing or referenced twice by the structure")
+            seen[tid] = True
+        elif kind in _SCALAR_TYPES:
+            _validate_scalar(node)
+        else:
+            raise _fail(f"unknown structure node type {kind!r:.40}")
+    if not all(seen):
+        raise _fail(f"tensor {seen.index(False)} is not referenced by the structure")
+
+
+def _validate_scalar(node: dict[str, Any]) -> None:
+    kind, value = node["t"], node.get("v")
+    if kind == "int":
+        if not isinstance(value, str) or not re.fullmatch(r"-?[0-9]{1,4300}", value):
+            raise _fail(f"int node needs a decimal string: {value!r:.80}")
+    elif kind == "float":
+        if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{16}", value):
+            raise _fail(f"float node needs 16 hex digits of IEEE-754 bits: {value!r:.80}")
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise _fail("bool node needs true or false")
+    elif kind == "str":
+        if not isinstance(value, str):
+            raise _fail("str node needs a string")

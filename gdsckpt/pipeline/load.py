@@ -1,0 +1,168 @@
+"""The restore driver: open and validate a file, then read every needed chunk in parallel and
+decode as reads land, within a memory bound.
+
+Opening reads the trailer, the header and the index (checksummed), and validates the index
+completely before anything is allocated from it (``format.parse_index``). Restoring issues chunk
+reads in file order until ``max_inflight_bytes`` of read buffers and decoded bytes are
+outstanding; each completed read is verified and decoded by the engine, which hands the raw bytes
+to the destination arrays. Only the chunks that hold the wanted arrays are read.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..format import (
+    HEADER_REGION, TRAILER_SIZE, Header, Index, Trailer, align_up, checksum, parse_index, unpack_header,
+    unpack_trailer,
+)
+from ..io.base import StorageReader, aligned_empty
+from .engine import Engine
+from .plan import ArrayTarget
+
+
+@dataclass
+class OpenedFile:
+    """A validated checkpoint: its header, trailer and index."""
+
+    header: Header
+    trailer: Trailer
+    index: Index
+
+
+def open_file(reader: StorageReader) -> OpenedFile:
+    """Read and validate header, trailer and index through ``reader``."""
+    if reader.size < HEADER_REGION + TRAILER_SIZE:
+        head = reader.read(0, min(reader.size, 64))
+        unpack_header(head)  # a foreign file says so before "truncated" does
+        raise CorruptCheckpointError(f"file is {reader.size} bytes: truncated")
+    header = unpack_header(reader.read(0, 64))
+    trailer = unpack_trailer(reader.read(reader.size - TRAILER_SIZE, TRAILER_SIZE), reader.size)
+    index_bytes = reader.read(trailer.index_offset, trailer.index_length)
+    if checksum(index_bytes) != trailer.index_crc:
+        raise CorruptCheckpointError("index checksum mismatch")
+    return OpenedFile(header, trailer, parse_index(index_bytes, index_offset=trailer.index_offset))
+
+
+Delivery = tuple[int, int, int, int]
+"""(array id, offset in the chunk's raw bytes, length, offset in the array's bytes)."""
+
+
+def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: dict[int, ArrayTarget], *,
+                max_inflight_bytes: int, timeout: float | None = None) -> int:
+    """Fill ``targets`` (array id -> target) from the file; returns the stored bytes read.
+
+    With an empty ``targets`` and ``verify_all`` semantics left to ``run_verify``.
+    """
+    deliveries: dict[int, list[Delivery]] = {}
+    for array_id in targets:
+        position = 0
+        for segment in index.tensors[array_id].segments:
+            deliveries.setdefault(segment.chunk, []).append(
+                (array_id, segment.raw_offset, segment.length, position))
+            position += segment.length
+
+    def deliver_to_targets(chunk: int) -> Callable[[Any], None]:
+        def deliver(raw: Any) -> None:
+            for array_id, raw_offset, length, position in deliveries[chunk]:
+                target = targets[array_id]
+                piece = raw[raw_offset:raw_offset + length]
+                if target.on_device and hasattr(piece, "__cuda_array_interface__"):
+                    target.write_device(position, piece)
+                else:
+                    target.write_host(position, piece)
+        return deliver
+
+    return _stream_chunks(reader, index, engine, sorted(deliveries), deliver_to_targets,
+                          max_inflight_bytes=max_inflight_bytes, timeout=timeout)
+
+
+def run_verify(reader: StorageReader, index: Index, engine: Engine, *, max_inflight_bytes: int,
+               timeout: float | None = None) -> int:
+    """Read, checksum and decode every chunk, keeping nothing; returns the stored bytes read."""
+    return _stream_chunks(reader, index, engine, list(range(len(index.chunks))),
+                          lambda chunk: lambda raw: None, max_inflight_bytes=max_inflight_bytes,
+                          timeout=timeout)
+
+
+def chunk_owner(index: Index, chunk: int) -> str | None:
+    """The key of the first array with bytes in ``chunk``, to name it in errors."""
+    for record in index.tensors:
+        if any(segment.chunk == chunk for segment in record.segments):
+            return record.key
+    return None
+
+
+def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: list[int],
+                   make_deliver: Callable[[int], Callable[[Any], None]], *, max_inflight_bytes: int,
+                   timeout: float | None) -> int:
+    reads: deque[tuple[int, Future[Any], Any]] = deque()
+    decodes: deque[tuple[int, Future[None], int]] = deque()
+    inflight = 0
+    stored_total = 0
+
+    def named(chunk: int, err: BaseException) -> BaseException:
+        if isinstance(err, CorruptCheckpointError) and err.chunk is None:
+            return CorruptCheckpointError(err.reason, key=chunk_owner(index, chunk), chunk=chunk)
+        if isinstance(err, OSError):
+            return CheckpointError(f"I/O error reading chunk {chunk} (tensor "
+                                   f"{chunk_owner(index, chunk)!r}): {err}")
+        return err
+
+    def start_decode() -> None:
+        chunk, future, buffer = reads.popleft()
+        try:
+            future.result(timeout=timeout)
+        except BaseException as err:
+            raise named(chunk, err) from err
+        record = index.chunks[chunk]
+        decodes.append((chunk, engine.submit_decode(record, index.chains[record.chain], buffer,
+                                                    make_deliver(chunk)), _cost(record)))
+
+    def finish_decode(block: bool) -> None:
+        nonlocal inflight
+        while decodes and (block or decodes[0][1].done()):
+            chunk, future, cost = decodes.popleft()
+            try:
+                future.result(timeout=timeout)
+            except BaseException as err:
+                raise named(chunk, err) from err
+            inflight -= cost
+            block = False
+
+    try:
+        for chunk in chunks:
+            record = index.chunks[chunk]
+            cost = _cost(record)
+            while reads and reads[0][1].done():
+                start_decode()
+            finish_decode(block=False)
+            while inflight + cost > max_inflight_bytes and (reads or decodes):
+                if reads:
+                    start_decode()
+                else:
+                    finish_decode(block=True)
+                finish_decode(block=False)
+            buffer = aligned_empty(align_up(record.stored))
+            reads.append((chunk, reader.submit_read(record.offset, buffer), buffer))
+            inflight += cost
+            stored_total += record.stored
+        while reads:
+            start_decode()
+        while decodes:
+            finish_decode(block=True)
+    except BaseException:
+        for _chunk, future, _buffer in reads:
+            future.cancel()
+        for _chunk, future, _cost_ in decodes:
+            future.cancel()
+        raise
+    return stored_total
+
+
+def _cost(record: Any) -> int:
+    return align_up(record.stored) + record.raw

@@ -1,0 +1,115 @@
+"""Chunk planning: which bytes of which arrays go into which chunk.
+
+The pipeline never sees torch, NumPy or CuPy types: arrays reach it through the small
+``ArraySource`` (save) and ``ArrayTarget`` (restore) interfaces that ``gdsckpt.state`` implements
+for each array library. Offsets are byte offsets into an array's element bytes in C order,
+little-endian; they are always multiples of the array's itemsize.
+
+Planning rules (docs/format.md, "Chunks"):
+- an array of at least ``pack_below`` bytes gets chunks of its own, each ``chunk_bytes`` except
+  the last;
+- smaller arrays are packed, in order, into shared chunks of up to ``chunk_bytes``, one run of
+  packs per byte-plane width, so a state with 10,000 tiny tensors makes a few chunks, not 10,000;
+- aliases and zero-size arrays get no chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class ArraySource(Protocol):
+    """Read access to one array's element bytes, for the save pipeline."""
+
+    nbytes: int
+    itemsize: int
+    plane_width: int
+    on_device: bool
+
+    def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        """Bytes ``[start, stop)`` as a contiguous host uint8 array (a view where possible)."""
+        ...
+
+    def device_bytes(self, start: int, stop: int) -> Any:
+        """Bytes ``[start, stop)`` as a contiguous CuPy uint8 array on the array's device."""
+        ...
+
+
+class ArrayTarget(Protocol):
+    """Write access to one destination array's element bytes, for the restore pipeline."""
+
+    nbytes: int
+    on_device: bool
+
+    def write_host(self, start: int, data: np.ndarray) -> None:
+        """Copy host bytes into ``[start, start + len(data))``."""
+        ...
+
+    def write_device(self, start: int, data: Any) -> None:
+        """Copy CuPy device bytes into ``[start, start + len(data))``."""
+        ...
+
+    def finish(self) -> Any:
+        """Complete the array (copy back, convert) and return the finished object."""
+        ...
+
+
+@dataclass(frozen=True)
+class Part:
+    """Bytes ``[start, stop)`` of array ``array``."""
+
+    array: int
+    start: int
+    stop: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class ChunkPlan:
+    """One planned chunk: the parts it concatenates and the byte-plane width that applies."""
+
+    number: int
+    parts: list[Part] = field(default_factory=list)
+    plane_width: int = 0
+    decision_group: int = -1
+    """Chunks of one array share one transform decision; each pack chunk decides for itself."""
+
+    @property
+    def raw(self) -> int:
+        return sum(part.length for part in self.parts)
+
+
+def plan_chunks(sizes: list[tuple[int, int, int]], *, chunk_bytes: int, pack_below: int) -> list[ChunkPlan]:
+    """Plan chunks for arrays given as ``(nbytes, itemsize, plane_width)``; ``nbytes == 0``
+    (including aliases, which the caller passes as 0) yields no chunk.
+
+    ``chunk_bytes`` must be a positive multiple of 4096 (so of every itemsize).
+    """
+    if chunk_bytes <= 0 or chunk_bytes % 4096:
+        raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
+    plans: list[ChunkPlan] = []
+    packs: dict[int, list[int]] = {}
+    for index, (nbytes, _itemsize, width) in enumerate(sizes):
+        if nbytes == 0:
+            continue
+        if nbytes < pack_below:
+            packs.setdefault(width, []).append(index)
+            continue
+        for start in range(0, nbytes, chunk_bytes):
+            plans.append(ChunkPlan(len(plans), [Part(index, start, min(nbytes, start + chunk_bytes))],
+                                   width, decision_group=index))
+    for width, members in sorted(packs.items()):
+        current: ChunkPlan | None = None
+        for index in members:
+            nbytes = sizes[index][0]
+            if current is None or current.raw + nbytes > chunk_bytes:
+                current = ChunkPlan(len(plans), [], width, decision_group=-1 - len(plans))
+                plans.append(current)
+            current.parts.append(Part(index, 0, nbytes))
+    return plans

@@ -1,0 +1,109 @@
+"""The save driver: planned chunks -> engine -> storage writer, with bounded bytes in flight.
+
+One thread drives it. Chunks are submitted to the engine in plan order, while at most
+``max_inflight_bytes`` of raw chunk bytes are between "submitted for encoding" and "written";
+encoded chunks are placed in plan order (so a file's layout is a function of the state and the
+options alone, never of thread timing) and their writes run concurrently in the writer. Any
+failure, including KeyboardInterrupt, aborts the writer: nothing appears at the target path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..codecs import Chain
+from ..format import ALIGNMENT, HEADER_REGION, Index, align_up, checksum, pack_header, pack_trailer
+from ..format.index import ChunkRecord, Segment
+from ..io.base import StorageWriter
+from .engine import EncodedChunk, Engine
+from .plan import ChunkPlan
+
+
+@dataclass
+class SaveResult:
+    """What the driver measured; the API turns it into a ``SaveReport``."""
+
+    file_bytes: int
+    raw_bytes: int
+    seconds: float
+    chunks: list[ChunkRecord]
+    chains: list[Chain]
+    segments: dict[int, list[Segment]] = field(default_factory=dict)
+
+
+def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, max_inflight_bytes: int,
+             build_index: Any, timeout: float | None = None) -> SaveResult:
+    """Encode and write every planned chunk, then the index built by ``build_index(result)``
+    (a callable returning an ``Index``), then commit.
+
+    ``build_index`` receives the ``SaveResult`` with chunk records, chains and each array's
+    segments filled in. ``timeout`` bounds every single wait on a worker (seconds).
+    """
+    started = time.perf_counter()
+    result = SaveResult(0, 0, 0.0, [], [])
+    chain_ids: dict[Chain, int] = {}
+    encodes: deque[tuple[ChunkPlan, Future[EncodedChunk]]] = deque()
+    writes: deque[tuple[Future[None], int, EncodedChunk]] = deque()
+    inflight = 0
+    offset = HEADER_REGION
+
+    def place_oldest_encoded() -> None:
+        nonlocal offset
+        plan, future = encodes.popleft()
+        encoded = future.result(timeout=timeout)
+        chain_id = chain_ids.setdefault(encoded.chain, len(chain_ids))
+        number = len(result.chunks)
+        result.chunks.append(ChunkRecord(offset, encoded.stored, encoded.raw, encoded.crc, chain_id))
+        position = 0
+        for part in plan.parts:
+            result.segments.setdefault(part.array, []).append(Segment(number, position, part.length))
+            position += part.length
+        writes.append((writer.submit_write(offset, encoded.payload), plan.raw, encoded))
+        offset += align_up(encoded.stored)
+        result.raw_bytes += encoded.raw
+
+    def retire_written(block: bool) -> None:
+        nonlocal inflight
+        while writes and (block or writes[0][0].done()):
+            future, raw, _payload = writes.popleft()
+            future.result(timeout=timeout)
+            inflight -= raw
+            block = False
+
+    try:
+        writer.submit_write(0, pack_header()).result(timeout=timeout)
+        for plan in plans:
+            while encodes and encodes[0][1].done():
+                place_oldest_encoded()
+            retire_written(block=False)
+            while inflight + plan.raw > max_inflight_bytes and (encodes or writes):
+                if encodes:
+                    place_oldest_encoded()
+                else:
+                    retire_written(block=True)
+                retire_written(block=False)
+            encodes.append((plan, engine.submit_encode(plan)))
+            inflight += plan.raw
+        while encodes:
+            place_oldest_encoded()
+        while writes:
+            retire_written(block=True)
+        result.chains = list(chain_ids)
+        index: Index = build_index(result)
+        index_bytes = index.to_json_bytes()
+        index_offset = align_up(offset, ALIGNMENT)
+        writer.write_tail(index_offset, index_bytes + pack_trailer(index_offset, len(index_bytes),
+                                                                   checksum(index_bytes)))
+        result.file_bytes = index_offset + len(index_bytes) + 64
+        writer.commit()
+    except BaseException:
+        for _plan, future in encodes:
+            future.cancel()
+        writer.abort()
+        raise
+    result.seconds = time.perf_counter() - started
+    return result

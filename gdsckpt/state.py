@@ -1,0 +1,645 @@
+"""State flattening: nested containers of arrays and plain values <-> a JSON structure tree plus a
+list of arrays, and the array adapters the pipeline reads from and writes into.
+
+Supported, and restored as the same type:
+- ``dict`` (with keys of type str, int, float, bool or None), ``collections.OrderedDict`` (its
+  ``_metadata`` attribute, which ``nn.Module.state_dict`` uses for version info, is kept),
+  ``list`` and ``tuple`` (kept distinct);
+- ``torch.Tensor`` of every dtype in ``format.dtypes`` (``nn.Parameter`` comes back as a
+  Parameter with its ``requires_grad``), NumPy arrays and scalars, CuPy arrays and JAX arrays (by
+  DLPack), any shape including 0-d and zero-size, contiguous or not;
+- ``int`` (any size), ``float`` (bit-exact: NaN payloads, -0.0, inf), ``bool``, ``str``, ``None``.
+
+Tensors that share storage: two entries that are the *same view* (same storage, offset, shape,
+strides and dtype, e.g. tied embedding weights) are stored once and come back as one shared
+object, as ``torch.save`` does. Partially overlapping views are stored as independent copies and
+come back as separate tensors.
+
+Anything else raises ``TypeError`` naming its key path. Loading never unpickles anything: the
+structure is JSON.
+
+Array libraries are found through ``sys.modules`` when saving (a state can only hold a torch
+tensor if torch is imported) and imported lazily when loading, so ``import gdsckpt`` pulls in
+neither torch nor CuPy nor JAX.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import math
+import struct
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from .format.dtypes import DTYPES
+
+# ---------------------------------------------------------------------------------------------
+# dtype tables (names are the persisted ones of format.dtypes)
+
+_TORCH_DTYPE_ATTRS = {
+    "bool": "bool", "uint8": "uint8", "int8": "int8", "uint16": "uint16", "int16": "int16",
+    "uint32": "uint32", "int32": "int32", "uint64": "uint64", "int64": "int64",
+    "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
+    "float8_e4m3fnuz": "float8_e4m3fnuz", "float8_e5m2fnuz": "float8_e5m2fnuz",
+    "float8_e8m0fnu": "float8_e8m0fnu", "float16": "float16", "bfloat16": "bfloat16",
+    "float32": "float32", "float64": "float64", "complex32": "complex32", "complex64": "complex64",
+    "complex128": "complex128",
+}
+_NUMPY_NATIVE = {
+    "bool": "bool", "uint8": "uint8", "int8": "int8", "uint16": "uint16", "int16": "int16",
+    "uint32": "uint32", "int32": "int32", "uint64": "uint64", "int64": "int64",
+    "float16": "float16", "float32": "float32", "float64": "float64", "complex64": "complex64",
+    "complex128": "complex128",
+}
+_ML_DTYPES = {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
+              "float8_e4m3fnuz": "float8_e4m3fnuz", "float8_e5m2fnuz": "float8_e5m2fnuz",
+              "float8_e8m0fnu": "float8_e8m0fnu"}
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of a persisted dtype name."""
+    import torch
+
+    dtype = getattr(torch, _TORCH_DTYPE_ATTRS[name], None)
+    if dtype is None:
+        raise TypeError(f"dtype {name!r} is not available in torch {torch.__version__}")
+    return dtype
+
+
+def _torch_dtype_name(dtype: Any) -> str | None:
+    text = str(dtype)
+    name = text[len("torch."):] if text.startswith("torch.") else text
+    return name if _TORCH_DTYPE_ATTRS.get(name) == name else None
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a persisted dtype name (bfloat16 and float8 through ml_dtypes)."""
+    if name in _NUMPY_NATIVE:
+        return np.dtype(_NUMPY_NATIVE[name]).newbyteorder("<")
+    if name in _ML_DTYPES:
+        try:
+            ml_dtypes = importlib.import_module("ml_dtypes")
+        except ImportError:
+            raise TypeError(f"loading a NumPy array of dtype {name!r} needs the ml_dtypes package") from None
+        return np.dtype(getattr(ml_dtypes, _ML_DTYPES[name]))
+    raise TypeError(f"dtype {name!r} has no NumPy equivalent")
+
+
+def _numpy_dtype_name(dtype: np.dtype) -> str | None:
+    if dtype.kind in "biufc" and dtype.name in _NUMPY_NATIVE:
+        return dtype.name
+    if dtype.kind == "V" and dtype.name in _ML_DTYPES and dtype.itemsize == DTYPES[dtype.name].itemsize:
+        return dtype.name  # ml_dtypes types report kind 'V'
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# sources (save side)
+
+def _torch_range(tensor: Any, start: int, stop: int) -> Any:
+    """Elements ``[start, stop)`` of ``tensor`` in C order as a contiguous 1-D tensor, copying at
+    most about one chunk even when ``tensor`` is a non-contiguous view."""
+    if tensor.is_contiguous():
+        return tensor.reshape(-1)[start:stop]
+    if tensor.dim() == 1:
+        return tensor[start:stop].contiguous()
+    import torch
+
+    row = tensor.numel() // tensor.shape[0]
+    first, last = start // row, (stop - 1) // row
+    if first == last:
+        return _torch_range(tensor[first], start - first * row, stop - first * row)
+    pieces = [_torch_range(tensor[first], start - first * row, row)]
+    if last > first + 1:
+        pieces.append(tensor[first + 1:last].contiguous().reshape(-1))
+    pieces.append(_torch_range(tensor[last], 0, stop - last * row))
+    return torch.cat(pieces)
+
+
+def _array_range(array: Any, start: int, stop: int, xp: Any) -> Any:
+    """``_torch_range`` for NumPy / CuPy arrays."""
+    if array.flags.c_contiguous:
+        return array.reshape(-1)[start:stop]
+    if array.ndim == 1:
+        return xp.ascontiguousarray(array[start:stop])
+    row = array.size // array.shape[0]
+    first, last = start // row, (stop - 1) // row
+    if first == last:
+        return _array_range(array[first], start - first * row, stop - first * row, xp)
+    pieces = [_array_range(array[first], start - first * row, row, xp)]
+    if last > first + 1:
+        pieces.append(xp.ascontiguousarray(array[first + 1:last]).reshape(-1))
+    pieces.append(_array_range(array[last], 0, stop - last * row, xp))
+    return xp.concatenate(pieces)
+
+
+@dataclass
+class _SourceBase:
+    nbytes: int
+    itemsize: int
+    plane_width: int
+    on_device: bool
+
+
+class TorchSource(_SourceBase):
+    """Reads a torch tensor's element bytes (CPU or CUDA, any layout)."""
+
+    def __init__(self, tensor: Any, dtype_name: str):
+        spec = DTYPES[dtype_name]
+        super().__init__(tensor.numel() * spec.itemsize, spec.itemsize, spec.plane_width,
+                         tensor.device.type == "cuda")
+        self.tensor = tensor.detach()
+
+    def _part(self, start: int, stop: int) -> Any:
+        import torch
+
+        return _torch_range(self.tensor, start // self.itemsize, stop // self.itemsize).view(torch.uint8)
+
+    def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        part = self._part(start, stop)
+        return (part.cpu() if part.device.type != "cpu" else part).numpy()
+
+    def device_bytes(self, start: int, stop: int) -> Any:
+        import cupy
+
+        return cupy.asarray(self._part(start, stop))
+
+
+class NumpySource(_SourceBase):
+    """Reads a NumPy array's element bytes (any layout, either byte order)."""
+
+    def __init__(self, array: np.ndarray, dtype_name: str):
+        spec = DTYPES[dtype_name]
+        super().__init__(array.size * spec.itemsize, spec.itemsize, spec.plane_width, False)
+        self.array = array
+
+    def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        part = _array_range(self.array, start // self.itemsize, stop // self.itemsize, np)
+        if part.dtype.byteorder == ">" or (part.dtype.byteorder == "=" and sys.byteorder == "big"):
+            part = part.astype(part.dtype.newbyteorder("<"))
+        return part.view(np.uint8)
+
+    def device_bytes(self, start: int, stop: int) -> Any:
+        import cupy
+
+        return cupy.asarray(self.host_bytes(start, stop))
+
+
+class CupySource(_SourceBase):
+    """Reads a CuPy array's element bytes."""
+
+    def __init__(self, array: Any, dtype_name: str):
+        spec = DTYPES[dtype_name]
+        super().__init__(array.size * spec.itemsize, spec.itemsize, spec.plane_width, True)
+        self.array = array
+
+    def device_bytes(self, start: int, stop: int) -> Any:
+        import cupy
+
+        with cupy.cuda.Device(self.array.device.id):
+            part = _array_range(self.array, start // self.itemsize, stop // self.itemsize, cupy)
+            return part.view(cupy.uint8)
+
+    def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        return self.device_bytes(start, stop).get()
+
+
+# ---------------------------------------------------------------------------------------------
+# targets (restore side)
+
+class _Target:
+    nbytes: int
+    on_device: bool
+
+    def write_device(self, start: int, data: Any) -> None:
+        self.write_host(start, data.get())
+
+    def write_host(self, start: int, data: np.ndarray) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class TorchTarget(_Target):
+    """A torch tensor to fill: a new one, or an existing one (``load_into``) written in place."""
+
+    def __init__(self, shape: tuple[int, ...], dtype_name: str, device: str, *, existing: Any = None,
+                 parameter: bool | None = None):
+        import torch
+
+        self.existing = existing
+        self.parameter = parameter
+        if existing is not None and existing.is_contiguous():
+            self.tensor = existing.detach()
+        else:
+            self.tensor = torch.empty(shape, dtype=torch_dtype(dtype_name), device=device)
+        self.nbytes = self.tensor.numel() * self.tensor.element_size()
+        self.on_device = self.tensor.device.type == "cuda"
+        self._flat = self.tensor.reshape(-1).view(torch.uint8) if self.nbytes else None
+        self._host = self._flat.numpy() if self._flat is not None and not self.on_device else None
+
+    def write_host(self, start: int, data: np.ndarray) -> None:
+        if self._host is not None:
+            self._host[start:start + data.nbytes] = data
+            return
+        import torch
+
+        assert self._flat is not None
+        host = data if data.flags.writeable else data.copy()
+        self._flat[start:start + data.nbytes].copy_(torch.from_numpy(host))
+
+    def write_device(self, start: int, data: Any) -> None:
+        import torch
+
+        assert self._flat is not None
+        self._flat[start:start + data.nbytes].copy_(torch.as_tensor(data, device=self.tensor.device))
+
+    def finish(self) -> Any:
+        import torch
+
+        if self.existing is not None:
+            if self.tensor is not self.existing and not self.existing.is_contiguous():
+                with torch.no_grad():
+                    self.existing.copy_(self.tensor)
+            return self.existing
+        if self.parameter is not None:
+            return torch.nn.Parameter(self.tensor, requires_grad=self.parameter)
+        return self.tensor
+
+
+class NumpyTarget(_Target):
+    """A new NumPy array (or scalar) to fill."""
+
+    on_device = False
+
+    def __init__(self, shape: tuple[int, ...], dtype_name: str, *, scalar: bool = False):
+        self.array = np.empty(shape, dtype=numpy_dtype(dtype_name))
+        self.scalar = scalar
+        self.nbytes = self.array.nbytes
+        self._flat = self.array.reshape(-1).view(np.uint8)
+
+    def write_host(self, start: int, data: np.ndarray) -> None:
+        self._flat[start:start + data.nbytes] = data
+
+    def finish(self) -> Any:
+        return self.array[()] if self.scalar else self.array
+
+
+class CupyTarget(_Target):
+    """A new CuPy array to fill on a given device."""
+
+    on_device = True
+
+    def __init__(self, shape: tuple[int, ...], dtype_name: str, device_id: int):
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            self.array = cupy.empty(shape, dtype=numpy_dtype(dtype_name))
+            self._flat = self.array.reshape(-1).view(cupy.uint8)
+        self.nbytes = self.array.nbytes
+
+    def write_host(self, start: int, data: np.ndarray) -> None:
+        self._flat[start:start + data.nbytes].set(np.ascontiguousarray(data))
+
+    def write_device(self, start: int, data: Any) -> None:
+        self._flat[start:start + data.nbytes] = data
+
+    def finish(self) -> Any:
+        return self.array
+
+
+class JaxTarget(NumpyTarget):
+    """A JAX array, assembled on the host and handed to JAX through DLPack."""
+
+    def __init__(self, shape: tuple[int, ...], dtype_name: str, device: str | None):
+        super().__init__(shape, dtype_name)
+        self.device = device
+
+    def finish(self) -> Any:
+        import jax
+
+        array = jax.dlpack.from_dlpack(self.array) if self.array.size else jax.numpy.asarray(self.array)
+        if self.device and self.device.startswith("cuda"):
+            gpus = jax.devices("gpu")
+            index = int(self.device.split(":")[1]) if ":" in self.device else 0
+            array = jax.device_put(array, gpus[index])
+        return array
+
+
+# ---------------------------------------------------------------------------------------------
+# flattening
+
+def escape_key(component: Any) -> str:
+    """One key path component as text: JSON-Pointer escaping (``~`` -> ``~0``, ``/`` -> ``~1``)."""
+    return str(component).replace("~", "~0").replace("/", "~1")
+
+
+def join_key(path: Iterable[Any]) -> str:
+    """The key string of a path of container keys, e.g. ``["optimizer", "state", 0]`` ->
+    ``"optimizer/state/0"``."""
+    return "/".join(escape_key(part) for part in path)
+
+
+@dataclass
+class FlatArray:
+    """One array found in a state: what the index records and where its bytes come from."""
+
+    key: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    source: Any
+    alias: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FlatState:
+    """A flattened state: the structure tree (JSON) and its arrays, in tree order."""
+
+    tree: Any
+    arrays: list[FlatArray]
+
+
+def _float_bits(value: float) -> str:
+    return struct.pack(">d", value).hex()
+
+
+def float_from_bits(text: str) -> float:
+    """Inverse of the float encoding: 16 hex digits of big-endian IEEE-754 binary64."""
+    return float(struct.unpack(">d", bytes.fromhex(text))[0])
+
+
+def encode_scalar(value: Any, path: list[Any]) -> dict[str, Any] | None:
+    """The JSON node of a plain value, or None if ``value`` is not one."""
+    if value is None:
+        return {"t": "none"}
+    if isinstance(value, bool):
+        return {"t": "bool", "v": value}
+    if isinstance(value, int):
+        return {"t": "int", "v": str(int(value))}
+    if isinstance(value, float):
+        return {"t": "float", "v": _float_bits(float(value))}
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise TypeError(f"string at {join_key(path)!r} is not valid Unicode text") from None
+        return {"t": "str", "v": value}
+    return None
+
+
+def decode_scalar(node: dict[str, Any]) -> Any:
+    """The plain value of a scalar JSON node."""
+    kind = node["t"]
+    if kind == "none":
+        return None
+    if kind == "bool":
+        return bool(node["v"])
+    if kind == "int":
+        return int(node["v"])
+    if kind == "float":
+        return float_from_bits(node["v"])
+    return node["v"]
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.arrays: list[FlatArray] = []
+        self.keys: dict[str, list[Any]] = {}
+        self.views: dict[tuple[Any, ...], int] = {}
+        self.torch = sys.modules.get("torch")
+        self.cupy = sys.modules.get("cupy")
+        self.jax = sys.modules.get("jax")
+
+    def visit(self, obj: Any, path: list[Any], depth: int = 0) -> dict[str, Any]:
+        if depth > 256:
+            raise TypeError(f"state nested deeper than 256 levels at {join_key(path)!r}")
+        scalar = encode_scalar(obj, path)
+        if scalar is not None:
+            return scalar
+        if isinstance(obj, dict):
+            return self._dict(obj, path, depth)
+        if type(obj) in (list, tuple):
+            return {"t": type(obj).__name__,
+                    "items": [self.visit(item, path + [i], depth + 1) for i, item in enumerate(obj)]}
+        array = self._array(obj, path)
+        if array is not None:
+            return array
+        raise TypeError(
+            f"cannot save object of type {type(obj).__module__}.{type(obj).__qualname__} at key "
+            f"{join_key(path)!r}: gdsckpt saves dicts, lists, tuples, tensors/arrays, int, float, "
+            f"bool, str and None"
+        )
+
+    def _dict(self, obj: dict[Any, Any], path: list[Any], depth: int) -> dict[str, Any]:
+        items = []
+        for key, value in obj.items():
+            if isinstance(key, (dict, list, tuple)) or encode_scalar(key, path) is None:
+                raise TypeError(f"dict key {key!r} of type {type(key).__name__} at {join_key(path)!r} "
+                                f"is not supported (use str, int, float, bool or None keys)")
+            items.append([encode_scalar(key, path), self.visit(value, path + [key], depth + 1)])
+        node: dict[str, Any] = {"t": "dict", "items": items}
+        if isinstance(obj, collections.OrderedDict):
+            node["cls"] = "OrderedDict"
+            metadata = getattr(obj, "_metadata", None)
+            if isinstance(metadata, dict):
+                before = len(self.arrays)
+                node["meta"] = self.visit(metadata, path + ["_metadata"], depth + 1)
+                if len(self.arrays) != before:
+                    raise TypeError(f"_metadata of {join_key(path)!r} holds arrays")
+        return node
+
+    def _register(self, path: list[Any], kind: str, dtype: str, shape: tuple[int, ...], device: str,
+                  source: Any, view_key: tuple[Any, ...] | None, extra: dict[str, Any]) -> dict[str, Any]:
+        key = join_key(path)
+        if key in self.keys:
+            raise ValueError(f"two entries map to the key {key!r}: paths {self.keys[key]!r} and {path!r}")
+        self.keys[key] = list(path)
+        alias = self.views.get(view_key) if view_key is not None else None
+        array_id = len(self.arrays)
+        self.arrays.append(FlatArray(key, kind, dtype, shape, device, None if alias is not None else source,
+                                     alias, extra))
+        if view_key is not None and alias is None:
+            self.views[view_key] = array_id
+        return {"t": "tensor", "id": array_id}
+
+    def _array(self, obj: Any, path: list[Any]) -> dict[str, Any] | None:
+        torch = self.torch
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return self._torch(obj, path)
+        if isinstance(obj, (np.ndarray, np.generic)):
+            return self._numpy(obj, path)
+        cupy = self.cupy
+        if cupy is not None and isinstance(obj, cupy.ndarray):
+            name = self._check_dtype(_numpy_dtype_name(obj.dtype), obj.dtype, path)
+            view_key = ("cupy", obj.data.ptr, obj.dtype.str, obj.shape, obj.strides) if obj.size else None
+            return self._register(path, "cupy", name, tuple(obj.shape), f"cuda:{obj.device.id}",
+                                  CupySource(obj, name), view_key, {})
+        jax = self.jax
+        if jax is not None and isinstance(obj, jax.Array):
+            return self._jax(obj, path)
+        return None
+
+    def _check_dtype(self, name: str | None, dtype: Any, path: list[Any]) -> str:
+        if name is None:
+            raise TypeError(f"array dtype {dtype} at key {join_key(path)!r} is not supported "
+                            f"(supported: {', '.join(DTYPES)})")
+        return name
+
+    def _torch(self, tensor: Any, path: list[Any]) -> dict[str, Any]:
+        torch = self.torch
+        assert torch is not None
+        where = join_key(path)
+        if tensor.layout != torch.strided:
+            raise TypeError(f"tensor at {where!r} has layout {tensor.layout}; only dense (strided) "
+                            f"tensors are saved: convert with .to_dense()")
+        if tensor.device.type == "meta":
+            raise TypeError(f"tensor at {where!r} is on the meta device and has no data to save")
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise TypeError(f"tensor at {where!r} is on device {tensor.device}; gdsckpt saves CPU "
+                            f"and CUDA tensors")
+        if tensor.is_quantized or getattr(tensor, "is_nested", False):
+            raise TypeError(f"tensor at {where!r} is quantized or nested, which gdsckpt does not save")
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(f"tensor subclass {type(tensor).__qualname__} at {where!r} is not supported; "
+                            f"pass a plain tensor (e.g. DTensor.to_local()) or use gdsckpt.dcp")
+        name = self._check_dtype(_torch_dtype_name(tensor.dtype), tensor.dtype, path)
+        extra: dict[str, Any] = {}
+        if isinstance(tensor, torch.nn.Parameter):
+            extra["parameter"] = {"requires_grad": bool(tensor.requires_grad)}
+        view_key = None
+        if tensor.numel():
+            view_key = ("torch", str(tensor.device), tensor.untyped_storage().data_ptr(),
+                        tensor.storage_offset(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        device = str(tensor.device) if tensor.device.type == "cpu" else f"cuda:{tensor.device.index or 0}"
+        return self._register(path, "torch", name, tuple(tensor.shape), device, TorchSource(tensor, name),
+                              view_key, extra)
+
+    def _numpy(self, obj: Any, path: list[Any]) -> dict[str, Any]:
+        scalar = isinstance(obj, np.generic)
+        array = np.asarray(obj)
+        name = self._check_dtype(_numpy_dtype_name(array.dtype.newbyteorder("=")), array.dtype, path)
+        view_key = None
+        if array.size and not scalar:
+            view_key = ("numpy", array.__array_interface__["data"][0], array.dtype.str, array.shape,
+                        array.strides)
+        return self._register(path, "numpy", name, tuple(array.shape), "cpu", NumpySource(array, name),
+                              view_key, {"scalar": True} if scalar else {})
+
+    def _jax(self, obj: Any, path: list[Any]) -> dict[str, Any]:
+        devices = list(obj.devices())
+        platform = devices[0].platform if devices else "cpu"
+        if platform == "gpu" and self.cupy is None:
+            importlib.import_module("cupy")
+            self.cupy = sys.modules.get("cupy")
+        if platform == "gpu":
+            assert self.cupy is not None
+            array = self.cupy.from_dlpack(obj)
+            name = self._check_dtype(_numpy_dtype_name(array.dtype), array.dtype, path)
+            source: Any = CupySource(array, name)
+            device = f"cuda:{devices[0].id}"
+        else:
+            array = np.from_dlpack(obj)
+            name = self._check_dtype(_numpy_dtype_name(array.dtype), array.dtype, path)
+            source, device = NumpySource(array, name), "cpu"
+        return self._register(path, "jax", name, tuple(array.shape), device, source, None, {})
+
+
+def flatten(state: Any) -> FlatState:
+    """Flatten a state into its structure tree and arrays; ``TypeError`` names unsupported values."""
+    flattener = _Flattener()
+    tree = flattener.visit(state, [])
+    return FlatState(tree, flattener.arrays)
+
+
+# ---------------------------------------------------------------------------------------------
+# unflattening
+
+class Selection:
+    """Which key paths a partial load wants: each requested key selects itself and its subtree."""
+
+    def __init__(self, keys: Iterable[str] | None):
+        self.keys = None if keys is None else list(keys)
+        self.matched: set[str] = set()
+
+    def covers(self, key: str) -> bool:
+        """True if ``key`` is requested or lies under a requested key."""
+        if self.keys is None:
+            return True
+        for wanted in self.keys:
+            if wanted == "" or key == wanted or key.startswith(wanted + "/"):
+                self.matched.add(wanted)
+                return True
+        return False
+
+    def leads_to(self, key: str) -> bool:
+        """True if some requested key lies under ``key``."""
+        if self.keys is None:
+            return True
+        return key == "" or any(wanted.startswith(key + "/") for wanted in self.keys)
+
+
+_MISSING = object()
+
+
+def unflatten(tree: Any, arrays: dict[int, Any], selection: Selection | None = None) -> Any:
+    """Rebuild the state from its tree; ``arrays`` maps array ids to finished arrays.
+
+    With a ``selection``, dict entries outside it are left out and list/tuple slots outside it
+    become None, so every selected value keeps its position in the structure.
+    """
+    selection = selection or Selection(None)
+    value = _build(tree, [], selection, arrays, depth=0)
+    return None if value is _MISSING else value
+
+
+def _build(node: dict[str, Any], path: list[Any], selection: Selection, arrays: dict[int, Any],
+           depth: int) -> Any:
+    key = join_key(path)
+    inside = selection.covers(key)
+    if not inside and not selection.leads_to(key):
+        return _MISSING
+    kind = node["t"]
+    if kind == "tensor":
+        return arrays[node["id"]] if inside else _MISSING
+    if kind in ("list", "tuple"):
+        items = [_build(child, path + [i], selection, arrays, depth + 1) for i, child in enumerate(node["items"])]
+        items = [None if item is _MISSING else item for item in items]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict":
+        ordered = node.get("cls") == "OrderedDict"
+        result: dict[Any, Any] = collections.OrderedDict() if ordered else {}
+        for key_node, child in node["items"]:
+            dict_key = decode_scalar(key_node)
+            value = _build(child, path + [dict_key], selection, arrays, depth + 1)
+            if value is not _MISSING:
+                result[dict_key] = value
+        if ordered and "meta" in node:
+            result._metadata = _build(node["meta"], path + ["_metadata"], Selection(None), arrays,  # type: ignore[attr-defined]
+                                      depth + 1)
+        return result
+    return decode_scalar(node) if inside else _MISSING
+
+
+def tensor_paths(tree: Any) -> dict[int, str]:
+    """Map each array id in a tree to its key string."""
+    found: dict[int, str] = {}
+    stack: list[tuple[dict[str, Any], list[Any]]] = [(tree, [])]
+    while stack:
+        node, path = stack.pop()
+        if node["t"] == "tensor":
+            found[node["id"]] = join_key(path)
+        elif node["t"] in ("list", "tuple"):
+            stack.extend((child, path + [i]) for i, child in enumerate(node["items"]))
+        elif node["t"] == "dict":
+            stack.extend((child, path + [decode_scalar(k)]) for k, child in node["items"])
+    return found
+
+
+def element_count(shape: Iterable[int]) -> int:
+    """Number of elements of a shape."""
+    return math.prod(shape)
