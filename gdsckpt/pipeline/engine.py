@@ -39,6 +39,8 @@ class EncodedChunk:
     raw: int
     crc: int
     chain: Chain
+    release: Callable[[], None] | None = None
+    """Called by the save driver once the payload's write has completed (returns staging memory)."""
 
 
 class Engine(ABC):

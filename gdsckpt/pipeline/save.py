@@ -69,8 +69,10 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
     def retire_written(block: bool) -> None:
         nonlocal inflight
         while writes and (block or writes[0][0].done()):
-            future, raw, _payload = writes.popleft()
+            future, raw, encoded = writes.popleft()
             future.result(timeout=timeout)
+            if encoded.release is not None:
+                encoded.release()
             inflight -= raw
             block = False
 
