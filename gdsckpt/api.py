@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 from . import __version__
 from .codecs import Chain, PORTABLE_CODECS, known_codec_names, versioned_name
 from .config import Config
-from .errors import CheckpointError, StateMismatchError
+from .errors import CheckpointError, CodecUnavailableError, StateMismatchError
 from .format import Index, TensorRecord
 from .io import PosixReader, PosixWriter, StorageReader, StorageWriter
 from .pipeline.engine import HostEngine
@@ -124,19 +124,36 @@ def _resolve_codec(name: str) -> str:
     return name
 
 
-def _writer(path: PathLike, config: Config) -> StorageWriter:
+def _check_target(path: PathLike) -> None:
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(f"checkpoint path {str(target)!r} is a directory; give a file path")
     if not target.parent.is_dir():
         raise FileNotFoundError(f"directory {str(target.parent)!r} of checkpoint path does not exist")
-    return PosixWriter(target, threads=config.io_threads, o_direct=config.o_direct, fsync=config.fsync)
 
 
-def _reader(path: PathLike, config: Config) -> StorageReader:
+def _writer(path: PathLike, config: Config) -> StorageWriter:
+    _check_target(path)
+    return PosixWriter(path, threads=config.io_threads, o_direct=config.o_direct, fsync=config.fsync)
+
+
+def _reader(path: PathLike, config: Config, gpu: bool = False) -> StorageReader:
     if isinstance(path, StorageReader):
         return path
+    if gpu:
+        from .io.kvikio import KvikioReader
+
+        return KvikioReader(path, threads=config.kvikio_threads, task_size=config.kvikio_task_size)
     return PosixReader(path, threads=config.io_threads)
+
+
+def _restore_engine(config: Config, gpu_device: int | None) -> Any:
+    if gpu_device is None:
+        return _host_engine(config)
+    from .pipeline.gpu_engine import GpuEngine
+
+    return GpuEngine([], codec="none", byte_planes="never", device_id=gpu_device,
+                     chunk_bytes=config.chunk_bytes, max_staging_bytes=0, timeout=config.timeout)
 
 
 def _host_engine(config: Config, sources: list[Any] | None = None, codec: str = "none") -> HostEngine:
@@ -160,17 +177,16 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
     """
     started = time.perf_counter()
     cfg = _config(config, chunk_bytes=chunk_bytes, codec=None if codec == "auto" else codec)
-    codec_name = _resolve_codec(cfg.codec)
     flat = flatten(state)
-    sources = [array.source for array in flat.arrays]
+    codec_name = cfg.codec
     plans = plan_chunks(
         [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
           a.source.plane_width if a.source else 0) for a in flat.arrays],
         chunk_bytes=cfg.chunk_bytes, pack_below=min(cfg.pack_below, cfg.chunk_bytes),
     )
-    engine = _host_engine(cfg, sources, codec_name)
+    engine, make_writer, codec_name = _save_engine(cfg, flat, codec_name)
     try:
-        writer = _writer(path, cfg)
+        writer = make_writer(path, cfg)
         result = run_save(plans, engine, writer, max_inflight_bytes=cfg.max_inflight_bytes,
                           build_index=lambda r: _build_index(flat, r), timeout=cfg.timeout)
     finally:
@@ -186,6 +202,53 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
         seconds=time.perf_counter() - started, codec=codec_name, backend=writer.name,
         engine=engine.name, tensors=len(flat.arrays), chunks=len(result.chunks), chains=chains,
     )
+
+
+def _cuda_device_of(flat: FlatState) -> int | None:
+    for array in flat.arrays:
+        if array.source is not None and array.source.on_device:
+            return int(array.device.split(":")[1]) if ":" in array.device else 0
+    return None
+
+
+def _use_gpu(config: Config, wants_gpu: bool) -> bool:
+    """Whether the GPU engine runs: ``engine="gpu"`` demands it, ``"auto"`` takes it when the data
+    is on a GPU and nvCOMP, CuPy and kvikio are usable."""
+    if config.engine == "cpu" or (config.engine == "auto" and not wants_gpu):
+        return False
+    from .codecs.nvcomp import gpu_available
+
+    available = gpu_available()
+    if not available and config.engine == "gpu":
+        raise CodecUnavailableError("engine='gpu' needs an NVIDIA GPU with CuPy, nvCOMP and kvikio "
+                                    "(pip install 'gdsckpt[cu13]' or '[cu12]')")
+    return available
+
+
+def _save_engine(config: Config, flat: FlatState, codec: str) -> tuple[Any, Any, str]:
+    """The engine and writer factory of a save, and the codec it runs."""
+    device = _cuda_device_of(flat)
+    if _use_gpu(config, device is not None):
+        from .io.kvikio import KvikioWriter
+        from .pipeline.gpu_engine import GpuEngine
+
+        codec = "ans" if codec == "auto" else codec
+        versioned_name(codec)  # ValueError listing the choices for an unknown name
+        torch = sys.modules.get("torch")
+        if torch is not None and device is not None:
+            torch.cuda.synchronize(device)  # the snapshot: every queued update has landed
+        engine = GpuEngine([a.source for a in flat.arrays], codec=codec, byte_planes=config.byte_planes, device_id=device or 0,
+                           chunk_bytes=config.chunk_bytes, max_staging_bytes=config.max_staging_bytes,
+                           timeout=config.timeout)
+
+        def make_writer(path: PathLike, cfg: Config) -> StorageWriter:
+            _check_target(path)
+            return KvikioWriter(path, threads=cfg.kvikio_threads, task_size=cfg.kvikio_task_size,
+                                o_direct=cfg.o_direct, fsync=cfg.fsync)
+
+        return engine, make_writer, codec
+    codec = _resolve_codec(codec)
+    return _host_engine(config, [a.source for a in flat.arrays], codec), _writer, codec
 
 
 def _build_index(flat: FlatState, result: SaveResult) -> Index:
@@ -236,13 +299,13 @@ def _new_target(record: TensorRecord, device: str | None) -> Any:
 
 
 def _restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int], config: Config,
-                    make_target: Any) -> dict[int, Any]:
+                    make_target: Any, gpu_device: int | None = None) -> dict[int, Any]:
     """Restore the arrays ``ids`` (aliases resolved) and return id -> finished object."""
     index = opened.index
     ids = list(ids)
     data_ids = sorted({index.tensors[i].alias if index.tensors[i].alias is not None else i for i in ids})
     targets = {i: make_target(i, index.tensors[i]) for i in data_ids}
-    engine = _host_engine(config)
+    engine = _restore_engine(config, gpu_device)
     try:
         run_restore(reader, index, engine, targets, max_inflight_bytes=config.max_inflight_bytes,
                     timeout=config.timeout)
@@ -252,8 +315,22 @@ def _restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int
     for i in ids:
         alias = index.tensors[i].alias
         if alias is not None:
-            finished[i] = finished[alias]
+            finished[i] = _alias_object(finished[alias], index.tensors[i], index.tensors[alias])
     return finished
+
+
+def _alias_object(shared: Any, record: TensorRecord, source: TensorRecord) -> Any:
+    """What an alias entry comes back as: the shared object itself, or, where the two entries were
+    of different types (a Parameter and a plain tensor of the same view), that type over the same
+    memory."""
+    parameter = record.extra.get("parameter")
+    if record.kind != "torch" or parameter == source.extra.get("parameter"):
+        return shared
+    import torch
+
+    if isinstance(parameter, dict):
+        return torch.nn.Parameter(shared.detach(), requires_grad=bool(parameter.get("requires_grad")))
+    return shared.detach()
 
 
 def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = None,
@@ -269,16 +346,26 @@ def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = Non
     """
     cfg = _config(config)
     target_device = _parse_device(device)
+    gpu_device = _gpu_device(cfg, target_device)
     selection = Selection(keys)
-    with _reader(path, cfg) as reader:
+    with _reader(path, cfg, gpu_device is not None) as reader:
         opened = open_file(reader)
         index = opened.index
         wanted = [i for i, record in enumerate(index.tensors) if selection.covers(record.key)]
         arrays = _restore_arrays(reader, opened, wanted, cfg,
-                                 lambda _i, record: _new_target(record, target_device))
+                                 lambda _i, record: _new_target(record, target_device), gpu_device)
     state = unflatten(index.tree, arrays, selection)
     _check_selection(selection, index)
     return state
+
+
+def _gpu_device(config: Config, device: str | None) -> int | None:
+    """The CUDA device whose GPU engine decodes a restore, or None for the CPU engine."""
+    on_gpu = device is not None and device.startswith("cuda")
+    if not _use_gpu(config, on_gpu) or not on_gpu:
+        return None
+    assert device is not None
+    return int(device.split(":")[1]) if ":" in device else 0
 
 
 def _check_selection(selection: Selection, index: Index) -> None:
@@ -312,7 +399,9 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
     plain_slots: list[tuple[Any, Any, str]] = []
     _collect_targets(target, [], existing, optimizers, plain_slots)
 
-    with _reader(path, cfg) as reader:
+    devices = {str(t.device) for t in existing.values()}
+    gpu_device = _gpu_device(cfg, devices.pop() if len(devices) == 1 else None)
+    with _reader(path, cfg, gpu_device is not None) as reader:
         opened = open_file(reader)
         index = opened.index
         by_key = {record.key: i for i, record in enumerate(index.tensors)}
@@ -353,7 +442,7 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
                 return TorchTarget(record.shape, record.dtype, str(tensor.device), existing=tensor)
             return _new_target(record, None)
 
-        arrays = _restore_arrays(reader, opened, list(wanted) + optimizer_ids, cfg, make_target)
+        arrays = _restore_arrays(reader, opened, list(wanted) + optimizer_ids, cfg, make_target, gpu_device)
 
     import torch
 
@@ -500,7 +589,7 @@ class Checkpoint:
         i = self._id(key)
         target_device = _parse_device(device)
         arrays = _restore_arrays(self._reader, self._opened, [i], self._config,
-                                 lambda _i, record: _new_target(record, target_device))
+                                 lambda _i, record: _new_target(record, target_device))  # host reads
         return arrays[i]
 
     def close(self) -> None:

@@ -16,6 +16,10 @@ Precedence, highest first: an argument of ``save``/``load`` > a ``Config`` passe
 | o_direct | ``"auto"`` | O_DIRECT for aligned I/O: ``auto`` (where the filesystem allows), true, false |
 | fsync | True | fsync the file and its directory before a save returns |
 | timeout | 600 | seconds any single wait on a worker may take before failing the operation |
+| engine | ``"auto"`` | ``auto`` (GPU when the state has CUDA arrays and nvCOMP is usable), ``cpu``, ``gpu`` |
+| max_staging_bytes | 1 GiB | GPU staging ring for compressed chunks, allocated once per save |
+| kvikio_threads | 16 | kvikio thread pool size (GPU engine) |
+| kvikio_task_size | None | kvikio task size in bytes (None: kvikio's default) |
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def parse_size(value: int | str) -> int:
 
 _CHOICES = {
     "byte_planes": ("auto", "always", "never"),
+    "engine": ("auto", "cpu", "gpu"),
 }
 
 
@@ -61,9 +66,13 @@ class Config:
     o_direct: bool | str = "auto"
     fsync: bool = True
     timeout: float = 600.0
+    engine: str = "auto"
+    max_staging_bytes: int = 1 << 30
+    kvikio_threads: int = 16
+    kvikio_task_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("chunk_bytes", "pack_below", "max_inflight_bytes"):
+        for name in ("chunk_bytes", "pack_below", "max_inflight_bytes", "max_staging_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096 or self.chunk_bytes > 1 << 30:
             raise ValueError(f"chunk_bytes must be a multiple of 4096 between 4 KiB and 1 GiB, "
@@ -107,10 +116,12 @@ class Config:
 
 
 def _coerce(name: str, text: str) -> Any:
-    if name in ("chunk_bytes", "pack_below", "max_inflight_bytes"):
+    if name in ("chunk_bytes", "pack_below", "max_inflight_bytes", "max_staging_bytes"):
         return parse_size(text)
-    if name in ("codec_threads", "io_threads"):
+    if name in ("codec_threads", "io_threads", "kvikio_threads"):
         return int(text)
+    if name == "kvikio_task_size":
+        return None if text.lower() in ("", "none") else parse_size(text)
     if name == "level":
         return None if text.lower() in ("", "none") else int(text)
     if name == "timeout":

@@ -251,10 +251,12 @@ class TorchTarget(_Target):
         self._flat[start:start + data.nbytes].copy_(torch.from_numpy(host))
 
     def write_device(self, start: int, data: Any) -> None:
-        import torch
+        import cupy
 
         assert self._flat is not None
-        self._flat[start:start + data.nbytes].copy_(torch.as_tensor(data, device=self.tensor.device))
+        # A CuPy copy on the caller's current stream (the GPU engine's), which the engine
+        # synchronizes once per batch: no cross-stream hazard with torch's stream.
+        cupy.asarray(self._flat)[start:start + data.nbytes] = data
 
     def finish(self) -> Any:
         import torch
@@ -418,6 +420,8 @@ class _Flattener:
     def visit(self, obj: Any, path: list[Any], depth: int = 0) -> dict[str, Any]:
         if depth > 256:
             raise TypeError(f"state nested deeper than 256 levels at {join_key(path)!r}")
+        if isinstance(obj, np.generic) and not isinstance(obj, (str, bytes)):
+            return self._numpy(obj, path)  # before encode_scalar: np.float64 subclasses float
         scalar = encode_scalar(obj, path)
         if scalar is not None:
             return scalar

@@ -47,6 +47,13 @@ class Engine(ABC):
     """Encodes planned chunks and decodes stored ones. Call ``close()`` when done."""
 
     name: str
+    max_pending: int | None = None
+    """Most chunks that may be between ``submit_encode`` and the release of their payload
+    (None: no limit beyond the driver's byte budget). The GPU engine's staging slots set it."""
+
+    def read_buffer(self, nbytes: int) -> Any:
+        """A buffer for one chunk read, of the kind ``submit_decode`` takes (host by default)."""
+        return aligned_empty(nbytes)
 
     @abstractmethod
     def submit_encode(self, chunk: ChunkPlan) -> Future[EncodedChunk]:

@@ -20,7 +20,7 @@ from ..format import (
     HEADER_REGION, TRAILER_SIZE, Header, Index, Trailer, align_up, checksum, parse_index, unpack_header,
     unpack_trailer,
 )
-from ..io.base import StorageReader, aligned_empty
+from ..io.base import StorageReader
 from .engine import Engine
 from .plan import ArrayTarget
 
@@ -71,7 +71,7 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: di
             for array_id, raw_offset, length, position in deliveries[chunk]:
                 target = targets[array_id]
                 piece = raw[raw_offset:raw_offset + length]
-                if target.on_device and hasattr(piece, "__cuda_array_interface__"):
+                if hasattr(piece, "__cuda_array_interface__"):  # decoded on a GPU
                     target.write_device(position, piece)
                 else:
                     target.write_host(position, piece)
@@ -147,7 +147,7 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
                 else:
                     finish_decode(block=True)
                 finish_decode(block=False)
-            buffer = aligned_empty(align_up(record.stored))
+            buffer = engine.read_buffer(align_up(record.stored))
             reads.append((chunk, reader.submit_read(record.offset, buffer), buffer))
             inflight += cost
             stored_total += record.stored

@@ -82,7 +82,9 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
             while encodes and encodes[0][1].done():
                 place_oldest_encoded()
             retire_written(block=False)
-            while inflight + plan.raw > max_inflight_bytes and (encodes or writes):
+            while (inflight + plan.raw > max_inflight_bytes
+                   or (engine.max_pending is not None and len(encodes) + len(writes) >= engine.max_pending)) \
+                    and (encodes or writes):
                 if encodes:
                     place_oldest_encoded()
                 else:

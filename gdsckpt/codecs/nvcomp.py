@@ -1,0 +1,88 @@
+"""GPU codecs through nvCOMP's Python API (``nvidia.nvcomp``), RAW bitstreams, batched.
+
+Bitstream names: nvCOMP's Zstd, LZ4 and Deflate RAW streams are the standard zstd frames, raw
+LZ4 blocks and raw deflate streams, so they are written under the portable names ``zstd/1``,
+``lz4/1`` and ``deflate/1`` and a checkpoint written on the GPU loads without one. ANS, GDeflate,
+Snappy, Bitcomp and Cascaded streams are written as ``nvcomp.<name>/1`` and need a GPU to decode.
+ANS takes a ``data_type`` (``"<f2"`` for bf16/fp16, ``"<f4"``, ``"|u1"``), recorded in its stage.
+
+nvCOMP, CuPy and the driver are imported lazily: importing this module on a machine without them
+raises ImportError, which ``gpu_available()`` turns into False.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GPU_ALGORITHMS = {
+    "ans": ("ANS", "nvcomp.ans/1"),
+    "zstd": ("Zstd", "zstd/1"),
+    "lz4": ("LZ4", "lz4/1"),
+    "deflate": ("Deflate", "deflate/1"),
+    "gdeflate": ("GDeflate", "nvcomp.gdeflate/1"),
+    "snappy": ("Snappy", "nvcomp.snappy/1"),
+    "bitcomp": ("Bitcomp", "nvcomp.bitcomp/1"),
+    "cascaded": ("Cascaded", "nvcomp.cascaded/1"),
+}
+"""User-facing name -> (nvCOMP algorithm, versioned bitstream name)."""
+BY_VERSIONED = {versioned: (user, algorithm) for user, (algorithm, versioned) in GPU_ALGORITHMS.items()}
+MAX_CHUNK_BYTES = 16 << 20
+"""The largest chunk every nvCOMP RAW algorithm accepts."""
+
+
+def gpu_available() -> bool:
+    """True when CuPy, nvCOMP and at least one CUDA device are usable here."""
+    try:
+        import cupy
+        from nvidia import nvcomp  # noqa: F401
+
+        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+    except Exception:  # no package, no driver, no device: all mean "no GPU path here"
+        return False
+
+
+class DeviceCodec:
+    """One nvCOMP codec bound to a CUDA stream and device. Not thread-safe (nvCOMP's rule: one
+    Codec per thread); the GPU engine uses it from its worker thread only."""
+
+    def __init__(self, user_name: str, *, stream: Any, device_id: int, data_type: str | None = None):
+        from nvidia import nvcomp
+
+        self.user_name = user_name
+        algorithm, self.versioned = GPU_ALGORITHMS[user_name]
+        self.data_type = data_type
+        self.stream = stream
+        options: dict[str, Any] = {"algorithm": algorithm, "bitstream_kind": nvcomp.BitstreamKind.RAW,
+                                   "cuda_stream": stream.ptr, "device_id": device_id}
+        if data_type is not None:
+            options["data_type"] = data_type
+        self._nvcomp = nvcomp
+        self._codec = nvcomp.Codec(**options)
+
+    def stage(self) -> dict[str, Any]:
+        """The JSON stage naming this bitstream in a chain."""
+        stage: dict[str, Any] = {"name": self.versioned}
+        if self.user_name == "ans" and self.data_type is not None:
+            stage["data_type"] = self.data_type
+        return stage
+
+    def max_compressed_bytes(self, probe: Any) -> int:
+        """nvCOMP's bound on the stream size of one input the size of ``probe`` (a CuPy array)."""
+        return int(self._codec.get_max_comp_buffer_size(self._nvcomp.as_array(probe)))
+
+    def encode_into(self, inputs: list[Any], buffer: Any, offsets: list[int], capacity: int) -> list[int]:
+        """Compress CuPy uint8 arrays into ``buffer`` (a CuPy uint8 array) at ``offsets``, each with
+        room for ``capacity`` bytes; returns the stream sizes. nvCOMP's Python batches cannot be
+        indexed, so outputs always go to memory we own (the staging ring)."""
+        batch = self._nvcomp.as_arrays(inputs, cuda_stream=self.stream.ptr)
+        out = self._nvcomp.as_arrays(buffer, list(offsets), [capacity] * len(offsets))
+        result = self._codec.encode(batch, out=out)
+        return [int(size) for size in result.buffer_sizes]
+
+    def decode_into(self, inputs: list[Any], buffer: Any, offsets: list[int], sizes: list[int]) -> list[int]:
+        """Decompress streams into ``buffer`` at ``offsets`` (room for ``sizes`` bytes each);
+        returns the decoded sizes."""
+        batch = self._nvcomp.as_arrays(inputs, cuda_stream=self.stream.ptr)
+        out = self._nvcomp.as_arrays(buffer, list(offsets), list(sizes))
+        result = self._codec.decode(batch, out=out)
+        return [int(size) for size in result.buffer_sizes]

@@ -1,0 +1,182 @@
+"""GPU suite: real nvCOMP, kvikio and CUDA on a GPU host (skipped where CUDA is absent).
+
+Run on a GPU host with:  python3 -m pytest -m gpu tests/gpu
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from gdsckpt.codecs.nvcomp import gpu_available  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
+
+import gdsckpt  # noqa: E402
+from gdsckpt.demo import bit_equal, train_steps, training_state  # noqa: E402
+
+GPU_CODECS = ["ans", "zstd", "lz4", "deflate", "gdeflate", "snappy", "bitcomp", "cascaded", "none"]
+PORTABLE = ["zstd", "lz4", "deflate", "none"]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,
+          torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _state(device: str = "cuda") -> dict:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    state: dict = {"weights": {}, "small": [], "meta": {"step": 7, "lr": 1e-3, "name": "x"}}
+    for dtype in DTYPES:
+        base = torch.randn(300, 257, generator=g) * 0.02
+        if dtype == torch.bool:
+            t = base > 0
+        elif dtype.is_floating_point or dtype.is_complex:
+            t = base.to(dtype)
+        else:
+            t = (base * 1000).to(dtype)
+        state["weights"][str(dtype)] = t.to(device)
+    nan = torch.tensor([0x7FC0_1234, 0x8000_0000, 0xFF80_0000], dtype=torch.int64).to(torch.int32)
+    state["weights"]["nan_payloads"] = nan.view(torch.float32).to(device)
+    state["weights"]["transposed"] = state["weights"]["torch.float32"].t()
+    state["small"] = [torch.arange(i + 1, dtype=torch.float32, device=device) for i in range(50)]
+    state["zero"] = torch.empty(0, 5, device=device)
+    state["scalar"] = torch.tensor(3.5, device=device)
+    return state
+
+
+def _assert_same(a, b) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert bit_equal(a, b), f"{a.dtype} {tuple(a.shape)}"
+    else:
+        assert a == b
+
+
+def test_gpu_crc32c_matches_cpu():
+    import cupy
+    from gdsckpt.codecs.gpu_crc import crc32c_batch
+    from gdsckpt.format import checksum
+
+    rng = np.random.default_rng(1)
+    buffers = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 7, 4096, 65537, (4 << 20) + 3)]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    got = crc32c_batch([cupy.asarray(b) for b in buffers], stream)
+    assert [int(x) for x in got] == [checksum(b) for b in buffers]
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4", "deflate"])
+def test_nvcomp_raw_streams_interoperate_with_cpu_libraries(codec):
+    import cupy
+    from gdsckpt.codecs import host_codec
+    from gdsckpt.codecs.nvcomp import DeviceCodec
+
+    data = (np.random.default_rng(2).standard_normal(1 << 20).astype(np.float16)).view(np.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    gpu = DeviceCodec(codec, stream=stream, device_id=0)
+    cpu = host_codec(codec)
+    device_data = cupy.asarray(data)
+    out = cupy.zeros(gpu.max_compressed_bytes(device_data), dtype=cupy.uint8)
+    (size,) = gpu.encode_into([device_data], out, [0], out.nbytes)
+    on_gpu = out[:size].get(stream=stream)
+    stream.synchronize()
+    assert bytes(cpu.decode(on_gpu.tobytes(), data.nbytes)) == data.tobytes()
+    from_cpu = np.frombuffer(bytes(cpu.encode(data)), dtype=np.uint8)
+    decoded = cupy.zeros(data.nbytes, dtype=cupy.uint8)
+    (got,) = gpu.decode_into([cupy.asarray(from_cpu)], decoded, [0], [data.nbytes])
+    stream.synchronize()
+    assert got == data.nbytes and decoded.get().tobytes() == data.tobytes()
+
+
+@pytest.mark.parametrize("codec", GPU_CODECS)
+def test_gpu_round_trip_every_codec(tmp_path, codec):
+    state = _state()
+    path = tmp_path / f"{codec}.gdsckpt"
+    config = gdsckpt.Config(chunk_bytes=64 << 10, pack_below=16 << 10)
+    report = gdsckpt.save(state, path, codec=codec, config=config)
+    assert report.engine == "gpu" and report.backend.startswith("kvikio-")
+    _assert_same(state, gdsckpt.load(path, device="cuda"))
+    gdsckpt.verify(path)
+
+
+@pytest.mark.parametrize("codec", PORTABLE)
+def test_gpu_written_portable_codecs_load_on_cpu_engine(tmp_path, codec):
+    state = _state()
+    path = tmp_path / "g.gdsckpt"
+    gdsckpt.save(state, path, codec=codec, config=gdsckpt.Config(chunk_bytes=64 << 10))
+    cpu = gdsckpt.load(path, config=gdsckpt.Config(engine="cpu"))
+    _assert_same(state, cpu)
+
+
+@pytest.mark.parametrize("codec", PORTABLE)
+def test_cpu_written_checkpoint_loads_on_gpu(tmp_path, codec):
+    state = _state("cpu")
+    path = tmp_path / "c.gdsckpt"
+    report = gdsckpt.save(state, path, codec=codec, config=gdsckpt.Config(engine="cpu", chunk_bytes=64 << 10))
+    assert report.engine == "cpu"
+    _assert_same(_state("cuda"), gdsckpt.load(path, device="cuda"))
+
+
+def test_gpu_only_codec_needs_gpu_on_cpu_engine(tmp_path):
+    path = tmp_path / "a.gdsckpt"
+    gdsckpt.save(_state(), path, codec="ans")
+    with pytest.raises(gdsckpt.CodecUnavailableError, match="zstd"):
+        gdsckpt.load(path, config=gdsckpt.Config(engine="cpu"))
+
+
+def test_gpu_flipped_byte_names_tensor_and_chunk(tmp_path):
+    path = tmp_path / "x.gdsckpt"
+    gdsckpt.save({"w": torch.randn(1 << 16, device="cuda")}, path, codec="ans")
+    with gdsckpt.open(path) as ckpt:
+        assert ckpt.keys() == ["w"]
+    with open(path, "r+b") as f:
+        f.seek(4096 + 100)
+        byte = f.read(1)
+        f.seek(4096 + 100)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(gdsckpt.CorruptCheckpointError, match="'w'") as info:
+        gdsckpt.load(path, device="cuda")
+    assert info.value.chunk == 0
+
+
+def test_gpu_load_into_training_continues_identically(tmp_path):
+    model, opt = training_state(width=64, depth=2, steps=3, device="cuda")
+    path = tmp_path / "m.gdsckpt"
+    gdsckpt.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    fresh, _ = training_state(width=64, depth=2, steps=0, device="cuda", seed=5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    gdsckpt.load_into({"model": fresh, "optimizer": fresh_opt}, path)
+    train_steps(model, opt, 3, seed=9)
+    train_steps(fresh, fresh_opt, 3, seed=9)
+    for (k, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert bit_equal(a, b), k
+
+
+def test_cupy_arrays_round_trip(tmp_path):
+    import cupy
+
+    state = {"a": cupy.arange(100000, dtype=cupy.float32) * 0.5, "b": cupy.zeros((3, 0))}
+    path = tmp_path / "cp.gdsckpt"
+    gdsckpt.save(state, path)
+    back = gdsckpt.load(path)
+    assert isinstance(back["a"], cupy.ndarray) and bool((back["a"] == state["a"]).all())
+    assert back["b"].shape == (3, 0)
+
+
+@pytest.mark.skipif(os.environ.get("GDSCKPT_TEST_JAX") != "1", reason="set GDSCKPT_TEST_JAX=1 to test JAX")
+def test_jax_arrays_round_trip(tmp_path):
+    jax = pytest.importorskip("jax")
+    state = {"x": jax.numpy.arange(1000, dtype=jax.numpy.float32)}
+    path = tmp_path / "j.gdsckpt"
+    gdsckpt.save(state, path)
+    back = gdsckpt.load(path)
+    assert isinstance(back["x"], jax.Array)
+    assert bool((np.asarray(back["x"]) == np.asarray(state["x"])).all())
