@@ -201,6 +201,7 @@ class Method:
     suffix: str
     tensors_only: bool = False
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    compare: Callable[[Any], list[str]] | None = None
 
 
 def _fsync_path(path: Path) -> None:
@@ -225,11 +226,23 @@ def torch_method() -> Method:
     return Method("torch", save, load, ".pt")
 
 
-def safetensors_method() -> Method | None:
+def _touch_pages(tensors: dict[str, torch.Tensor]) -> None:
+    """Read one byte of every 4 KiB page, so memory-mapped tensors are really in memory."""
+    for tensor in tensors.values():
+        if tensor.numel():
+            flat = tensor.detach().reshape(-1).view(torch.uint8)
+            int(flat[::4096].sum())
+
+
+def safetensors_methods() -> list[Method]:
+    """safetensors' default (mmap: tensors map the file, so the timed load touches every page to
+    fault the bytes in, as a full read would) and its eager ``pread`` backend where available."""
     try:
+        import inspect as _inspect
+
         from safetensors.torch import load_file, save_file
     except ImportError:
-        return None
+        return []
 
     def save(state: Any, path: Path) -> dict[str, Any]:
         tensors, plain = flatten(state)
@@ -238,10 +251,49 @@ def safetensors_method() -> Method | None:
         _fsync_path(path)
         return {}
 
-    def load(path: Path) -> Any:
-        return load_file(str(path), device="cpu"), {}
+    def load_mmap(path: Path) -> Any:
+        tensors = load_file(str(path), device="cpu")
+        _touch_pages(tensors)
+        return tensors, {}
 
-    return Method("safetensors", save, load, ".safetensors", tensors_only=True)
+    methods = [Method("safetensors", save, load_mmap, ".safetensors", tensors_only=True,
+                      settings={"load": "mmap + touch every page"})]
+    if "backend" in _inspect.signature(load_file).parameters:
+        def load_pread(path: Path) -> Any:
+            return load_file(str(path), device="cpu", backend="pread"), {}
+
+        methods.append(Method("safetensors-pread", save, load_pread, ".safetensors", tensors_only=True,
+                              settings={"load": "backend=pread"}))
+    return methods
+
+
+def disk_method(logical: int) -> Method:
+    """What the disk alone does with the same number of bytes: one buffered write + fsync, one
+    cold read into a preallocated buffer (no serialization, no checks beyond a byte compare)."""
+    import numpy as np
+
+    source = np.random.default_rng(0).integers(0, 256, logical, dtype=np.uint8)
+    block = 8 << 20
+
+    def save(_state: Any, path: Path) -> dict[str, Any]:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(source)
+            for start in range(0, logical, block):
+                os.write(fd, view[start:start + block])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return {}
+
+    def load(path: Path) -> Any:
+        out = np.empty(logical, dtype=np.uint8)
+        with open(path, "rb", buffering=0) as handle:
+            handle.readinto(memoryview(out))
+        return out
+
+    return Method("disk (raw bytes)", save, load, ".bin", settings={"block": block},
+                  compare=lambda loaded: [] if np.array_equal(loaded, source) else ["bytes differ"])
 
 
 def gdsckpt_method(label: str, codec: str, config: Config) -> Method:
@@ -275,35 +327,38 @@ def parse_variant(text: str, base: Config) -> tuple[str, str, Config]:
     return label, codec, base.replace(**changes) if changes else base
 
 
-def run_method(method: Method, state: Any, original: Any, logical: int, directory: Path, cold: str,
-               repeat: int) -> dict[str, Any]:
-    path = directory / f"bench-{method.label.replace('/', '-')}{method.suffix}"
-    samples = []
-    details: dict[str, Any] = {}
-    problems: list[str] = []
-    file_bytes = 0
-    for _ in range(repeat):
-        if path.exists():
-            path.unlink()
-        os.sync()
-        gc.collect()
-        started = time.perf_counter()
-        details = method.save(state, path)
-        save_seconds = time.perf_counter() - started
-        file_bytes = path.stat().st_size
-        make_cold(path, cold)
-        gc.collect()
-        started = time.perf_counter()
-        loaded = method.load(path)
-        load_seconds = time.perf_counter() - started
-        problems = compare(original, loaded, tensors_only=method.tensors_only)
-        del loaded
-        samples.append({"save_s": save_seconds, "load_s": load_seconds,
-                        "save_mb_s": logical / MB / save_seconds, "load_mb_s": logical / MB / load_seconds,
-                        "bit_exact": not problems})
-        if problems:
-            break
+def run_once(method: Method, state: Any, original: Any, logical: int, directory: Path,
+             cold: str) -> tuple[dict[str, Any], dict[str, Any], int, list[str]]:
+    """One durable save and one cold load; returns (sample, save details, file bytes, problems)."""
+    path = directory / f"bench-{method.label.replace('/', '-').replace(' ', '_')}{method.suffix}"
     path.unlink(missing_ok=True)
+    os.sync()
+    gc.collect()
+    started = time.perf_counter()
+    details = method.save(state, path)
+    save_seconds = time.perf_counter() - started
+    file_bytes = path.stat().st_size
+    make_cold(path, cold)
+    gc.collect()
+    started = time.perf_counter()
+    loaded = method.load(path)
+    load_seconds = time.perf_counter() - started
+    if method.compare is not None:
+        problems = method.compare(loaded)
+    else:
+        problems = compare(original, loaded, tensors_only=method.tensors_only)
+    del loaded
+    path.unlink(missing_ok=True)
+    sample = {"save_s": save_seconds, "load_s": load_seconds, "save_mb_s": logical / MB / save_seconds,
+              "load_mb_s": logical / MB / load_seconds, "bit_exact": not problems}
+    return sample, details, file_bytes, problems
+
+
+def summarize(method: Method, runs: list[tuple[dict[str, Any], dict[str, Any], int, list[str]]],
+              logical: int) -> dict[str, Any]:
+    samples = [run[0] for run in runs]
+    details, file_bytes = runs[-1][1], runs[-1][2]
+    problems = next((run[3] for run in runs if run[3]), [])
     return {
         "method": method.label, "settings": method.settings, "file_bytes": file_bytes,
         "ratio": logical / file_bytes, "samples": samples,
@@ -313,6 +368,22 @@ def run_method(method: Method, state: Any, original: Any, logical: int, director
         "load_mb_s_best": max(s["load_mb_s"] for s in samples),
         "bit_exact": all(s["bit_exact"] for s in samples), "problems": problems[:10], **details,
     }
+
+
+def run_methods(methods: list[Method], state: Any, original: Any, logical: int, directory: Path, cold: str,
+                repeat: int, verbose: bool = True) -> list[dict[str, Any]]:
+    """Round-robin: every method once per round, so slow phases of a noisy disk hit all of them."""
+    runs: dict[str, list[Any]] = {m.label: [] for m in methods}
+    for round_number in range(repeat):
+        for method in methods:
+            run = run_once(method, state, original, logical, directory, cold)
+            runs[method.label].append(run)
+            if verbose:
+                sample = run[0]
+                print(f"  [{round_number + 1}/{repeat}] {method.label:30} ratio {logical / run[2]:.3f}  "
+                      f"save {sample['save_mb_s']:6.0f} MB/s  load {sample['load_mb_s']:6.0f} MB/s  "
+                      f"bit-exact {'yes' if sample['bit_exact'] else 'NO ' + '; '.join(run[3][:3])}", flush=True)
+    return [summarize(m, runs[m.label], logical) for m in methods]
 
 
 def normal_section(nbytes: int, directory: Path, cold: str, config: Config, repeat: int) -> list[dict[str, Any]]:
@@ -325,8 +396,8 @@ def normal_section(nbytes: int, directory: Path, cold: str, config: Config, repe
         state = {"weights": data}
         original = flatten(state)
         method = gdsckpt_method(f"auto-normal-{str(dtype).replace('torch.', '')}", "auto", config)
-        result = run_method(method, state, original, data.numel() * data.element_size(), directory, cold,
-                            repeat)
+        result = run_methods([method], state, original, data.numel() * data.element_size(), directory, cold,
+                             repeat)[0]
         result["dtype"] = str(dtype).replace("torch.", "")
         result["logical_bytes"] = data.numel() * data.element_size()
         results.append(result)
@@ -420,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{', '.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--extra-variant", action="append", default=[],
                         help="a variant added to the defaults (same syntax as --variant)")
-    parser.add_argument("--no-baselines", action="store_true", help="skip torch and safetensors")
+    parser.add_argument("--no-baselines", action="store_true", help="skip disk, torch and safetensors")
     parser.add_argument("--normal-size", default="256MiB",
                         help="bytes of N(0,0.02) data per dtype (bf16, fp32) for the ratio section; 0 skips")
     parser.add_argument("--cold", choices=("auto", "drop_caches", "fadvise", "none"), default="auto",
@@ -453,20 +524,14 @@ def main(argv: list[str] | None = None) -> int:
 
     methods: list[Method] = []
     if not args.no_baselines:
+        methods.append(disk_method(logical))
         methods.append(torch_method())
-        st = safetensors_method()
-        if st is not None:
-            methods.append(st)
+        methods.extend(safetensors_methods())
     for text in (args.variant or list(DEFAULT_VARIANTS)) + args.extra_variant:
         label, codec, config = parse_variant(text, base)
         methods.append(gdsckpt_method(label, codec, config))
 
-    results = []
-    for method in methods:
-        row = run_method(method, state, original, logical, directory, cold, args.repeat)
-        results.append(row)
-        print(f"  {row['method']:30} ratio {row['ratio']:.3f}  save {row['save_mb_s']:6.0f} MB/s  "
-              f"load {row['load_mb_s']:6.0f} MB/s  bit-exact {'yes' if row['bit_exact'] else 'NO'}", flush=True)
+    results = run_methods(methods, state, original, logical, directory, cold, args.repeat)
 
     del state
     gc.collect()
