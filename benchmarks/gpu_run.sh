@@ -10,9 +10,18 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/host.txt"
 timeout 120 python3 benchmarks/gpu_probe.py > "$OUT/probe.json" 2> "$OUT/probe.err"; echo "probe rc=$?"
 tail -c 3000 "$OUT/probe.json"; tail -5 "$OUT/probe.err"
-timeout 420 python3 -m pytest -m gpu tests/gpu -x -q -p no:cacheprovider -o addopts="--strict-markers" \
-  --timeout 120 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
-if [ -n "${BENCH_SIZE:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --size "$BENCH_SIZE" --dir /root/gdsckpt-bench \
-    --out "$OUT/gpu-bench.json" 2>&1 | tee "$OUT/gpu-bench.log" | tail -30
+# The whole GPU suite in one process, then (only if that process crashed) each test in its own
+# process, so one native crash cannot hide the other results.
+timeout 420 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="--strict-markers" \
+  --timeout 120 > "$OUT/gpu-tests.log" 2>&1; rc=$?
+tail -25 "$OUT/gpu-tests.log"
+if [ $rc -gt 1 ]; then
+  for id in $(python3 -m pytest -m gpu tests/gpu -q --collect-only -p no:cacheprovider -o addopts= 2>/dev/null | grep '::'); do
+    timeout 120 python3 -m pytest "$id" -q -p no:cacheprovider -o addopts="--strict-markers" > /tmp/one.log 2>&1
+    echo "rc=$? $id" | tee -a "$OUT/gpu-tests-isolated.log"; grep -E "Error|error|assert" /tmp/one.log | head -3
+  done
+fi
+if [ -n "${BENCH_WIDTH:-}" ]; then
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --width "$BENCH_WIDTH" --depth "${BENCH_DEPTH:-8}" \
+    --dir /root/gdsckpt-bench --out "$OUT/gpu-bench.json" 2>&1 | tee "$OUT/gpu-bench.log" | tail -30
 fi

@@ -59,6 +59,11 @@ class DeviceCodec:
         self._nvcomp = nvcomp
         self._codec = nvcomp.Codec(**options)
 
+    def __del__(self) -> None:
+        # nvCOMP's Codec holds the raw stream handle: it must be destroyed while the CuPy stream
+        # that owns the handle is still alive. Attribute teardown order would not guarantee that.
+        self.__dict__.pop("_codec", None)
+
     def stage(self) -> dict[str, Any]:
         """The JSON stage naming this bitstream in a chain."""
         stage: dict[str, Any] = {"name": self.versioned}

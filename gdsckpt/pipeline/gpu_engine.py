@@ -320,5 +320,6 @@ class GpuEngine(Engine):
         if self._worker is not None:
             self._jobs.put(None)
             self._worker.join(timeout=self.timeout)
+        self._codecs.clear()  # nvCOMP codecs go before the stream they run on
         self._staging = None
 
