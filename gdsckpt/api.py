@@ -6,6 +6,7 @@ Each call flattens or rebuilds the state (``state.py``), plans chunks, and runs 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -346,26 +347,54 @@ def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = Non
     """
     cfg = _config(config)
     target_device = _parse_device(device)
-    gpu_device = _gpu_device(cfg, target_device)
     selection = Selection(keys)
-    with _reader(path, cfg, gpu_device is not None) as reader:
+    with _reader(path, cfg) as reader:
         opened = open_file(reader)
         index = opened.index
         wanted = [i for i, record in enumerate(index.tensors) if selection.covers(record.key)]
-        arrays = _restore_arrays(reader, opened, wanted, cfg,
-                                 lambda _i, record: _new_target(record, target_device), gpu_device)
+        gpu_device = _gpu_device(cfg, target_device, index, wanted)
+        with _data_reader(path, cfg, reader, gpu_device) as data_reader:
+            arrays = _restore_arrays(data_reader, opened, wanted, cfg,
+                                     lambda _i, record: _new_target(record, target_device), gpu_device)
     state = unflatten(index.tree, arrays, selection)
     _check_selection(selection, index)
     return state
 
 
-def _gpu_device(config: Config, device: str | None) -> int | None:
-    """The CUDA device whose GPU engine decodes a restore, or None for the CPU engine."""
+def _gpu_device(config: Config, device: str | None, index: Index | None = None,
+                ids: Iterable[int] | None = None) -> int | None:
+    """The CUDA device whose GPU engine decodes a restore, or None for the CPU engine.
+
+    The GPU decodes when the destination is a GPU, or when the chunks to read use a GPU-only
+    codec or hold CuPy arrays and a GPU is usable here (device 0 unless ``device`` names one).
+    """
     on_gpu = device is not None and device.startswith("cuda")
+    if index is not None and not on_gpu:
+        chosen = range(len(index.tensors)) if ids is None else ids
+        for i in chosen:
+            record = index.tensors[i]
+            chains = {index.chunks[s.chunk].chain for s in record.segments}
+            if record.kind == "cupy" or any(index.chains[c][-1]["name"].startswith("nvcomp.") for c in chains):
+                on_gpu = True
+                break
     if not _use_gpu(config, on_gpu) or not on_gpu:
         return None
-    assert device is not None
-    return int(device.split(":")[1]) if ":" in device else 0
+    return int(device.split(":")[1]) if device is not None and ":" in device else 0
+
+
+@contextlib.contextmanager
+def _data_reader(path: PathLike, config: Config, reader: StorageReader,
+                 gpu_device: int | None) -> Iterator[StorageReader]:
+    """The reader chunk reads go through: ``reader`` itself (left open) for the CPU engine, a
+    kvikio reader (device buffers, closed on exit) for the GPU engine."""
+    if gpu_device is None or not isinstance(path, (str, os.PathLike)):
+        yield reader
+        return
+    device_reader = _reader(path, config, gpu=True)
+    try:
+        yield device_reader
+    finally:
+        device_reader.close()
 
 
 def _check_selection(selection: Selection, index: Index) -> None:
@@ -425,6 +454,10 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
         if strict:
             for key in by_key:
                 if key not in existing and not any(_under(key, p) for p in optimizer_prefixes):
+                    problems.append(f"{key!r}: in checkpoint, missing from target")
+            slot_keys = {key for _container, _slot, key in plain_slots}
+            for key in plain_values:
+                if key not in slot_keys and not any(_under(key, p) for p in optimizer_prefixes):
                     problems.append(f"{key!r}: in checkpoint, missing from target")
         optimizer_ids = [i for i, record in enumerate(index.tensors)
                          if any(_under(record.key, p) for p in optimizer_prefixes)]
@@ -588,8 +621,10 @@ class Checkpoint:
         """Read one array (only its chunks), as the type it was saved as."""
         i = self._id(key)
         target_device = _parse_device(device)
-        arrays = _restore_arrays(self._reader, self._opened, [i], self._config,
-                                 lambda _i, record: _new_target(record, target_device))  # host reads
+        gpu_device = _gpu_device(self._config, target_device, self._opened.index, [i])
+        with _data_reader(self.path, self._config, self._reader, gpu_device) as data_reader:
+            arrays = _restore_arrays(data_reader, self._opened, [i], self._config,
+                                     lambda _i, record: _new_target(record, target_device), gpu_device)
         return arrays[i]
 
     def close(self) -> None:
@@ -656,10 +691,12 @@ def verify(path: PathLike, *, config: Config | None = None) -> VerifyReport:
     started = time.perf_counter()
     with _reader(path, cfg) as reader:
         opened = open_file(reader)
-        engine = _host_engine(cfg)
+        gpu_device = _gpu_device(cfg, None, opened.index)
+        engine = _restore_engine(cfg, gpu_device)
         try:
-            stored = run_verify(reader, opened.index, engine, max_inflight_bytes=cfg.max_inflight_bytes,
-                                timeout=cfg.timeout)
+            with _data_reader(path, cfg, reader, gpu_device) as data_reader:
+                stored = run_verify(data_reader, opened.index, engine,
+                                    max_inflight_bytes=cfg.max_inflight_bytes, timeout=cfg.timeout)
         finally:
             engine.close()
     index = opened.index

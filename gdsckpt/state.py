@@ -254,9 +254,16 @@ class TorchTarget(_Target):
         import cupy
 
         assert self._flat is not None
+        if not self.on_device:  # decoded on a GPU, destined for host memory
+            self.write_host(start, cupy.asnumpy(data))
+            return
         # A CuPy copy on the caller's current stream (the GPU engine's), which the engine
-        # synchronizes once per batch: no cross-stream hazard with torch's stream.
-        cupy.asarray(self._flat)[start:start + data.nbytes] = data
+        # synchronizes once per batch: no cross-stream hazard with torch's stream. The view must
+        # alias the tensor's memory: a silent copy would leave the tensor unwritten.
+        view = cupy.asarray(self._flat)
+        if view.data.ptr != self._flat.data_ptr():
+            raise RuntimeError("CuPy view of the destination tensor does not alias its memory")
+        view[start:start + data.nbytes] = data
 
     def finish(self) -> Any:
         import torch

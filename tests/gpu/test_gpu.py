@@ -104,6 +104,9 @@ def test_gpu_round_trip_every_codec(tmp_path, codec):
     report = gdsckpt.save(state, path, codec=codec, config=config)
     assert report.engine == "gpu" and report.backend.startswith("kvikio-")
     _assert_same(state, gdsckpt.load(path, device="cuda"))
+    on_host = gdsckpt.load(path)  # decoded on the GPU when the codec needs it, delivered to the CPU
+    assert on_host["weights"]["torch.float32"].device.type == "cpu"
+    _assert_same(state, on_host)
     gdsckpt.verify(path)
 
 
