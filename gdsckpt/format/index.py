@@ -30,7 +30,8 @@ about 32,768:1), so a small file cannot claim a huge decoded size."""
 MAX_TENSOR_BYTES = 1 << 60
 MAX_TREE_DEPTH = 512
 TENSOR_KINDS = ("torch", "numpy", "cupy", "jax")
-_CODEC_NAME = re.compile(r"^[a-z0-9_.\-]+/[0-9]+$")
+_CODEC_NAME = re.compile(r"[a-z0-9_.\-]+/[0-9]+")
+"""A versioned stage name; matched with ``fullmatch`` (``$`` would accept a trailing newline)."""
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def _parse_chains(raw: Any) -> list[list[dict[str, Any]]]:
             raise _fail(f"chain {i} must be a non-empty list of stages")
         for stage in chain:
             if not isinstance(stage, dict) or not isinstance(stage.get("name"), str) \
-                    or not _CODEC_NAME.match(stage["name"]):
+                    or not _CODEC_NAME.fullmatch(stage["name"]):
                 raise _fail(f"chain {i} has a stage without a valid versioned name: {stage!r:.80}")
         chains.append(chain)
     return chains
@@ -235,7 +236,7 @@ def _parse_tensors(raw: Any, chunks: list[ChunkRecord]) -> list[TensorRecord]:
         kind, dtype, shape_raw = entry.get("kind"), entry.get("dtype"), entry.get("shape")
         if kind not in TENSOR_KINDS:
             raise _fail(f"kind {kind!r:.40} is not one of {TENSOR_KINDS}", key=key)
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:  # a list is unhashable: check type first
             raise _fail(f"unknown dtype {dtype!r:.40}", key=key)
         if not isinstance(shape_raw, list) or len(shape_raw) > 64:
             raise _fail("shape must be a list of at most 64 dimensions", key=key)
@@ -250,6 +251,8 @@ def _parse_tensors(raw: Any, chunks: list[ChunkRecord]) -> list[TensorRecord]:
                  if k not in ("key", "kind", "dtype", "shape", "device", "segments", "alias")}
         record = TensorRecord(key=key, kind=kind, dtype=dtype, shape=shape, device=device, extra=extra)
         if "alias" in entry:
+            if "segments" in entry:
+                raise _fail("a tensor has either segments or an alias, not both", key=key)
             target = _int(entry["alias"], f"tensor {key!r} alias", 0, max(i, 1))
             if target >= i or tensors[target].alias is not None \
                     or (tensors[target].dtype, tensors[target].shape) != (dtype, shape):
@@ -303,9 +306,9 @@ _SCALAR_TYPES = {"int", "float", "bool", "str", "none"}
 def _validate_tree(tree: Any, n_tensors: int) -> None:
     """Check the structure tree: node kinds, scalar encodings, each tensor referenced exactly once."""
     seen = [False] * n_tensors
-    stack: list[tuple[Any, int]] = [(tree, 0)]
+    stack: list[tuple[Any, int, bool]] = [(tree, 0, False)]  # (node, depth, inside an OrderedDict's meta)
     while stack:
-        node, depth = stack.pop()
+        node, depth, in_meta = stack.pop()
         if depth > MAX_TREE_DEPTH:
             raise _fail(f"structure nested deeper than {MAX_TREE_DEPTH}")
         if not isinstance(node, dict) or not isinstance(node.get("t"), str):
@@ -315,7 +318,7 @@ def _validate_tree(tree: Any, n_tensors: int) -> None:
             items = node.get("items")
             if not isinstance(items, list):
                 raise _fail(f"{kind} node needs an items list")
-            stack.extend((child, depth + 1) for child in items)
+            stack.extend((child, depth + 1, in_meta) for child in items)
         elif kind == "dict":
             items = node.get("items")
             if not isinstance(items, list):
@@ -323,13 +326,16 @@ def _validate_tree(tree: Any, n_tensors: int) -> None:
             for pair in items:
                 if not isinstance(pair, list) or len(pair) != 2:
                     raise _fail("dict item must be [key, value]")
-                if not isinstance(pair[0], dict) or pair[0].get("t") not in _SCALAR_TYPES:
+                if not isinstance(pair[0], dict) or not isinstance(pair[0].get("t"), str) \
+                        or pair[0]["t"] not in _SCALAR_TYPES:
                     raise _fail(f"dict key must be a scalar node: {pair[0]!r:.80}")
-                stack.append((pair[0], depth + 1))
-                stack.append((pair[1], depth + 1))
+                stack.append((pair[0], depth + 1, in_meta))
+                stack.append((pair[1], depth + 1, in_meta))
             if "meta" in node:
-                stack.append((node["meta"], depth + 1))
+                stack.append((node["meta"], depth + 1, True))
         elif kind == "tensor":
+            if in_meta:
+                raise _fail("an OrderedDict's meta holds a tensor node (meta holds plain values only)")
             tid = _int(node.get("id"), "tensor node id", 0, max(n_tensors, 1))
             if tid >= n_tensors or seen[tid]:
                 raise _fail(f"tensor {tid} is missing or referenced twice by the structure")

@@ -1,0 +1,1 @@
+"""Tests of on-disk format v1 against its normative text, docs/format.md."""
