@@ -49,8 +49,9 @@ class ZstdCodec(Codec):
         decompressor = getattr(self._local, "decompressor", None)
         if decompressor is None:
             decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
-        # max_output_size covers frames without a content size (nvCOMP may omit it).
-        out = decompressor.decompress(data, max_output_size=raw_length)
+        # max_output_size covers frames without a content size (nvCOMP may omit it); 0 would mean
+        # "no bound" and make an empty frame without a content size undecodable.
+        out = decompressor.decompress(data, max_output_size=max(raw_length, 1))
         if len(out) != raw_length:
             raise ValueError(f"zstd frame decoded to {len(out)} bytes, expected {raw_length}")
         return out

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import (
-    HEADER_REGION, TRAILER_SIZE, Header, Index, Trailer, align_up, checksum, parse_index, unpack_header,
-    unpack_trailer,
+    HEADER_REGION, MAGIC, TRAILER_SIZE, Header, Index, Trailer, align_up, checksum, parse_index,
+    unpack_header, unpack_trailer,
 )
 from ..io.base import StorageReader
 from .engine import Engine
@@ -38,7 +38,8 @@ def open_file(reader: StorageReader) -> OpenedFile:
     """Read and validate header, trailer and index through ``reader``."""
     if reader.size < HEADER_REGION + TRAILER_SIZE:
         head = reader.read(0, min(reader.size, 64))
-        unpack_header(head)  # a foreign file says so before "truncated" does
+        if len(head) == 64 or head[:len(MAGIC)] != MAGIC:
+            unpack_header(head)  # a foreign file says so before "truncated" does
         raise CorruptCheckpointError(f"file is {reader.size} bytes: truncated")
     header = unpack_header(reader.read(0, 64))
     trailer = unpack_trailer(reader.read(reader.size - TRAILER_SIZE, TRAILER_SIZE), reader.size)

@@ -1,0 +1,334 @@
+"""The public API around save/load: partial loads read only what they need, lazy ``open``,
+``inspect`` and ``verify`` reports, argument checking."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gdsckpt
+from gdsckpt.format import HEADER_REGION, align_up
+from gdsckpt.io.posix import PosixReader
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"embed": torch.randn(64, 48, generator=g),    # 12 KiB: 3 chunks of its own
+                  "head": torch.randn(48, 40, generator=g),     # 7.5 KiB: 2 chunks
+                  "bias": torch.randn(8, generator=g)},         # packed
+        "optimizer": {"state": {0: {"exp_avg": torch.randn(30, 40, generator=g), "step": torch.tensor(3.0)}},
+                      "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "buffers": [torch.arange(2000, dtype=torch.int32), torch.ones(3), np.arange(1500, dtype=np.float64)],
+        "tied": None,  # filled below
+        "step": 7,
+    }
+
+
+@pytest.fixture
+def saved(ckpt_path: Path, h: Any) -> tuple[Path, dict[str, Any]]:
+    state = _state()
+    state["tied"] = state["model"]["head"]
+    gdsckpt.save(state, ckpt_path, config=h.small_config())
+    return ckpt_path, state
+
+
+class ReadRecorder:
+    """Records every positional read of checkpoint files: offset and length, at both the
+    ``PosixReader.submit_read`` level and the ``os.preadv`` syscall level."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.submitted: list[tuple[int, int]] = []
+        self.syscalls: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        original_submit = PosixReader.submit_read
+        original_preadv = os.preadv
+
+        def submit_read(reader: PosixReader, offset: int, out: np.ndarray) -> Any:
+            with self._lock:
+                self.submitted.append((offset, out.nbytes))
+            return original_submit(reader, offset, out)
+
+        def preadv(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+            count = original_preadv(fd, buffers, offset, *args)
+            with self._lock:
+                self.syscalls.append((offset, count))
+            return count
+
+        monkeypatch.setattr(PosixReader, "submit_read", submit_read)
+        monkeypatch.setattr(os, "preadv", preadv)
+
+    def chunk_reads(self) -> set[int]:
+        return {offset for offset, _ in self.submitted}
+
+    def bytes_touched(self) -> list[tuple[int, int]]:
+        return [(offset, offset + count) for offset, count in self.syscalls]
+
+
+def _needed_chunks(index: Any, keys: list[str]) -> set[int]:
+    wanted = set()
+    for record in index.tensors:
+        if any(record.key == k or record.key.startswith(k + "/") for k in keys):
+            source = index.tensors[record.alias] if record.alias is not None else record
+            wanted.update(segment.chunk for segment in source.segments)
+    return wanted
+
+
+@pytest.mark.parametrize("keys", [
+    ["model/embed"],
+    ["model/bias"],
+    ["optimizer"],
+    ["buffers/2", "model/head"],
+    ["tied"],          # an alias: its data lives in model/head's chunks
+    ["step"],          # a plain value: no chunk at all
+])
+def test_load_keys_reads_only_the_needed_chunks(saved: Any, keys: list[str], monkeypatch: pytest.MonkeyPatch,
+                                                h: Any) -> None:
+    path, state = saved
+    index = h.read_index(path)
+    needed = _needed_chunks(index, keys)
+    recorder = ReadRecorder(monkeypatch)
+    loaded = gdsckpt.load(path, keys=keys)
+
+    offsets = {index.chunks[c].offset for c in needed}
+    assert recorder.chunk_reads() == offsets
+    assert len(recorder.submitted) == len(needed), "each needed chunk is read exactly once"
+    # No syscall touches the bytes of any chunk that is not needed.
+    for number, chunk in enumerate(index.chunks):
+        if number in needed:
+            continue
+        start, end = chunk.offset, chunk.offset + align_up(chunk.stored)
+        for lo, hi in recorder.bytes_touched():
+            assert hi <= start or lo >= end, f"read [{lo}, {hi}) overlaps unneeded chunk {number}"
+    if keys != ["step"]:
+        assert len(needed) < len(index.chunks), "the test must leave some chunks unread"
+
+    # The values selected are exact and keep their place in the structure.
+    for key in keys:
+        node_expected, node_loaded = state, loaded
+        for part in key.split("/"):
+            part_key: Any = int(part) if isinstance(node_expected, list) else part
+            node_expected, node_loaded = node_expected[part_key], node_loaded[part_key]
+        h.assert_same(node_expected, node_loaded)
+
+
+def test_load_keys_shape_of_the_result(saved: Any, h: Any) -> None:
+    path, state = saved
+    loaded = gdsckpt.load(path, keys=["buffers/1", "model/bias"])
+    assert set(loaded) == {"buffers", "model"}
+    assert set(loaded["model"]) == {"bias"}
+    assert loaded["buffers"][0] is None and loaded["buffers"][2] is None
+    h.assert_same(state["buffers"][1], loaded["buffers"][1])
+    h.assert_same(state["model"]["bias"], loaded["model"]["bias"])
+    everything = gdsckpt.load(path, keys=[""])
+    h.assert_same(state, everything)
+
+
+def test_load_unknown_key_raises_key_error(saved: Any) -> None:
+    path, _ = saved
+    with pytest.raises(KeyError, match="model/nope"):
+        gdsckpt.load(path, keys=["model/embed", "model/nope"])
+    with pytest.raises(KeyError, match="mod"):
+        gdsckpt.load(path, keys=["mod"])  # a prefix of a key string is not a key
+
+
+def test_open_lazily_reads_one_array(saved: Any, monkeypatch: pytest.MonkeyPatch, h: Any) -> None:
+    path, state = saved
+    index = h.read_index(path)
+    with gdsckpt.open(path) as ckpt:
+        assert ckpt.keys() == [t.key for t in index.tensors]
+        assert "model/embed" in ckpt and "model/nope" not in ckpt
+        assert len(ckpt) == len(index.tensors) and list(ckpt) == ckpt.keys()
+        info = ckpt.info("model/embed")
+        assert (info.key, info.kind, info.dtype, info.shape, info.device) == \
+            ("model/embed", "torch", "float32", (64, 48), "cpu")
+        assert info.nbytes == 64 * 48 * 4 and info.chunks == 3 and info.alias_of is None
+        assert 0 < info.stored_bytes <= info.nbytes + 64 and info.codecs
+        assert ckpt.info("tied").alias_of == "model/head"
+        assert ckpt.info("buffers/2").kind == "numpy"
+
+        recorder = ReadRecorder(monkeypatch)
+        value = ckpt.get("model/embed")
+        h.assert_same(state["model"]["embed"], value)
+        assert recorder.chunk_reads() == {index.chunks[c].offset for c in _needed_chunks(index, ["model/embed"])}
+        h.assert_same(state["buffers"][2], ckpt.get("buffers/2"))
+        assert ckpt.get("tied") is not None
+        h.assert_same(state["model"]["head"], ckpt.get("tied"))
+        with pytest.raises(KeyError, match="model/nope"):
+            ckpt.get("model/nope")
+        with pytest.raises(KeyError, match="model/nope"):
+            ckpt.info("model/nope")
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_open_context_manager_closes_the_file(saved: Any) -> None:
+    path, _ = saved
+    before = _open_fds()
+    with gdsckpt.open(path) as ckpt:
+        assert _open_fds() > before
+        ckpt.get("model/bias")
+    assert _open_fds() == before
+    ckpt = gdsckpt.open(path)
+    ckpt.close()
+    assert _open_fds() == before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_load_inspect_verify_leave_no_file_open(saved: Any) -> None:
+    path, _ = saved
+    before = _open_fds()
+    gdsckpt.load(path)
+    gdsckpt.load(path, keys=["model"])
+    gdsckpt.inspect(path)
+    gdsckpt.verify(path)
+    assert _open_fds() == before
+
+
+def test_open_raises_for_a_bad_file_without_leaking(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gdsckpt"
+    bad.write_bytes(b"not a checkpoint" * 400)
+    before = _open_fds() if os.path.isdir("/proc/self/fd") else 0
+    with pytest.raises(gdsckpt.UnsupportedFormatError):
+        gdsckpt.open(bad)
+    if os.path.isdir("/proc/self/fd"):
+        assert _open_fds() == before
+
+
+def test_inspect_describes_the_file_from_its_index(saved: Any, h: Any) -> None:
+    path, _ = saved
+    index = h.read_index(path)
+    info = gdsckpt.inspect(path)
+    assert isinstance(info, gdsckpt.CheckpointInfo)
+    assert info.path == str(path)
+    assert info.format_version == (1, 0)
+    assert info.writer == f"gdsckpt {gdsckpt.__version__}"
+    assert info.file_bytes == path.stat().st_size
+    logical = sum(t.nbytes for t in index.tensors if t.alias is None)
+    assert info.logical_bytes == logical
+    assert info.ratio == pytest.approx(logical / path.stat().st_size)
+    assert [t.key for t in info.tensors] == [t.key for t in index.tensors]
+    assert sum(info.codecs.values()) == len(index.chunks)
+    by_key = {t.key: t for t in info.tensors}
+    assert by_key["tied"].alias_of == "model/head" and by_key["tied"].chunks == 0
+    assert by_key["buffers/0"].dtype == "int32" and by_key["buffers/0"].shape == (2000,)
+    assert by_key["optimizer/state/0/step"].shape == ()
+    stored = sum(c.stored for c in index.chunks)
+    assert abs(sum(t.stored_bytes for t in info.tensors) - stored) <= len(info.tensors)
+
+
+def test_inspect_reads_no_chunk(saved: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _ = saved
+    recorder = ReadRecorder(monkeypatch)
+    gdsckpt.inspect(path)
+    assert recorder.submitted == []
+    index_offset = _index_offset(path)
+    touched = recorder.bytes_touched()
+    assert touched, "inspect reads header, index and trailer"
+    for lo, hi in touched:
+        assert hi <= HEADER_REGION or lo >= index_offset, f"read [{lo}, {hi}) lies in the chunk region"
+
+
+def _index_offset(path: Path) -> int:
+    from gdsckpt.format import unpack_trailer
+
+    data = path.read_bytes()
+    return unpack_trailer(data[-64:], len(data)).index_offset
+
+
+def test_verify_reports_on_a_good_file(saved: Any, monkeypatch: pytest.MonkeyPatch, h: Any) -> None:
+    path, _ = saved
+    index = h.read_index(path)
+    recorder = ReadRecorder(monkeypatch)
+    report = gdsckpt.verify(path)
+    assert isinstance(report, gdsckpt.VerifyReport)
+    assert report.path == str(path)
+    assert report.chunks == len(index.chunks)
+    assert report.stored_bytes == sum(c.stored for c in index.chunks)
+    assert report.logical_bytes == sum(t.nbytes for t in index.tensors if t.alias is None)
+    assert report.seconds >= 0
+    assert recorder.chunk_reads() == {c.offset for c in index.chunks}
+
+
+def test_save_report(ckpt_path: Path, h: Any) -> None:
+    state = _state()
+    state["tied"] = state["model"]["head"]
+    report = gdsckpt.save(state, ckpt_path, config=h.small_config())
+    index = h.read_index(ckpt_path)
+    assert isinstance(report, gdsckpt.SaveReport)
+    assert report.path == str(ckpt_path)
+    assert report.stored_bytes == ckpt_path.stat().st_size
+    assert report.logical_bytes == sum(t.nbytes for t in index.tensors if t.alias is None)
+    assert report.ratio == pytest.approx(report.logical_bytes / report.stored_bytes)
+    assert report.tensors == len(index.tensors) and report.chunks == len(index.chunks)
+    assert sum(report.chains.values()) == report.chunks
+    assert report.codec == "zstd" and report.engine == "cpu" and report.backend.startswith("posix")
+    assert report.seconds > 0 and report.throughput == pytest.approx(report.logical_bytes / report.seconds)
+
+
+def test_chunk_bytes_argument_overrides_config(ckpt_path: Path, h: Any) -> None:
+    state = {"w": torch.arange(8192, dtype=torch.float32)}  # 32 KiB
+    gdsckpt.save(state, ckpt_path, chunk_bytes=8192, config=h.small_config(chunk_bytes=4096))
+    assert max(c.raw for c in h.read_index(ckpt_path).chunks) == 8192
+    gdsckpt.save(state, ckpt_path, chunk_bytes="16KiB", config=h.small_config())
+    assert len(h.read_index(ckpt_path).chunks) == 2
+    h.assert_same(state, gdsckpt.load(ckpt_path))
+
+
+def test_environment_variables_configure_defaults(ckpt_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  h: Any) -> None:
+    monkeypatch.setenv("GDSCKPT_CHUNK_BYTES", "4KiB")
+    monkeypatch.setenv("GDSCKPT_FSYNC", "0")
+    state = {"w": torch.arange(4096, dtype=torch.float32)}  # 16 KiB
+    gdsckpt.save(state, ckpt_path, codec="none")
+    assert len(h.read_index(ckpt_path).chunks) == 4
+    gdsckpt.save(state, ckpt_path, codec="none", chunk_bytes=8192)  # the argument wins
+    assert len(h.read_index(ckpt_path).chunks) == 2
+
+
+@pytest.mark.parametrize("bad", [{"chunk_bytes": 1000}, {"chunk_bytes": 0}, {"byte_planes": "sometimes"},
+                                 {"o_direct": "maybe"}, {"io_threads": 0}])
+def test_invalid_config_raises_value_error(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        gdsckpt.Config(**bad)
+
+
+def test_save_path_errors(tmp_path: Path, h: Any) -> None:
+    with pytest.raises(IsADirectoryError):
+        gdsckpt.save({"a": 1}, tmp_path, config=h.small_config())
+    with pytest.raises(FileNotFoundError):
+        gdsckpt.save({"a": 1}, tmp_path / "missing" / "x.gdsckpt", config=h.small_config())
+    with pytest.raises(FileNotFoundError):
+        gdsckpt.load(tmp_path / "absent.gdsckpt")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's answer")
+def test_load_to_cuda_without_cuda_raises(saved: Any) -> None:
+    path, _ = saved
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        gdsckpt.load(path, device="cuda")
+    with pytest.raises(ValueError, match="invalid"):
+        gdsckpt.load(path, device="tpu")
+
+
+def test_load_device_cpu_is_accepted(saved: Any, h: Any) -> None:
+    path, state = saved
+    h.assert_same(state, gdsckpt.load(path, device="cpu"))
+    h.assert_same(state, gdsckpt.load(path, device=torch.device("cpu")))
+
+
+def test_path_like_and_str_paths(saved: Any, h: Any) -> None:
+    path, state = saved
+    h.assert_same(state, gdsckpt.load(str(path)))
+    with gdsckpt.open(str(path)) as ckpt:
+        assert ckpt.keys()

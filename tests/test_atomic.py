@@ -1,0 +1,234 @@
+"""Atomic saves: whatever fails during a save, the path keeps its previous content byte for byte
+and no temporary file is left behind; stale temporaries of dead writers are cleaned up."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gdsckpt
+from gdsckpt.codecs import cpu as cpu_codecs
+from gdsckpt.io import posix
+
+TEMP_GLOB = ".*.gdsckpt-tmp-*"
+
+
+def _old_state() -> dict[str, Any]:
+    return {"w": torch.arange(4000, dtype=torch.float32), "step": 1}
+
+
+def _new_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(6000, generator=g), "b": torch.randn(300, generator=g),
+            "tiny": [torch.ones(5) * i for i in range(20)], "step": 2}
+
+
+def _config(h: Any, **changes: Any) -> Any:
+    return h.small_config(fsync=True, io_threads=3, **changes)
+
+
+def _assert_untouched(directory: Path, path: Path, previous: bytes | None) -> None:
+    if previous is None:
+        assert not path.exists()
+    else:
+        assert path.read_bytes() == previous
+    assert list(directory.glob(TEMP_GLOB)) == [], "a temporary file was left behind"
+    assert sorted(p.name for p in directory.iterdir()) == ([path.name] if previous is not None else [])
+
+
+class CallCounter:
+    """Wraps a function; the wrapper raises ``error()`` from call number ``fail_at`` (0-based) on."""
+
+    def __init__(self, original: Callable[..., Any], fail_at: int | None, error: Callable[[], BaseException]):
+        self.original, self.fail_at, self.error = original, fail_at, error
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            number = self.calls
+            self.calls += 1
+        if self.fail_at is not None and number >= self.fail_at:
+            raise self.error()
+        return self.original(*args, **kwargs)
+
+
+def _enospc() -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, target: Any, name: str, run: Callable[[], Any]) -> int:
+    counter = CallCounter(getattr(target, name), None, _enospc)
+    with monkeypatch.context() as m:
+        m.setattr(target, name, counter)
+        run()
+    return counter.calls
+
+
+@pytest.fixture
+def previous(ckpt_path: Path, h: Any) -> bytes:
+    gdsckpt.save(_old_state(), ckpt_path, config=_config(h))
+    return ckpt_path.read_bytes()
+
+
+def test_pwrite_is_what_writes_the_file(ckpt_path: Path, monkeypatch: pytest.MonkeyPatch, h: Any) -> None:
+    """Guard for the fault injection below: a save goes through os.pwrite in gdsckpt.io.posix."""
+    calls = _count_calls(monkeypatch, posix.os, "pwrite",
+                         lambda: gdsckpt.save(_new_state(), ckpt_path, config=_config(h)))
+    assert calls >= 5
+
+
+@pytest.mark.parametrize("fail_at", ["header", 1, 2, "middle", "tail"])
+def test_write_failure_keeps_previous_file(fail_at: Any, ckpt_path: Path, previous: bytes, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch, h: Any) -> None:
+    config = _config(h)
+    # Count the pwrite calls of this very save (into a scratch directory), to aim at each phase.
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    total = _count_calls(monkeypatch, posix.os, "pwrite",
+                         lambda: gdsckpt.save(_new_state(), scratch / "x.gdsckpt", config=config))
+    assert total >= 5
+    index = {"header": 0, "middle": total // 2, "tail": total - 1}.get(fail_at, fail_at)
+    counter = CallCounter(os.pwrite, index, _enospc)
+    with monkeypatch.context() as m:
+        m.setattr(posix.os, "pwrite", counter)
+        with pytest.raises(OSError) as caught:
+            gdsckpt.save(_new_state(), ckpt_path, config=config)
+    assert caught.value.errno == errno.ENOSPC
+    assert counter.calls > index
+    assert ckpt_path.read_bytes() == previous
+    assert list(tmp_path.glob(TEMP_GLOB)) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ckpt_path.name, "scratch"])
+    # The next save works and replaces the file.
+    gdsckpt.save(_new_state(), ckpt_path, config=config)
+    h.assert_same(_new_state(), gdsckpt.load(ckpt_path))
+
+
+def test_write_failure_without_previous_file_leaves_nothing(ckpt_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            h: Any) -> None:
+    with monkeypatch.context() as m:
+        m.setattr(posix.os, "pwrite", CallCounter(os.pwrite, 3, _enospc))
+        with pytest.raises(OSError, match="No space left"):
+            gdsckpt.save(_new_state(), ckpt_path, config=_config(h))
+    _assert_untouched(ckpt_path.parent, ckpt_path, None)
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 4])
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt, MemoryError])
+def test_encode_failure_keeps_previous_file(fail_at: int, error: type[BaseException], ckpt_path: Path,
+                                            previous: bytes, monkeypatch: pytest.MonkeyPatch, h: Any) -> None:
+    counter = CallCounter(cpu_codecs.ZstdCodec.encode, fail_at, lambda: error("injected encode failure"))
+
+    def encode(self: Any, data: Any) -> Any:
+        return counter(self, data)
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_codecs.ZstdCodec, "encode", encode)
+        with pytest.raises(error, match="injected encode failure"):
+            gdsckpt.save(_new_state(), ckpt_path, codec="zstd", config=_config(h))
+    assert counter.calls > fail_at
+    _assert_untouched(ckpt_path.parent, ckpt_path, previous)
+
+
+def test_source_read_failure_keeps_previous_file(ckpt_path: Path, previous: bytes,
+                                                 monkeypatch: pytest.MonkeyPatch, h: Any) -> None:
+    """Reading a tensor's bytes fails part way through the save (e.g. a device error)."""
+    from gdsckpt.state import TorchSource
+
+    counter = CallCounter(TorchSource.host_bytes, 3, lambda: RuntimeError("injected read failure"))
+    with monkeypatch.context() as m:
+        m.setattr(TorchSource, "host_bytes", lambda self, start, stop: counter(self, start, stop))
+        with pytest.raises(RuntimeError, match="injected read failure"):
+            gdsckpt.save(_new_state(), ckpt_path, config=_config(h))
+    assert counter.calls > 3
+    _assert_untouched(ckpt_path.parent, ckpt_path, previous)
+
+
+@pytest.mark.parametrize("name", ["fsync", "replace", "ftruncate"])
+def test_commit_failure_keeps_previous_file(name: str, ckpt_path: Path, previous: bytes,
+                                            monkeypatch: pytest.MonkeyPatch, h: Any) -> None:
+    counter = CallCounter(getattr(os, name), 0, lambda: OSError(errno.EIO, "injected I/O error"))
+    with monkeypatch.context() as m:
+        m.setattr(posix.os, name, counter)
+        with pytest.raises(OSError, match="injected I/O error"):
+            gdsckpt.save(_new_state(), ckpt_path, config=_config(h))
+    assert counter.calls >= 1
+    _assert_untouched(ckpt_path.parent, ckpt_path, previous)
+
+
+def test_unsupported_state_keeps_previous_file(ckpt_path: Path, previous: bytes, h: Any) -> None:
+    with pytest.raises(TypeError):
+        gdsckpt.save({"w": torch.ones(3), "bad": {1, 2}}, ckpt_path, config=_config(h))
+    _assert_untouched(ckpt_path.parent, ckpt_path, previous)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_failed_saves_leak_no_file_descriptors(ckpt_path: Path, previous: bytes,
+                                               monkeypatch: pytest.MonkeyPatch, h: Any) -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    for fail_at in (0, 2, 5):
+        with monkeypatch.context() as m:
+            m.setattr(posix.os, "pwrite", CallCounter(os.pwrite, fail_at, _enospc))
+            with pytest.raises(OSError):
+                gdsckpt.save(_new_state(), ckpt_path, config=_config(h))
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_successful_save_leaves_only_the_file(ckpt_path: Path, previous: bytes, h: Any) -> None:
+    gdsckpt.save(_new_state(), ckpt_path, config=_config(h))
+    assert ckpt_path.read_bytes() != previous
+    assert sorted(p.name for p in ckpt_path.parent.iterdir()) == [ckpt_path.name]
+    h.assert_same(_new_state(), gdsckpt.load(ckpt_path))
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_stale_temporary_of_a_dead_writer_is_removed(ckpt_path: Path, h: Any) -> None:
+    directory = ckpt_path.parent
+    stale = directory / f".{ckpt_path.name}.gdsckpt-tmp-{_dead_pid()}-0badc0de"
+    stale.write_bytes(b"half a checkpoint")
+    other_target = directory / f".other.gdsckpt.gdsckpt-tmp-{_dead_pid()}-0badc0de"
+    other_target.write_bytes(b"someone else's")
+    live_writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = directory / f".{ckpt_path.name}.gdsckpt-tmp-{live_writer.pid}-12345678"
+        live.write_bytes(b"a save in progress")
+        gdsckpt.save(_old_state(), ckpt_path, config=_config(h))
+        assert not stale.exists(), "the dead writer's temporary file must be removed"
+        assert live.exists(), "a live writer's temporary file must be left alone"
+        assert other_target.exists(), "temporaries of other targets are not ours to remove"
+        h.assert_same(_old_state(), gdsckpt.load(ckpt_path))
+    finally:
+        live_writer.kill()
+        live_writer.wait()
+
+
+def test_readers_never_see_a_temporary_file(ckpt_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            previous: bytes, h: Any) -> None:
+    """While a save is half written, loading the path gives the previous checkpoint."""
+    seen: list[Any] = []
+    original = os.pwrite
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        if not seen:
+            seen.append(gdsckpt.load(ckpt_path))
+        return original(fd, data, offset)
+
+    with monkeypatch.context() as m:
+        m.setattr(posix.os, "pwrite", pwrite)
+        gdsckpt.save(_new_state(), ckpt_path, config=_config(h))
+    h.assert_same(_old_state(), seen[0])
+    h.assert_same(_new_state(), gdsckpt.load(ckpt_path))

@@ -1,0 +1,110 @@
+"""The command line, run as ``python -m gdsckpt`` in a subprocess: exit codes and output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gdsckpt
+
+
+@pytest.fixture
+def saved(ckpt_path: Path, h: Any) -> Path:
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {"embed.weight": torch.randn(3000, generator=g), "head.bias": torch.randn(10, generator=g)},
+             "tied": None, "step": 5}
+    state["tied"] = state["model"]["embed.weight"]
+    gdsckpt.save(state, ckpt_path, config=h.small_config())
+    return ckpt_path
+
+
+def test_demo_runs_and_restores_bit_exact(tmp_path: Path, h: Any) -> None:
+    result = h.run_cli("demo", "--width", "64", "--depth", "1", "--dir", str(tmp_path), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "bit-exact: yes" in result.stdout
+    assert "torch.save" in result.stdout and "gdsckpt" in result.stdout
+    assert list(tmp_path.iterdir()) == [], "the demo cleans up its files"
+
+
+def test_inspect_prints_every_array(saved: Path, h: Any) -> None:
+    result = h.run_cli("inspect", str(saved))
+    assert result.returncode == 0, result.stderr
+    assert "format 1.0" in result.stdout
+    for key in ("model/embed.weight", "model/head.bias", "tied"):
+        assert key in result.stdout
+    assert "alias of model/embed.weight" in result.stdout
+    assert "3 arrays" in result.stdout
+
+
+def test_inspect_json_is_valid_and_complete(saved: Path, h: Any) -> None:
+    result = h.run_cli("inspect", "--json", str(saved))
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    info = gdsckpt.inspect(saved)
+    assert doc["path"] == str(saved)
+    assert doc["format_version"] == [1, 0]
+    assert doc["file_bytes"] == saved.stat().st_size == info.file_bytes
+    assert doc["logical_bytes"] == info.logical_bytes
+    assert doc["codecs"] == info.codecs
+    assert [t["key"] for t in doc["tensors"]] == ["model/embed.weight", "model/head.bias", "tied"]
+    embed = doc["tensors"][0]
+    assert embed["dtype"] == "float32" and embed["shape"] == [3000] and embed["nbytes"] == 12000
+    assert doc["tensors"][2]["alias_of"] == "model/embed.weight"
+
+
+def test_verify_good_file_exits_zero(saved: Path, h: Any) -> None:
+    result = h.run_cli("verify", str(saved))
+    assert result.returncode == 0, result.stderr
+    assert "OK" in result.stdout
+    assert f"{len(h.read_index(saved).chunks)} chunks" in result.stdout
+
+
+def test_verify_corrupt_file_exits_one_naming_tensor_and_chunk(saved: Path, h: Any) -> None:
+    index = h.read_index(saved)
+    chunk_number = index.tensors[0].segments[1].chunk
+    chunk = index.chunks[chunk_number]
+    data = bytearray(saved.read_bytes())
+    data[chunk.offset + chunk.stored // 3] ^= 0x40
+    saved.write_bytes(bytes(data))
+    result = h.run_cli("verify", str(saved))
+    assert result.returncode == 1
+    assert "model/embed.weight" in result.stderr and f"chunk {chunk_number}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "OK" not in result.stdout
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_missing_or_foreign_file_exits_one(command: str, tmp_path: Path, h: Any) -> None:
+    missing = h.run_cli(command, str(tmp_path / "absent.gdsckpt"))
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    foreign = tmp_path / "foreign.bin"
+    foreign.write_bytes(b"\x00" * 9000)
+    result = h.run_cli(command, str(foreign))
+    assert result.returncode == 1 and "not a gdsckpt checkpoint" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    ["frobnicate"],
+    ["inspect"],
+    ["verify"],
+    ["verify", "a", "b"],
+    ["demo", "--width", "wide"],
+    ["inspect", "--bogus", "x"],
+])
+def test_bad_arguments_exit_two(args: list[str], h: Any) -> None:
+    result = h.run_cli(*args)
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "usage:" in result.stderr
+
+
+def test_help_exits_zero(h: Any) -> None:
+    result = h.run_cli("--help")
+    assert result.returncode == 0
+    for command in ("demo", "inspect", "verify"):
+        assert command in result.stdout

@@ -1,0 +1,203 @@
+"""load_into on a real model and optimizer: resuming from a checkpoint is bit-identical to never
+having stopped; mismatches are reported in full before anything is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gdsckpt
+from gdsckpt.demo import TinyGPT, train_steps, training_state
+
+WIDTH, DEPTH, VOCAB = 32, 1, 96
+
+
+def _bits(tensor: torch.Tensor, h: Any) -> bytes:
+    return h.tensor_bytes(tensor)
+
+
+def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, h: Any) -> dict[str, Any]:
+    """Every parameter, buffer and optimizer state tensor as (dtype, shape, bytes)."""
+    out: dict[str, Any] = {}
+    for key, value in model.state_dict().items():
+        out[f"model/{key}"] = (value.dtype, tuple(value.shape), _bits(value, h))
+    state = optimizer.state_dict()
+    for param_id, entries in state["state"].items():
+        for name, value in entries.items():
+            value = torch.as_tensor(value)
+            out[f"optimizer/{param_id}/{name}"] = (value.dtype, tuple(value.shape), _bits(value, h))
+    groups = [{k: v for k, v in group.items()} for group in state["param_groups"]]
+    out["param_groups"] = groups
+    return out
+
+
+def _assert_snapshots_equal(expected: dict[str, Any], actual: dict[str, Any]) -> None:
+    assert expected.keys() == actual.keys()
+    differing = [key for key in expected if expected[key] != actual[key]]
+    assert not differing, f"not bit-identical: {differing[:10]}"
+
+
+def _save_training_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                         h: Any) -> None:
+    gdsckpt.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path,
+                 config=h.small_config())
+
+
+def _fresh(seed: int, width: int = WIDTH, depth: int = DEPTH, lr: float = 5e-2) -> tuple[Any, Any]:
+    model, _ = training_state(width=width, depth=depth, steps=0, seed=seed, vocab=VOCAB)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def test_resume_is_bit_identical_to_an_uninterrupted_run(ckpt_path: Path, h: Any) -> None:
+    model, optimizer = training_state(width=WIDTH, depth=DEPTH, steps=3, seed=0, vocab=VOCAB)
+    _save_training_state(ckpt_path, model, optimizer, 3, h)
+    saved = _snapshot(model, optimizer, h)
+
+    fresh_model, fresh_optimizer = _fresh(seed=1)
+    assert _snapshot(fresh_model, fresh_optimizer, h).keys() != saved.keys()  # no optimizer state yet
+    parameters_before = {name: p for name, p in fresh_model.named_parameters()}
+    pointers_before = {name: p.data_ptr() for name, p in fresh_model.named_parameters()}
+    target = {"model": fresh_model, "optimizer": fresh_optimizer, "step": 0}
+
+    assert gdsckpt.load_into(target, ckpt_path) is target
+    assert target["step"] == 3
+    # In place: the very same parameter objects and memory.
+    for name, p in fresh_model.named_parameters():
+        assert p is parameters_before[name] and p.data_ptr() == pointers_before[name]
+    assert fresh_optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # the checkpoint's, not 5e-2
+    _assert_snapshots_equal(saved, _snapshot(fresh_model, fresh_optimizer, h))
+
+    # Train both the uninterrupted original and the restored copy on the same data.
+    loss_original = train_steps(model, optimizer, 3, seed=1234)
+    loss_restored = train_steps(fresh_model, fresh_optimizer, 3, seed=1234)
+    assert loss_original == loss_restored
+    _assert_snapshots_equal(_snapshot(model, optimizer, h), _snapshot(fresh_model, fresh_optimizer, h))
+
+
+def test_resume_from_a_state_dict_target(ckpt_path: Path, h: Any) -> None:
+    """A plain state dict of tensors is filled in place, key by key."""
+    model, optimizer = training_state(width=WIDTH, depth=DEPTH, steps=2, seed=0, vocab=VOCAB)
+    _save_training_state(ckpt_path, model, optimizer, 2, h)
+    fresh_model, _ = _fresh(seed=5)
+    tensors = fresh_model.state_dict()
+    gdsckpt.load_into({"model": tensors}, ckpt_path, strict=False)
+    for key, value in model.state_dict().items():
+        assert _bits(tensors[key], h) == _bits(value, h), key
+        assert _bits(fresh_model.state_dict()[key], h) == _bits(value, h), key
+
+
+def test_load_into_a_model_with_tied_weights(ckpt_path: Path, h: Any) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=VOCAB, width=WIDTH, depth=DEPTH)
+    model.head.weight = model.embed.weight
+    with torch.no_grad():
+        model.embed.weight.mul_(3.0)
+    gdsckpt.save({"model": model.state_dict()}, ckpt_path, config=h.small_config())
+    torch.manual_seed(1)
+    fresh = TinyGPT(vocab=VOCAB, width=WIDTH, depth=DEPTH)
+    fresh.head.weight = fresh.embed.weight
+    gdsckpt.load_into({"model": fresh}, ckpt_path)
+    assert fresh.head.weight is fresh.embed.weight
+    for key, value in model.state_dict().items():
+        assert _bits(fresh.state_dict()[key], h) == _bits(value, h), key
+
+
+def test_mismatched_width_raises_listing_every_differing_key(ckpt_path: Path, h: Any) -> None:
+    model, optimizer = training_state(width=WIDTH, depth=DEPTH, steps=1, seed=0, vocab=VOCAB)
+    _save_training_state(ckpt_path, model, optimizer, 1, h)
+    wide, wide_optimizer = _fresh(seed=1, width=48)
+    before = {k: _bits(v, h) for k, v in wide.state_dict().items()}
+    with pytest.raises(gdsckpt.StateMismatchError) as caught:
+        gdsckpt.load_into({"model": wide, "optimizer": wide_optimizer, "step": 0}, ckpt_path)
+    message = str(caught.value)
+    for key in wide.state_dict():
+        assert f"model/{key}" in message, f"{key} not listed"
+    assert "model/embed.weight" in message and "[96, 48]" in message and "[96, 32]" in message
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, gdsckpt.CheckpointError)
+    # Nothing was written.
+    assert {k: _bits(v, h) for k, v in wide.state_dict().items()} == before
+    assert not wide_optimizer.state
+
+
+def test_missing_and_unexpected_keys_are_listed(ckpt_path: Path, h: Any) -> None:
+    model, _ = training_state(width=WIDTH, depth=2, steps=0, seed=0, vocab=VOCAB)
+    gdsckpt.save({"model": model.state_dict(), "extra": torch.ones(2)}, ckpt_path, config=h.small_config())
+
+    shallow, _ = _fresh(seed=1, depth=1)
+    with pytest.raises(gdsckpt.StateMismatchError) as caught:
+        gdsckpt.load_into({"model": shallow}, ckpt_path)
+    message = str(caught.value)
+    assert "'model/blocks.1.qkv.weight': in checkpoint, missing from target" in message
+    assert "'extra': in checkpoint, missing from target" in message
+    assert "model/blocks.0" not in message
+
+    deep, _ = _fresh(seed=1, depth=3)
+    with pytest.raises(gdsckpt.StateMismatchError) as caught:
+        gdsckpt.load_into({"model": deep, "extra": torch.zeros(2), "epoch": 0}, ckpt_path)
+    message = str(caught.value)
+    assert "'model/blocks.2.qkv.weight': in target, missing from checkpoint" in message
+    assert "'epoch': in target, missing from checkpoint" in message
+    assert "model/blocks.1" not in message and "'extra'" not in message
+
+
+def test_strict_false_ignores_unexpected_checkpoint_entries(ckpt_path: Path, h: Any) -> None:
+    model, _ = training_state(width=WIDTH, depth=2, steps=0, seed=0, vocab=VOCAB)
+    gdsckpt.save({"model": model.state_dict(), "extra": torch.ones(2), "note": "hello", "step": 4},
+                 ckpt_path, config=h.small_config())
+    shallow, _ = _fresh(seed=1, depth=1)
+    target = {"model": shallow, "step": 0}
+    gdsckpt.load_into(target, ckpt_path, strict=False)
+    assert target == {"model": shallow, "step": 4}
+    expected = model.state_dict()
+    for key, value in shallow.state_dict().items():
+        assert _bits(value, h) == _bits(expected[key], h), key
+    # strict=False does not excuse what the target needs and the checkpoint lacks.
+    deep, _ = _fresh(seed=1, depth=3)
+    with pytest.raises(gdsckpt.StateMismatchError, match="blocks.2"):
+        gdsckpt.load_into({"model": deep}, ckpt_path, strict=False)
+
+
+def test_strict_reports_unexpected_plain_values(ckpt_path: Path, h: Any) -> None:
+    """A checkpoint entry the target does not hold is unexpected whether it is a tensor or a value."""
+    model, optimizer = training_state(width=WIDTH, depth=DEPTH, steps=1, seed=0, vocab=VOCAB)
+    _save_training_state(ckpt_path, model, optimizer, 1, h)
+    fresh_model, fresh_optimizer = _fresh(seed=1)
+    with pytest.raises(gdsckpt.StateMismatchError, match="'step': in checkpoint, missing from target"):
+        gdsckpt.load_into({"model": fresh_model, "optimizer": fresh_optimizer}, ckpt_path)
+    gdsckpt.load_into({"model": fresh_model, "optimizer": fresh_optimizer}, ckpt_path, strict=False)
+    assert fresh_optimizer.state
+
+
+def test_dtype_mismatch_is_reported(ckpt_path: Path, h: Any) -> None:
+    gdsckpt.save({"w": torch.ones(4, dtype=torch.float32)}, ckpt_path, config=h.small_config())
+    target = {"w": torch.zeros(4, dtype=torch.float16)}
+    with pytest.raises(gdsckpt.StateMismatchError, match=r"'w': target float16\[4\] != checkpoint float32\[4\]"):
+        gdsckpt.load_into(target, ckpt_path)
+    assert not target["w"].any()
+
+
+def test_optimizer_missing_from_checkpoint(ckpt_path: Path, h: Any) -> None:
+    model, _ = training_state(width=WIDTH, depth=DEPTH, steps=0, seed=0, vocab=VOCAB)
+    gdsckpt.save({"model": model.state_dict()}, ckpt_path, config=h.small_config())
+    fresh_model, fresh_optimizer = _fresh(seed=1)
+    with pytest.raises(gdsckpt.StateMismatchError, match="optimizer"):
+        gdsckpt.load_into({"model": fresh_model, "optimizer": fresh_optimizer}, ckpt_path)
+
+
+def test_load_into_non_contiguous_target_tensor(ckpt_path: Path, h: Any) -> None:
+    source = torch.randn(6, 5)
+    gdsckpt.save({"w": source}, ckpt_path, config=h.small_config())
+    storage = torch.zeros(5, 6)
+    target = {"w": storage.t()}  # a non-contiguous view into `storage`
+    gdsckpt.load_into(target, ckpt_path)
+    assert _bits(target["w"], h) == _bits(source, h)
+    assert _bits(storage, h) == _bits(source.t(), h)
+
+
+def test_load_into_rejects_unfillable_targets(ckpt_path: Path, h: Any) -> None:
+    gdsckpt.save({"w": torch.ones(2)}, ckpt_path, config=h.small_config())
+    with pytest.raises(TypeError, match="'w'"):
+        gdsckpt.load_into({"w": object()}, ckpt_path)
