@@ -9,7 +9,7 @@ Precedence, highest first: an argument of ``save``/``load`` > a ``Config`` passe
 | chunk_bytes | 4 MiB | uncompressed bytes per chunk (multiple of 4096) |
 | pack_below | 1 MiB | arrays smaller than this share chunks |
 | byte_planes | ``"auto"`` | ``auto`` (per array, kept where it compresses better), ``always``, ``never`` |
-| level | ``None`` | compression level for zstd/deflate (None: the codec's default, zstd 3) |
+| level | ``None`` | compression level for zstd/deflate (None: the engine's default; CPU: zstd 1, deflate 6) |
 | codec_threads | 0 | CPU threads for codecs (0: one per core) |
 | io_threads | 8 | threads issuing reads and writes |
 | max_inflight_bytes | 256 MiB | bound on chunk bytes between read/encode and write/decode |
