@@ -152,12 +152,17 @@ class TorchSource(_SourceBase):
         spec = DTYPES[dtype_name]
         super().__init__(tensor.numel() * spec.itemsize, spec.itemsize, spec.plane_width,
                          tensor.device.type == "cuda")
-        self.tensor = tensor.detach()
+        # A lazy conjugate / negative view reads as values its memory does not hold: materialize it.
+        self.tensor = tensor.detach().resolve_conj().resolve_neg()
 
     def _part(self, start: int, stop: int) -> Any:
         import torch
 
-        return _torch_range(self.tensor, start // self.itemsize, stop // self.itemsize).view(torch.uint8)
+        part = _torch_range(self.tensor, start // self.itemsize, stop // self.itemsize)
+        if part.numel() == 1 and part.stride(0) != 1:
+            # torch calls one element contiguous whatever its stride, but view() to bytes needs 1
+            part = part.as_strided((1,), (1,))
+        return part.view(torch.uint8)
 
     def host_bytes(self, start: int, stop: int) -> np.ndarray:
         part = self._part(start, stop)
@@ -525,7 +530,8 @@ class _Flattener:
         view_key = None
         if tensor.numel():
             view_key = ("torch", str(tensor.device), tensor.untyped_storage().data_ptr(),
-                        tensor.storage_offset(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+                        tensor.storage_offset(), tensor.dtype, tuple(tensor.shape), tensor.stride(),
+                        tensor.is_conj(), tensor.is_neg())
         device = str(tensor.device) if tensor.device.type == "cpu" else f"cuda:{tensor.device.index or 0}"
         return self._register(path, "torch", name, tuple(tensor.shape), device, TorchSource(tensor, name),
                               view_key, extra)

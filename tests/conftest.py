@@ -70,9 +70,12 @@ def small_config(**changes: Any) -> Any:
 
 def tensor_bytes(tensor: Any) -> bytes:
     """The element bytes of a torch tensor in C order (NaN payloads and -0.0 included)."""
-    t = tensor.detach().cpu().contiguous().reshape(-1)
+    # A fresh 1-D tensor, not .contiguous(): torch calls a single element contiguous whatever its
+    # stride, and view() to bytes needs stride 1.
+    t = torch.empty(tensor.numel(), dtype=tensor.dtype)
     if t.numel() == 0:
         return b""
+    t.copy_(tensor.detach().cpu().reshape(-1))
     return t.view(torch.uint8).numpy().tobytes()
 
 

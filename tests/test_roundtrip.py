@@ -92,6 +92,7 @@ def torch_matrix(rng: np.random.Generator) -> dict[str, Any]:
             "column": dense[:, 7],
             "expanded": dense[2:3].expand(5, 40),
             "offset_view": dense[5:9, 3:30],
+            "one_element_strided": dense[3:4, 5:12:3][:, :1],  # one element, last stride 3
         }
         if torch_name(dtype) in SPECIAL_BITS:
             entries["special"] = from_bits(SPECIAL_BITS[torch_name(dtype)], dtype)
@@ -225,6 +226,19 @@ def test_multi_chunk_and_packed_layout(ckpt_path: Path, h: Any) -> None:
     h.assert_same(state, gdsckpt.load(ckpt_path))
 
 
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=torch_name)
+def test_strided_tensor_whose_last_chunk_holds_one_element(dtype: torch.dtype, ckpt_path: Path, h: Any) -> None:
+    """A chunk boundary can leave a single element of a strided view in a chunk of its own."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_chunk = 4096 // itemsize
+    base = random_tensor(dtype, (2 * (per_chunk + 1),), np.random.default_rng(itemsize))
+    state = {"strided": base[::2], "single": base[1::2][:1], "matrix_column": base.reshape(-1, 2)[:, 1]}
+    assert state["strided"].numel() == per_chunk + 1
+    gdsckpt.save(state, ckpt_path, config=h.small_config())
+    assert max(len(t.segments) for t in h.read_index(ckpt_path).tensors) == 2
+    h.assert_same(state, gdsckpt.load(ckpt_path))
+
+
 def test_state_that_is_a_bare_tensor_or_value(ckpt_path: Path, h: Any) -> None:
     for state in (torch.arange(10), [1, 2], (torch.ones(2),), 5, None, "text", np.float64(1.5)):
         gdsckpt.save(state, ckpt_path, config=h.small_config())
@@ -315,6 +329,21 @@ def test_parameter_and_its_detached_view_keep_their_types(ckpt_path: Path, h: An
     h.assert_same(state, loaded)
     assert loaded["param"].requires_grad and not loaded["frozen"].requires_grad
     assert not loaded["plain"].requires_grad
+
+
+def test_conjugate_and_negative_views_round_trip_resolved(ckpt_path: Path, h: Any) -> None:
+    """Lazy conjugate / negative views share their base's memory, view and dtype, but not its
+    values: they must be saved as what they read as, never as an alias of the base."""
+    x = torch.randn(6, 5, dtype=torch.complex64, generator=torch.Generator().manual_seed(4))
+    state = {"x": x, "conj": x.conj(), "conj_t": x.conj().t(), "neg_imag": x.conj().imag, "imag": x.imag}
+    assert state["conj"].is_conj() and state["neg_imag"].is_neg()
+    gdsckpt.save(state, ckpt_path, config=h.small_config())
+    loaded = gdsckpt.load(ckpt_path)
+    for key, value in state.items():
+        resolved = value.resolve_conj().resolve_neg()
+        assert not loaded[key].is_conj() and not loaded[key].is_neg(), key
+        assert h.tensor_bytes(loaded[key]) == h.tensor_bytes(resolved), key
+    assert loaded["conj"] is not loaded["x"] and loaded["neg_imag"] is not loaded["imag"]
 
 
 # ---------------------------------------------------------------------------------------------
