@@ -95,10 +95,16 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when two tensors have the same dtype, shape and bit pattern (NaN payloads included)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
     if a.numel() == 0:
         return True
-    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+    def as_bytes(t: torch.Tensor) -> torch.Tensor:
+        # A fresh 1-D buffer: a one-element view may keep a non-unit stride through .contiguous()
+        flat = torch.empty(t.numel(), dtype=t.dtype)
+        flat.copy_(t.detach().cpu().reshape(-1))
+        return flat.view(torch.uint8)
+
+    return bool(torch.equal(as_bytes(a), as_bytes(b)))
 
 
 def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None, device: str | None = None) -> dict[str, Any]:
