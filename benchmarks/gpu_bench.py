@@ -65,6 +65,130 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+class MemorySampler:
+    """Peak GPU memory in use (device-wide, over the value at entry) and host RSS growth, sampled
+    every 2 ms on a thread while the block runs."""
+
+    def __enter__(self) -> "MemorySampler":
+        import threading
+
+        import psutil
+
+        self._process = psutil.Process()
+        free, _total = torch.cuda.mem_get_info()
+        self._free0, self._rss0 = free, self._process.memory_info().rss
+        self.gpu_peak = self.rss_peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        free, _total = torch.cuda.mem_get_info()
+        self.gpu_peak = max(self.gpu_peak, self._free0 - free)
+        self.rss_peak = max(self.rss_peak, self._process.memory_info().rss - self._rss0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self._sample()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sample()
+
+
+def flat_dict(state: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(flat_dict(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def fsync_tree(path: Path) -> None:
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def safetensors_save(state: dict, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in flat_dict(state).items()}, str(path))
+    fsync_tree(path)
+
+
+def safetensors_load(path: Path) -> None:
+    from safetensors.torch import load_file
+
+    load_file(str(path), device="cuda")
+
+
+def dcp_save(state: dict, path: Path, *, zstd: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    kwargs = {}
+    if zstd:
+        from torch.distributed.checkpoint._extension import ZStandard
+
+        kwargs["_extensions"] = [ZStandard()]
+    dcp.save(flat_dict(state), storage_writer=dcp.FileSystemWriter(str(path), sync_files=True, **kwargs))
+
+
+def dcp_load(state: dict, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    if not path.exists():
+        raise FileNotFoundError(path)
+    template = {k: torch.empty_like(v) for k, v in flat_dict(state).items()}
+    dcp.load(template, storage_reader=dcp.FileSystemReader(str(path)))
+
+
+def naive_save(state: dict, path: Path) -> None:
+    """The do-it-yourself approach: nvCOMP ANS encode per tensor, then torch.save of the buffers."""
+    import cupy
+    from nvidia import nvcomp
+
+    codec = nvcomp.Codec(algorithm="ANS")
+    encoded = {}
+    for key, tensor in flat_dict(state).items():
+        array = codec.encode(nvcomp.as_array(cupy.asarray(tensor.reshape(-1).view(torch.uint8))))
+        data = torch.from_dlpack(array).view(torch.uint8).reshape(-1)[: array.buffer_size].clone()
+        encoded[key] = (data, str(tensor.dtype), tuple(tensor.shape))
+    with path.open("wb") as handle:
+        torch.save(encoded, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def naive_load(path: Path) -> None:
+    import cupy
+    from nvidia import nvcomp
+
+    codec = nvcomp.Codec(algorithm="ANS")
+    encoded = torch.load(path, map_location="cuda", weights_only=True)
+    for data, _dtype, _shape in encoded.values():
+        decoded = codec.decode(nvcomp.as_array(cupy.asarray(data)))
+        torch.from_dlpack(decoded)
+    torch.cuda.synchronize()
+
+
+def group_ratios(path: Path) -> dict:
+    info = gdsckpt.inspect(path)
+    groups: dict = {}
+    for tensor in info.tensors:
+        parts = tensor.key.split("/")
+        group = parts[0] if parts[0] != "optimizer" else f"optimizer/{parts[-1]}"
+        raw, stored = groups.get(group, (0, 0))
+        groups[group] = (raw + tensor.nbytes, stored + tensor.stored_bytes)
+    return {g: raw / stored for g, (raw, stored) in groups.items() if stored}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
@@ -125,16 +249,48 @@ def main() -> None:
 
     loaded = {}
     runs = results["runs"]
+    errors = results.setdefault("errors", {})
+
+    def attempt(name: str, fn) -> None:
+        try:
+            runs[name] = logical / timed(fn) / 1e9
+        except Exception as err:  # a baseline this torch lacks: record, keep going
+            errors[name] = f"{type(err).__name__}: {err}"
+
     runs["kvikio_raw_write"] = logical / timed(raw_write) / 1e9
-    runs["gdsckpt_save"] = logical / timed(ours_save) / 1e9
+    with MemorySampler() as memory:
+        runs["gdsckpt_save"] = logical / timed(ours_save) / 1e9
+    results["save_gpu_bytes_beyond_state"] = memory.gpu_peak
+    results["save_host_rss_growth"] = memory.rss_peak
     runs["torch_save"] = logical / timed(theirs_save) / 1e9
+    st_path, dcp_path, dcp_zstd_path, naive_path = (directory / n for n in ("st.safetensors", "dcp", "dcp-zstd",
+                                                                           "naive.pt"))
+    import shutil
+
+    # Baselines one at a time (save, cold load, delete): the disk holds ~64 GiB, not seven copies.
+    for name, save_fn, load_fn, path in (
+            ("safetensors", lambda p: safetensors_save(state, p), safetensors_load, st_path),
+            ("dcp", lambda p: dcp_save(state, p, zstd=False), lambda p: dcp_load(state, p), dcp_path),
+            ("dcp_zstd", lambda p: dcp_save(state, p, zstd=True), lambda p: dcp_load(state, p), dcp_zstd_path),
+            ("naive_nvcomp_torch", lambda p: naive_save(state, p), naive_load, naive_path)):
+        attempt(f"{name}_save", lambda: save_fn(path))
+        if path.exists():
+            for file in ([path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]):
+                drop_cache(file)
+            attempt(f"{name}_load_cold", lambda: load_fn(path))
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     for path in (raw_path, ours, theirs):
         drop_cache(path)
     runs["kvikio_raw_read_cold"] = logical / timed(raw_read) / 1e9
-    runs["gdsckpt_load_cold"] = logical / timed(lambda: loaded.__setitem__(
-        "ours", gdsckpt.load(ours, device="cuda"))) / 1e9
+    with MemorySampler() as memory:
+        runs["gdsckpt_load_cold"] = logical / timed(lambda: loaded.__setitem__(
+            "ours", gdsckpt.load(ours, device="cuda"))) / 1e9
+    results["load_gpu_bytes_beyond_state"] = memory.gpu_peak - logical
+    results["load_host_rss_growth"] = memory.rss_peak
     runs["torch_load_cold"] = logical / timed(lambda: loaded.__setitem__(
         "theirs", torch.load(theirs, map_location="cuda", weights_only=True))) / 1e9
+    loaded.pop("theirs", None)
+    results["group_ratios"] = group_ratios(ours)
     report = reports["save"]
     results["ratio"] = report.ratio
     results["codec"], results["backend"], results["chains"] = report.codec, report.backend, report.chains
@@ -149,21 +305,31 @@ def main() -> None:
 
     flat_state = flatten(state)
     config = gdsckpt.Config()
-    plans = plan_chunks([(a.source.nbytes, a.source.itemsize, a.source.plane_width) for a in flat_state.arrays],
-                        chunk_bytes=config.chunk_bytes, pack_below=config.pack_below)
-    engine = GpuEngine([a.source for a in flat_state.arrays], codec="ans", byte_planes="auto", device_id=0,
-                       chunk_bytes=config.chunk_bytes, max_staging_bytes=config.max_staging_bytes)
-    seconds = timed(lambda: run_save(plans, engine, NullWriter(), max_inflight_bytes=config.max_staging_bytes,
-                                     build_index=lambda r: _build_index(flat_state, r)))
-    engine.close()
-    runs["gdsckpt_null_sink"] = logical / seconds / 1e9
+    for chunk_mib in (4, 8, 16):
+        chunk = chunk_mib << 20
+        plans = plan_chunks([(a.source.nbytes, a.source.itemsize, a.source.plane_width)
+                             for a in flat_state.arrays], chunk_bytes=chunk, pack_below=config.pack_below)
+        for repeat in range(2):  # the first pass includes nvCOMP's and CuPy's warm-up
+            engine = GpuEngine([a.source for a in flat_state.arrays], codec="ans", byte_planes="auto",
+                               device_id=0, chunk_bytes=chunk, max_staging_bytes=config.max_staging_bytes)
+            seconds = timed(lambda: run_save(plans, engine, NullWriter(),
+                                             max_inflight_bytes=config.max_staging_bytes,
+                                             build_index=lambda r: _build_index(flat_state, r)))
+            engine.close()
+            runs[f"gdsckpt_null_sink_{chunk_mib}MiB_pass{repeat + 1}"] = logical / seconds / 1e9
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"state: {logical / 2**30:.2f} GiB, ratio {results['ratio']:.3f} ({results['codec']}, "
           f"{results['backend']}), bit-exact {results['bit_exact']}")
+    print("group ratios:", {k: round(v, 3) for k, v in results["group_ratios"].items()})
+    print(f"save: GPU memory beyond the state {results['save_gpu_bytes_beyond_state'] / 2**20:.0f} MiB, "
+          f"host RSS growth {results['save_host_rss_growth'] / 2**20:.0f} MiB; load: GPU beyond the "
+          f"restored state {results['load_gpu_bytes_beyond_state'] / 2**20:.0f} MiB, host RSS growth "
+          f"{results['load_host_rss_growth'] / 2**20:.0f} MiB")
+    for name, error in results["errors"].items():
+        print(f"  {name}: {error[:200]}")
     for name, value in runs.items():
         print(f"  {name:24} {value:8.2f} GB/s")
-    for path in (raw_path, ours, theirs):
-        path.unlink()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":

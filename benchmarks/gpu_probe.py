@@ -80,3 +80,25 @@ for name in ("ans", "zstd", "lz4", "deflate", "gdeflate", "snappy", "bitcomp", "
     except Exception as err:
         carve[name] = f"error: {type(err).__name__}: {err}"
 print(json.dumps({"carve": carve}, indent=1))
+
+# Can the fixed-shape compress step be captured in a CUDA graph?
+graph_report: dict = {}
+try:
+    codec = DeviceCodec("ans", stream=stream, device_id=0, data_type="<f2")
+    data = bf16[: 4 << 20]
+    bound = codec.max_compressed_bytes(data)
+    out = cupy.zeros(bound, dtype=cupy.uint8)
+    codec.encode_into([data], out, [0], bound)  # warm-up outside capture
+    stream.synchronize()
+    stream.begin_capture()
+    try:
+        codec.encode_into([data], out, [0], bound)
+    finally:
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    graph_report["captured"] = True
+except Exception as err:
+    graph_report["captured"] = False
+    graph_report["error"] = f"{type(err).__name__}: {err}"
+print(json.dumps({"cuda_graph": graph_report}))

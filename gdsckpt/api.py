@@ -308,7 +308,11 @@ def _restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int
     targets = {i: make_target(i, index.tensors[i]) for i in data_ids}
     engine = _restore_engine(config, gpu_device)
     try:
-        run_restore(reader, index, engine, targets, max_inflight_bytes=config.max_inflight_bytes,
+        # A GPU restore keeps up to the staging budget of reads in flight (device memory), a
+        # CPU restore the host budget.
+        budget = config.max_inflight_bytes if gpu_device is None else max(config.max_inflight_bytes,
+                                                                          config.max_staging_bytes)
+        run_restore(reader, index, engine, targets, max_inflight_bytes=budget,
                     timeout=config.timeout)
     finally:
         engine.close()

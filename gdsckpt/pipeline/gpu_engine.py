@@ -19,10 +19,13 @@ hanging it.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable
+
+import numpy as np
 
 from ..codecs import BYTE_PLANES, Chain
 from ..codecs.nvcomp import BY_VERSIONED, GPU_ALGORITHMS, DeviceCodec
@@ -34,6 +37,48 @@ from .plan import ArraySource, ChunkPlan
 
 TRIAL_BYTES = 1 << 20
 _TYPED_ANS = {2: "<f2", 4: "<f4"}
+
+_ZERO_TAILS = r"""
+extern "C" __global__ void zero_tails(unsigned char** starts, const int* lengths) {
+    // One block per payload: clear the padding between the stream's end and the next 4 KiB.
+    unsigned char* start = starts[blockIdx.x];
+    for (int i = threadIdx.x; i < lengths[blockIdx.x]; i += blockDim.x) start[i] = 0;
+}
+"""
+_kernels: dict[int, Any] = {}
+_allocator_installed = False
+_allocator_lock = threading.Lock()
+
+
+def _zero_tails_kernel(cupy: Any) -> Any:
+    device = cupy.cuda.runtime.getDevice()
+    if device not in _kernels:
+        _kernels[device] = cupy.RawKernel(_ZERO_TAILS, "zero_tails")
+    return _kernels[device]
+
+
+def install_nvcomp_allocator() -> None:
+    """Route nvCOMP's own device allocations (scratch, temporaries) to CuPy's memory pool.
+
+    Without it nvCOMP calls cudaMalloc/cudaFree around each batch, which costs time and keeps its
+    memory outside any bound we can see; with it the memory is pooled, reused across batches,
+    and counted by ``cupy.get_default_memory_pool()``. Process-wide, installed once; set
+    ``GDSCKPT_NVCOMP_ALLOCATOR=0`` to keep nvCOMP's default allocator.
+    """
+    global _allocator_installed
+    with _allocator_lock:
+        if _allocator_installed or os.environ.get("GDSCKPT_NVCOMP_ALLOCATOR", "1") == "0":
+            return
+        import cupy
+        from nvidia import nvcomp
+
+        def allocate(nbytes: int, stream: Any) -> Any:
+            # CuPy's pool is stream-ordered on the current stream, which is the engine's stream
+            # wherever nvCOMP runs on our behalf.
+            return cupy.cuda.alloc(nbytes)
+
+        nvcomp.set_device_allocator(allocate)
+        _allocator_installed = True
 
 
 class GpuEngine(Engine):
@@ -48,6 +93,7 @@ class GpuEngine(Engine):
         if codec != "none" and codec not in GPU_ALGORITHMS:
             raise ValueError(f"codec {codec!r} has no GPU implementation (expected one of: "
                              f"{', '.join(['none', *GPU_ALGORITHMS])})")
+        install_nvcomp_allocator()
         self.cupy = cupy
         self.sources = sources
         self.codec = codec
@@ -182,6 +228,7 @@ class GpuEngine(Engine):
         return decision
 
     def _encode_batch(self, jobs: list[Any]) -> None:
+        cupy = self.cupy
         from ..codecs.gpu_crc import crc32c_batch
 
         prepared = []
@@ -229,9 +276,14 @@ class GpuEngine(Engine):
                     stages = [{"name": BYTE_PLANES.name, "width": chunk.plane_width}] if use_planes else []
                     chain = Chain.of(*stages, codec.stage())
                 padded = align_up(stored)
-                slot_out[stored:padded] = 0
                 payloads.append(slot_out[:stored])
                 results.append((future, slot_out[:padded], stored, chunk.raw, chain, slot))
+            tails = [(p.data.ptr + p.nbytes, r[1].nbytes - p.nbytes) for p, r in zip(payloads, results)
+                     if r[1].nbytes > p.nbytes]
+            if tails:
+                starts = cupy.asarray(np.array([t[0] for t in tails], dtype=np.uint64))
+                lengths = cupy.asarray(np.array([t[1] for t in tails], dtype=np.int32))
+                _zero_tails_kernel(cupy)((len(tails),), (256,), (starts, lengths))
             crcs = crc32c_batch(payloads, self.stream)  # synchronizes the stream
         for (future, payload, stored, raw, chain, slot), crc in zip(results, crcs):
             future.set_result(EncodedChunk(payload, stored, raw, int(crc), chain,
