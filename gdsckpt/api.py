@@ -51,6 +51,8 @@ class SaveReport:
     chunks: int
     chains: dict[str, int] = field(default_factory=dict)
     """How many chunks used each codec chain, e.g. ``{"byteplanes/1+zstd/1": 12, "none/1": 1}``."""
+    auto: dict[str, Any] = field(default_factory=dict)
+    """For ``codec="auto"`` on the GPU: the storage speed and sampled ratios the choice used."""
 
     @property
     def throughput(self) -> float:
@@ -185,7 +187,7 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
           a.source.plane_width if a.source else 0) for a in flat.arrays],
         chunk_bytes=cfg.chunk_bytes, pack_below=min(cfg.pack_below, cfg.chunk_bytes),
     )
-    engine, make_writer, codec_name = _save_engine(cfg, flat, codec_name)
+    engine, make_writer, codec_name, auto = _save_engine(cfg, flat, codec_name, Path(path))
     try:
         writer = make_writer(path, cfg)
         result = run_save(plans, engine, writer, max_inflight_bytes=cfg.max_inflight_bytes,
@@ -201,7 +203,7 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
         path=str(path), logical_bytes=logical, stored_bytes=result.file_bytes,
         ratio=logical / result.file_bytes if result.file_bytes else 0.0,
         seconds=time.perf_counter() - started, codec=codec_name, backend=writer.name,
-        engine=engine.name, tensors=len(flat.arrays), chunks=len(result.chunks), chains=chains,
+        engine=engine.name, tensors=len(flat.arrays), chunks=len(result.chunks), chains=chains, auto=auto,
     )
 
 
@@ -226,18 +228,31 @@ def _use_gpu(config: Config, wants_gpu: bool) -> bool:
     return available
 
 
-def _save_engine(config: Config, flat: FlatState, codec: str) -> tuple[Any, Any, str]:
-    """The engine and writer factory of a save, and the codec it runs."""
+def _save_engine(config: Config, flat: FlatState, codec: str, path: Path) -> tuple[Any, Any, str, dict[str, Any]]:
+    """The engine and writer factory of a save, the codec it runs, and how ``auto`` chose it."""
     device = _cuda_device_of(flat)
     if _use_gpu(config, device is not None):
         from .io.kvikio import KvikioWriter
         from .pipeline.gpu_engine import GpuEngine
 
-        codec = "ans" if codec == "auto" else codec
-        versioned_name(codec)  # ValueError listing the choices for an unknown name
+        if codec != "auto":
+            versioned_name(codec)  # ValueError listing the valid names for an unknown one
         torch = sys.modules.get("torch")
         if torch is not None and device is not None:
             torch.cuda.synchronize(device)  # the snapshot: every queued update has landed
+        auto: dict[str, Any] = {}
+        if codec == "auto":
+            import cupy
+
+            from .pipeline.autotune import choose_codec, sample_ratios, storage_gbps
+
+            _check_target(path)
+            with cupy.cuda.Device(device or 0):
+                stream = cupy.cuda.Stream(non_blocking=True)
+            speed = storage_gbps(path.parent, config.storage_gbps)
+            ratios = sample_ratios([a.source for a in flat.arrays], device or 0, stream)
+            codec = choose_codec(speed, ratios)
+            auto = {"storage_gbps": speed, "sampled_ratios": ratios, "chose": codec}
         engine = GpuEngine([a.source for a in flat.arrays], codec=codec, byte_planes=config.byte_planes, device_id=device or 0,
                            chunk_bytes=config.chunk_bytes, max_staging_bytes=config.max_staging_bytes,
                            timeout=config.timeout)
@@ -247,9 +262,9 @@ def _save_engine(config: Config, flat: FlatState, codec: str) -> tuple[Any, Any,
             return KvikioWriter(path, threads=cfg.kvikio_threads, task_size=cfg.kvikio_task_size,
                                 o_direct=cfg.o_direct, fsync=cfg.fsync)
 
-        return engine, make_writer, codec
+        return engine, make_writer, codec, auto
     codec = _resolve_codec(codec)
-    return _host_engine(config, [a.source for a in flat.arrays], codec), _writer, codec
+    return _host_engine(config, [a.source for a in flat.arrays], codec), _writer, codec, {}
 
 
 def _build_index(flat: FlatState, result: SaveResult) -> Index:

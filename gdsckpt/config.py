@@ -20,6 +20,7 @@ Precedence, highest first: an argument of ``save``/``load`` > a ``Config`` passe
 | max_staging_bytes | 1 GiB | GPU staging ring for compressed chunks, allocated once per save |
 | kvikio_threads | 16 | kvikio thread pool size (GPU engine) |
 | kvikio_task_size | None | kvikio task size in bytes (None: kvikio's default) |
+| storage_gbps | None | storage write speed for ``codec="auto"`` on the GPU (None: measured once per filesystem and cached) |
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Config:
     max_staging_bytes: int = 1 << 30
     kvikio_threads: int = 16
     kvikio_task_size: int | None = None
+    storage_gbps: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("chunk_bytes", "pack_below", "max_inflight_bytes", "max_staging_bytes"):
@@ -126,6 +128,8 @@ def _coerce(name: str, text: str) -> Any:
         return None if text.lower() in ("", "none") else int(text)
     if name == "timeout":
         return float(text)
+    if name == "storage_gbps":
+        return None if text.lower() in ("", "none") else float(text)
     if name in ("fsync", "o_direct"):
         lowered = text.lower()
         if lowered in ("1", "true", "yes", "on"):

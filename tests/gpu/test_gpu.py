@@ -183,3 +183,12 @@ def test_jax_arrays_round_trip(tmp_path):
     back = gdsckpt.load(path)
     assert isinstance(back["x"], jax.Array)
     assert bool((np.asarray(back["x"]) == np.asarray(state["x"])).all())
+
+
+def test_auto_codec_chooses_by_storage_speed_and_sampled_ratio(tmp_path):
+    report = gdsckpt.save(_state(), tmp_path / "a.gdsckpt")
+    assert report.codec in ("ans", "zstd") and report.auto["chose"] == report.codec
+    assert report.auto["storage_gbps"] > 0 and set(report.auto["sampled_ratios"]) == {"ans", "zstd"}
+    fast = gdsckpt.save(_state(), tmp_path / "b.gdsckpt", config=gdsckpt.Config(storage_gbps=1000.0))
+    assert fast.codec == "ans"  # no storage is slow enough for zstd's 8 GB/s to win
+    _assert_same(_state(), gdsckpt.load(tmp_path / "a.gdsckpt", device="cuda"))

@@ -1,0 +1,147 @@
+"""``codec="auto"`` on the GPU: pick the codec by measured storage speed against codec speed.
+
+The nvCOMP checkpointing guide's rule of thumb (Zstd for storage of ~5-10 GB/s, gANS above
+~15 GB/s) is the special case of one comparison: a save cannot run faster than the codec
+compresses, nor faster than storage speed times the compression ratio, so the codec with the
+larger ``min(codec_speed, storage_speed * ratio)`` wins. gdsckpt evaluates that comparison with
+numbers measured where it runs instead of the rule's fixed thresholds:
+
+- storage speed: one durable write of ``PROBE_BYTES`` into the checkpoint's directory, cached per
+  filesystem (``$XDG_CACHE_HOME/gdsckpt/storage.json``, keyed by device number) so it is paid once;
+  ``Config.storage_gbps`` overrides it;
+- ratios: each candidate compresses a sample of the state (the first MiBs of its largest arrays)
+  on the GPU, in the mode the engine would use (typed ANS; byte planes for Zstd where they help);
+- codec speeds: nvCOMP compression throughput measured on the H200 (``CODEC_GBPS``, the lower
+  end of the measured ranges in GPU_HOST.md).
+
+On this project's H200 host (storage ~2 GB/s) the comparison picks whichever codec compresses
+the state more; on a 25-50 GB/s NVMe array it picks ANS, which Zstd (8-14 GB/s) cannot keep up with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..format import align_up
+
+CODEC_GBPS = {"ans": 160.0, "zstd": 8.0}
+"""nvCOMP compression throughput on the H200 (GB/s of input), lower end of measured ranges."""
+CANDIDATES = ("ans", "zstd")
+PROBE_BYTES = 256 << 20
+SAMPLE_BYTES_PER_ARRAY = 2 << 20
+SAMPLE_ARRAYS = 4
+
+
+def choose_codec(storage_gbps: float, ratios: dict[str, float],
+                 codec_gbps: dict[str, float] | None = None) -> str:
+    """The candidate with the highest ``min(codec speed, storage speed x ratio)``; ties go to
+    the better ratio (fewer bytes stored)."""
+    speeds = codec_gbps or CODEC_GBPS
+    if not ratios:
+        raise ValueError("no candidate codecs to choose from")
+    return max(ratios, key=lambda name: (min(speeds[name], storage_gbps * ratios[name]), ratios[name]))
+
+
+def _cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gdsckpt" / "storage.json"
+
+
+def measure_storage_gbps(directory: Path, nbytes: int | None = None) -> float:
+    """Durable write speed into ``directory`` (GB/s): aligned host writes with O_DIRECT where the
+    filesystem allows it, fsync included; the probe file is removed afterwards."""
+    from ..io.base import aligned_empty
+
+    size = align_up(PROBE_BYTES if nbytes is None else nbytes)
+    buffer = aligned_empty(size)
+    buffer[:] = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    path = directory / f".gdsckpt-storage-probe-{os.getpid()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        try:
+            fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+        except OSError:
+            fd = os.open(path, flags, 0o600)
+        try:
+            started = time.perf_counter()
+            view = memoryview(buffer)
+            offset = 0
+            while offset < size:
+                offset += os.pwrite(fd, view[offset:], offset)
+            os.fsync(fd)
+            seconds = time.perf_counter() - started
+        finally:
+            os.close(fd)
+    finally:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    return size / max(seconds, 1e-9) / 1e9
+
+
+def storage_gbps(directory: Path, override: float | None = None) -> float:
+    """The storage speed of ``directory``: ``override``, else the cached or a new measurement."""
+    if override is not None:
+        return float(override)
+    key = str(os.stat(directory).st_dev)
+    cache = _cache_file()
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("gbps"), (int, float)) and entry["gbps"] > 0:
+        return float(entry["gbps"])
+    speed = measure_storage_gbps(directory)
+    known[key] = {"gbps": speed, "path": str(directory), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # an unwritable cache only costs a new measurement next time
+    return speed
+
+
+def sample_ratios(sources: list[Any], device_id: int, stream: Any) -> dict[str, float]:
+    """Compression ratio of each candidate on a sample of the largest arrays (GPU)."""
+    import cupy
+
+    from ..codecs.nvcomp import DeviceCodec
+
+    largest = sorted((s for s in sources if s is not None and s.nbytes), key=lambda s: -s.nbytes)[:SAMPLE_ARRAYS]
+    if not largest:
+        return {name: 1.0 for name in CANDIDATES}
+    samples = []
+    for source in largest:
+        take = min(source.nbytes, SAMPLE_BYTES_PER_ARRAY) // max(source.itemsize, 1) * max(source.itemsize, 1)
+        samples.append((source.device_bytes(0, take), source.plane_width))
+    raw = sum(s.nbytes for s, _ in samples)
+    ratios = {}
+    with cupy.cuda.Device(device_id), stream:
+        for name in CANDIDATES:
+            stored = 0
+            for data, width in samples:
+                typed = {2: "<f2", 4: "<f4"}.get(width) if name == "ans" else None
+                variants = [data]
+                if name != "ans" and width in (2, 4, 8):
+                    planed = cupy.empty_like(data)
+                    planed.reshape(width, -1)[...] = data.reshape(-1, width)[:, ::-1].T
+                    variants.append(planed)
+                codec = DeviceCodec(name, stream=stream, device_id=device_id, data_type=typed)
+                bound = codec.max_compressed_bytes(data)
+                out = cupy.empty(bound * len(variants), dtype=cupy.uint8)
+                sizes = codec.encode_into(variants, out, [i * bound for i in range(len(variants))], bound)
+                stored += min(min(sizes), data.nbytes)
+                del codec
+            ratios[name] = raw / max(stored, 1)
+        stream.synchronize()
+    return ratios

@@ -1,0 +1,51 @@
+"""codec="auto" on the GPU: the choice rule and the cached storage measurement (CPU-testable parts)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gdsckpt.pipeline import autotune
+
+
+def test_slow_storage_picks_the_better_ratio():
+    # 2 GB/s storage: both codecs outrun the disk, so bytes stored decide.
+    assert autotune.choose_codec(2.0, {"ans": 1.25, "zstd": 1.30}) == "zstd"
+    assert autotune.choose_codec(2.0, {"ans": 1.35, "zstd": 1.30}) == "ans"
+
+
+def test_fast_storage_picks_the_codec_that_keeps_up():
+    # 30 GB/s NVMe array: zstd (8 GB/s) is the bottleneck even with the better ratio.
+    assert autotune.choose_codec(30.0, {"ans": 1.25, "zstd": 1.40}) == "ans"
+
+
+def test_guide_thresholds_emerge_from_the_rule():
+    ratios = {"ans": 1.20, "zstd": 1.35}
+    assert autotune.choose_codec(5.0, ratios) == "zstd"   # ~5-10 GB/s: Zstd
+    assert autotune.choose_codec(15.0, ratios) == "ans"   # >= ~15 GB/s: gANS
+
+
+def test_choose_codec_needs_candidates():
+    with pytest.raises(ValueError, match="no candidate"):
+        autotune.choose_codec(1.0, {})
+
+
+def test_storage_speed_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "PROBE_BYTES", 4 << 20)
+    calls = []
+    real = autotune.measure_storage_gbps
+    monkeypatch.setattr(autotune, "measure_storage_gbps", lambda d, n=None: calls.append(d) or real(d, n))
+    first = autotune.storage_gbps(tmp_path)
+    second = autotune.storage_gbps(tmp_path)
+    assert first > 0 and second == first and len(calls) == 1
+    cached = json.loads((tmp_path / "cache" / "gdsckpt" / "storage.json").read_text())
+    assert list(cached.values())[0]["gbps"] == first
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".gdsckpt-storage-probe")]
+
+
+def test_storage_speed_override_skips_measurement(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "measure_storage_gbps", lambda *a: pytest.fail("measured"))
+    assert autotune.storage_gbps(tmp_path, 12.5) == 12.5
