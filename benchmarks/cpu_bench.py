@@ -327,6 +327,32 @@ def parse_variant(text: str, base: Config) -> tuple[str, str, Config]:
     return label, codec, base.replace(**changes) if changes else base
 
 
+def _busy_seconds() -> float | None:
+    """CPU seconds all processes of the host have spent busy (from /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as handle:
+            fields = [int(x) for x in handle.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class _Meter:
+    """Wall seconds, this process's CPU seconds (all threads) and other processes' CPU seconds
+    over a block: the last shows whether something else competed for the cores."""
+
+    def __enter__(self) -> _Meter:
+        self.busy0, self.cpu0, self.wall0 = _busy_seconds(), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.wall0
+        self.cpu = time.process_time() - self.cpu0
+        busy = _busy_seconds()
+        self.others = None if busy is None or self.busy0 is None else max(0.0, busy - self.busy0 - self.cpu)
+
+
 def run_once(method: Method, state: Any, original: Any, logical: int, directory: Path,
              cold: str) -> tuple[dict[str, Any], dict[str, Any], int, list[str]]:
     """One durable save and one cold load; returns (sample, save details, file bytes, problems)."""
@@ -334,23 +360,25 @@ def run_once(method: Method, state: Any, original: Any, logical: int, directory:
     path.unlink(missing_ok=True)
     os.sync()
     gc.collect()
-    started = time.perf_counter()
-    details = method.save(state, path)
-    save_seconds = time.perf_counter() - started
+    with _Meter() as save_meter:
+        details = method.save(state, path)
     file_bytes = path.stat().st_size
     make_cold(path, cold)
     gc.collect()
-    started = time.perf_counter()
-    loaded = method.load(path)
-    load_seconds = time.perf_counter() - started
+    with _Meter() as load_meter:
+        loaded = method.load(path)
     if method.compare is not None:
         problems = method.compare(loaded)
     else:
         problems = compare(original, loaded, tensors_only=method.tensors_only)
     del loaded
     path.unlink(missing_ok=True)
-    sample = {"save_s": save_seconds, "load_s": load_seconds, "save_mb_s": logical / MB / save_seconds,
-              "load_mb_s": logical / MB / load_seconds, "bit_exact": not problems}
+    sample = {"save_s": save_meter.wall, "load_s": load_meter.wall,
+              "save_mb_s": logical / MB / save_meter.wall, "load_mb_s": logical / MB / load_meter.wall,
+              "save_cpu_s_per_gb": save_meter.cpu / (logical / 1e9),
+              "load_cpu_s_per_gb": load_meter.cpu / (logical / 1e9),
+              "save_other_cpu_s": save_meter.others, "load_other_cpu_s": load_meter.others,
+              "bit_exact": not problems}
     return sample, details, file_bytes, problems
 
 
@@ -366,6 +394,8 @@ def summarize(method: Method, runs: list[tuple[dict[str, Any], dict[str, Any], i
         "load_mb_s": statistics.median(s["load_mb_s"] for s in samples),
         "save_mb_s_best": max(s["save_mb_s"] for s in samples),
         "load_mb_s_best": max(s["load_mb_s"] for s in samples),
+        "save_cpu_s_per_gb": statistics.median(s["save_cpu_s_per_gb"] for s in samples),
+        "load_cpu_s_per_gb": statistics.median(s["load_cpu_s_per_gb"] for s in samples),
         "bit_exact": all(s["bit_exact"] for s in samples), "problems": problems[:10], **details,
     }
 
@@ -380,8 +410,10 @@ def run_methods(methods: list[Method], state: Any, original: Any, logical: int, 
             runs[method.label].append(run)
             if verbose:
                 sample = run[0]
+                others = [sample[k] for k in ("save_other_cpu_s", "load_other_cpu_s")]
                 print(f"  [{round_number + 1}/{repeat}] {method.label:30} ratio {logical / run[2]:.3f}  "
                       f"save {sample['save_mb_s']:6.0f} MB/s  load {sample['load_mb_s']:6.0f} MB/s  "
+                      f"(other processes' CPU s: {'/'.join('?' if x is None else f'{x:.1f}' for x in others)})  "
                       f"bit-exact {'yes' if sample['bit_exact'] else 'NO ' + '; '.join(run[3][:3])}", flush=True)
     return [summarize(m, runs[m.label], logical) for m in methods]
 
@@ -469,12 +501,14 @@ def host_info(directory: Path) -> dict[str, Any]:
 
 def print_table(title: str, rows: list[dict[str, Any]], baseline: dict[str, Any] | None) -> None:
     print(title)
-    print(f"  {'method':30}{'ratio':>7}{'save MB/s':>11}{'load MB/s':>11}{'save x':>8}{'load x':>8}  bit-exact")
+    print(f"  {'method':30}{'ratio':>7}{'save MB/s':>11}{'load MB/s':>11}{'save x':>8}{'load x':>8}"
+          f"{'save cpu':>10}{'load cpu':>10}  bit-exact")
     for row in rows:
         save_x = f"{row['save_mb_s'] / baseline['save_mb_s']:.2f}" if baseline else "-"
         load_x = f"{row['load_mb_s'] / baseline['load_mb_s']:.2f}" if baseline else "-"
         print(f"  {row['method']:30}{row['ratio']:>7.3f}{row['save_mb_s']:>11.0f}{row['load_mb_s']:>11.0f}"
-              f"{save_x:>8}{load_x:>8}  {'yes' if row['bit_exact'] else 'NO'}")
+              f"{save_x:>8}{load_x:>8}{row['save_cpu_s_per_gb']:>10.2f}{row['load_cpu_s_per_gb']:>10.2f}"
+              f"  {'yes' if row['bit_exact'] else 'NO'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -550,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_table(f"{logical / MB:.0f} MB training state, {report['host']['cpu_affinity']} cores, "
                 f"{report['host']['filesystem']['type']}, cold reads by {cold}, median of {args.repeat}"
-                + (" (x: relative to torch)" if baseline else ""), results, baseline)
+                + (" (x: relative to torch; cpu: this process's CPU s per GB)" if baseline else ""),
+                results, baseline)
     if normal:
         print_table(f"N(0, 0.02) data, {normal_size / MB:.0f} MB per dtype, codec auto", normal, None)
     print(f"\nwrote {out}")
