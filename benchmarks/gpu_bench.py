@@ -72,7 +72,11 @@ class MemorySampler:
     def __enter__(self) -> "MemorySampler":
         import threading
 
+        import cupy
         import psutil
+
+        torch.cuda.empty_cache()  # cached blocks of earlier steps would hide this step's use
+        cupy.get_default_memory_pool().free_all_blocks()
 
         self._process = psutil.Process()
         free, _total = torch.cuda.mem_get_info()
@@ -196,6 +200,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--dir", default="/tmp/gdsckpt-bench")
     parser.add_argument("--out", default="gpu-bench.json")
+    parser.add_argument("--skip-baselines", action="store_true",
+                        help="skip safetensors, DCP and the naive approach (torch.save stays)")
     args = parser.parse_args()
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
@@ -271,11 +277,12 @@ def main() -> None:
     import shutil
 
     # Baselines one at a time (save, cold load, delete): the disk holds ~64 GiB, not seven copies.
-    for name, save_fn, load_fn, path in (
+    baselines = () if args.skip_baselines else (
             ("safetensors", lambda p: safetensors_save(state, p), safetensors_load, st_path),
             ("dcp", lambda p: dcp_save(state, p, zstd=False), lambda p: dcp_load(state, p), dcp_path),
             ("dcp_zstd", lambda p: dcp_save(state, p, zstd=True), lambda p: dcp_load(state, p), dcp_zstd_path),
-            ("naive_nvcomp_torch", lambda p: naive_save(state, p), naive_load, naive_path)):
+            ("naive_nvcomp_torch", lambda p: naive_save(state, p), naive_load, naive_path))
+    for name, save_fn, load_fn, path in baselines:
         attempt(f"{name}_save", lambda: save_fn(path))
         if path.exists():
             for file in ([path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]):
@@ -309,7 +316,7 @@ def main() -> None:
 
     flat_state = flatten(state)
     config = gdsckpt.Config()
-    for chunk_mib in (4, 8, 16):
+    for chunk_mib in (4, 16):
         chunk = chunk_mib << 20
         plans = plan_chunks([(a.source.nbytes, a.source.itemsize, a.source.plane_width)
                              for a in flat_state.arrays], chunk_bytes=chunk, pack_below=config.pack_below)

@@ -23,5 +23,5 @@ if [ $rc -gt 1 ]; then
 fi
 if [ -n "${BENCH_WIDTH:-}" ]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --width "$BENCH_WIDTH" --depth "${BENCH_DEPTH:-8}" \
-    --dir /root/gdsckpt-bench --out "$OUT/gpu-bench.json" 2>&1 | tee "$OUT/gpu-bench.log" | tail -30
+    --dir /root/gdsckpt-bench --out "$OUT/gpu-bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu-bench.log" | tail -30
 fi

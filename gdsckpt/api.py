@@ -175,22 +175,25 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
     returns; on any error ``path`` keeps its previous content and no temporary file remains.
     ``codec``: ``"auto"`` (byte planes where they help + zstd on the CPU), ``"zstd"``,
     ``"lz4"``, ``"deflate"``, ``"none"``; ``"auto"`` defers to ``config.codec``.
-    ``chunk_bytes`` overrides ``config.chunk_bytes``. Raises ``TypeError`` naming the key path of
+    ``chunk_bytes`` overrides ``config.chunk_bytes`` and ``config.gpu_chunk_bytes``. Raises ``TypeError`` naming the key path of
     any value that cannot be saved.
     """
     started = time.perf_counter()
-    cfg = _config(config, chunk_bytes=chunk_bytes, codec=None if codec == "auto" else codec)
+    cfg = _config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=chunk_bytes,
+                  codec=None if codec == "auto" else codec)
     flat = flatten(state)
-    codec_name = cfg.codec
+    engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, Path(path))
+    chunk = cfg.gpu_chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
     plans = plan_chunks(
         [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
           a.source.plane_width if a.source else 0) for a in flat.arrays],
-        chunk_bytes=cfg.chunk_bytes, pack_below=min(cfg.pack_below, cfg.chunk_bytes),
+        chunk_bytes=chunk, pack_below=min(cfg.pack_below, chunk),
     )
-    engine, make_writer, codec_name, auto = _save_engine(cfg, flat, codec_name, Path(path))
     try:
         writer = make_writer(path, cfg)
-        result = run_save(plans, engine, writer, max_inflight_bytes=cfg.max_inflight_bytes,
+        budget = cfg.max_inflight_bytes if engine.name != "gpu" else max(cfg.max_inflight_bytes,
+                                                                         cfg.max_staging_bytes)
+        result = run_save(plans, engine, writer, max_inflight_bytes=budget,
                           build_index=lambda r: _build_index(flat, r), timeout=cfg.timeout)
     finally:
         engine.close()
@@ -254,7 +257,7 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: Path) -> tup
             codec = choose_codec(speed, ratios)
             auto = {"storage_gbps": speed, "sampled_ratios": ratios, "chose": codec}
         engine = GpuEngine([a.source for a in flat.arrays], codec=codec, byte_planes=config.byte_planes, device_id=device or 0,
-                           chunk_bytes=config.chunk_bytes, max_staging_bytes=config.max_staging_bytes,
+                           chunk_bytes=config.gpu_chunk_bytes, max_staging_bytes=config.max_staging_bytes,
                            timeout=config.timeout)
 
         def make_writer(path: PathLike, cfg: Config) -> StorageWriter:

@@ -62,12 +62,15 @@ def install_nvcomp_allocator() -> None:
 
     Without it nvCOMP calls cudaMalloc/cudaFree around each batch, which costs time and keeps its
     memory outside any bound we can see; with it the memory is pooled, reused across batches,
-    and counted by ``cupy.get_default_memory_pool()``. Process-wide, installed once; set
-    ``GDSCKPT_NVCOMP_ALLOCATOR=0`` to keep nvCOMP's default allocator.
+    and counted by ``cupy.get_default_memory_pool()``. Process-wide, installed once.
+
+    Opt-in (``GDSCKPT_NVCOMP_ALLOCATOR=1``): on the H200 host (nvCOMP 6.0.0, CuPy 14.2) every
+    process that used it passed its work and then crashed with SIGSEGV at interpreter exit
+    (nvCOMP's global allocator outlives the Python callable it holds), so it is off by default.
     """
     global _allocator_installed
     with _allocator_lock:
-        if _allocator_installed or os.environ.get("GDSCKPT_NVCOMP_ALLOCATOR", "1") == "0":
+        if _allocator_installed or os.environ.get("GDSCKPT_NVCOMP_ALLOCATOR", "0") != "1":
             return
         import cupy
         from nvidia import nvcomp

@@ -100,8 +100,9 @@ def test_nvcomp_raw_streams_interoperate_with_cpu_libraries(codec):
 def test_gpu_round_trip_every_codec(tmp_path, codec):
     state = _state()
     path = tmp_path / f"{codec}.gdsckpt"
-    config = gdsckpt.Config(chunk_bytes=64 << 10, pack_below=16 << 10)
-    report = gdsckpt.save(state, path, codec=codec, config=config)
+    config = gdsckpt.Config(pack_below=16 << 10)
+    report = gdsckpt.save(state, path, codec=codec, chunk_bytes=64 << 10, config=config)
+    assert report.chunks > 10
     assert report.engine == "gpu" and report.backend.startswith("kvikio-")
     _assert_same(state, gdsckpt.load(path, device="cuda"))
     on_host = gdsckpt.load(path)  # decoded on the GPU when the codec needs it, delivered to the CPU
@@ -114,7 +115,7 @@ def test_gpu_round_trip_every_codec(tmp_path, codec):
 def test_gpu_written_portable_codecs_load_on_cpu_engine(tmp_path, codec):
     state = _state()
     path = tmp_path / "g.gdsckpt"
-    gdsckpt.save(state, path, codec=codec, config=gdsckpt.Config(chunk_bytes=64 << 10))
+    gdsckpt.save(state, path, codec=codec, chunk_bytes=64 << 10)
     cpu = gdsckpt.load(path, config=gdsckpt.Config(engine="cpu"))
     _assert_same(state, cpu)
 
