@@ -25,8 +25,8 @@ from .pipeline.load import OpenedFile, open_file, run_restore, run_verify
 from .pipeline.plan import plan_chunks
 from .pipeline.save import SaveResult, run_save
 from .state import (
-    CupyTarget, FlatState, JaxTarget, NumpyTarget, Selection, TorchTarget, escape_key, flatten,
-    join_key, unflatten,
+    CupyTarget, FlatState, JaxTarget, NumpyTarget, Selection, TorchTarget, decode_scalar, escape_key,
+    _torch_dtype_name, flatten, join_key, unflatten, walk_tree,
 )
 
 PathLike = str | os.PathLike[str]
@@ -463,8 +463,6 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
                 problems.append(f"{key!r}: in target, missing from checkpoint")
                 continue
             record = index.tensors[by_key[key]]
-            from .state import _torch_dtype_name
-
             dtype = _torch_dtype_name(tensor.dtype)
             if tuple(tensor.shape) != record.shape or dtype != record.dtype:
                 problems.append(f"{key!r}: target {dtype}{list(tensor.shape)} != checkpoint "
@@ -566,37 +564,13 @@ def _is_plain(value: Any) -> bool:
 
 
 def _plain_values(tree: Any) -> dict[str, Any]:
-    from .state import decode_scalar
-
-    values: dict[str, Any] = {}
-    stack: list[tuple[Any, list[Any]]] = [(tree, [])]
-    while stack:
-        node, path = stack.pop()
-        kind = node["t"]
-        if kind in ("list", "tuple"):
-            stack.extend((child, path + [i]) for i, child in enumerate(node["items"]))
-        elif kind == "dict":
-            stack.extend((child, path + [decode_scalar(k)]) for k, child in node["items"])
-        elif kind != "tensor":
-            values[join_key(path)] = decode_scalar(node)
-    return values
+    """Key string -> value of every plain (non-container, non-array) value in a tree."""
+    return {join_key(path): decode_scalar(node) for node, path in walk_tree(tree)
+            if node["t"] not in ("list", "tuple", "dict", "tensor")}
 
 
 def _has_path(tree: Any, key: str) -> bool:
-    from .state import decode_scalar
-
-    if key == "":
-        return True
-    stack: list[tuple[Any, list[Any]]] = [(tree, [])]
-    while stack:
-        node, path = stack.pop()
-        if path and join_key(path) == key:
-            return True
-        if node["t"] in ("list", "tuple"):
-            stack.extend((child, path + [i]) for i, child in enumerate(node["items"]))
-        elif node["t"] == "dict":
-            stack.extend((child, path + [decode_scalar(k)]) for k, child in node["items"])
-    return False
+    return key == "" or any(path and join_key(path) == key for _node, path in walk_tree(tree))
 
 
 # ---------------------------------------------------------------------------------------------

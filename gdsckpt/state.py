@@ -31,7 +31,7 @@ import math
 import struct
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -642,19 +642,16 @@ def _build(node: dict[str, Any], path: list[Any], selection: Selection, arrays: 
     return decode_scalar(node) if inside else _MISSING
 
 
-def tensor_paths(tree: Any) -> dict[int, str]:
-    """Map each array id in a tree to its key string."""
-    found: dict[int, str] = {}
+def walk_tree(tree: Any) -> Iterator[tuple[dict[str, Any], list[Any]]]:
+    """Every node of a structure tree with its key path (container keys from the root)."""
     stack: list[tuple[dict[str, Any], list[Any]]] = [(tree, [])]
     while stack:
         node, path = stack.pop()
-        if node["t"] == "tensor":
-            found[node["id"]] = join_key(path)
-        elif node["t"] in ("list", "tuple"):
+        yield node, path
+        if node["t"] in ("list", "tuple"):
             stack.extend((child, path + [i]) for i, child in enumerate(node["items"]))
         elif node["t"] == "dict":
             stack.extend((child, path + [decode_scalar(k)]) for k, child in node["items"])
-    return found
 
 
 def element_count(shape: Iterable[int]) -> int:
