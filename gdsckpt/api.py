@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 from . import __version__
 from .codecs import Chain, PORTABLE_CODECS, known_codec_names, versioned_name
 from .config import Config
-from .errors import CheckpointError, CodecUnavailableError, StateMismatchError
+from .errors import CheckpointError, CodecUnavailableError, CorruptCheckpointError, StateMismatchError
 from .format import Index, TensorRecord
 from .io import PosixReader, PosixWriter, StorageReader, StorageWriter
 from .pipeline.engine import HostEngine
@@ -304,10 +304,29 @@ def _parse_device(device: Any) -> str | None:
     raise ValueError(f"device {text!r} is invalid (expected None, 'cpu', 'cuda' or 'cuda:N')")
 
 
+_KIND_PACKAGES = {"torch": "torch", "numpy": "numpy", "cupy": "cupy", "jax": "jax"}
+
+
 def _new_target(record: TensorRecord, device: str | None) -> Any:
+    """A destination for one array, of the kind it was saved as. A missing array library, or a
+    dtype the library cannot hold, is a ``CheckpointError`` naming the array."""
+    try:
+        return _make_target(record, device)
+    except ImportError as err:
+        raise CheckpointError(f"array {record.key!r} was saved as a {record.kind} array; loading it needs "
+                              f"the {_KIND_PACKAGES[record.kind]} package ({err})") from err
+    except TypeError as err:
+        raise CheckpointError(f"array {record.key!r} ({record.kind}, {record.dtype}) cannot be "
+                              f"restored here: {err}") from err
+
+
+def _make_target(record: TensorRecord, device: str | None) -> Any:
     if record.kind == "torch":
         parameter = record.extra.get("parameter")
         requires_grad = bool(parameter.get("requires_grad")) if isinstance(parameter, dict) else None
+        if requires_grad and not (record.dtype.startswith(("float", "bfloat", "complex"))):
+            raise CorruptCheckpointError(f"a {record.dtype} tensor cannot be a Parameter that requires "
+                                         f"grad", key=record.key)
         return TorchTarget(record.shape, record.dtype, device or "cpu", parameter=requires_grad)
     if record.kind == "numpy":
         return NumpyTarget(record.shape, record.dtype, scalar=bool(record.extra.get("scalar")))
