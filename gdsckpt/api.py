@@ -127,6 +127,25 @@ def _resolve_codec(name: str) -> str:
     return name
 
 
+def _open_checked(reader: StorageReader) -> OpenedFile:
+    """``open_file`` plus the checks that need the state layer: every tensor's key is the key
+    path of its place in the structure, and no dict holds the same key twice (a file that breaks
+    either would load a tensor under the wrong name or silently drop one)."""
+    opened = open_file(reader)
+    index = opened.index
+    for node, path in walk_tree(index.tree):
+        if node["t"] == "tensor":
+            expected = join_key(path)
+            if index.tensors[node["id"]].key != expected:
+                raise CorruptCheckpointError(f"invalid index: tensor {node['id']} is keyed "
+                                             f"{index.tensors[node['id']].key!r} but sits at {expected!r}")
+        elif node["t"] == "dict":
+            keys = [decode_scalar(key) for key, _value in node["items"]]
+            if len(set(map(repr, keys))) != len(keys):
+                raise CorruptCheckpointError(f"invalid index: a dict at {join_key(path)!r} repeats a key")
+    return opened
+
+
 def _check_target(path: PathLike) -> None:
     target = Path(path)
     if target.is_dir():
@@ -390,7 +409,7 @@ def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = Non
     target_device = _parse_device(device)
     selection = Selection(keys)
     with _reader(path, cfg) as reader:
-        opened = open_file(reader)
+        opened = _open_checked(reader)
         index = opened.index
         wanted = [i for i, record in enumerate(index.tensors) if selection.covers(record.key)]
         gpu_device = _gpu_device(cfg, target_device, index, wanted)
@@ -472,7 +491,7 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
     devices = {str(t.device) for t in existing.values()}
     gpu_device = _gpu_device(cfg, devices.pop() if len(devices) == 1 else None)
     with _reader(path, cfg, gpu_device is not None) as reader:
-        opened = open_file(reader)
+        opened = _open_checked(reader)
         index = opened.index
         by_key = {record.key: i for i, record in enumerate(index.tensors)}
         plain_values = _plain_values(index.tree)
@@ -603,7 +622,7 @@ class Checkpoint:
         self._config = _config(config)
         self._reader = _reader(path, self._config)
         try:
-            self._opened = open_file(self._reader)
+            self._opened = _open_checked(self._reader)
         except BaseException:
             self._reader.close()
             raise
@@ -684,7 +703,7 @@ def inspect(path: PathLike, *, config: Config | None = None) -> CheckpointInfo:
     """Describe a checkpoint from its index alone (no chunk is read)."""
     cfg = _config(config)
     with _reader(path, cfg) as reader:
-        opened = open_file(reader)
+        opened = _open_checked(reader)
         size = reader.size
     index = opened.index
     logical = sum(record.nbytes for record in index.tensors if record.alias is None)
@@ -705,7 +724,7 @@ def verify(path: PathLike, *, config: Config | None = None) -> VerifyReport:
     cfg = _config(config)
     started = time.perf_counter()
     with _reader(path, cfg) as reader:
-        opened = open_file(reader)
+        opened = _open_checked(reader)
         gpu_device = _gpu_device(cfg, None, opened.index)
         engine = _restore_engine(cfg, gpu_device)
         try:

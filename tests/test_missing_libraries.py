@@ -19,10 +19,10 @@ def _saved(tmp_path, state):
     return path
 
 
-def _set_tensor(path, key, **fields):
+def _set_tensor(path, which, **fields):
     def edit(doc):
         for record in doc["tensors"]:
-            if record["key"] == key:
+            if record["key"] == which:
                 record.update(fields)
     rewrite_index(path, edit)
 
@@ -49,3 +49,20 @@ def test_integer_parameter_requiring_grad_is_corrupt(tmp_path):
     with pytest.raises(gdsckpt.CorruptCheckpointError, match="'i'"):
         gdsckpt.load(path)
     assert torch.equal(gdsckpt.load(path, keys=["j"])["j"], torch.ones(3))  # other keys still load
+
+
+def test_tensor_key_must_match_its_place_in_the_structure(tmp_path):
+    path = _saved(tmp_path, {"a": torch.ones(2), "b": torch.zeros(2)})
+    _set_tensor(path, "a", key="c")
+    with pytest.raises(gdsckpt.CorruptCheckpointError, match="'c' but sits at 'a'"):
+        gdsckpt.load(path)
+
+
+def test_dict_with_a_repeated_key_is_corrupt(tmp_path):
+    path = _saved(tmp_path, {"a": 1, "b": 2})
+
+    def edit(doc):
+        doc["tree"]["items"][1][0] = {"t": "str", "v": "a"}
+    rewrite_index(path, edit)
+    with pytest.raises(gdsckpt.CorruptCheckpointError, match="repeats a key"):
+        gdsckpt.load(path)
