@@ -10,6 +10,7 @@ from .api import (  # noqa: E402
     Checkpoint, CheckpointInfo, SaveReport, TensorInfo, VerifyReport, inspect, load, load_into, open,
     save, verify,
 )
+from .async_save import SaveHandle, save_async, wait_all  # noqa: E402
 from .config import Config  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError, CodecUnavailableError, CorruptCheckpointError, StateMismatchError,
@@ -17,8 +18,8 @@ from .errors import (  # noqa: E402
 )
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "CheckpointInfo", "CodecUnavailableError", "Config",
-    "CorruptCheckpointError", "SaveReport", "StateMismatchError", "TensorInfo",
-    "UnsupportedFormatError", "VerifyReport", "__version__", "inspect", "load", "load_into", "open",
-    "save", "verify",
+    "Checkpoint", "CheckpointError", "CheckpointInfo", "CodecUnavailableError",
+    "Config", "CorruptCheckpointError", "SaveHandle", "SaveReport",
+    "StateMismatchError", "TensorInfo", "UnsupportedFormatError", "VerifyReport", "__version__",
+    "inspect", "load", "load_into", "open", "save", "save_async", "verify", "wait_all",
 ]

@@ -1,0 +1,423 @@
+"""``gdsckpt.save_async``: the snapshot is taken at call time, snapshot buffers are pooled and
+reused, background errors surface (and are never lost), at most ``max_inflight`` saves run at
+once, and interpreter exit neither loses a save nor leaves a half-written file at the path."""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gdsckpt
+from gdsckpt import async_save
+from gdsckpt.io import posix
+
+TEMP_GLOB = ".*.gdsckpt-tmp-*"
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_saves() -> Any:
+    """Every test starts and ends with no background save running and no unreported error."""
+    yield
+    async_save._default_saver._wait_inflight(60)
+    leftover = list(async_save._unobserved)
+    async_save._unobserved.clear()
+    assert not leftover, f"unreported background errors: {[job.error for job in leftover]}"
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    tied = torch.nn.Parameter(torch.randn(64, 16, generator=g))
+    metadata = collections.OrderedDict([("w", torch.randn(300, 40, generator=g)),
+                                        ("b", torch.randn(40, generator=g).to(torch.bfloat16))])
+    metadata._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    base = torch.randn(30, 20, generator=g)
+    return {
+        "model": metadata,
+        "embed": tied,
+        "head": tied,  # the same Parameter twice (tied weights): stored once
+        "strided": base.t()[::2],  # a non-contiguous view
+        "ints": torch.arange(1000, dtype=torch.int64),
+        "mask": torch.rand(77, generator=g) > 0.5,
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "numpy": np.arange(500, dtype=np.float32).reshape(25, 20),
+        "np_scalar": np.float64(2.25),
+        "list": [torch.ones(3), 1, 2.5, "text", None, True],
+        "tuple": (torch.zeros(2, dtype=torch.float16), -7),
+        "step": 10,
+    }
+
+
+def _clone(obj: Any) -> Any:
+    """A deep copy with fresh tensors (the expected content of the checkpoint)."""
+    if isinstance(obj, torch.nn.Parameter):
+        return torch.nn.Parameter(obj.detach().clone(), requires_grad=obj.requires_grad)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if isinstance(obj, collections.OrderedDict):
+        copy = collections.OrderedDict((k, _clone(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            copy._metadata = dict(obj._metadata)  # type: ignore[attr-defined]
+        return copy
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone(v) for v in obj)
+    return obj
+
+
+def _mutate(state: dict[str, Any]) -> None:
+    """Change every tensor and array in place, and the containers too."""
+    with torch.no_grad():
+        for value in (state["model"]["w"], state["model"]["b"], state["embed"], state["strided"],
+                      state["ints"], state["scalar"], state["list"][0], state["tuple"][0]):
+            value.add_(1)
+        state["mask"].logical_not_()
+    state["numpy"] += 1
+    state["list"].append("new")
+    state["list"][1] = 100
+    state["model"]["extra"] = torch.ones(1)
+    state["step"] = 11
+
+
+def _fake_report(path: Any) -> gdsckpt.SaveReport:
+    return gdsckpt.SaveReport(path=str(path), logical_bytes=0, stored_bytes=0, ratio=0.0, seconds=0.0,
+                              codec="none", backend="fake", engine="fake", tensors=0, chunks=0)
+
+
+def _wait_until(condition: Any, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+# ---------------------------------------------------------------------------------------------
+# snapshot semantics
+
+def test_snapshot_is_taken_at_call_time(ckpt_path: Path, monkeypatch: pytest.MonkeyPatch, h: Any) -> None:
+    state = _state()
+    expected = _clone(state)
+    # Hold the background save until the caller has changed everything, so the test does not
+    # depend on who wins a race.
+    release = threading.Event()
+    real_save = gdsckpt.api.save
+
+    def held_save(*args: Any, **kwargs: Any) -> Any:
+        assert release.wait(60)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(gdsckpt.api, "save", held_save)
+    handle = gdsckpt.save_async(state, ckpt_path, config=h.small_config())
+    _mutate(state)
+    assert not handle.done()
+    release.set()
+    report = handle.wait(timeout=60)
+    assert handle.done() and handle.exception() is None
+    assert report.path == str(ckpt_path) and handle.path == str(ckpt_path)
+    assert handle.snapshot_bytes > 0 and handle.snapshot_seconds >= 0
+
+    loaded = gdsckpt.load(ckpt_path)
+    h.assert_same(expected, loaded)
+    assert loaded["embed"] is loaded["head"], "tied weights must stay one shared tensor"
+    infos = {info.key: info for info in gdsckpt.inspect(ckpt_path).tensors}
+    assert infos["head"].alias_of == "embed"
+
+
+def test_snapshot_of_a_training_state_restores_bit_exact(tmp_path: Path) -> None:
+    from gdsckpt.demo import bit_equal, train_steps, training_state
+
+    model, optimizer = training_state(width=32, depth=1, steps=2)
+    expected_model = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = gdsckpt.save_async({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 2},
+                                tmp_path / "train.gdsckpt")
+    train_steps(model, optimizer, 2, seed=5)  # keeps training while the save runs
+    handle.wait(timeout=60)
+    fresh, fresh_optimizer = training_state(width=32, depth=1, steps=0, seed=1)
+    target = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
+    gdsckpt.load_into(target, tmp_path / "train.gdsckpt")
+    assert target["step"] == 2
+    assert all(bit_equal(expected_model[k], v) for k, v in fresh.state_dict().items())
+    assert any(not bit_equal(expected_model[k], v) for k, v in model.state_dict().items())
+
+
+def test_snapshot_buffers_are_pooled_and_reused(tmp_path: Path, h: Any) -> None:
+    async_save.clear_pool()
+    state = _state()
+    before = async_save.pool_stats()
+    first = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", config=h.small_config())
+    first.wait(timeout=60)
+    after_first = async_save.pool_stats()
+    allocated = after_first.allocations - before.allocations
+    assert allocated > 0
+    assert after_first.allocated_bytes - before.allocated_bytes == first.snapshot_bytes
+    assert after_first.held_bytes == first.snapshot_bytes and after_first.lent_bytes == 0
+
+    _mutate(state)
+    del state["model"]["extra"]  # the same arrays as before
+    second = gdsckpt.save_async(state, tmp_path / "b.gdsckpt", config=h.small_config())
+    second.wait(timeout=60)
+    after_second = async_save.pool_stats()
+    assert after_second.allocations == after_first.allocations, "the second save allocated new buffers"
+    assert after_second.allocated_bytes == after_first.allocated_bytes
+    assert after_second.reuses - after_first.reuses == allocated
+    assert after_second.held_bytes == first.snapshot_bytes
+    h.assert_same(_clone(state), gdsckpt.load(tmp_path / "b.gdsckpt"))
+
+
+def test_pool_memory_stays_bounded_when_the_state_changes(tmp_path: Path, h: Any) -> None:
+    async_save.clear_pool()
+    big = {"a": torch.ones(50_000), "b": np.ones(20_000)}
+    small = {"c": torch.ones(1_000), "d": torch.ones(3_000)}
+    for i in range(3):
+        gdsckpt.save_async(big, tmp_path / "big.gdsckpt", config=h.small_config()).wait(timeout=60)
+        assert async_save.pool_stats().held_bytes == 50_000 * 4 + 20_000 * 8
+        handle = gdsckpt.save_async(small, tmp_path / "small.gdsckpt", config=h.small_config())
+        handle.wait(timeout=60)
+        # the buffers of the big state are dropped: the pool holds one snapshot of what it saves now
+        assert async_save.pool_stats().held_bytes == handle.snapshot_bytes == 4_000 * 4
+    assert async_save.clear_pool() == 4_000 * 4
+    assert async_save.pool_stats().held_bytes == 0
+
+
+def test_unsupported_state_and_bad_path_fail_in_the_caller(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="object"):
+        gdsckpt.save_async({"bad": object()}, tmp_path / "x.gdsckpt")
+    with pytest.raises(FileNotFoundError):
+        gdsckpt.save_async({"w": torch.ones(2)}, tmp_path / "missing" / "x.gdsckpt")
+    with pytest.raises(ValueError, match="max_inflight"):
+        gdsckpt.save_async({"w": torch.ones(2)}, tmp_path / "x.gdsckpt", max_inflight=0)
+    assert async_save._default_saver.inflight == 0 and async_save.pool_stats().lent_bytes == 0
+    gdsckpt.save_async({"w": torch.ones(2)}, tmp_path / "x.gdsckpt").wait(timeout=60)
+    assert not list(tmp_path.glob(TEMP_GLOB))
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+def test_background_write_error_surfaces_on_wait(ckpt_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 h: Any) -> None:
+    gdsckpt.save({"w": torch.arange(10.0)}, ckpt_path, config=h.small_config())
+    previous = ckpt_path.read_bytes()
+
+    def no_space(fd: int, data: Any, offset: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(posix, "_pwrite_all", no_space)
+    handle = gdsckpt.save_async(_state(), ckpt_path, config=h.small_config(fsync=True))
+    with pytest.raises(OSError) as caught:
+        handle.wait(timeout=60)
+    assert caught.value.errno == errno.ENOSPC
+    assert handle.exception() is caught.value
+    assert handle.done()
+    assert ckpt_path.read_bytes() == previous
+    assert sorted(p.name for p in ckpt_path.parent.iterdir()) == [ckpt_path.name], "temporary file left"
+    assert async_save.pool_stats().lent_bytes == 0, "a failed save must give its buffers back"
+
+
+def test_dropped_handle_error_is_logged_and_raised_by_the_next_save_async(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def failing_save(state: Any, path: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "no space (injected)")
+
+    monkeypatch.setattr(gdsckpt.api, "save", failing_save)
+    with caplog.at_level(logging.ERROR, logger="gdsckpt"):
+        gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "dropped.gdsckpt")  # handle dropped at once
+        _wait_until(lambda: async_save._default_saver.inflight == 0, "the failing save")
+    assert any("dropped.gdsckpt" in r.getMessage() and "dropped" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="injected") as caught:
+        gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "next.gdsckpt")
+    assert caught.value.errno == errno.ENOSPC
+    assert not (tmp_path / "next.gdsckpt").exists(), "the call that raised must not start a save"
+    gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "next.gdsckpt").wait(timeout=60)  # reported once
+
+
+def test_wait_all_raises_unreported_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    def failing_save(state: Any, path: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"injected failure for {Path(path).name}")
+
+    monkeypatch.setattr(gdsckpt.api, "save", failing_save)
+    kept = gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "kept.gdsckpt")
+    with caplog.at_level(logging.ERROR, logger="gdsckpt"):
+        gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "dropped.gdsckpt", max_inflight=2)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            gdsckpt.wait_all(timeout=60)
+    gdsckpt.wait_all(timeout=60)  # reported once
+    assert isinstance(kept.exception(), RuntimeError)  # the handle still has it
+
+
+def test_wait_timeout_and_done(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+
+    def held_save(state: Any, path: Any, **kwargs: Any) -> Any:
+        assert release.wait(60)
+        return _fake_report(path)
+
+    monkeypatch.setattr(gdsckpt.api, "save", held_save)
+    handle = gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "held.gdsckpt")
+    with pytest.raises(TimeoutError):
+        handle.wait(timeout=0.01)
+    assert not handle.done() and "running" in repr(handle)
+    release.set()
+    assert handle.wait(timeout=60).backend == "fake"
+    assert handle.done() and "done" in repr(handle)
+
+
+# ---------------------------------------------------------------------------------------------
+# max_inflight
+
+@pytest.mark.parametrize("max_inflight", [1, 2])
+def test_max_inflight_bounds_saves_in_flight(max_inflight: int, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    release = threading.Event()
+
+    def record(event: str, name: str) -> None:
+        with lock:
+            log.append((event, name))
+
+    def held_save(state: Any, path: Any, **kwargs: Any) -> Any:
+        name = Path(path).stem
+        record("start", name)
+        if name == "a":
+            assert release.wait(60)
+        record("end", name)
+        return _fake_report(path)
+
+    monkeypatch.setattr(gdsckpt.api, "save", held_save)
+    saver = async_save._default_saver
+    first = gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "a.gdsckpt", max_inflight=max_inflight)
+    handles: list[Any] = []
+
+    def second_call() -> None:
+        record("call", "b")
+        handles.append(gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "b.gdsckpt",
+                                          max_inflight=max_inflight))
+        record("returned", "b")
+
+    caller = threading.Thread(target=second_call)
+    caller.start()
+    if max_inflight == 1:
+        _wait_until(lambda: saver.waiting == 1, "the second call to block")
+        with lock:
+            assert ("start", "b") not in log and ("returned", "b") not in log
+        assert saver.inflight == 1
+    else:
+        _wait_until(lambda: ("end", "b") in log, "the second save to run alongside the first")
+        assert saver.waiting == 0
+    release.set()
+    caller.join(60)
+    first.wait(timeout=60)
+    handles[0].wait(timeout=60)
+    order = {event: i for i, event in enumerate(log)}
+    if max_inflight == 1:
+        # the second call returned, and its save started, only after the first save ended
+        assert order[("end", "a")] < order[("returned", "b")]
+        assert order[("end", "a")] < order[("start", "b")]
+    else:
+        assert order[("end", "b")] < order[("end", "a")]
+
+
+def test_inflight_wait_gives_up_after_the_config_timeout(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+
+    def held_save(state: Any, path: Any, **kwargs: Any) -> Any:
+        assert release.wait(60)
+        return _fake_report(path)
+
+    monkeypatch.setattr(gdsckpt.api, "save", held_save)
+    first = gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "a.gdsckpt")
+    with pytest.raises(TimeoutError, match="still in flight"):
+        gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "b.gdsckpt", config=gdsckpt.Config(timeout=0.05))
+    assert async_save._default_saver.inflight == 1 and async_save.pool_stats().lent_bytes == 3 * 4
+    release.set()
+    first.wait(timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------
+# interpreter exit
+
+_EXIT_SCRIPT = """
+import sys, time
+import numpy as np
+import gdsckpt
+from gdsckpt.io import posix
+
+path, mode = sys.argv[1], sys.argv[2]
+gdsckpt.save({"a": np.zeros(100_000, dtype=np.float32)}, path)  # the previous content
+if mode == "stuck":
+    commit = posix.PosixWriter.commit
+    def slow_commit(self):  # complete in the temporary file, never renamed before exit
+        time.sleep(30)
+        commit(self)
+    posix.PosixWriter.commit = slow_commit
+config = gdsckpt.Config(chunk_bytes=65536, timeout=0.5 if mode == "stuck" else 600)
+gdsckpt.save_async({"a": np.arange(100_000, dtype=np.float32), "step": 2}, path, config=config)
+print("returned", flush=True)
+"""
+
+
+def test_exit_waits_for_a_save_in_flight(tmp_path: Path, h: Any) -> None:
+    path = tmp_path / "exit.gdsckpt"
+    result = h.run_python("-c", _EXIT_SCRIPT, str(path), "finish", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "returned" in result.stdout
+    loaded = gdsckpt.load(path)
+    assert loaded["step"] == 2 and np.array_equal(loaded["a"], np.arange(100_000, dtype=np.float32))
+    assert not list(tmp_path.glob(TEMP_GLOB))
+
+
+def test_exit_abandons_a_stuck_save_and_the_path_keeps_its_previous_content(tmp_path: Path, h: Any) -> None:
+    path = tmp_path / "exit.gdsckpt"
+    started = time.monotonic()
+    result = h.run_python("-c", _EXIT_SCRIPT, str(path), "stuck", timeout=120)
+    assert time.monotonic() - started < 25, "exit must not wait for the stuck save"
+    assert result.returncode == 0, result.stderr
+    assert "abandoning the background save" in result.stderr
+    loaded = gdsckpt.load(path)  # the previous, complete file
+    assert np.array_equal(loaded["a"], np.zeros(100_000, dtype=np.float32)) and "step" not in loaded
+    # The abandoned temporary file (if the process left one) belongs to a dead process: the next
+    # save to the path removes it.
+    gdsckpt.save({"a": np.ones(3)}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (runs on a GPU host only)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_are_snapshotted_to_pinned_host_memory(tmp_path: Path) -> None:  # pragma: no cover
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = {"w": torch.randn(1 << 20, device="cuda", generator=g), "v": torch.randn(333, 77, device="cuda",
+                                                                                    generator=g).t()}
+    expected = {k: v.cpu().clone() for k, v in state.items()}
+    saver = async_save.AsyncSaver()
+    for _ in range(2):
+        handle = saver.save(state, tmp_path / "cuda.gdsckpt", config=gdsckpt.Config(engine="cpu"))
+        for value in state.values():
+            value.add_(1)
+        handle.wait(timeout=120)
+        loaded = gdsckpt.load(tmp_path / "cuda.gdsckpt")
+        assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+        expected = {k: v.cpu().clone() for k, v in state.items()}
+    assert saver.pool.stats().allocations == 2 and saver.pool.stats().reuses == 2
