@@ -16,10 +16,11 @@ from .errors import (  # noqa: E402
     CheckpointError, CodecUnavailableError, CorruptCheckpointError, StateMismatchError,
     UnsupportedFormatError,
 )
+from .manager import CheckpointManager, SkippedCheckpointWarning  # noqa: E402
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "CheckpointInfo", "CodecUnavailableError",
-    "Config", "CorruptCheckpointError", "SaveHandle", "SaveReport",
+    "Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointManager", "CodecUnavailableError",
+    "Config", "CorruptCheckpointError", "SaveHandle", "SaveReport", "SkippedCheckpointWarning",
     "StateMismatchError", "TensorInfo", "UnsupportedFormatError", "VerifyReport", "__version__",
     "inspect", "load", "load_into", "open", "save", "save_async", "verify", "wait_all",
 ]

@@ -1,0 +1,380 @@
+"""``CheckpointManager``: numbered checkpoints in one directory, a ``latest`` pointer, pruning, and
+restore-on-restart.
+
+Layout of ``directory`` (one manager, one prefix per directory)::
+
+    step-0000000100.gdsckpt     checkpoints, "<prefix>-<step:010d>.gdsckpt"
+    step-0000000200.gdsckpt
+    latest                      text: the file name of the newest completed checkpoint
+
+Guarantees
+----------
+- A checkpoint file appears under its final name only complete (``gdsckpt.save`` writes a
+  temporary file and renames it), so a crash at any moment leaves every ``<prefix>-*.gdsckpt``
+  complete; temporaries of dead processes are removed when a manager opens the directory.
+- ``latest`` is replaced atomically (temporary file, fsync, ``os.replace``, fsync of the
+  directory; the fsyncs follow ``config.fsync`` like the checkpoint's own) after each completed
+  save, and only ever moves to a higher step than this manager last wrote to it (saves that
+  finish out of order never move it back).
+- Pruning runs only after a save completed and keeps: the ``keep_last`` highest readable steps,
+  the step ``latest`` names, and every step being written. Everything else with this prefix goes.
+
+Contract of ``restore_latest``
+-------------------------------
+What is saved: ``save``/``save_async`` take a dict, by convention ``{"model":
+model.state_dict(), "optimizer": optimizer.state_dict(), ...extra}``, where extra entries (a
+data-loader position, ``torch.get_rng_state()``, an epoch counter, ...) are further top-level
+keys. The step is the file name's; the manager adds nothing to the state.
+
+Which checkpoint: the newest complete one. That is the one ``latest`` names, provided its file
+passes the cheap check (header, trailer and index, as ``gdsckpt.open`` reads them; with
+``verify=True``, ``gdsckpt.verify`` of every chunk); else the highest step that passes. A
+``SkippedCheckpointWarning`` names each file passed over and why. One refinement: a checkpoint
+with a higher step than ``latest`` names whose file was written after ``latest`` was (the process
+died between that save's rename and its pointer update) is newer, and is tried first; ``latest``
+still wins over higher-numbered files of an abandoned run (a run restarted from an older step).
+
+How: in place, with ``gdsckpt.load_into`` (``strict=False``): ``model`` into the checkpoint's
+top-level key ``"model"``, ``optimizer`` into ``"optimizer"``, and every key of ``state`` (a dict
+of tensors, modules, optimizers, nested dicts and plain values) into the same key; top-level
+plain values of ``state`` are replaced. A target key the checkpoint lacks, or a shape / dtype
+that differs, raises ``StateMismatchError``.
+
+Returns ``(step, extra)``: ``extra`` is a dict of the checkpoint's top-level entries that were
+not restored in place, loaded (tensors on the CPU); with no targets at all it is the whole
+checkpoint. Returns ``None`` when there is no usable checkpoint (a fresh start).
+
+A checkpoint that fails while loading (a damaged chunk) is skipped with a warning and the next
+older one is restored; it overwrites whatever the failed one wrote. Errors that are not damage
+are raised and nothing else is tried: a target that does not match (``StateMismatchError``), a
+codec or array library this machine lacks (``CodecUnavailableError`` and other
+``CheckpointError``), since an older checkpoint would fail the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from . import api as _api
+from .async_save import AsyncSaver, SaveHandle
+from .config import Config
+from .errors import CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
+from .io import PosixReader
+from .io.posix import TEMP_MARKER, fsync_directory, remove_stale_temporaries, temporary_path
+from .pipeline.load import open_file
+from .state import decode_scalar, escape_key
+
+PathLike = str | os.PathLike[str]
+
+POINTER = "latest"
+
+_DAMAGE = (CorruptCheckpointError, UnsupportedFormatError, OSError)
+"""What makes ``restore_latest`` pass over a checkpoint: the file is damaged, not a checkpoint,
+or unreadable. Anything else (a target that does not match, a codec or array library this
+machine lacks) is raised: an older checkpoint would not do better, and silently restarting from
+an old state is worse than an error."""
+
+
+class SkippedCheckpointWarning(UserWarning):
+    """``restore_latest`` passed over a checkpoint file (incomplete, damaged or unreadable)."""
+
+
+class CheckpointManager:
+    """Numbered checkpoints of one training run in ``directory`` (created if missing).
+
+    ``keep_last``: how many of the newest checkpoints to keep (None: all). ``prefix``: the file
+    name prefix. ``config``: the ``Config`` of every save and load. ``max_inflight``: background
+    saves at once (``save_async``); each manager has its own snapshot pool (``pool_stats()``).
+    """
+
+    def __init__(self, directory: PathLike, *, keep_last: int | None = 3, prefix: str = "step",
+                 config: Config | None = None, max_inflight: int = 1):
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
+                                      or keep_last < 1):
+            raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
+            raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+        if not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or prefix == POINTER:
+            raise ValueError(f"prefix {prefix!r} must be a plain file name part (no '/', not starting "
+                             f"with '.', not {POINTER!r})")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.keep_last = keep_last
+        self.prefix = prefix
+        self.config = config
+        self.max_inflight = max_inflight
+        self._pattern = re.compile(rf"^{re.escape(prefix)}-(\d{{10,}})\.gdsckpt$")
+        self._saver = AsyncSaver()
+        self._lock = threading.Lock()
+        self._writing: Counter[int] = Counter()
+        self._pointer_step: int | None = None
+        self._remove_stale_temporaries()
+
+    # -----------------------------------------------------------------------------------------
+    # names
+
+    def path(self, step: int) -> Path:
+        """The file of checkpoint ``step``."""
+        return self.directory / f"{self.prefix}-{_check_step(step):010d}.gdsckpt"
+
+    def _files(self) -> dict[int, Path]:
+        """Step -> path of every file named like a checkpoint of this prefix."""
+        found: dict[int, Path] = {}
+        try:
+            entries = list(self.directory.iterdir())
+        except FileNotFoundError:
+            return found
+        for entry in entries:
+            match = self._pattern.match(entry.name)
+            if match:
+                found[int(match.group(1))] = entry
+        return found
+
+    def _remove_stale_temporaries(self) -> None:
+        """Remove temporary files that dead processes left behind (checkpoints and pointer)."""
+        targets = {POINTER}
+        for entry in self.directory.iterdir():
+            name = entry.name
+            if name.startswith(".") and TEMP_MARKER in name:
+                target = name[1:name.index(TEMP_MARKER)]
+                if self._pattern.match(target) or target == POINTER:
+                    targets.add(target)
+        for target in targets:
+            remove_stale_temporaries(self.directory / target)
+
+    # -----------------------------------------------------------------------------------------
+    # saving
+
+    def save(self, step: int, state: dict[Any, Any], *, codec: str = "auto") -> _api.SaveReport:
+        """Save ``state`` as checkpoint ``step`` now; then move ``latest`` and prune."""
+        path = self._begin(step, state)
+        try:
+            report = _api.save(state, path, codec=codec, config=self.config)
+            self._completed(step)
+        finally:
+            self._end(step)
+        return report
+
+    def save_async(self, step: int, state: dict[Any, Any], *, codec: str = "auto") -> SaveHandle:
+        """``gdsckpt.save_async`` of ``state`` as checkpoint ``step``: returns once the snapshot is
+        taken; ``latest`` moves and pruning runs in the background once the file is complete
+        (before the handle reports done)."""
+        path = self._begin(step, state)
+        return self._saver.save(state, path, codec=codec, config=self.config, max_inflight=self.max_inflight,
+                                after=lambda _report: self._completed(step), finally_=lambda: self._end(step))
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for this manager's background saves; raise the first error no handle reported."""
+        self._saver.wait_all(timeout)
+
+    def pool_stats(self) -> Any:
+        """Statistics of this manager's snapshot pool (``gdsckpt.async_save.PoolStats``)."""
+        return self._saver.pool.stats()
+
+    def _begin(self, step: int, state: Any) -> Path:
+        if not isinstance(state, dict):
+            raise TypeError(f"CheckpointManager saves a dict state (e.g. {{'model': ..., 'optimizer': "
+                            f"...}}), got {type(state).__qualname__}")
+        path = self.path(step)
+        with self._lock:
+            self._writing[step] += 1
+        return path
+
+    def _end(self, step: int) -> None:
+        with self._lock:
+            self._writing[step] -= 1
+            if self._writing[step] <= 0:
+                del self._writing[step]
+
+    def _completed(self, step: int) -> None:
+        """Checkpoint ``step`` is complete: point ``latest`` at it (unless a higher step of this
+        manager already is), then prune."""
+        with self._lock:
+            if self._pointer_step is None or step >= self._pointer_step:
+                self._write_pointer(self.path(step).name)
+                self._pointer_step = step
+            self._prune(completed=step)
+
+    def _write_pointer(self, name: str) -> None:
+        fsync = self.config.fsync if self.config is not None else Config.from_env().fsync
+        target = self.directory / POINTER
+        temp = temporary_path(target)
+        try:
+            with open(temp, "w", encoding="utf-8") as handle:
+                handle.write(name + "\n")
+                handle.flush()
+                if fsync:
+                    os.fsync(handle.fileno())
+            os.replace(temp, target)
+        except BaseException:
+            try:
+                temp.unlink()
+            except OSError:
+                pass
+            raise
+        if fsync:
+            fsync_directory(self.directory)
+
+    def _prune(self, completed: int) -> None:
+        if self.keep_last is None:
+            return
+        files = self._files()
+        # Steps with a save still running (``completed``'s own save is done writing).
+        busy = {step for step, count in self._writing.items() if count > (step == completed)}
+        keep = set(busy)
+        if self._pointer_step is not None:
+            keep.add(self._pointer_step)
+        readable = [step for step in sorted(files, reverse=True)
+                    if step not in busy and _problem(files[step], config=self.config) is None]
+        keep.update(readable[:self.keep_last])
+        for step, path in files.items():
+            if step not in keep:
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+
+    # -----------------------------------------------------------------------------------------
+    # finding and restoring
+
+    def steps(self) -> list[int]:
+        """Steps of the readable checkpoints (header, trailer and index check out), ascending."""
+        files = self._files()
+        return [step for step in sorted(files) if _problem(files[step], config=self.config) is None]
+
+    def latest_step(self) -> int | None:
+        """The step ``restore_latest`` would pick first (without warnings or a full verify)."""
+        for step, path, _source in self._candidates(warn=False):
+            if _problem(path, config=self.config) is None:
+                return step
+        return None
+
+    def _pointer(self, warn: bool) -> tuple[int, int] | None:
+        """(step ``latest`` names, its mtime in ns), or None (missing, or not naming a checkpoint
+        of ours)."""
+        pointer = self.directory / POINTER
+        try:
+            text = pointer.read_text(encoding="utf-8").strip()
+            mtime = pointer.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as err:
+            if warn:
+                warnings.warn(f"ignoring unreadable pointer {str(pointer)!r}: {err}",
+                              SkippedCheckpointWarning, stacklevel=3)
+            return None
+        match = self._pattern.match(text)
+        if not match:
+            if warn:
+                warnings.warn(f"ignoring pointer {str(pointer)!r}: {text[:80]!r} is not a "
+                              f"{self.prefix}-<step>.gdsckpt name", SkippedCheckpointWarning, stacklevel=3)
+            return None
+        return int(match.group(1)), mtime
+
+    def _candidates(self, warn: bool) -> list[tuple[int, Path, str]]:
+        """(step, path, source) in the order restore tries them.
+
+        First checkpoints with a higher step than ``latest`` names that were written after
+        ``latest`` was (a crash between a save's rename and its pointer update leaves one), then the
+        one ``latest`` names, then every other checkpoint by step, descending.
+        """
+        files = self._files()
+        order: list[tuple[int, Path, str]] = []
+        pointer = self._pointer(warn)
+        if pointer is not None:
+            pointed, pointer_mtime = pointer
+            for step in sorted(files, reverse=True):
+                if step > pointed and _mtime_ns(files[step]) > pointer_mtime:
+                    order.append((step, files[step], "completed after latest was written"))
+            order.append((pointed, self.path(pointed), "named by latest"))
+        listed = {step for step, _path, _source in order}
+        order.extend((step, files[step], "scan") for step in sorted(files, reverse=True)
+                     if step not in listed)
+        return order
+
+    def restore_latest(self, model: Any = None, optimizer: Any = None, state: dict[Any, Any] | None = None, *,
+                       verify: bool = False) -> tuple[int, dict[Any, Any]] | None:
+        """Restore the newest complete checkpoint in place; see the module docstring for the
+        contract. ``verify=True`` reads and checks every chunk of a candidate first
+        (``gdsckpt.verify``) instead of header, trailer and index only.
+
+        Returns ``(step, extra)`` or ``None`` when there is no readable checkpoint.
+        """
+        if state is not None and not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__qualname__}")
+        for step, path, source in self._candidates(warn=True):
+            problem = _problem(path, verify=verify, config=self.config)
+            if problem is not None:
+                warnings.warn(f"skipping checkpoint {str(path)!r}"
+                              f"{f' ({source})' if source != 'scan' else ''}: {problem}",
+                              SkippedCheckpointWarning, stacklevel=2)
+                continue
+            try:
+                extra = self._load(path, model, optimizer, state)
+            except _DAMAGE as err:
+                warnings.warn(f"skipping checkpoint {str(path)!r}: failed while loading: {err}",
+                              SkippedCheckpointWarning, stacklevel=2)
+                continue
+            return step, extra
+        return None
+
+    def _load(self, path: Path, model: Any, optimizer: Any, state: dict[Any, Any] | None) -> dict[Any, Any]:
+        with PosixReader(path, threads=1) as reader:
+            tree = open_file(reader).index.tree
+        if tree.get("t") != "dict":
+            raise StateMismatchError(f"checkpoint {str(path)!r} does not hold a dict at its top level")
+        top_keys = [decode_scalar(key) for key, _child in tree["items"]]
+        target: dict[Any, Any] = dict(state) if state is not None else {}
+        if model is not None:
+            target["model"] = model
+        if optimizer is not None:
+            target["optimizer"] = optimizer
+        if target:
+            _api.load_into(target, path, strict=False, config=self.config)
+            if state is not None:
+                for key, value in state.items():  # load_into replaced top-level plain values in ``target``
+                    if value is None or isinstance(value, (bool, int, float, str)):
+                        state[key] = target[key]
+        rest = [key for key in top_keys if key not in target]
+        if not rest:
+            return {}
+        if not target:
+            return _api.load(path, config=self.config)
+        return _api.load(path, keys=[escape_key(key) for key in rest], config=self.config)
+
+
+def _mtime_ns(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return -1
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return step
+
+
+def _problem(path: Path, *, verify: bool = False, config: Config | None = None) -> str | None:
+    """Why ``path`` is not a usable checkpoint, or None: ``gdsckpt.open``'s checks of header,
+    trailer and index (or, with ``verify``, ``gdsckpt.verify`` of every chunk)."""
+    try:
+        if verify:
+            _api.verify(path, config=config)
+        else:
+            _api.open(path, config=config).close()
+    except FileNotFoundError:
+        return "file is missing"
+    except _DAMAGE as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+__all__ = ["CheckpointManager", "SkippedCheckpointWarning"]

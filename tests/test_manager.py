@@ -1,0 +1,485 @@
+"""``gdsckpt.CheckpointManager``: numbered checkpoints, the ``latest`` pointer, pruning, restore of
+the newest complete checkpoint (skipping damaged ones), and a training process killed with
+SIGKILL at random moments that always resumes bit-exact."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gdsckpt
+from gdsckpt import CheckpointManager, SkippedCheckpointWarning
+from gdsckpt.demo import bit_equal, train_steps, training_state
+from gdsckpt.io import posix
+
+TEMP_MARKER = ".gdsckpt-tmp-"
+
+
+def _names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _ckpt(step: int) -> str:
+    return f"step-{step:010d}.gdsckpt"
+
+
+def _state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(2000, generator=g), "b": torch.randn(10, generator=g), "step": step,
+            "note": f"step {step}"}
+
+
+@pytest.fixture
+def config(h: Any) -> gdsckpt.Config:
+    return h.small_config()
+
+
+# ---------------------------------------------------------------------------------------------
+# saving, pointer, pruning
+
+def test_save_names_points_and_prunes(tmp_path: Path, config: gdsckpt.Config) -> None:
+    manager = CheckpointManager(tmp_path / "run", keep_last=2, config=config)
+    assert manager.steps() == [] and manager.latest_step() is None
+    for step in (1, 2, 3, 10):
+        report = manager.save(step, _state(step))
+        assert report.path == str(tmp_path / "run" / _ckpt(step))
+        assert (tmp_path / "run" / "latest").read_text() == _ckpt(step) + "\n"
+    assert manager.steps() == [3, 10] and manager.latest_step() == 10
+    assert _names(tmp_path / "run") == ["latest", _ckpt(3), _ckpt(10)]
+    with pytest.raises(ValueError, match="step"):
+        manager.save(-1, _state(1))
+    with pytest.raises(TypeError, match="dict"):
+        manager.save(11, [torch.ones(1)])  # type: ignore[arg-type]
+    assert manager.steps() == [3, 10]
+
+
+def test_keep_all_and_bad_arguments(tmp_path: Path, config: gdsckpt.Config) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=None, prefix="epoch", config=config)
+    for step in range(4):
+        manager.save(step, _state(step))
+    assert manager.steps() == [0, 1, 2, 3]
+    assert (tmp_path / "epoch-0000000003.gdsckpt").exists()
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="keep_last"):
+            CheckpointManager(tmp_path, keep_last=bad)  # type: ignore[arg-type]
+    for prefix in ("", ".hidden", "a/b", "latest"):
+        with pytest.raises(ValueError, match="prefix"):
+            CheckpointManager(tmp_path, prefix=prefix)
+
+
+def test_save_async_moves_latest_and_prunes_when_complete(tmp_path: Path, config: gdsckpt.Config) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=2, config=config)
+    state = _state(0)
+    for step in range(1, 6):
+        state["step"] = step
+        handle = manager.save_async(step, state)
+        with torch.no_grad():
+            state["w"].add_(1)  # the snapshot was taken: this lands in the next checkpoint
+        handle.wait(timeout=60)
+        assert manager.latest_step() == step  # pointer and pruning are done when wait() returns
+    assert manager.steps() == [4, 5]
+    stats = manager.pool_stats()
+    assert stats.allocations == 2 and stats.reuses == 8, stats  # "w" and "b", allocated once
+    loaded = gdsckpt.load(manager.path(5))
+    expected = _state(0)["w"]
+    for _ in range(4):
+        expected.add_(1)
+    assert loaded["step"] == 5 and bit_equal(loaded["w"], expected)
+
+
+def test_failed_save_prunes_nothing_and_keeps_latest(tmp_path: Path, config: gdsckpt.Config,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=1, config=config)
+    manager.save(1, _state(1))
+
+    def no_space(fd: int, data: Any, offset: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(posix, "_pwrite_all", no_space)
+    with pytest.raises(OSError) as caught:
+        manager.save_async(2, _state(2)).wait(timeout=60)
+    assert caught.value.errno == errno.ENOSPC
+    with pytest.raises(OSError):
+        manager.save(2, _state(2))
+    assert _names(tmp_path) == ["latest", _ckpt(1)]
+    assert manager.latest_step() == 1
+
+
+def test_pruning_spares_the_checkpoint_being_written(tmp_path: Path, config: gdsckpt.Config,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """keep_last=1. Step 5 is saved again (say, after resuming from step 4) and held inside its
+    write while step 6 completes: pruning after step 6 must leave step 5's file alone."""
+    manager = CheckpointManager(tmp_path, keep_last=1, config=config)
+    manager.save(5, _state(5))
+    entered, release = threading.Event(), threading.Event()
+    commit = posix.PosixWriter.commit
+
+    def held_commit(self: Any) -> None:
+        if self.target.name == _ckpt(5):
+            entered.set()
+            assert release.wait(60)
+        commit(self)
+
+    monkeypatch.setattr(posix.PosixWriter, "commit", held_commit)
+    handle = manager.save_async(5, _state(55))
+    assert entered.wait(60)
+    manager.save(6, _state(6))
+    assert [n for n in _names(tmp_path) if not n.startswith(".")] == ["latest", _ckpt(5), _ckpt(6)], \
+        "pruned the checkpoint being written"
+    assert manager.latest_step() == 6
+    release.set()
+    handle.wait(timeout=60)
+    # step 5 finished after step 6: latest stays at 6, and 5 is pruned now
+    assert (tmp_path / "latest").read_text() == _ckpt(6) + "\n"
+    assert manager.steps() == [6]
+
+
+def test_pruning_spares_the_latest_complete_checkpoint(tmp_path: Path, config: gdsckpt.Config) -> None:
+    """A run restarted from an older step: the checkpoint it just completed is kept whatever
+    keep_last says, although higher-numbered files of the abandoned run exist."""
+    first = CheckpointManager(tmp_path, keep_last=3, config=config)
+    for step in (3, 4, 5):
+        first.save(step, _state(step))
+    second = CheckpointManager(tmp_path, keep_last=1, config=config)
+    second.save(2, _state(2))
+    assert (tmp_path / "latest").read_text() == _ckpt(2) + "\n"
+    assert second.steps() == [2, 5]  # latest (2) and the newest by step (5)
+    step, extra = second.restore_latest()  # type: ignore[misc]
+    assert step == 2 and extra["note"] == "step 2"
+
+
+def test_stale_temporaries_of_dead_processes_are_removed(tmp_path: Path, config: gdsckpt.Config) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [tmp_path / f".{_ckpt(7)}{TEMP_MARKER}{dead.pid}-0000",
+             tmp_path / f".latest{TEMP_MARKER}{dead.pid}-0001"]
+    mine = tmp_path / f".{_ckpt(8)}{TEMP_MARKER}{os.getpid()}-0002"  # a live writer's: kept
+    for path in stale + [mine]:
+        path.write_bytes(b"partial")
+    (tmp_path / "unrelated.txt").write_text("x")
+    CheckpointManager(tmp_path, config=config)
+    assert _names(tmp_path) == sorted([mine.name, "unrelated.txt"])
+
+
+# ---------------------------------------------------------------------------------------------
+# restore
+
+def test_restore_contract(tmp_path: Path, config: gdsckpt.Config) -> None:
+    manager = CheckpointManager(tmp_path, config=config)
+    model, optimizer = training_state(width=32, depth=1, steps=0)
+    assert manager.restore_latest(model=model, optimizer=optimizer) is None  # nothing yet
+
+    train_steps(model, optimizer, 2, seed=3)
+    rng = torch.get_rng_state()
+    manager.save_async(2, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng,
+                           "data": {"epoch": 1, "position": 64}, "loss": 0.25})
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    train_steps(model, optimizer, 1, seed=4)
+    manager.wait(timeout=60)
+
+    fresh, fresh_optimizer = training_state(width=32, depth=1, steps=0, seed=9)
+    step, extra = manager.restore_latest(model=fresh, optimizer=fresh_optimizer)  # type: ignore[misc]
+    assert step == 2
+    assert sorted(extra) == ["data", "loss", "rng"]
+    assert extra["data"] == {"epoch": 1, "position": 64} and extra["loss"] == 0.25
+    assert bit_equal(extra["rng"], rng)
+    assert all(bit_equal(expected[k], v) for k, v in fresh.state_dict().items())
+    assert fresh_optimizer.state_dict()["state"][0]["step"].item() == 2
+
+    # state=: tensors filled in place, top-level plain values replaced, the rest returned
+    data = {"epoch": 0, "position": 0}
+    target = {"rng": torch.empty_like(rng), "data": data, "loss": 0.0}
+    step, extra = manager.restore_latest(model=fresh, state=target)  # type: ignore[misc]
+    assert step == 2 and sorted(extra) == ["optimizer"]
+    assert bit_equal(target["rng"], rng) and target["loss"] == 0.25
+    assert target["data"] is data and data == {"epoch": 1, "position": 64}
+
+    # no target: the whole checkpoint
+    step, everything = manager.restore_latest()  # type: ignore[misc]
+    assert sorted(everything) == ["data", "loss", "model", "optimizer", "rng"]
+
+    # a target that does not fit is the caller's mistake, not damage: raised, nothing skipped
+    other, _ = training_state(width=64, depth=1, steps=0)
+    with pytest.raises(gdsckpt.StateMismatchError):
+        manager.restore_latest(model=other)
+    with pytest.raises(gdsckpt.StateMismatchError):
+        manager.restore_latest(state={"missing": torch.zeros(1)})
+
+
+def test_restore_raises_what_is_not_damage(three: CheckpointManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A codec this machine lacks would fail on every older checkpoint too: raised, not skipped
+    (silently restarting from scratch would be worse)."""
+    def no_codec(*args: Any, **kwargs: Any) -> Any:
+        raise gdsckpt.CodecUnavailableError("nvcomp.ans/1 needs a GPU (injected)")
+
+    monkeypatch.setattr(gdsckpt.api, "load_into", no_codec)
+    with pytest.raises(gdsckpt.CodecUnavailableError, match="injected"):
+        three.restore_latest(state={"w": torch.zeros(2000)})
+
+
+@pytest.fixture
+def three(tmp_path: Path, config: gdsckpt.Config) -> CheckpointManager:
+    manager = CheckpointManager(tmp_path, keep_last=3, config=config)
+    for step in (1, 2, 3):
+        manager.save(step, _state(step))
+    return manager
+
+
+def _restore_and_check(manager: CheckpointManager, expected_step: int, **kwargs: Any) -> None:
+    target = {"w": torch.zeros(2000), "b": torch.zeros(10)}
+    restored = manager.restore_latest(state=target, **kwargs)
+    assert restored is not None
+    step, extra = restored
+    assert step == expected_step and extra == {"step": expected_step, "note": f"step {expected_step}"}
+    expected = _state(expected_step)
+    assert bit_equal(target["w"], expected["w"]) and bit_equal(target["b"], expected["b"])
+
+
+def test_truncated_newest_checkpoint_is_skipped_with_a_warning(three: CheckpointManager) -> None:
+    path = three.path(3)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.warns(SkippedCheckpointWarning, match=f"{_ckpt(3)}.*named by latest") as record:
+        _restore_and_check(three, 2)
+    assert len(record) == 1
+    assert three.steps() == [1, 2] and three.latest_step() == 2
+
+
+def test_damaged_chunk_is_skipped_while_loading_or_by_verify(three: CheckpointManager) -> None:
+    path = three.path(3)
+    data = bytearray(path.read_bytes())
+    data[4096 + 10] ^= 0xFF  # inside the first chunk's payload: header, trailer and index still fine
+    path.write_bytes(bytes(data))
+    assert three.steps() == [1, 2, 3]  # the cheap check cannot see it
+    with pytest.warns(SkippedCheckpointWarning, match=f"{_ckpt(3)}.*failed while loading"):
+        _restore_and_check(three, 2)
+    with pytest.warns(SkippedCheckpointWarning, match=f"{_ckpt(3)}.*Corrupt"):
+        _restore_and_check(three, 2, verify=True)
+
+
+def test_missing_or_bad_pointer_falls_back_to_the_newest_by_step(three: CheckpointManager) -> None:
+    pointer = three.directory / "latest"
+    pointer.unlink()
+    _restore_and_check(three, 3)  # no pointer: scan, no warning
+    pointer.write_text("../../etc/passwd\n")
+    with pytest.warns(SkippedCheckpointWarning, match="ignoring pointer"):
+        _restore_and_check(three, 3)
+    pointer.write_text(_ckpt(2) + "\n")  # a readable file: followed, although 3 has a higher step
+    _restore_and_check(three, 2)  # (3 was written before latest: an abandoned run's, say)
+    # A crash between a save's rename and its pointer update: step 3 was written after latest.
+    older = three.path(3).stat().st_mtime_ns - 10**9
+    os.utime(pointer, ns=(older, older))
+    _restore_and_check(three, 3)
+    assert three.latest_step() == 3
+    pointer.write_text(_ckpt(2) + "\n")
+    three.path(2).unlink()
+    with pytest.warns(SkippedCheckpointWarning, match=f"{_ckpt(2)}.*latest.*missing"):
+        _restore_and_check(three, 3)
+
+
+def test_every_checkpoint_damaged_returns_none(three: CheckpointManager) -> None:
+    for step in (1, 2, 3):
+        three.path(step).write_bytes(b"\0" * 100)
+    with pytest.warns(SkippedCheckpointWarning) as record:
+        assert three.restore_latest(state={"w": torch.zeros(2000)}) is None
+    assert len(record) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# crash and resume: SIGKILL at random moments
+
+STEPS = 60  # training steps of the whole run
+CAP = 44  # killed workers are stopped before they get further than this
+KILLS = 22
+DURING_RESTORE = {7, 15}  # these kills may land before the restore finished; every other one after it
+STANDBYS = 2  # workers importing torch while the current one trains
+WORKER = Path(__file__).with_name("resume_worker.py")
+
+
+class Worker:
+    """A ``resume_worker.py`` process (spawned, not forked) and a thread reading its events."""
+
+    def __init__(self, mode: str, directory: Path, log: Path, env: dict[str, str]):
+        self.log = log
+        with log.open("w") as stderr:
+            self.proc = subprocess.Popen([sys.executable, str(WORKER), mode, str(directory), str(STEPS)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                         text=True, env=env, cwd=str(WORKER.parent.parent))
+        self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.events.put(json.loads(line))
+        self.events.put(None)
+
+    def next(self, timeout: float) -> dict[str, Any] | None:
+        """The next event; None at the end of output. Raises ``queue.Empty`` on timeout."""
+        return self.events.get(timeout=max(timeout, 0.0))
+
+    def expect(self, kind: str, timeout: float = 120) -> dict[str, Any]:
+        event = self.next(timeout)
+        assert event is not None and event["event"] == kind, (event, self.stderr())
+        return event
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def stderr(self) -> str:
+        return self.log.read_text()[-3000:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()  # a standby that never got "go" exits
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None and not stream.closed:
+                stream.close()
+
+
+def _expected_restore(directory: Path) -> tuple[int, bool]:
+    """The step restore_latest must pick, worked out independently (every file under a final name
+    is complete): the highest-numbered checkpoint written after ``latest`` was, else the one
+    ``latest`` names, else the highest-numbered one. Also: whether the first case applied (the
+    process died between a checkpoint's rename and the pointer update)."""
+    steps = {int(p.name[5:15]): p for p in directory.glob("step-*.gdsckpt")}
+    pointer = directory / "latest"
+    if not pointer.exists():
+        return max(steps, default=0), False
+    named = int(pointer.read_text()[5:15])
+    newer = [s for s, p in steps.items() if s > named and p.stat().st_mtime_ns > pointer.stat().st_mtime_ns]
+    if newer:
+        return max(newer), True
+    assert named in steps
+    return named, False
+
+
+def test_sigkill_at_random_moments_resumes_bit_exact(tmp_path: Path, h: Any) -> None:
+    seed = int(os.environ.get("RESUME_KILL_SEED", "20240604"))
+    rng = random.Random(seed)
+    env = h.subprocess_env()
+    directory, ref_dir, logs = tmp_path / "ckpt", tmp_path / "reference", tmp_path / "logs"
+    for d in (directory, ref_dir, logs):
+        d.mkdir()
+    started = time.monotonic()
+    reference = Worker("reference", ref_dir, logs / "reference.err", env)
+    spawned = 0
+
+    def spawn() -> Worker:
+        nonlocal spawned
+        spawned += 1
+        return Worker("train", directory, logs / f"worker-{spawned}.err", env)
+
+    standbys = deque(spawn() for _ in range(STANDBYS))
+    restores: list[dict[str, Any]] = []  # every "restored" event, with what we expected
+    kills = torn = behind = window_restores = 0
+    finished: dict[str, Any] | None = None
+    try:
+        while finished is None:
+            worker = standbys.popleft()
+            if spawned < KILLS + 1:
+                standbys.append(spawn())
+            worker.expect("ready")
+            expected, window = _expected_restore(directory)
+            newest = max((int(p.name[5:15]) for p in directory.glob("step-*.gdsckpt")), default=0)
+            worker.go()
+            if kills == KILLS:  # the last worker runs to the end
+                event = worker.expect("restored")
+                restores.append({**event, "expected": expected})
+                while (event := worker.next(120)) is not None:
+                    if event["event"] == "done":
+                        finished = event
+                assert worker.proc.wait(60) == 0, worker.stderr()
+                worker.close()
+                break
+            # Kill at a random moment: a random delay after the start (often during the restore), or,
+            # once restored, a random delay or a random number of training steps plus a little
+            # jitter (often inside a background save).
+            during_restore = kills in DURING_RESTORE
+            by_time = during_restore or rng.random() < 0.3
+            delay = rng.uniform(0.0, 0.05) if during_restore else rng.uniform(0.0, 0.2)
+            deadline = time.monotonic() + (delay if during_restore else 60)
+            steps_wanted = rng.randint(0, 8)
+            steps_seen = 0
+            restored_seen = False
+            while True:
+                try:
+                    event = worker.next(deadline - time.monotonic())
+                except queue.Empty:
+                    break
+                assert event is not None, f"worker exited on its own:\n{worker.stderr()}"
+                if event["event"] == "restored":
+                    restored_seen = True
+                    restores.append({**event, "expected": expected})
+                    if by_time and not during_restore:
+                        deadline = time.monotonic() + delay
+                elif event["event"] == "step":
+                    steps_seen += 1
+                    if event["step"] >= CAP:
+                        break
+                if not by_time and restored_seen and steps_seen >= steps_wanted:
+                    time.sleep(rng.uniform(0.0, 0.06))
+                    break
+            os.kill(worker.proc.pid, signal.SIGKILL)
+            assert worker.proc.wait(60) == -signal.SIGKILL
+            kills += 1
+            while (event := worker.next(10)) is not None:  # what it printed before dying
+                if event["event"] == "restored":
+                    restores.append({**event, "expected": expected})
+            worker.close()
+            torn += any(TEMP_MARKER in p.name for p in directory.iterdir())
+            window_restores += window
+            behind += expected < newest
+        ref_states = {}
+        while (event := reference.next(120)) is not None:
+            if event["event"] == "state":
+                ref_states[event["step"]] = event["digest"]
+        assert reference.proc.wait(60) == 0, reference.stderr()
+    finally:
+        for worker in standbys:
+            worker.close()
+        for worker in [reference]:
+            if worker.proc.poll() is None:
+                worker.proc.kill()
+            worker.close()
+
+    # every restore picked the checkpoint the rule names and holds that step's state bit for bit
+    assert kills == KILLS >= 20
+    assert len(restores) >= KILLS - len(DURING_RESTORE) + 1  # each restart not killed early, and the last
+    for restore in restores:
+        assert restore["step"] == restore["expected"], restore
+        assert restore["digest"] == ref_states[restore["step"]], f"restore of step {restore['step']} differs"
+        assert restore["warnings"] == [], restore
+    assert [r["step"] for r in restores] == sorted(r["step"] for r in restores), "progress went backwards"
+    # the run that was killed 20+ times ends where the uninterrupted one does, bit for bit
+    assert finished is not None and finished["step"] == STEPS and not finished["dynamo"]
+    h.assert_same(gdsckpt.load(ref_dir / "final.gdsckpt"), gdsckpt.load(tmp_path / "final.gdsckpt"))
+    assert finished["steps"] == [STEPS - 2, STEPS]
+    assert _names(directory) == ["latest", _ckpt(STEPS - 2), _ckpt(STEPS)], "left-over files"
+    print(f"\nkill test (seed {seed}): {kills} SIGKILLs, {len(restores)} restores all bit-exact, "
+          f"{torn} kills left a partial temporary file, {window_restores} restarts found a checkpoint "
+          f"completed after latest was written (killed between its rename and the pointer update), "
+          f"{behind} restarts not from the highest-numbered file, "
+          f"restored steps {[r['step'] for r in restores]}, {time.monotonic() - started:.1f} s")
