@@ -36,6 +36,7 @@ from .engine import NONE_CHAIN, EncodedChunk, Engine
 from .plan import ArraySource, ChunkPlan
 
 TRIAL_BYTES = 1 << 20
+STAGING_RING_SHARE = 0.9
 _TYPED_ANS = {2: "<f2", 4: "<f4"}
 
 _ZERO_TAILS = r"""
@@ -119,7 +120,9 @@ class GpuEngine(Engine):
                 self._out_bytes = align_up(max(bound, chunk_bytes))
                 self._trial_out = align_up(max(trial_bound, TRIAL_BYTES))
             self._slot_bytes = chunk_bytes + self._out_bytes
-            slots = max(2, max_staging_bytes // self._slot_bytes)
+            # The ring takes 90% of the budget: the rest is for nvCOMP's scratch, CRC tables and
+            # CUDA modules loaded on first use (116 MiB beyond a 992 MiB ring on the H200).
+            slots = max(2, int(max_staging_bytes * STAGING_RING_SHARE) // self._slot_bytes)
             self.max_pending = slots
             self.staging_bytes = slots * self._slot_bytes if sources else 0
             self._staging: Any = None if not sources else cupy.empty(self.staging_bytes, dtype=cupy.uint8)
