@@ -1,0 +1,322 @@
+"""torch.distributed.checkpoint (DCP) storage layer: ``GdsStorageWriter`` and ``GdsStorageReader``.
+
+``torch.distributed.checkpoint.save`` / ``async_save`` / ``load`` work unchanged with them::
+
+    import torch.distributed.checkpoint as dcp
+    from gdsckpt.dcp import GdsStorageReader, GdsStorageWriter
+
+    dcp.save({"model": model.state_dict()}, storage_writer=GdsStorageWriter("ckpt/step-100"))
+    dcp.load(state, storage_reader=GdsStorageReader("ckpt/step-100"))
+
+A checkpoint is a directory. Each rank writes one gdsckpt file, ``__<rank>_0.gdsckpt``, through
+``gdsckpt.save`` (chunked, compressed, checksummed, atomic): a flat dict of that rank's write
+items, keyed ``"<fqn>@<chunk offsets>"`` (the ``MetadataIndex`` of the item). Tensors are stored
+as tensors; DCP's byte items (non-tensor state, which DCP itself serialises) are stored as raw
+``uint8`` tensors. Each ``WriteResult.storage_data`` is a ``GdsStorageInfo`` (file name, key,
+length). The coordinator writes DCP's ``Metadata`` last, to ``.metadata``, the way
+``FileSystemWriter`` does (pickle, temporary file, fsync, rename, directory fsync): a directory
+without ``.metadata`` is not a checkpoint. If any rank fails, DCP raises on every rank and never
+calls ``finish``, and the coordinator removed a stale ``.metadata`` before any rank wrote, so the
+directory is not a (mixed) checkpoint either.
+
+Loading reads ``.metadata``, groups the read items by rank file, opens each file once with
+``gdsckpt.open`` and reads only the keys it needs (gdsckpt reads only those arrays' chunks), then
+narrows each to the requested offsets and lengths (resharding: load at any world size) and copies
+it into the planner's tensor, or hands the bytes to ``planner.load_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import api
+from .config import Config
+from .errors import CorruptCheckpointError
+from .state import escape_key
+
+METADATA_NAME = ".metadata"
+SUFFIX = ".gdsckpt"
+DCP_VERSION = "1.0.0"
+
+__all__ = ["GdsStorageInfo", "GdsStorageReader", "GdsStorageWriter", "item_key"]
+
+
+@dataclass(frozen=True)
+class GdsStorageInfo:
+    """Where one write item lives: the rank file (relative to the checkpoint directory), its key
+    in that file (as ``gdsckpt.open(...).get`` takes it) and its length in bytes."""
+
+    relative_path: str
+    key: str
+    length: int
+
+
+@dataclass(frozen=True)
+class _FilePrefix:
+    prefix: str
+
+
+def item_key(index: MetadataIndex) -> str:
+    """The key of a write item in its rank file: ``fqn@offsets`` (``"w@0,128"``; ``"step@"`` for
+    an item without offsets), escaped as a gdsckpt key path component."""
+    offsets = "" if index.offset is None else ",".join(str(int(o)) for o in index.offset)
+    return escape_key(f"{index.fqn}@{offsets}")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _validate_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> bool:
+    if isinstance(checkpoint_id, Path):
+        return True
+    if "://" in str(checkpoint_id):
+        return False
+    return any(p.exists() and os.access(p, os.W_OK) for p in Path(checkpoint_id).parents)
+
+
+class GdsStorageWriter(StorageWriter):
+    """A DCP ``StorageWriter`` that writes one compressed gdsckpt file per rank into ``path``.
+
+    ``codec`` and ``config`` are those of ``gdsckpt.save``; further keyword ``options`` override
+    fields of the configuration (``chunk_bytes=``, ``fsync=``, ``level=``, ...). ``fsync`` also
+    governs the ``.metadata`` file. Existing rank files and ``.metadata`` in ``path`` are replaced.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, codec: str = "auto", config: Config | None = None,
+                 **options: Any) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.codec = codec
+        self.config = api._config(config, **options)
+        self.rank: int | None = None
+        self.use_collectives = True
+        self.is_coordinator = False
+        self.save_id = str(uuid.uuid4())
+
+    # -- protocol ------------------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _validate_checkpoint_id(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        return self.path
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.path.mkdir(parents=True, exist_ok=True)
+        if not self.use_collectives and self.rank is not None:
+            self._remove_metadata(self._metadata_path(self.rank))
+            plan = dataclasses.replace(plan, storage_data=_FilePrefix(f"__{self.rank}_"))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Runs on the coordinator after every rank planned and before any rank writes: a stale
+        # .metadata goes first, so that a save failing half-way leaves no committed checkpoint
+        # pointing into rank files it partly replaced.
+        self._remove_metadata(self._metadata_path())
+        return [dataclasses.replace(plan, storage_data=_FilePrefix(f"__{i}_"))
+                if plan.storage_data is None else plan for i, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix: _FilePrefix = plan.storage_data
+        file_name = f"{prefix.prefix}0{SUFFIX}"
+        state: dict[str, Any] = {}
+        results: list[WriteResult] = []
+        for item in plan.items:
+            key = item_key(item.index)
+            if key in state:
+                raise ValueError(f"two write items map to the same key {key!r}")
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                if not isinstance(data, io.BytesIO):
+                    raise TypeError(f"byte item {item.index.fqn!r} resolved to {type(data).__name__}, "
+                                    f"not io.BytesIO")
+                value: Any = torch.from_numpy(np.frombuffer(data.getvalue(), dtype=np.uint8).copy())
+                length = value.numel()
+            else:
+                if not isinstance(data, torch.Tensor):
+                    raise TypeError(f"tensor item {item.index.fqn!r} resolved to {type(data).__name__}")
+                value = data.detach()
+                length = value.numel() * value.element_size()
+            state[key] = value
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=GdsStorageInfo(file_name, key, length)))
+        api.save(state, self.path / file_name, codec=self.codec, config=self.config)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = DCP_VERSION
+        storage_md: dict[MetadataIndex, Any] = {}
+        for rank_results in results:
+            storage_md.update({result.index: result.storage_data for result in rank_results})
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        rank = None if self.use_collectives else self.rank
+        final = self._metadata_path(rank)
+        tmp = final.with_name(f"{final.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            with tmp.open("wb") as f:
+                pickle.dump(metadata, f)  # DCP's own serialisation of Metadata (as FileSystemWriter)
+                f.flush()
+                if self.config.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if self.config.fsync:
+            _fsync_dir(self.path)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _metadata_path(self, rank: int | None = None) -> Path:
+        return self.path / (METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}")
+
+    def _remove_metadata(self, path: Path) -> None:
+        if path.exists():
+            path.unlink()
+            if self.config.fsync:
+                _fsync_dir(self.path)
+
+
+class GdsStorageReader(StorageReader):
+    """A DCP ``StorageReader`` for checkpoints written by ``GdsStorageWriter``, at any world size."""
+
+    def __init__(self, path: str | os.PathLike[str], *, config: Config | None = None) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.config = config
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self.load_id = str(uuid.uuid4())
+        self.rank: int | None = None
+        self.use_collectives = True
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _validate_checkpoint_id(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        return self.path
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+        with (self.path / name).open("rb") as f:
+            metadata = pickle.load(f)  # as FileSystemReader: .metadata is DCP's pickled Metadata
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CorruptCheckpointError("DCP metadata has no storage_data")
+        self.storage_data = metadata.storage_data
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            info = self._info(item)
+            per_file.setdefault(info.relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            if Path(relative_path).name != relative_path:
+                raise CorruptCheckpointError(f"DCP metadata names a file outside the checkpoint: "
+                                             f"{relative_path!r}")
+            with api.open(self.path / relative_path, config=self.config) as ckpt:
+                # several read items may take pieces of one stored item: read each key once
+                items.sort(key=lambda it: self._info(it).key)
+                cached_key: str | None = None
+                cached: Any = None
+                for item in items:
+                    info = self._info(item)
+                    if info.key != cached_key:
+                        cached = None  # drop the previous item before reading the next
+                        cached = ckpt.get(info.key)
+                        cached_key = info.key
+                    self._deliver(item, cached, planner)
+                cached = None
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _info(self, item: ReadItem) -> GdsStorageInfo:
+        try:
+            info = self.storage_data[item.storage_index]
+        except KeyError:
+            raise CorruptCheckpointError(f"DCP metadata has no storage entry for {item.storage_index}") from None
+        if not isinstance(info, GdsStorageInfo):
+            raise CorruptCheckpointError(f"{item.storage_index} was not written by GdsStorageWriter "
+                                         f"(storage data {type(info).__name__})")
+        return info
+
+    @staticmethod
+    def _deliver(item: ReadItem, stored: Any, planner: LoadPlanner) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(stored.numpy().tobytes()))
+            return
+        tensor = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CorruptCheckpointError(f"read item {item.storage_index}: target size {tuple(target.size())} "
+                                         f"!= stored piece {tuple(tensor.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
