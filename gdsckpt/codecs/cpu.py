@@ -118,17 +118,19 @@ class BytePlanes(Transform):
     output is every element's ``b{w-1}``, then every ``b{w-2}``, ... then every ``b0``. Sign and
     exponent bytes of trained weights repeat a lot; separated from the noisy mantissa bytes they
     compress well, which is the point.
+
+    ``forward`` and ``inverse`` are ``planes_forward`` and ``planes_inverse``, which compute
+    exactly the bytes of the strided-copy definition (``planes_forward_reference``,
+    ``planes_inverse_reference``) with whole-word shifts.
     """
 
     name = "byteplanes/1"
 
     def forward(self, data: np.ndarray, params: dict[str, Any]) -> np.ndarray:
-        width = _width(data, params)
-        return np.ascontiguousarray(data.reshape(-1, width)[:, ::-1].T).reshape(-1)
+        return planes_forward(data, params.get("width"))
 
     def inverse(self, data: np.ndarray, params: dict[str, Any]) -> np.ndarray:
-        width = _width(data, params)
-        return np.ascontiguousarray(data.reshape(width, -1)[::-1].T).reshape(-1)
+        return planes_inverse(data, params.get("width"))
 
 
 def _width(data: np.ndarray, params: dict[str, Any]) -> int:
@@ -136,6 +138,71 @@ def _width(data: np.ndarray, params: dict[str, Any]) -> int:
     if not isinstance(width, int) or width not in (2, 4, 8) or data.size % width:
         raise ValueError(f"byte planes of width {width!r} do not fit {data.size} bytes")
     return width
+
+
+def planes_forward_reference(data: np.ndarray, width: Any) -> np.ndarray:
+    """The definition of the forward transform: a strided byte copy (slow; tests compare to it)."""
+    width = _width(data, {"width": width})
+    return np.ascontiguousarray(data.reshape(-1, width)[:, ::-1].T).reshape(-1)
+
+
+def planes_inverse_reference(data: np.ndarray, width: Any) -> np.ndarray:
+    """The definition of the inverse transform: a strided byte copy (slow; tests compare to it)."""
+    width = _width(data, {"width": width})
+    return np.ascontiguousarray(data.reshape(width, -1)[::-1].T).reshape(-1)
+
+
+_WORDS = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+PLANES_BLOCK_BYTES = 1 << 20
+"""Input bytes per block of the word-wise forward transform: a block's words and its shifted copy
+stay in cache across the ``width`` passes. Measured on 4 MiB chunks (2 cores, X86_V3): 256 KiB
+blocks lose ~30% to per-call overhead, a whole chunk at once loses 3-10x to the temporary's page
+faults."""
+
+
+def planes_forward(data: np.ndarray, width: Any) -> np.ndarray:
+    """``planes_forward_reference`` (the same bytes), splitting whole little-endian words with
+    shifts and truncating casts, one cache-sized block at a time, instead of a strided byte copy.
+    Width 8 keeps the strided copy, which measured as fast. Invalid parameters raise the
+    reference's ``ValueError``."""
+    width = _width(data, {"width": width})
+    if width == 8:
+        return planes_forward_reference(data, width)
+    data = np.ascontiguousarray(data).reshape(-1)
+    count = data.size // width
+    out = np.empty(data.size, dtype=np.uint8)
+    if count == 0:
+        return out
+    planes = out.reshape(width, count)
+    words = data.view(_WORDS[width])
+    block = PLANES_BLOCK_BYTES // width
+    scratch = np.empty(min(count, block), dtype=words.dtype)
+    for start in range(0, count, block):
+        stop = min(count, start + block)
+        chunk, shifted = words[start:stop], scratch[:stop - start]
+        for k in range(width - 1):  # plane k holds byte width-1-k of every word
+            np.right_shift(chunk, 8 * (width - 1 - k), out=shifted)
+            np.copyto(planes[k, start:stop], shifted, casting="unsafe")
+        np.copyto(planes[width - 1, start:stop], chunk, casting="unsafe")
+    return out
+
+
+def planes_inverse(data: np.ndarray, width: Any) -> np.ndarray:
+    """``planes_inverse_reference`` (the same bytes), assembling whole words with shifts and ors
+    instead of a strided byte copy: ~15x (width 2) and ~5x (width 4) faster on the measured host
+    (0.42 -> 6-7 GB/s, 0.72 -> 3.8-4 GB/s). Invalid parameters raise the reference's
+    ``ValueError``."""
+    width = _width(data, {"width": width})
+    data = np.ascontiguousarray(data).reshape(-1)
+    count = data.size // width
+    out = np.empty(data.size, dtype=np.uint8)
+    words = out.view(_WORDS[width])
+    planes = data.reshape(width, count)
+    np.copyto(words, planes[0], casting="unsafe")
+    for k in range(1, width):
+        words <<= 8
+        words |= planes[k]
+    return out
 
 
 BYTE_PLANES = BytePlanes()
