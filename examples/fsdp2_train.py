@@ -6,6 +6,8 @@ Each rank trains its shard of a small MLP wrapped with FSDP2 (``fully_shard``); 
 ``GdsStorageWriter``: one compressed gdsckpt file per rank plus DCP's ``.metadata``. At the end a
 fresh model is restored with ``dcp.load`` through ``GdsStorageReader`` and checked bit-exact
 against the trained one. A checkpoint saved at one world size loads at another (resharding).
+``async_save`` gets its own gloo process group: its collectives run in a background thread while
+FSDP's run on the main thread, and on one shared group they would interleave and hang.
 
 Runs on the CPU with gloo (1-2 ranks are enough to try it), or on GPUs with NCCL::
 
@@ -87,6 +89,9 @@ def run(args: argparse.Namespace) -> None:
     root = Path(args.dir)
     pending = None
     last = None
+    # async_save runs DCP's collectives in a background thread while training runs FSDP's on the
+    # main thread: on one process group they would interleave and deadlock, so it gets its own
+    save_group = dist.new_group(backend="gloo") if args.async_save else None
     for step in range(1, args.steps + 1):
         loss = train_step(model, optimizer, step, args.width, device)
         if step % args.every == 0:
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> None:
             started = time.perf_counter()
             state = {"app": AppState(model, optimizer), "step": step}
             if args.async_save:
-                pending = dcp.async_save(state, storage_writer=writer)
+                pending = dcp.async_save(state, storage_writer=writer, process_group=save_group)
             else:
                 dcp.save(state, storage_writer=writer)
             last = path
