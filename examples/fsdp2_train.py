@@ -82,7 +82,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: i
 
 def run(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+    else:
+        device = torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model, optimizer = build(device, args.width)

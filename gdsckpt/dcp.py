@@ -41,7 +41,13 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
-    LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItemType,
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
@@ -258,7 +264,8 @@ class GdsStorageReader(StorageReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
         if metadata.storage_data is None:
             raise CorruptCheckpointError("DCP metadata has no storage_data")
         self.storage_data = metadata.storage_data
@@ -301,7 +308,8 @@ class GdsStorageReader(StorageReader):
         try:
             info = self.storage_data[item.storage_index]
         except KeyError:
-            raise CorruptCheckpointError(f"DCP metadata has no storage entry for {item.storage_index}") from None
+            raise CorruptCheckpointError(f"DCP metadata has no storage entry for "
+                                         f"{item.storage_index}") from None
         if not isinstance(info, GdsStorageInfo):
             raise CorruptCheckpointError(f"{item.storage_index} was not written by GdsStorageWriter "
                                          f"(storage data {type(info).__name__})")
@@ -315,7 +323,8 @@ class GdsStorageReader(StorageReader):
         tensor = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
-            raise CorruptCheckpointError(f"read item {item.storage_index}: target size {tuple(target.size())} "
+            raise CorruptCheckpointError(f"read item {item.storage_index}: target size "
+                                         f"{tuple(target.size())} "
                                          f"!= stored piece {tuple(tensor.size())}")
         target.copy_(tensor)
         planner.commit_tensor(item, target)

@@ -27,10 +27,10 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover - depends on the build
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-import gdsckpt  # noqa: E402
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException
 
-from gdsckpt.dcp import GdsStorageInfo, GdsStorageReader, GdsStorageWriter, item_key  # noqa: E402
+import gdsckpt
+from gdsckpt.dcp import GdsStorageInfo, GdsStorageReader, GdsStorageWriter, item_key
 
 DISABLED = r"torch\.distributed is disabled"
 
@@ -132,7 +132,7 @@ def _worker(rank: int, world: int, root: str, tag: str, jobs: list[tuple[str, st
                              storage_writer=FailingWriter(path, fail_rank=1, **small_options()))
                 else:  # pragma: no cover
                     raise ValueError(job)
-            except BaseException as err:  # DCP's CheckpointException is a BaseException
+            except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
                 outcome = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
             report[f"{job}:{where}"] = outcome
             dist.barrier()
@@ -218,9 +218,8 @@ def test_failing_rank_raises_everywhere_and_leaves_no_metadata(chain: Any) -> No
             assert outcome.startswith("CheckpointException"), outcome
             assert "injected failure on rank 1" in outcome, outcome
         assert not (root / where / ".metadata").exists()
-    with pytest.raises(CheckpointException):
-        with pytest.warns(UserWarning, match=DISABLED):
-            dcp.load({"rep": {"w": torch.zeros(6, 5)}}, storage_reader=GdsStorageReader(root / "fresh"))
+    with pytest.raises(CheckpointException), pytest.warns(UserWarning, match=DISABLED):
+        dcp.load({"rep": {"w": torch.zeros(6, 5)}}, storage_reader=GdsStorageReader(root / "fresh"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +285,7 @@ def test_checkpoint_id_overrides_path_and_overwrite(tmp_path: Path) -> None:
 
 def test_async_save_single_process(tmp_path: Path) -> None:
     state = plain_state()
-    with pytest.warns(UserWarning, match=DISABLED):
+    with pytest.warns(UserWarning, match=DISABLED):  # noqa: PT031 - the save may warn from its thread
         future = dcp.async_save(state, storage_writer=GdsStorageWriter(tmp_path, **small_options()))
         future.result()
     target = empty_like(state)
@@ -299,18 +298,17 @@ def test_reader_rejects_a_filesystemwriter_checkpoint(tmp_path: Path) -> None:
     state = plain_state()
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, sync_files=False))
-    with pytest.raises(CheckpointException, match="not written by GdsStorageWriter"):
-        with pytest.warns(UserWarning, match=DISABLED):
-            dcp.load(empty_like(state), storage_reader=GdsStorageReader(tmp_path))
+    with pytest.raises(CheckpointException, match="not written by GdsStorageWriter"), \
+            pytest.warns(UserWarning, match=DISABLED):
+        dcp.load(empty_like(state), storage_reader=GdsStorageReader(tmp_path))
 
 
 def test_missing_metadata_is_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.save(plain_state(), storage_writer=GdsStorageWriter(tmp_path, **small_options()))
     (tmp_path / ".metadata").unlink()
-    with pytest.raises(CheckpointException):
-        with pytest.warns(UserWarning, match=DISABLED):
-            dcp.load(empty_like(plain_state()), storage_reader=GdsStorageReader(tmp_path))
+    with pytest.raises(CheckpointException), pytest.warns(UserWarning, match=DISABLED):
+        dcp.load(empty_like(plain_state()), storage_reader=GdsStorageReader(tmp_path))
 
 
 def test_item_key_encodes_fqn_and_offsets() -> None:
@@ -319,3 +317,25 @@ def test_item_key_encodes_fqn_and_offsets() -> None:
     assert item_key(MetadataIndex("a.b", torch.Size([3, 0]))) == "a.b@3,0"
     assert item_key(MetadataIndex("step")) == "step@"
     assert item_key(MetadataIndex("odd/name~x", torch.Size([1]))) == "odd~1name~0x@1"
+
+
+def test_load_reads_only_the_needed_items(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    state = plain_state()
+    with pytest.warns(UserWarning, match=DISABLED):
+        dcp.save(state, storage_writer=GdsStorageWriter(tmp_path, **small_options()))
+    fetched: list[str] = []
+    original = gdsckpt.Checkpoint.get
+
+    def spy(self: Any, key: str, device: Any = None) -> Any:
+        fetched.append(key)
+        return original(self, key, device)
+
+    monkeypatch.setattr(gdsckpt.Checkpoint, "get", spy)
+    target = {"model": {"w": torch.zeros(64, 33)}}
+    with pytest.warns(UserWarning, match=DISABLED):
+        dcp.load(target, storage_reader=GdsStorageReader(tmp_path),
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert fetched == ["model.w@0,0"]
+    assert bits(target["model"]["w"]) == bits(state["model"]["w"])
