@@ -226,6 +226,12 @@ class _Target:
     def write_host(self, start: int, data: np.ndarray) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def host_view(self, start: int, stop: int) -> np.ndarray | None:
+        """Bytes ``[start, stop)`` of the destination as a writable uint8 array over its own
+        memory, for reading file bytes straight into it; None where the destination is not
+        contiguous host memory (the restore then writes through ``write_host``)."""
+        return None
+
 
 class TorchTarget(_Target):
     """A torch tensor to fill: a new one, or an existing one (``load_into``) written in place."""
@@ -254,6 +260,9 @@ class TorchTarget(_Target):
         assert self._flat is not None
         host = data if data.flags.writeable else data.copy()
         self._flat[start:start + data.nbytes].copy_(torch.from_numpy(host))
+
+    def host_view(self, start: int, stop: int) -> np.ndarray | None:
+        return self._host[start:stop] if self._host is not None else None
 
     def write_device(self, start: int, data: Any) -> None:
         import cupy
@@ -296,6 +305,9 @@ class NumpyTarget(_Target):
 
     def write_host(self, start: int, data: np.ndarray) -> None:
         self._flat[start:start + data.nbytes] = data
+
+    def host_view(self, start: int, stop: int) -> np.ndarray | None:
+        return self._flat[start:stop]
 
     def finish(self) -> Any:
         return self.array[()] if self.scalar else self.array

@@ -6,6 +6,10 @@ completely before anything is allocated from it (``format.parse_index``). Restor
 reads in file order until ``max_inflight_bytes`` of read buffers and decoded bytes are
 outstanding; each completed read is verified and decoded by the engine, which hands the raw bytes
 to the destination arrays. Only the chunks that hold the wanted arrays are read.
+
+Direct reads: on the CPU engine, a chunk stored as ``none/1`` whose raw bytes all go to one
+contiguous range of host memory (``target.host_view``) is read straight into that memory; the
+engine then checks its CRC-32C there (``none/1`` decodes without copying) and nothing is copied.
 """
 
 from __future__ import annotations
@@ -67,7 +71,12 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: di
                 (array_id, segment.raw_offset, segment.length, position))
             position += segment.length
 
+    direct = _direct_destinations(index, engine, targets, deliveries)
+
     def deliver_to_targets(chunk: int) -> Callable[[Any], None]:
+        if chunk in direct:
+            return _already_in_place
+
         def deliver(raw: Any) -> None:
             for array_id, raw_offset, length, position in deliveries[chunk]:
                 target = targets[array_id]
@@ -79,7 +88,37 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: di
         return deliver
 
     return _stream_chunks(reader, index, engine, sorted(deliveries), deliver_to_targets,
-                          max_inflight_bytes=max_inflight_bytes, timeout=timeout)
+                          max_inflight_bytes=max_inflight_bytes, timeout=timeout, direct=direct)
+
+
+NONE_CHAIN = [{"name": "none/1"}]
+
+
+def _direct_destinations(index: Index, engine: Engine, targets: dict[int, ArrayTarget],
+                         deliveries: dict[int, list[Delivery]]) -> dict[int, Any]:
+    """Chunk -> the destination memory its stored bytes can be read straight into: chunks stored
+    as exactly ``none/1`` (stored == raw bytes) whose raw bytes all go to one contiguous host range
+    of one target. Only on the CPU engine, which decodes host buffers (a GPU engine is given device
+    read buffers)."""
+    if engine.name != "cpu":
+        return {}
+    direct: dict[int, Any] = {}
+    for chunk, wanted in deliveries.items():
+        record = index.chunks[chunk]
+        if len(wanted) != 1 or index.chains[record.chain] != NONE_CHAIN or record.stored != record.raw:
+            continue
+        array_id, raw_offset, length, position = wanted[0]
+        if raw_offset != 0 or length != record.raw or length == 0:
+            continue
+        host_view = getattr(targets[array_id], "host_view", None)
+        view = host_view(position, position + length) if host_view is not None else None
+        if view is not None and view.nbytes == length:
+            direct[chunk] = view
+    return direct
+
+
+def _already_in_place(raw: Any) -> None:
+    """The deliver step of a direct read: the bytes were read into the destination."""
 
 
 def run_verify(reader: StorageReader, index: Index, engine: Engine, *, max_inflight_bytes: int,
@@ -100,7 +139,7 @@ def chunk_owner(index: Index, chunk: int) -> str | None:
 
 def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: list[int],
                    make_deliver: Callable[[int], Callable[[Any], None]], *, max_inflight_bytes: int,
-                   timeout: float | None) -> int:
+                   timeout: float | None, direct: dict[int, Any] | None = None) -> int:
     reads: deque[tuple[int, Future[Any], Any]] = deque()
     decodes: deque[tuple[int, Future[None], int]] = deque()
     inflight = 0
@@ -148,7 +187,9 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
                 else:
                     finish_decode(block=True)
                 finish_decode(block=False)
-            buffer = engine.read_buffer(align_up(record.stored))
+            buffer = direct.get(chunk) if direct else None
+            if buffer is None:
+                buffer = engine.read_buffer(align_up(record.stored))
             reads.append((chunk, reader.submit_read(record.offset, buffer), buffer))
             inflight += cost
             stored_total += record.stored

@@ -1,0 +1,154 @@
+"""Direct reads on restore: ``none/1`` chunks whose bytes all go to one contiguous host range are
+read straight into the destination array and checksummed there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gdsckpt
+from gdsckpt.errors import CorruptCheckpointError
+from gdsckpt.pipeline import engine as engine_module
+from gdsckpt.pipeline import load as load_module
+from gdsckpt.state import NumpyTarget, TorchTarget
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(10_001, generator=g),  # ~10 chunks of 4096 bytes, the last one partial
+        "half": torch.randn(5_000, generator=g).to(torch.bfloat16),
+        "n": np.random.default_rng(7).standard_normal(3_001),
+        "small": [torch.full((7,), float(i)) for i in range(5)],  # packed: several per chunk
+        "step": 3,
+    }
+
+
+def _direct_chunks(index: Any) -> dict[int, str]:
+    """Chunk -> key for chunks that qualify: chain none/1 and exactly one segment covering them."""
+    segments: dict[int, list[tuple[str, Any]]] = {}
+    for tensor in index.tensors:
+        for segment in tensor.segments:
+            segments.setdefault(segment.chunk, []).append((tensor.key, segment))
+    direct = {}
+    for chunk, found in segments.items():
+        record = index.chunks[chunk]
+        if (len(found) == 1 and index.chains[record.chain] == [{"name": "none/1"}]
+                and found[0][1].raw_offset == 0 and found[0][1].length == record.raw):
+            direct[chunk] = found[0][0]
+    return direct
+
+
+class _Counters:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.views = 0
+        self.writes = 0
+        self.buffers = 0
+        for cls in (TorchTarget, NumpyTarget):
+            monkeypatch.setattr(cls, "host_view", self._count_view(cls.host_view))
+            monkeypatch.setattr(cls, "write_host", self._count_write(cls.write_host))
+        original_buffer = engine_module.HostEngine.read_buffer
+
+        def read_buffer(engine: Any, nbytes: int) -> Any:
+            self.buffers += 1
+            return original_buffer(engine, nbytes)
+
+        monkeypatch.setattr(engine_module.HostEngine, "read_buffer", read_buffer)
+
+    def _count_view(self, original: Any) -> Any:
+        def host_view(target: Any, start: int, stop: int) -> Any:
+            view = original(target, start, stop)
+            if view is not None:
+                self.views += 1
+            return view
+        return host_view
+
+    def _count_write(self, original: Any) -> Any:
+        def write_host(target: Any, start: int, data: Any) -> None:
+            self.writes += 1
+            original(target, start, data)
+        return write_host
+
+
+def test_none_chunks_are_read_straight_into_the_destination(ckpt_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            h: Any) -> None:
+    config = h.small_config()
+    gdsckpt.save(_state(), ckpt_path, codec="none", config=config)
+    index = h.read_index(ckpt_path)
+    direct = _direct_chunks(index)
+    assert {"w", "half", "n"} <= set(direct.values()), "big arrays fill whole chunks"
+    deliveries = sum(len(t.segments) for t in index.tensors if t.alias is None)
+    counters = _Counters(monkeypatch)
+    loaded = gdsckpt.load(ckpt_path, config=config)
+    h.assert_same(_state(), loaded)
+    assert counters.views == len(direct)
+    assert counters.buffers == len(index.chunks) - len(direct), "no read buffer for a direct chunk"
+    assert counters.writes == deliveries - len(direct), "no copy for a direct chunk"
+
+    # a partial load takes the same path
+    counters.views = 0
+    partial = gdsckpt.load(ckpt_path, keys=["n"], config=config)
+    assert np.array_equal(partial["n"], _state()["n"])
+    assert counters.views >= sum(1 for key in direct.values() if key == "n")
+
+
+def test_compressed_chunks_do_not_take_the_direct_path(ckpt_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       h: Any) -> None:
+    config = h.small_config()
+    state = {"zeros": torch.zeros(20_000), "w": torch.randn(5_000)}
+    gdsckpt.save(state, ckpt_path, codec="zstd", config=config)
+    index = h.read_index(ckpt_path)
+    counters = _Counters(monkeypatch)
+    h.assert_same(state, gdsckpt.load(ckpt_path, config=config))
+    assert counters.views == len(_direct_chunks(index))  # incompressible chunks are stored as none/1
+    assert counters.views < len(index.chunks)
+
+
+@pytest.mark.parametrize("key", ["w", "n"])
+def test_flipped_byte_in_a_direct_chunk_names_tensor_and_chunk(key: str, ckpt_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch, h: Any) -> None:
+    config = h.small_config()
+    gdsckpt.save(_state(), ckpt_path, codec="none", config=config)
+    index = h.read_index(ckpt_path)
+    chunk = [c for c, owner in sorted(_direct_chunks(index).items()) if owner == key][1]
+    data = bytearray(ckpt_path.read_bytes())
+    data[index.chunks[chunk].offset + 5] ^= 0x10
+    ckpt_path.write_bytes(bytes(data))
+    counters = _Counters(monkeypatch)
+    with pytest.raises(CorruptCheckpointError) as caught:
+        gdsckpt.load(ckpt_path, config=config)
+    assert counters.views >= 1
+    assert caught.value.key == key and caught.value.chunk == chunk
+    assert f"chunk {chunk}" in str(caught.value) and key in str(caught.value)
+    assert "checksum" in str(caught.value)
+
+
+def test_only_the_cpu_engine_gets_direct_reads(ckpt_path: Path, h: Any) -> None:
+    gdsckpt.save(_state(), ckpt_path, codec="none", config=h.small_config())
+    index = h.read_index(ckpt_path)
+    target = NumpyTarget((10_001,), "float32")
+    deliveries = {chunk: [(0, 0, index.chunks[chunk].raw, 0)] for chunk in _direct_chunks(index)}
+    targets = {0: target}
+    assert load_module._direct_destinations(index, SimpleNamespace(name="gpu"), targets, deliveries) == {}
+    cpu = load_module._direct_destinations(index, SimpleNamespace(name="cpu"), targets, deliveries)
+    assert cpu and all(np.shares_memory(view, target.array) for view in cpu.values())
+
+
+def test_host_view_of_targets() -> None:
+    tensor_target = TorchTarget((4, 3), "float32", "cpu")
+    view = tensor_target.host_view(8, 20)
+    assert view is not None and view.nbytes == 12
+    view[:] = np.arange(12, dtype=np.uint8)
+    assert tensor_target.tensor.reshape(-1).view(torch.uint8)[8:20].tolist() == list(range(12))
+    numpy_target = NumpyTarget((5,), "int16")
+    numpy_view = numpy_target.host_view(2, 6)
+    assert numpy_view is not None and np.shares_memory(numpy_view, numpy_target.array)
+    existing = torch.zeros(6, 4).t()  # non-contiguous: filled through a contiguous copy
+    into = TorchTarget((4, 6), "float32", "cpu", existing=existing)
+    into_view = into.host_view(0, 4)
+    assert into_view is not None and np.shares_memory(into_view, into.tensor.numpy())
