@@ -339,3 +339,15 @@ def test_load_reads_only_the_needed_items(tmp_path: Path, monkeypatch: pytest.Mo
                  planner=DefaultLoadPlanner(allow_partial_load=True))
     assert fetched == ["model.w@0,0"]
     assert bits(target["model"]["w"]) == bits(state["model"]["w"])
+
+
+def test_rank_local_metadata_without_collectives(tmp_path: Path) -> None:
+    state = plain_state()
+    with pytest.warns(UserWarning, match=DISABLED):
+        dcp.save(state, storage_writer=GdsStorageWriter(tmp_path, **small_options()), use_collectives=False)
+    assert sorted(os.listdir(tmp_path)) == ["__0.metadata", "__0_0.gdsckpt"]
+    target = empty_like(state)
+    with pytest.warns(UserWarning, match=DISABLED):  # DCP falls back to __<rank>.metadata
+        dcp.load(target, storage_reader=GdsStorageReader(tmp_path))
+    assert bits(target["model"]["w"]) == bits(state["model"]["w"])
+    assert target["step"] == 5
