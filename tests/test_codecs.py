@@ -144,7 +144,10 @@ def test_word_wise_byte_planes_match_the_definition(width: int, count: int, offs
     """The word-wise forward and inverse give exactly the bytes of the simple definition, for odd
     element counts, counts across the block size, and misaligned input."""
     from gdsckpt.codecs.cpu import (
-        planes_forward, planes_forward_reference, planes_inverse, planes_inverse_reference,
+        planes_forward,
+        planes_forward_reference,
+        planes_inverse,
+        planes_inverse_reference,
     )
 
     buffer = np.random.default_rng(count * 10 + width).integers(0, 256, width * count + 1, dtype=np.uint8)
