@@ -55,6 +55,7 @@ from torch.futures import Future
 from . import api
 from .config import Config
 from .errors import CorruptCheckpointError
+from .io.posix import fsync_directory
 from .state import escape_key
 
 METADATA_NAME = ".metadata"
@@ -88,26 +89,30 @@ def item_key(index: MetadataIndex) -> str:
 
 def _fsync_dir(path: Path) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
+        fsync_directory(path)
     except OSError:
         pass
-    finally:
-        os.close(fd)
 
 
-def _validate_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> bool:
-    if isinstance(checkpoint_id, Path):
-        return True
-    if "://" in str(checkpoint_id):
-        return False
-    return any(p.exists() and os.access(p, os.W_OK) for p in Path(checkpoint_id).parents)
+class _DirectoryCheckpoint:
+    """What writer and reader share of DCP's protocol: the checkpoint is the directory ``path``."""
+
+    path: Path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        if isinstance(checkpoint_id, Path):
+            return True
+        if "://" in str(checkpoint_id):
+            return False
+        return any(p.exists() and os.access(p, os.W_OK) for p in Path(checkpoint_id).parents)
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        return self.path
 
 
-class GdsStorageWriter(StorageWriter):
+class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
     """A DCP ``StorageWriter`` that writes one compressed gdsckpt file per rank into ``path``.
 
     ``codec`` and ``config`` are those of ``gdsckpt.save``; further keyword ``options`` override
@@ -132,14 +137,6 @@ class GdsStorageWriter(StorageWriter):
         if checkpoint_id:
             self.path = Path(checkpoint_id)
         self.save_id = str(uuid.uuid4())
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return _validate_checkpoint_id(checkpoint_id)
-
-    @property
-    def checkpoint_id(self) -> str | os.PathLike[str]:
-        return self.path
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
@@ -228,7 +225,7 @@ class GdsStorageWriter(StorageWriter):
                 _fsync_dir(self.path)
 
 
-class GdsStorageReader(StorageReader):
+class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by ``GdsStorageWriter``, at any world size."""
 
     def __init__(self, path: str | os.PathLike[str], *, config: Config | None = None) -> None:
@@ -245,14 +242,6 @@ class GdsStorageReader(StorageReader):
         if checkpoint_id:
             self.path = Path(checkpoint_id)
         self.load_id = str(uuid.uuid4())
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return _validate_checkpoint_id(checkpoint_id)
-
-    @property
-    def checkpoint_id(self) -> str | os.PathLike[str]:
-        return self.path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")

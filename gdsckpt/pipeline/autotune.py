@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..format import align_up
+from ..io import posix
 
 CODEC_GBPS = {"ans": 160.0, "zstd": 8.0}
 """nvCOMP compression throughput on the H200 (GB/s of input), lower end of measured ranges."""
@@ -70,10 +71,7 @@ def measure_storage_gbps(directory: Path, nbytes: int | None = None) -> float:
             fd = os.open(path, flags, 0o600)
         try:
             started = time.perf_counter()
-            view = memoryview(buffer)
-            offset = 0
-            while offset < size:
-                offset += os.pwrite(fd, view[offset:], offset)
+            posix._pwrite_all(fd, buffer, 0)
             os.fsync(fd)
             seconds = time.perf_counter() - started
         finally:

@@ -59,10 +59,7 @@ Delivery = tuple[int, int, int, int]
 
 def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: dict[int, ArrayTarget], *,
                 max_inflight_bytes: int, timeout: float | None = None) -> int:
-    """Fill ``targets`` (array id -> target) from the file; returns the stored bytes read.
-
-    With an empty ``targets`` and ``verify_all`` semantics left to ``run_verify``.
-    """
+    """Fill ``targets`` (array id -> target) from the file; returns the stored bytes read."""
     deliveries: dict[int, list[Delivery]] = {}
     for array_id in targets:
         position = 0
