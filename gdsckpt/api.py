@@ -175,7 +175,8 @@ def _restore_engine(config: Config, gpu_device: int | None) -> Any:
     from .pipeline.gpu_engine import GpuEngine
 
     return GpuEngine([], codec="none", byte_planes="never", device_id=gpu_device,
-                     chunk_bytes=config.chunk_bytes, max_staging_bytes=0, timeout=config.timeout)
+                     chunk_bytes=config.chunk_bytes, max_staging_bytes=config.max_staging_bytes,
+                     timeout=config.timeout)
 
 
 def _host_engine(config: Config, sources: list[Any] | None = None, codec: str = "none") -> HostEngine:
@@ -197,11 +198,27 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
     ``chunk_bytes`` overrides ``config.chunk_bytes`` and ``config.gpu_chunk_bytes``. Raises ``TypeError`` naming the key path of
     any value that cannot be saved.
     """
+    return _save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config)
+
+
+def _save(state: Any, path: PathLike, *, codec: str, chunk_bytes: int | str | None, config: Config | None,
+          devices: list[str] | None = None) -> SaveReport:
+    """``save``; ``devices`` (one per array, in flatten order) overrides the device each array's
+    index entry records, and a ``cuda:N`` among them runs the GPU engine on device N (where
+    usable) whatever memory the arrays live in: ``save_async`` passes the devices of the CUDA
+    tensors it snapshotted into pinned host memory."""
     started = time.perf_counter()
     cfg = _config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=chunk_bytes,
                   codec=None if codec == "auto" else codec)
     flat = flatten(state)
-    engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, Path(path))
+    gpu_device = None
+    if devices is not None:
+        if len(devices) != len(flat.arrays):
+            raise ValueError(f"{len(devices)} devices given for {len(flat.arrays)} arrays")
+        for array, device in zip(flat.arrays, devices):
+            array.device = device
+        gpu_device = next((_device_index(d) for d in devices if d.startswith("cuda")), None)
+    engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, Path(path), gpu_device)
     chunk = cfg.gpu_chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
     plans = plan_chunks(
         [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
@@ -229,10 +246,14 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
     )
 
 
+def _device_index(device: str) -> int:
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
 def _cuda_device_of(flat: FlatState) -> int | None:
     for array in flat.arrays:
         if array.source is not None and array.source.on_device:
-            return int(array.device.split(":")[1]) if ":" in array.device else 0
+            return _device_index(array.device)
     return None
 
 
@@ -250,9 +271,11 @@ def _use_gpu(config: Config, wants_gpu: bool) -> bool:
     return available
 
 
-def _save_engine(config: Config, flat: FlatState, codec: str, path: Path) -> tuple[Any, Any, str, dict[str, Any]]:
-    """The engine and writer factory of a save, the codec it runs, and how ``auto`` chose it."""
-    device = _cuda_device_of(flat)
+def _save_engine(config: Config, flat: FlatState, codec: str, path: Path,
+                 gpu_device: int | None = None) -> tuple[Any, Any, str, dict[str, Any]]:
+    """The engine and writer factory of a save, the codec it runs, and how ``auto`` chose it
+    (``gpu_device``: the GPU to compress on when the arrays are not on one)."""
+    device = _cuda_device_of(flat) if gpu_device is None else gpu_device
     if _use_gpu(config, device is not None):
         from .io.kvikio import KvikioWriter
         from .pipeline.gpu_engine import GpuEngine
@@ -653,13 +676,19 @@ class Checkpoint:
 
     def get(self, key: str, device: Any = None) -> Any:
         """Read one array (only its chunks), as the type it was saved as."""
-        i = self._id(key)
+        return self.get_many([key], device=device)[key]
+
+    def get_many(self, keys: Iterable[str], device: Any = None) -> dict[str, Any]:
+        """Read several arrays in one restore (their chunks read in parallel, each once);
+        returns key -> array, as ``get`` would return each."""
+        keys = list(dict.fromkeys(keys))
+        ids = [self._id(key) for key in keys]
         target_device = _parse_device(device)
-        gpu_device = _gpu_device(self._config, target_device, self._opened.index, [i])
+        gpu_device = _gpu_device(self._config, target_device, self._opened.index, ids)
         with _data_reader(self.path, self._config, self._reader, gpu_device) as data_reader:
-            arrays = _restore_arrays(data_reader, self._opened, [i], self._config,
+            arrays = _restore_arrays(data_reader, self._opened, ids, self._config,
                                      lambda _i, record: _new_target(record, target_device), gpu_device)
-        return arrays[i]
+        return {key: arrays[i] for key, i in zip(keys, ids)}
 
     def close(self) -> None:
         """Close the file."""

@@ -18,7 +18,8 @@ Precedence, highest first: an argument of ``save``/``load`` > a ``Config`` passe
 | fsync | True | fsync the file and its directory before a save returns |
 | timeout | 600 | seconds any single wait on a worker may take before failing the operation |
 | engine | ``"auto"`` | ``auto`` (GPU when the state has CUDA arrays and nvCOMP is usable), ``cpu``, ``gpu`` |
-| max_staging_bytes | 1 GiB | GPU staging ring for compressed chunks, allocated once per save |
+| max_staging_bytes | 1 GiB | GPU staging ring of a save or restore (chunks being compressed / read and decoded), allocated once per operation |
+| snapshot_gpu_bytes | 1 GiB | ``save_async``: a state whose CUDA tensors hold at most this many bytes is snapshotted by a copy on its GPU (kept in the snapshot pool between saves); a larger one into pinned host memory |
 | kvikio_threads | 16 | kvikio thread pool size (GPU engine) |
 | kvikio_task_size | None | kvikio task size in bytes (None: kvikio's default) |
 | storage_gbps | None | storage write speed for ``codec="auto"`` on the GPU (None: measured once per filesystem and cached) |
@@ -71,12 +72,14 @@ class Config:
     timeout: float = 600.0
     engine: str = "auto"
     max_staging_bytes: int = 1 << 30
+    snapshot_gpu_bytes: int = 1 << 30
     kvikio_threads: int = 16
     kvikio_task_size: int | None = None
     storage_gbps: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("chunk_bytes", "gpu_chunk_bytes", "pack_below", "max_inflight_bytes", "max_staging_bytes"):
+        for name in ("chunk_bytes", "gpu_chunk_bytes", "pack_below", "max_inflight_bytes", "max_staging_bytes",
+                     "snapshot_gpu_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096 or self.chunk_bytes > 1 << 30:
             raise ValueError(f"chunk_bytes must be a multiple of 4096 between 4 KiB and 1 GiB, "
@@ -93,6 +96,9 @@ class Config:
                                  f"{', '.join(choices)})")
         if self.o_direct not in ("auto", True, False):
             raise ValueError(f"o_direct={self.o_direct!r} is invalid (expected one of: auto, True, False)")
+        if self.max_staging_bytes <= 0 or self.snapshot_gpu_bytes < 0:
+            raise ValueError(f"max_staging_bytes must be > 0 and snapshot_gpu_bytes >= 0, got "
+                             f"{self.max_staging_bytes} and {self.snapshot_gpu_bytes}")
         if self.io_threads < 1 or self.codec_threads < 0:
             raise ValueError("io_threads must be >= 1 and codec_threads >= 0")
 
@@ -123,7 +129,8 @@ class Config:
 
 
 def _coerce(name: str, text: str) -> Any:
-    if name in ("chunk_bytes", "gpu_chunk_bytes", "pack_below", "max_inflight_bytes", "max_staging_bytes"):
+    if name in ("chunk_bytes", "gpu_chunk_bytes", "pack_below", "max_inflight_bytes", "max_staging_bytes",
+                "snapshot_gpu_bytes"):
         return parse_size(text)
     if name in ("codec_threads", "io_threads", "kvikio_threads"):
         return int(text)

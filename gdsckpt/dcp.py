@@ -58,6 +58,8 @@ from .errors import CorruptCheckpointError
 from .io.posix import fsync_directory
 from .state import escape_key
 
+READ_BATCH_BYTES = 1 << 30
+"""Most stored bytes one restore of a rank file reads before delivering them (load side)."""
 METADATA_NAME = ".metadata"
 SUFFIX = ".gdsckpt"
 DCP_VERSION = "1.0.0"
@@ -80,11 +82,17 @@ class _FilePrefix:
     prefix: str
 
 
-def item_key(index: MetadataIndex) -> str:
-    """The key of a write item in its rank file: ``fqn@offsets`` (``"w@0,128"``; ``"step@"`` for
-    an item without offsets), escaped as a gdsckpt key path component."""
+def _item_name(index: MetadataIndex) -> str:
+    """``fqn@offsets`` (``"w@0,128"``; ``"step@"`` for an item without offsets): the write item's
+    top-level dict key in its rank file (``gdsckpt.save`` escapes it into a key path)."""
     offsets = "" if index.offset is None else ",".join(str(int(o)) for o in index.offset)
-    return escape_key(f"{index.fqn}@{offsets}")
+    return f"{index.fqn}@{offsets}"
+
+
+def item_key(index: MetadataIndex) -> str:
+    """The key of a write item in its rank file, as ``gdsckpt.open(...).get`` takes it: the item
+    name ``fqn@offsets`` escaped as a key path component (``/`` and ``~`` in an FQN)."""
+    return escape_key(_item_name(index))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -167,8 +175,8 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         state: dict[str, Any] = {}
         results: list[WriteResult] = []
         for item in plan.items:
-            key = item_key(item.index)
-            if key in state:
+            name, key = _item_name(item.index), item_key(item.index)
+            if name in state:
                 raise ValueError(f"two write items map to the same key {key!r}")
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
@@ -182,7 +190,7 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
                     raise TypeError(f"tensor item {item.index.fqn!r} resolved to {type(data).__name__}")
                 value = data.detach()
                 length = value.numel() * value.element_size()
-            state[key] = value
+            state[name] = value  # escaped once, by gdsckpt.save: the stored key is ``key``
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=GdsStorageInfo(file_name, key, length)))
         api.save(state, self.path / file_name, codec=self.codec, config=self.config)
@@ -277,18 +285,27 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
                 raise CorruptCheckpointError(f"DCP metadata names a file outside the checkpoint: "
                                              f"{relative_path!r}")
             with api.open(self.path / relative_path, config=self.config) as ckpt:
-                # several read items may take pieces of one stored item: read each key once
-                items.sort(key=lambda it: self._info(it).key)
-                cached_key: str | None = None
-                cached: Any = None
+                # Several read items may take pieces of one stored item: each key is read once.
+                # Keys are read in batches (one parallel restore each, on the device their
+                # destination lives on) of at most READ_BATCH_BYTES, which bounds the memory
+                # held by stored items awaiting delivery.
+                by_key: dict[str, list[ReadItem]] = {}
                 for item in items:
-                    info = self._info(item)
-                    if info.key != cached_key:
-                        cached = None  # drop the previous item before reading the next
-                        cached = ckpt.get(info.key)
-                        cached_key = info.key
-                    self._deliver(item, cached, planner)
-                cached = None
+                    by_key.setdefault(self._info(item).key, []).append(item)
+                batch: list[str] = []
+                batch_bytes, batch_device = 0, None
+                for key, key_items in sorted(by_key.items(), key=lambda kv: (self._device(kv[1][0], planner),
+                                                                             kv[0])):
+                    device = self._device(key_items[0], planner)
+                    nbytes = ckpt.info(key).nbytes
+                    if batch and (device != batch_device or batch_bytes + nbytes > READ_BATCH_BYTES):
+                        self._read_batch(ckpt, batch, batch_device, by_key, planner)
+                        batch, batch_bytes = [], 0
+                    batch.append(key)
+                    batch_bytes += nbytes
+                    batch_device = device
+                if batch:
+                    self._read_batch(ckpt, batch, batch_device, by_key, planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -303,6 +320,23 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
             raise CorruptCheckpointError(f"{item.storage_index} was not written by GdsStorageWriter "
                                          f"(storage data {type(info).__name__})")
         return info
+
+    @staticmethod
+    def _device(item: ReadItem, planner: LoadPlanner) -> str | None:
+        """Where a read item's destination lives: ``"cuda:N"`` restores (and decodes) there,
+        None in host memory."""
+        if item.type == LoadItemType.BYTE_IO:
+            return None
+        device = planner.resolve_tensor(item).device
+        return f"cuda:{device.index or 0}" if device.type == "cuda" else None
+
+    def _read_batch(self, ckpt: Any, keys: list[str], device: str | None, by_key: dict[str, list[ReadItem]],
+                    planner: LoadPlanner) -> None:
+        stored = ckpt.get_many(keys, device=device)
+        for key in keys:
+            for item in by_key[key]:
+                self._deliver(item, stored[key], planner)
+            del stored[key]  # delivered: its memory may go
 
     @staticmethod
     def _deliver(item: ReadItem, stored: Any, planner: LoadPlanner) -> None:

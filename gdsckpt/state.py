@@ -171,7 +171,8 @@ class TorchSource(_SourceBase):
     def device_bytes(self, start: int, stop: int) -> Any:
         import cupy
 
-        return cupy.asarray(self._part(start, stop))
+        part = self._part(start, stop)
+        return cupy.asarray(part if part.device.type == "cuda" else part.numpy())
 
 
 class NumpySource(_SourceBase):

@@ -166,6 +166,25 @@ def test_open_lazily_reads_one_array(saved: Any, monkeypatch: pytest.MonkeyPatch
             ckpt.info("model/nope")
 
 
+def test_open_get_many_reads_the_arrays_in_one_restore(saved: Any, monkeypatch: pytest.MonkeyPatch,
+                                                       h: Any) -> None:
+    path, state = saved
+    index = h.read_index(path)
+    wanted = ["model/embed", "buffers/2", "tied", "model/embed"]  # a repeat is read once
+    with gdsckpt.open(path) as ckpt:
+        recorder = ReadRecorder(monkeypatch)
+        got = ckpt.get_many(wanted)
+        assert list(got) == ["model/embed", "buffers/2", "tied"]
+        h.assert_same(state["model"]["embed"], got["model/embed"])
+        h.assert_same(state["buffers"][2], got["buffers/2"])
+        h.assert_same(state["model"]["head"], got["tied"])
+        # only the chunks of the three arrays (the alias reads its target's)
+        needed = _needed_chunks(index, ["model/embed", "buffers/2", "model/head"])
+        assert recorder.chunk_reads() == {index.chunks[c].offset for c in needed}
+        with pytest.raises(KeyError, match="model/nope"):
+            ckpt.get_many(["model/embed", "model/nope"])
+
+
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -251,6 +251,20 @@ def test_single_process_round_trip(tmp_path: Path) -> None:
     assert target["blob"] == {"note": "ok", "vals": (1, 2.5)}
 
 
+def test_fqns_with_slash_and_tilde_round_trip(tmp_path: Path) -> None:
+    # Such FQNs are escaped once, by gdsckpt.save; the key in storage_data is that escaped key.
+    state = {"a/b": torch.arange(6.0), "c~d": {"e/f~": torch.ones(3, dtype=torch.bfloat16)}, "n/x": 4}
+    with pytest.warns(UserWarning, match=DISABLED):
+        dcp.save(state, storage_writer=GdsStorageWriter(tmp_path, codec="zstd", **small_options()))
+    target = {"a/b": torch.zeros(6), "c~d": {"e/f~": torch.zeros(3, dtype=torch.bfloat16)}, "n/x": 0}
+    with pytest.warns(UserWarning, match=DISABLED):
+        dcp.load(target, storage_reader=GdsStorageReader(tmp_path))
+    assert bits(target["a/b"]) == bits(state["a/b"]) and bits(target["c~d"]["e/f~"]) == bits(state["c~d"]["e/f~"])
+    assert target["n/x"] == 4
+    with gdsckpt.open(tmp_path / "__0_0.gdsckpt") as ckpt:
+        assert "a~1b@0" in ckpt.keys()
+
+
 def test_rank_file_is_a_plain_gdsckpt_file(tmp_path: Path) -> None:
     state = plain_state()
     with pytest.warns(UserWarning, match=DISABLED):
@@ -326,13 +340,14 @@ def test_load_reads_only_the_needed_items(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.save(state, storage_writer=GdsStorageWriter(tmp_path, **small_options()))
     fetched: list[str] = []
-    original = gdsckpt.Checkpoint.get
+    original = gdsckpt.Checkpoint.get_many
 
-    def spy(self: Any, key: str, device: Any = None) -> Any:
-        fetched.append(key)
-        return original(self, key, device)
+    def spy(self: Any, keys: Any, device: Any = None) -> Any:
+        keys = list(keys)
+        fetched.extend(keys)
+        return original(self, keys, device)
 
-    monkeypatch.setattr(gdsckpt.Checkpoint, "get", spy)
+    monkeypatch.setattr(gdsckpt.Checkpoint, "get_many", spy)
     target = {"model": {"w": torch.zeros(64, 33)}}
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.load(target, storage_reader=GdsStorageReader(tmp_path),

@@ -64,6 +64,14 @@ class Engine(ABC):
     """Most chunks that may be between ``submit_encode`` and the release of their payload
     (None: no limit beyond the driver's byte budget). The GPU engine's staging slots set it."""
 
+    def reserve_reads(self, records: list[ChunkRecord], codecs: Any = ()) -> int | None:
+        """Prepare to restore ``records`` (the chunks about to be read, in order; ``codecs``: the
+        bitstream names their chains end in); return the most
+        chunks that may be outstanding at once (read buffer handed out, decode not finished), or
+        None for no limit beyond the driver's byte budget. The GPU engine allocates its read ring
+        here and returns its slot count."""
+        return None
+
     def read_buffer(self, nbytes: int) -> Any:
         """A buffer for one chunk read, of the kind ``submit_decode`` takes (host by default)."""
         return aligned_empty(nbytes)

@@ -9,9 +9,18 @@ the writer (kvikio) as payloads. A slot returns to the ring when the save driver
 write done (``EncodedChunk.release``); the driver never has more chunks outstanding than there are
 slots (``max_pending``), so the worker never waits for a slot that cannot come back.
 
-Restore: the reader fills device buffers; the worker checks their CRC-32C on the GPU, decodes
-each batch with nvCOMP, undoes byte planes on the GPU and copies the bytes into the destination
-arrays on the same stream, then synchronizes once per batch.
+Restore: the same kind of ring, allocated once per restore (``reserve_reads``) and sized from
+the index (one slot holds the largest stored chunk and the largest raw chunk): the reader fills a
+slot's read area; the worker checks the CRC-32C on the GPU, decodes each batch with nvCOMP into
+the slots' output areas, undoes byte planes on the GPU (into the read area, whose stream is spent)
+and copies the bytes into the destination arrays on the same stream, then synchronizes once per
+batch and returns the slots. The restore driver keeps no more chunks outstanding than there are
+slots, so GPU memory beyond the destination arrays is the ring plus nvCOMP's scratch, whatever the
+checkpoint's size.
+
+Host sources: an array in host memory (a pinned snapshot of CUDA tensors taken by
+``save_async``) is copied into its staging slot on the engine's stream (asynchronous when the
+memory is pinned) and compressed there like device data.
 
 Every wait on the worker is bounded by ``timeout``: a dead worker fails the operation instead of
 hanging it.
@@ -19,6 +28,7 @@ hanging it.
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -37,6 +47,39 @@ from .plan import ArraySource, ChunkPlan
 
 TRIAL_BYTES = 1 << 20
 STAGING_RING_SHARE = 0.9
+"""Share of ``max_staging_bytes`` for the ring and nvCOMP's scratch; the rest covers CRC buffers,
+batch descriptors and allocator rounding."""
+_SCRATCH_CHUNK = 16 << 20
+ENCODE_SCRATCH = {  # codec: (bytes held whatever the batch, bytes per chunk in a batch), 16 MiB chunks
+    "ans": (32 << 20, 0), "lz4": (32 << 20, 0), "snappy": (32 << 20, 0), "bitcomp": (32 << 20, 0),
+    "cascaded": (32 << 20, 0), "zstd": (1120 << 20, 24 << 20), "deflate": (16 << 20, 146 << 20),
+    "gdeflate": (16 << 20, 146 << 20),
+}
+"""Device memory nvCOMP 6.0 holds beyond our buffers while compressing a batch, measured on the
+H200 with ``benchmarks/nvcomp_scratch_probe.py`` (``benchmarks/results/h200-2026-12-02/run4/``):
+the engine subtracts it from the staging budget before sizing its ring, so the ring plus the
+scratch stay within ``max_staging_bytes``. Scaled linearly for smaller chunks (an upper bound:
+the temporaries grow with the chunk size). nvCOMP's Zstd alone needs more than the 1 GiB default
+to compress 16 MiB chunks; the ring then keeps its minimum of two slots and the bound cannot hold
+(documented in docs/performance.md)."""
+DECODE_SCRATCH = {"zstd/1": (128 << 20, 44 << 20)}
+"""The same for decompression, by bitstream name (the others measured 0)."""
+
+
+def _scratch(table: dict[str, tuple[int, int]], names: Any, chunk_bytes: int) -> tuple[int, int]:
+    """(fixed, per chunk) scratch for the worst of ``names`` at ``chunk_bytes`` per chunk."""
+    scale = min(1.0, chunk_bytes / _SCRATCH_CHUNK)
+    fixed = max((table.get(name, (0, 0))[0] for name in names), default=0)
+    per_chunk = max((table.get(name, (0, 0))[1] for name in names), default=0)
+    return int(fixed * scale), int(per_chunk * scale)
+
+
+def ring_slots(budget: int, slot_bytes: int, scratch: tuple[int, int], *, most: int | None = None) -> int:
+    """Slots of ``slot_bytes`` that fit with ``scratch`` (fixed, per slot) in the ring's share of
+    ``budget``: at least 2 (one filling, one draining), at most ``most``."""
+    fixed, per_slot = scratch
+    slots = max(2, (int(budget * STAGING_RING_SHARE) - fixed) // (slot_bytes + per_slot))
+    return slots if most is None else max(1, min(most, slots))
 _TYPED_ANS = {2: "<f2", 4: "<f4"}
 
 _ZERO_TAILS = r"""
@@ -67,7 +110,10 @@ def install_nvcomp_allocator() -> None:
 
     Opt-in (``GDSCKPT_NVCOMP_ALLOCATOR=1``): on the H200 host (nvCOMP 6.0.0, CuPy 14.2) every
     process that used it passed its work and then crashed with SIGSEGV at interpreter exit
-    (nvCOMP's global allocator outlives the Python callable it holds), so it is off by default.
+    (nvCOMP's global allocator outlives the Python callable it holds). Resetting it with
+    ``set_device_allocator(None)`` before exit avoided the crash in a probe
+    (``benchmarks/nvcomp_scratch_probe.py``), so an exit hook does that here; off by default
+    until the whole GPU suite has run with it.
     """
     global _allocator_installed
     with _allocator_lock:
@@ -82,6 +128,8 @@ def install_nvcomp_allocator() -> None:
             return cupy.cuda.alloc(nbytes)
 
         nvcomp.set_device_allocator(allocate)
+        # Registered after CuPy's and nvCOMP's imports, so it runs before their exit hooks.
+        atexit.register(nvcomp.set_device_allocator, None)
         _allocator_installed = True
 
 
@@ -120,18 +168,22 @@ class GpuEngine(Engine):
                 self._out_bytes = align_up(max(bound, chunk_bytes))
                 self._trial_out = align_up(max(trial_bound, TRIAL_BYTES))
             self._slot_bytes = chunk_bytes + self._out_bytes
-            # The ring takes 90% of the budget: the rest is for nvCOMP's scratch, CRC tables and
-            # CUDA modules loaded on first use (116 MiB beyond a 992 MiB ring on the H200).
-            slots = max(2, int(max_staging_bytes * STAGING_RING_SHARE) // self._slot_bytes)
+            # The ring and nvCOMP's scratch share 90% of the budget (see ENCODE_SCRATCH).
+            slots = ring_slots(max_staging_bytes, self._slot_bytes,
+                               _scratch(ENCODE_SCRATCH, [codec], chunk_bytes))
             self.max_pending = slots
             self.staging_bytes = slots * self._slot_bytes if sources else 0
             self._staging: Any = None if not sources else cupy.empty(self.staging_bytes, dtype=cupy.uint8)
             self._scratch: Any = None
             if sources and codec not in ("none", "ans") and byte_planes == "auto":
                 self._scratch = cupy.empty(TRIAL_BYTES + 2 * self._trial_out, dtype=cupy.uint8)
+        self.max_staging_bytes = max_staging_bytes
         self._free_slots: queue.Queue[int] = queue.Queue()
         for slot in range(slots if sources else 0):
             self._free_slots.put(slot)
+        self._read_area = 0
+        self._read_slots: dict[int, int] = {}
+        """Device pointer of a handed-out read buffer -> its restore slot."""
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._decisions: dict[int, tuple[bool, str | None]] = {}
         self._worker: threading.Thread | None = None
@@ -189,14 +241,26 @@ class GpuEngine(Engine):
     def _release(self, slot: int) -> None:
         self._free_slots.put(slot)
 
+    def _on_device(self, chunk: ChunkPlan) -> bool:
+        return all(self.sources[p.array].on_device for p in chunk.parts)
+
     def _gather(self, chunk: ChunkPlan, into: Any) -> Any:
-        pieces = [self.sources[p.array].device_bytes(p.start, p.stop) for p in chunk.parts]
-        if len(pieces) == 1 and into is None:
-            return pieces[0]
+        """The chunk's bytes on the device: a view of the source when it is one device range and
+        ``into`` is None, else copied into ``into`` (host ranges with an asynchronous copy on the
+        engine's stream)."""
+        if into is None and len(chunk.parts) == 1 and self._on_device(chunk):
+            part = chunk.parts[0]
+            return self.sources[part.array].device_bytes(part.start, part.stop)
         position = 0
-        for piece in pieces:
-            into[position:position + piece.nbytes] = piece
-            position += piece.nbytes
+        for part in chunk.parts:
+            source = self.sources[part.array]
+            length = part.stop - part.start
+            if source.on_device:
+                into[position:position + length] = source.device_bytes(part.start, part.stop)
+            else:
+                into[position:position + length].set(source.host_bytes(part.start, part.stop),
+                                                     stream=self.stream)
+            position += length
         return into[:position]
 
     def _planes(self, data: Any, out: Any, width: int) -> Any:
@@ -247,7 +311,7 @@ class GpuEngine(Engine):
                 slot_in = self._staging[base:base + self.chunk_bytes]
                 out_offset = base + self.chunk_bytes
                 slot_out = self._staging[out_offset:out_offset + self._out_bytes]
-                direct = len(chunk.parts) == 1
+                direct = len(chunk.parts) == 1 and self._on_device(chunk)
                 data = self._gather(chunk, None if direct else slot_out)
                 use_planes, data_type = self._decide(chunk, data)
                 if use_planes:
@@ -273,7 +337,8 @@ class GpuEngine(Engine):
                                                                                               codecs):
                 if size is None or codec is None or size >= chunk.raw:
                     # Incompressible (or codec "none"): store the untransformed bytes.
-                    original = self._gather(chunk, None if len(chunk.parts) == 1 else slot_out)
+                    in_place = len(chunk.parts) == 1 and self._on_device(chunk)
+                    original = self._gather(chunk, None if in_place else slot_out)
                     if original.data.ptr != slot_out.data.ptr:
                         slot_out[:original.nbytes] = original
                     stored, chain = chunk.raw, NONE_CHAIN
@@ -296,10 +361,43 @@ class GpuEngine(Engine):
                                            release=lambda s=slot: self._release(s)))
 
     # -- restore ---------------------------------------------------------------------------
+    def reserve_reads(self, records: list[ChunkRecord], codecs: Any = ()) -> int | None:
+        """Allocate the restore ring for ``records`` and return its slot count (see the module
+        docstring). A slot holds the largest padded stored chunk (then, after decoding, a chunk's
+        byte-planed raw bytes) and the largest raw chunk; there are as many slots as fit with
+        nvCOMP's decode scratch for ``codecs`` (bitstream names) in 90% of ``max_staging_bytes``,
+        at least 2 and at most one per chunk."""
+        if not records:
+            return None
+        cupy = self.cupy
+        largest_raw = align_up(max(r.raw for r in records))
+        self._read_area = max(align_up(max(r.stored for r in records)), largest_raw)
+        self._slot_bytes = self._read_area + largest_raw
+        slots = ring_slots(self.max_staging_bytes, self._slot_bytes,
+                           _scratch(DECODE_SCRATCH, codecs, largest_raw), most=len(records))
+        self._staging = None  # a restore's ring replaces any earlier one
+        with cupy.cuda.Device(self.device_id):
+            self._staging = cupy.empty(slots * self._slot_bytes, dtype=cupy.uint8)
+        self.staging_bytes = slots * self._slot_bytes
+        self._free_slots = queue.Queue()
+        for slot in range(slots):
+            self._free_slots.put(slot)
+        self._read_slots = {}
+        return slots
+
     def read_buffer(self, nbytes: int) -> Any:
-        """A device buffer for a chunk read (kvikio fills it)."""
-        with self.cupy.cuda.Device(self.device_id):
-            return self.cupy.empty(nbytes, dtype=self.cupy.uint8)
+        """A device buffer for a chunk read (kvikio fills it): the read area of a free slot of the
+        restore ring, or (no ring reserved) a new array."""
+        if self._read_area == 0:
+            with self.cupy.cuda.Device(self.device_id):
+                return self.cupy.empty(nbytes, dtype=self.cupy.uint8)
+        if nbytes > self._read_area:
+            raise ValueError(f"read of {nbytes} bytes exceeds the restore slot ({self._read_area})")
+        slot = self._free_slots.get(timeout=self.timeout)
+        base = slot * self._slot_bytes
+        buffer = self._staging[base:base + nbytes]
+        self._read_slots[buffer.data.ptr] = slot
+        return buffer
 
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
                       deliver: Callable[[Any], None]) -> Future[None]:
@@ -309,67 +407,102 @@ class GpuEngine(Engine):
         return future
 
     def _decode_batch(self, jobs: list[Any]) -> None:
+        slots = [self._read_slots.pop(job[3].data.ptr, None) for job in jobs]
+        delivered: list[Future[None]] = []
+        try:
+            with self.stream:
+                delivered = self._decode_on_stream(jobs, slots)
+        finally:
+            # The stream is idle (or the batch failed before queueing work on it): the slots'
+            # bytes are no longer needed. Returned before any future completes, so a driver that
+            # sees a finished decode always finds its slot free.
+            self.stream.synchronize()
+            for slot in slots:
+                if slot is not None:
+                    self._free_slots.put(slot)
+        for future in delivered:
+            future.set_result(None)
+
+    def _slot_areas(self, slot: int | None, raw: int) -> tuple[Any, Any]:
+        """(read area, output area) of a restore slot, or new arrays without a ring."""
+        if slot is None:
+            return (self.cupy.empty(align_up(raw), dtype=self.cupy.uint8),
+                    self.cupy.empty(align_up(raw), dtype=self.cupy.uint8))
+        base = slot * self._slot_bytes
+        return (self._staging[base:base + self._read_area],
+                self._staging[base + self._read_area:base + self._slot_bytes])
+
+    def _decode_on_stream(self, jobs: list[Any], slots: list[int | None]) -> list[Future[None]]:
+        """Verify, decode and deliver a batch on the engine's stream; returns the futures to
+        complete once the stream has finished."""
         cupy = self.cupy
         from ..codecs.gpu_crc import crc32c_batch
 
-        with self.stream:
-            bodies = [stored[:record.stored] for _k, record, _c, stored, _d, _f in jobs]
-            crcs = crc32c_batch(bodies, self.stream)
-            live = []
-            for job, body, crc in zip(jobs, bodies, crcs):
-                if int(crc) != job[1].crc:
-                    job[-1].set_exception(CorruptCheckpointError("chunk checksum mismatch"))
-                else:
-                    live.append((job, body))
-            groups: dict[tuple[str, str | None], list[int]] = {}
-            for i, (job, _body) in enumerate(live):
-                stage = job[2][-1]
-                groups.setdefault((stage["name"], stage.get("data_type")), []).append(i)
-            raws: list[Any] = [None] * len(live)
-            for (name, data_type), members in groups.items():
-                if name == "none/1":
-                    for i in members:
-                        raws[i] = live[i][1]
-                    continue
-                if name not in BY_VERSIONED:
-                    raise UnsupportedFormatError(f"codec {name!r} is not known to this version of gdsckpt")
-                user, _algorithm = BY_VERSIONED[name]
-                raw_sizes = [live[i][0][1].raw for i in members]
+        bodies = [stored[:record.stored] for _k, record, _c, stored, _d, _f in jobs]
+        crcs = crc32c_batch(bodies, self.stream)
+        live = []
+        for job, body, crc, slot in zip(jobs, bodies, crcs, slots):
+            if int(crc) != job[1].crc:
+                job[-1].set_exception(CorruptCheckpointError("chunk checksum mismatch"))
+            else:
+                live.append((job, body, self._slot_areas(slot, job[1].raw)))
+        groups: dict[tuple[str, str | None], list[int]] = {}
+        for i, (job, _body, _areas) in enumerate(live):
+            stage = job[2][-1]
+            groups.setdefault((stage["name"], stage.get("data_type")), []).append(i)
+        raws: list[Any] = [None] * len(live)
+        for (name, data_type), members in groups.items():
+            if name == "none/1":
+                for i in members:
+                    raws[i] = live[i][1]
+                continue
+            if name not in BY_VERSIONED:
+                raise UnsupportedFormatError(f"codec {name!r} is not known to this version of gdsckpt")
+            user, _algorithm = BY_VERSIONED[name]
+            raw_sizes = [live[i][0][1].raw for i in members]
+            # Every output area is a view of one buffer (the ring, or a batch buffer without one):
+            # nvCOMP's batches are carved from a single allocation at offsets.
+            outputs = [live[i][2][1] for i in members]
+            if slots and all(slot is not None for slot in slots):
+                buffer = self._staging
+                offsets = [out.data.ptr - buffer.data.ptr for out in outputs]
+            else:
                 offsets = [0]
                 for size in raw_sizes[:-1]:
                     offsets.append(offsets[-1] + align_up(size))
-                output = cupy.empty(offsets[-1] + align_up(raw_sizes[-1]), dtype=cupy.uint8)
-                try:
-                    got = self._codec(user, data_type).decode_into([live[i][1] for i in members], output,
-                                                                   offsets, raw_sizes)
-                except (ValueError, RuntimeError) as err:
-                    for i in members:
-                        live[i][0][-1].set_exception(CorruptCheckpointError(f"chunk does not decode ({err})"))
-                    continue
-                for i, offset, size in zip(members, offsets, got):
-                    raws[i] = output[offset:offset + size]
-            delivered = []
-            for (job, _body), raw in zip(live, raws):
-                if raw is None:
-                    continue
-                record, chain = job[1], job[2]
-                if raw.nbytes != record.raw:
-                    job[-1].set_exception(CorruptCheckpointError(
-                        f"chunk decoded to {raw.nbytes} bytes, expected {record.raw}"))
-                    continue
-                for stage in reversed(chain[:-1]):
-                    if stage["name"] != BYTE_PLANES.name:
-                        raise UnsupportedFormatError(f"transform {stage['name']!r} is not known here")
-                    width = int(stage["width"])
-                    count = raw.nbytes // width
-                    restored = cupy.empty(raw.nbytes, dtype=cupy.uint8)
-                    restored.reshape(count, width)[:, ::-1] = raw.reshape(width, count).T
-                    raw = restored
-                job[4](raw)
-                delivered.append(job[-1])
-            self.stream.synchronize()
-        for future in delivered:
-            future.set_result(None)
+                buffer = cupy.empty(offsets[-1] + align_up(raw_sizes[-1]), dtype=cupy.uint8)
+            try:
+                got = self._codec(user, data_type).decode_into([live[i][1] for i in members], buffer,
+                                                               offsets, raw_sizes)
+            except (ValueError, RuntimeError) as err:
+                for i in members:
+                    live[i][0][-1].set_exception(CorruptCheckpointError(f"chunk does not decode ({err})"))
+                continue
+            for i, offset, size in zip(members, offsets, got):
+                raws[i] = buffer[offset:offset + size]
+        delivered = []
+        for (job, _body, (read_area, out_area)), raw in zip(live, raws):
+            if raw is None:
+                continue
+            record, chain = job[1], job[2]
+            if raw.nbytes != record.raw:
+                job[-1].set_exception(CorruptCheckpointError(
+                    f"chunk decoded to {raw.nbytes} bytes, expected {record.raw}"))
+                continue
+            for stage in reversed(chain[:-1]):
+                if stage["name"] != BYTE_PLANES.name:
+                    raise UnsupportedFormatError(f"transform {stage['name']!r} is not known here")
+                width = int(stage["width"])
+                count = raw.nbytes // width
+                # into whichever area does not hold the planes (a decoded stream is in the
+                # output area; a stored ``none/1`` one is still in the read area)
+                area = out_area if raw.data.ptr == read_area.data.ptr else read_area
+                restored = area[:raw.nbytes]
+                restored.reshape(count, width)[:, ::-1] = raw.reshape(width, count).T
+                raw = restored
+            job[4](raw)
+            delivered.append(job[-1])
+        return delivered
 
     def close(self) -> None:
         if self._closed:

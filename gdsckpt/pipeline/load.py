@@ -141,6 +141,9 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
     decodes: deque[tuple[int, Future[None], int]] = deque()
     inflight = 0
     stored_total = 0
+    # The engine may bound the chunks outstanding (the GPU engine's read ring has that many slots).
+    reading = [index.chunks[c] for c in chunks if not direct or c not in direct]
+    slot_limit = engine.reserve_reads(reading, sorted({index.chains[r.chain][-1]["name"] for r in reading}))
 
     def named(chunk: int, err: BaseException) -> BaseException:
         if isinstance(err, CorruptCheckpointError) and err.chunk is None:
@@ -178,7 +181,9 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             while reads and reads[0][1].done():
                 start_decode()
             finish_decode(block=False)
-            while inflight + cost > max_inflight_bytes and (reads or decodes):
+            while ((inflight + cost > max_inflight_bytes
+                    or (slot_limit is not None and len(reads) + len(decodes) >= slot_limit))
+                   and (reads or decodes)):
                 if reads:
                     start_decode()
                 else:

@@ -106,10 +106,13 @@ def plan_chunks(sizes: list[tuple[int, int, int]], *, chunk_bytes: int, pack_bel
                                    width, decision_group=index))
     for width, members in sorted(packs.items()):
         current: ChunkPlan | None = None
+        filled = 0  # current.raw, kept here: summing the parts per member is quadratic
         for index in members:
             nbytes = sizes[index][0]
-            if current is None or current.raw + nbytes > chunk_bytes:
+            if current is None or filled + nbytes > chunk_bytes:
                 current = ChunkPlan(len(plans), [], width, decision_group=-1 - len(plans))
                 plans.append(current)
+                filled = 0
             current.parts.append(Part(index, 0, nbytes))
+            filled += nbytes
     return plans

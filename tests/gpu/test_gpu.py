@@ -193,3 +193,27 @@ def test_auto_codec_chooses_by_storage_speed_and_sampled_ratio(tmp_path):
     fast = gdsckpt.save(_state(), tmp_path / "b.gdsckpt", config=gdsckpt.Config(storage_gbps=1000.0))
     assert fast.codec == "ans"  # no storage is slow enough for zstd's 8 GB/s to win
     _assert_same(_state(), gdsckpt.load(tmp_path / "a.gdsckpt", device="cuda"))
+
+
+_ALLOCATOR_CHILD = """
+import torch, gdsckpt
+from gdsckpt.demo import bit_equal
+state = {"w": torch.randn(1 << 22, device="cuda").to(torch.bfloat16), "b": torch.randn(1000, device="cuda")}
+for codec in ("ans", "zstd"):
+    gdsckpt.save(state, f"{DIR}/{codec}.gdsckpt", codec=codec)
+    back = gdsckpt.load(f"{DIR}/{codec}.gdsckpt", device="cuda")
+    assert all(bit_equal(state[k], back[k]) for k in state)
+from gdsckpt.pipeline import gpu_engine
+assert gpu_engine._allocator_installed
+print("ok")
+"""
+
+
+def test_nvcomp_allocator_routing_exits_cleanly(tmp_path):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, GDSCKPT_NVCOMP_ALLOCATOR="1")
+    done = subprocess.run([sys.executable, "-c", _ALLOCATOR_CHILD.replace("{DIR}", str(tmp_path))],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
