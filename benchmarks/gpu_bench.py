@@ -82,15 +82,21 @@ class MemorySampler:
         free, _total = torch.cuda.mem_get_info()
         self._free0, self._rss0 = free, self._process.memory_info().rss
         self._reserved0 = torch.cuda.memory_reserved()
-        self.gpu_peak = self.rss_peak = 0
+        self.gpu_peak = self.rss_peak = self.cupy_peak = self.torch_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
+        import cupy
+
         free, _total = torch.cuda.mem_get_info()
         self.gpu_peak = max(self.gpu_peak, self._free0 - free)
+        # where it went: CuPy's pool (the staging ring, batch buffers) and torch's caching
+        # allocator; the rest of the device-wide figure is native (nvCOMP scratch, CUDA modules)
+        self.cupy_peak = max(self.cupy_peak, cupy.get_default_memory_pool().total_bytes())
+        self.torch_peak = max(self.torch_peak, torch.cuda.memory_reserved() - self._reserved0)
         self.rss_peak = max(self.rss_peak, self._process.memory_info().rss - self._rss0)
 
     def _run(self) -> None:
@@ -284,6 +290,7 @@ def main() -> None:
     with MemorySampler() as memory:
         runs["gdsckpt_save"] = logical / timed(ours_save) / 1e9
     results["save_gpu_bytes_beyond_state"] = memory.gpu_peak
+    results["save_gpu_breakdown"] = {"cupy_pool_peak": memory.cupy_peak, "torch_reserved_peak": memory.torch_peak}
     results["save_host_rss_growth"] = memory.rss_peak
     runs["torch_save"] = logical / timed(theirs_save) / 1e9
     st_path, dcp_path, dcp_zstd_path, naive_path = (directory / n for n in ("st.safetensors", "dcp", "dcp-zstd",
@@ -354,6 +361,9 @@ def main() -> None:
           f"host RSS growth {results['save_host_rss_growth'] / 2**20:.0f} MiB; load: GPU beyond the "
           f"restored state {results['load_gpu_bytes_beyond_state'] / 2**20:.0f} MiB, host RSS growth "
           f"{results['load_host_rss_growth'] / 2**20:.0f} MiB")
+    breakdown = results["save_gpu_breakdown"]
+    print(f"save memory breakdown: CuPy pool peak {breakdown['cupy_pool_peak'] / 2**20:.0f} MiB, torch reserved "
+          f"growth peak {breakdown['torch_reserved_peak'] / 2**20:.0f} MiB")
     for name, error in results["errors"].items():
         print(f"  {name}: {error[:200]}")
     for name, value in runs.items():

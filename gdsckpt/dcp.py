@@ -294,8 +294,8 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
                     by_key.setdefault(self._info(item).key, []).append(item)
                 batch: list[str] = []
                 batch_bytes, batch_device = 0, None
-                for key, key_items in sorted(by_key.items(), key=lambda kv: (self._device(kv[1][0], planner),
-                                                                             kv[0])):
+                for key, key_items in sorted(by_key.items(),
+                                             key=lambda kv: (self._device(kv[1][0], planner) or "", kv[0])):
                     device = self._device(key_items[0], planner)
                     nbytes = ckpt.info(key).nbytes
                     if batch and (device != batch_device or batch_bytes + nbytes > READ_BATCH_BYTES):

@@ -315,10 +315,17 @@ def test_environment_variables_configure_defaults(ckpt_path: Path, monkeypatch: 
 
 
 @pytest.mark.parametrize("bad", [{"chunk_bytes": 1000}, {"chunk_bytes": 0}, {"byte_planes": "sometimes"},
-                                 {"o_direct": "maybe"}, {"io_threads": 0}])
+                                 {"o_direct": "maybe"}, {"io_threads": 0}, {"max_staging_bytes": 0},
+                                 {"snapshot_gpu_bytes": -1}])
 def test_invalid_config_raises_value_error(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         gdsckpt.Config(**bad)
+
+
+def test_snapshot_gpu_bytes_from_the_environment_and_sizes() -> None:
+    assert gdsckpt.Config().snapshot_gpu_bytes == 1 << 30
+    assert gdsckpt.Config(snapshot_gpu_bytes="2GiB").snapshot_gpu_bytes == 2 << 30
+    assert gdsckpt.Config.from_env({"GDSCKPT_SNAPSHOT_GPU_BYTES": "0"}).snapshot_gpu_bytes == 0
 
 
 def test_save_path_errors(tmp_path: Path, h: Any) -> None:

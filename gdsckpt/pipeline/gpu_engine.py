@@ -56,7 +56,7 @@ ENCODE_SCRATCH = {  # codec: (bytes held whatever the batch, bytes per chunk in 
     "gdeflate": (16 << 20, 146 << 20),
 }
 """Device memory nvCOMP 6.0 holds beyond our buffers while compressing a batch, measured on the
-H200 with ``benchmarks/nvcomp_scratch_probe.py`` (``benchmarks/results/h200-2026-12-02/run4/``):
+H200 with ``benchmarks/nvcomp_scratch_probe.py`` (``benchmarks/results/h200-2026-12-02/run5-scratch-probe/``):
 the engine subtracts it from the staging budget before sizing its ring, so the ring plus the
 scratch stay within ``max_staging_bytes``. Scaled linearly for smaller chunks (an upper bound:
 the temporaries grow with the chunk size). nvCOMP's Zstd alone needs more than the 1 GiB default

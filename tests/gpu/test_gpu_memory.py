@@ -89,9 +89,10 @@ def _warm_up(tmp_path) -> None:
     gdsckpt.load(tmp_path / "warm.gdsckpt", device="cuda")
 
 
-# nvCOMP's Zstd holds ~1.1 GiB of scratch to compress 16 MiB chunks, more than this budget: it
-# cannot meet the bound (gpu_engine.ENCODE_SCRATCH) and is left out here.
-@pytest.mark.parametrize("codec", ["ans", "lz4", "deflate"])
+# nvCOMP's Zstd holds ~1.1 GiB of scratch to compress 16 MiB chunks, more than this budget, and
+# Deflate ~146 MiB per chunk in a batch, which leaves it two chunks per batch and far too slow at
+# this size (gpu_engine.ENCODE_SCRATCH): both are left out here (docs/performance.md).
+@pytest.mark.parametrize("codec", ["ans", "lz4"])
 def test_gpu_memory_within_staging_budget_for_a_state_four_times_larger(tmp_path, codec):
     _warm_up(tmp_path)
     state = _big_state()
