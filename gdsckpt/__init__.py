@@ -12,6 +12,7 @@ from .api import (  # noqa: E402
 )
 from .async_save import SaveHandle, save_async, wait_all  # noqa: E402
 from .config import Config  # noqa: E402
+from .convert import ConvertError, ConvertReport, UnsafePickleError, convert  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError, CodecUnavailableError, CorruptCheckpointError, StateMismatchError,
     UnsupportedFormatError,
@@ -20,7 +21,8 @@ from .manager import CheckpointManager, SkippedCheckpointWarning  # noqa: E402
 
 __all__ = [
     "Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointManager", "CodecUnavailableError",
-    "Config", "CorruptCheckpointError", "SaveHandle", "SaveReport", "SkippedCheckpointWarning",
-    "StateMismatchError", "TensorInfo", "UnsupportedFormatError", "VerifyReport", "__version__",
-    "inspect", "load", "load_into", "open", "save", "save_async", "verify", "wait_all",
+    "Config", "ConvertError", "ConvertReport", "CorruptCheckpointError", "SaveHandle", "SaveReport",
+    "SkippedCheckpointWarning", "StateMismatchError", "TensorInfo", "UnsafePickleError",
+    "UnsupportedFormatError", "VerifyReport", "__version__", "convert", "inspect", "load", "load_into",
+    "open", "save", "save_async", "verify", "wait_all",
 ]

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from . import __version__
 from .codecs import Chain, PORTABLE_CODECS, known_codec_names, versioned_name
@@ -141,7 +142,8 @@ def _open_checked(reader: StorageReader) -> OpenedFile:
                                              f"{index.tensors[node['id']].key!r} but sits at {expected!r}")
         elif node["t"] == "dict":
             keys = [decode_scalar(key) for key, _value in node["items"]]
-            if len(set(map(repr, keys))) != len(keys):
+            # by == (as the dict will hold them: True == 1, 0.0 == -0.0) and by repr (NaN != NaN)
+            if len(set(keys)) != len(keys) or len(set(map(repr, keys))) != len(keys):
                 raise CorruptCheckpointError(f"invalid index: a dict at {join_key(path)!r} repeats a key")
     return opened
 
@@ -187,22 +189,29 @@ def _host_engine(config: Config, sources: list[Any] | None = None, codec: str = 
 # ---------------------------------------------------------------------------------------------
 # save
 
+Progress = Callable[[int, int], None]
+"""``progress(done, total)``: raw bytes written (save) or decoded (load, verify) so far, out of
+``total``; called in the calling thread after each chunk."""
+
+
 def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
-         config: Config | None = None) -> SaveReport:
+         config: Config | None = None, progress: Progress | None = None) -> SaveReport:
     """Save ``state`` (nested dicts/lists/tuples of tensors, arrays and plain values) to ``path``.
 
     The file appears at ``path`` atomically and durably (fsync of file and directory) when this
-    returns; on any error ``path`` keeps its previous content and no temporary file remains.
+    returns; on any error before the rename ``path`` keeps its previous content and no temporary
+    file remains. (Should the directory's fsync after the rename fail, ``path`` already holds the
+    new, complete checkpoint and the ``OSError`` is raised: its entry may not be durable yet.)
     ``codec``: ``"auto"`` (byte planes where they help + zstd on the CPU), ``"zstd"``,
     ``"lz4"``, ``"deflate"``, ``"none"``; ``"auto"`` defers to ``config.codec``.
     ``chunk_bytes`` overrides ``config.chunk_bytes`` and ``config.gpu_chunk_bytes``. Raises ``TypeError`` naming the key path of
-    any value that cannot be saved.
+    any value that cannot be saved. ``progress``: see ``Progress``.
     """
-    return _save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config)
+    return _save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config, progress=progress)
 
 
 def _save(state: Any, path: PathLike, *, codec: str, chunk_bytes: int | str | None, config: Config | None,
-          devices: list[str] | None = None) -> SaveReport:
+          devices: list[str] | None = None, progress: Progress | None = None) -> SaveReport:
     """``save``; ``devices`` (one per array, in flatten order) overrides the device each array's
     index entry records, and a ``cuda:N`` among them runs the GPU engine on device N (where
     usable) whatever memory the arrays live in: ``save_async`` passes the devices of the CUDA
@@ -229,7 +238,7 @@ def _save(state: Any, path: PathLike, *, codec: str, chunk_bytes: int | str | No
         writer = make_writer(path, cfg)
         budget = cfg.max_inflight_bytes if engine.name != "gpu" else max(cfg.max_inflight_bytes,
                                                                          cfg.max_staging_bytes)
-        result = run_save(plans, engine, writer, max_inflight_bytes=budget,
+        result = run_save(plans, engine, writer, max_inflight_bytes=budget, progress=progress,
                           build_index=lambda r: _build_index(flat, r), timeout=cfg.timeout)
     finally:
         engine.close()
@@ -374,12 +383,17 @@ def _make_target(record: TensorRecord, device: str | None) -> Any:
         return NumpyTarget(record.shape, record.dtype, scalar=bool(record.extra.get("scalar")))
     if record.kind == "cupy":
         chosen = device if device and device.startswith("cuda") else record.device
-        return CupyTarget(record.shape, record.dtype, int(chosen.split(":")[1]) if ":" in chosen else 0)
+        match = re.fullmatch(r"cuda(?::(\d{1,4}))?", chosen)
+        if match is None:
+            raise CorruptCheckpointError(f"a CuPy array's device is {record.device!r}, not 'cuda:N'",
+                                         key=record.key)
+        return CupyTarget(record.shape, record.dtype, int(match.group(1) or 0))
     return JaxTarget(record.shape, record.dtype, device)
 
 
 def _restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int], config: Config,
-                    make_target: Any, gpu_device: int | None = None) -> dict[int, Any]:
+                    make_target: Any, gpu_device: int | None = None,
+                    progress: Progress | None = None) -> dict[int, Any]:
     """Restore the arrays ``ids`` (aliases resolved) and return id -> finished object."""
     index = opened.index
     ids = list(ids)
@@ -392,7 +406,7 @@ def _restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int
         budget = config.max_inflight_bytes if gpu_device is None else max(config.max_inflight_bytes,
                                                                           config.max_staging_bytes)
         run_restore(reader, index, engine, targets, max_inflight_bytes=budget,
-                    timeout=config.timeout)
+                    timeout=config.timeout, progress=progress)
     finally:
         engine.close()
     finished = {i: target.finish() for i, target in targets.items()}
@@ -418,7 +432,7 @@ def _alias_object(shared: Any, record: TensorRecord, source: TensorRecord) -> An
 
 
 def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = None,
-         config: Config | None = None) -> Any:
+         config: Config | None = None, progress: Progress | None = None) -> Any:
     """Load a checkpoint into the same nested structure and types it was saved from.
 
     ``device``: None or ``"cpu"`` puts torch tensors on the CPU; ``"cuda[:N]"`` on that GPU
@@ -426,7 +440,7 @@ def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = Non
     from). ``keys``: key strings (``"model/layer.weight"``) or prefixes of subtrees
     (``"optimizer"``) to load; only the chunks holding them are read. Dict entries outside the
     selection are left out, list and tuple slots outside it are None. Unknown keys raise
-    ``KeyError``.
+    ``KeyError``. ``progress``: see ``Progress``.
     """
     cfg = _config(config)
     target_device = _parse_device(device)
@@ -438,7 +452,8 @@ def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = Non
         gpu_device = _gpu_device(cfg, target_device, index, wanted)
         with _data_reader(path, cfg, reader, gpu_device) as data_reader:
             arrays = _restore_arrays(data_reader, opened, wanted, cfg,
-                                     lambda _i, record: _new_target(record, target_device), gpu_device)
+                                     lambda _i, record: _new_target(record, target_device), gpu_device,
+                                     progress)
     state = unflatten(index.tree, arrays, selection)
     _check_selection(selection, index)
     return state
@@ -475,9 +490,23 @@ def _data_reader(path: PathLike, config: Config, reader: StorageReader,
         return
     device_reader = _reader(path, config, gpu=True)
     try:
+        # kvikio opens the path again: a save that renamed a new file over it since the index was
+        # read would otherwise make the chunks look corrupt. Same inode, or a clear error.
+        if _file_identity(device_reader) != _file_identity(reader):
+            raise CheckpointError(f"{str(path)!r} was replaced by another file while being loaded; "
+                                  f"load it again")
         yield device_reader
     finally:
         device_reader.close()
+
+
+def _file_identity(reader: StorageReader) -> tuple[int, int] | None:
+    """(device, inode) of the file a POSIX-based reader holds open, None for other readers."""
+    fd = getattr(reader, "_fd", None)
+    if not isinstance(fd, int) or fd < 0:
+        return None
+    status = os.fstat(fd)
+    return status.st_dev, status.st_ino
 
 
 def _check_selection(selection: Selection, index: Index) -> None:
@@ -493,7 +522,8 @@ def _check_selection(selection: Selection, index: Index) -> None:
 # ---------------------------------------------------------------------------------------------
 # load_into
 
-def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Config | None = None) -> Any:
+def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Config | None = None,
+              progress: Progress | None = None) -> Any:
     """Copy a checkpoint into existing tensors, in place, and return ``target``.
 
     ``target`` is an ``nn.Module`` (its state_dict tensors are filled in place), an
@@ -504,6 +534,7 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
     are replaced by the checkpoint's. Any missing key, or a shape or dtype that differs, raises
     ``StateMismatchError`` listing every difference before anything is written. With
     ``strict=False``, checkpoint entries that ``target`` does not hold are ignored.
+    ``progress``: see ``Progress``.
     """
     cfg = _config(config)
     existing: dict[str, Any] = {}
@@ -556,7 +587,8 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
                 return TorchTarget(record.shape, record.dtype, str(tensor.device), existing=tensor)
             return _new_target(record, None)
 
-        arrays = _restore_arrays(reader, opened, list(wanted) + optimizer_ids, cfg, make_target, gpu_device)
+        arrays = _restore_arrays(reader, opened, list(wanted) + optimizer_ids, cfg, make_target, gpu_device,
+                                 progress)
 
     import torch
 
@@ -744,11 +776,11 @@ def inspect(path: PathLike, *, config: Config | None = None) -> CheckpointInfo:
                           logical / size if size else 0.0, tuple(_tensor_infos(index)), codecs)
 
 
-def verify(path: PathLike, *, config: Config | None = None) -> VerifyReport:
+def verify(path: PathLike, *, config: Config | None = None, progress: Progress | None = None) -> VerifyReport:
     """Read every chunk, check every checksum and decode every stream.
 
     Returns a ``VerifyReport`` when the file is sound; raises ``CorruptCheckpointError`` naming
-    the first bad tensor and chunk otherwise.
+    the first bad tensor and chunk otherwise. ``progress``: see ``Progress``.
     """
     cfg = _config(config)
     started = time.perf_counter()
@@ -758,8 +790,8 @@ def verify(path: PathLike, *, config: Config | None = None) -> VerifyReport:
         engine = _restore_engine(cfg, gpu_device)
         try:
             with _data_reader(path, cfg, reader, gpu_device) as data_reader:
-                stored = run_verify(data_reader, opened.index, engine,
-                                    max_inflight_bytes=cfg.max_inflight_bytes, timeout=cfg.timeout)
+                stored = run_verify(data_reader, opened.index, engine, max_inflight_bytes=cfg.max_inflight_bytes,
+                                    timeout=cfg.timeout, progress=progress)
         finally:
             engine.close()
     index = opened.index
@@ -768,6 +800,6 @@ def verify(path: PathLike, *, config: Config | None = None) -> VerifyReport:
 
 
 __all__ = [
-    "CheckpointError", "CheckpointInfo", "SaveReport", "TensorInfo", "VerifyReport", "escape_key",
+    "CheckpointError", "CheckpointInfo", "Progress", "SaveReport", "TensorInfo", "VerifyReport", "escape_key",
     "inspect", "known_codec_names", "load", "load_into", "open", "save", "verify",
 ]

@@ -1,35 +1,41 @@
 """Configuration: every knob of a save or load, with its default.
 
-Precedence, highest first: an argument of ``save``/``load`` > a ``Config`` passed as ``config=``
-> a ``GDSCKPT_<FIELD>`` environment variable (e.g. ``GDSCKPT_CHUNK_BYTES=8MiB``) > the default.
+Precedence, highest first: an argument of ``save``/``load`` > a config file (``Config.from_toml``,
+the CLI's ``--config``) or a ``Config`` passed as ``config=`` > a ``GDSCKPT_<FIELD>`` environment
+variable (e.g. ``GDSCKPT_CHUNK_BYTES=8MiB``) > the default. A config file is applied over the
+environment (``from_toml`` starts from ``from_env``), whereas ``Config(...)`` built in code starts
+from the defaults alone. ``docs/configuration.md`` has the same field table, the file format and
+the presets in ``configs/``.
 
 | field | default | meaning |
 |---|---|---|
-| codec | ``"auto"`` | ``auto`` (CPU: byte planes + zstd), ``zstd``, ``lz4``, ``deflate``, ``none`` |
-| chunk_bytes | 4 MiB | uncompressed bytes per chunk on the CPU engine (multiple of 4096) |
-| gpu_chunk_bytes | 16 MiB | the same on the GPU engine (nvCOMP's RAW maximum; the GPU pipeline into a null sink ran at 55 GB/s with 16 MiB chunks against 18-33 with 4 MiB on the H200) |
+| codec | ``"auto"`` | ``auto`` (CPU: byte planes + zstd; GPU: ANS or Zstd, whichever saves faster on the measured storage), ``zstd``, ``lz4``, ``deflate``, ``none``; GPU only, no CPU decoder: ``ans``, ``gdeflate``, ``snappy``, ``bitcomp``, ``cascaded`` |
+| chunk_bytes | 4 MiB | uncompressed bytes per chunk on the CPU engine (multiple of 4096, at most 1 GiB) |
+| gpu_chunk_bytes | 16 MiB | the same on the GPU engine (at most 16 MiB, nvCOMP's largest chunk; the GPU pipeline into a null sink ran at 40.6-55.6 GB/s with 16 MiB chunks against 15.8-27.5 with 4 MiB on the H200) |
 | pack_below | 1 MiB | arrays smaller than this share chunks |
 | byte_planes | ``"auto"`` | ``auto`` (per array, kept where it compresses better), ``always``, ``never`` |
 | level | ``None`` | compression level for zstd/deflate (None: the engine's default; CPU: zstd 1, deflate 6) |
 | codec_threads | 0 | CPU threads for codecs (0: one per core) |
-| io_threads | 8 | threads issuing reads and writes |
-| max_inflight_bytes | 256 MiB | bound on chunk bytes between read/encode and write/decode |
+| io_threads | 8 | threads issuing reads and writes (POSIX I/O: the CPU engine, loads into host memory) |
+| max_inflight_bytes | 256 MiB | bound on chunk bytes between read/encode and write/decode (at least ``chunk_bytes``) |
 | o_direct | ``"auto"`` | O_DIRECT for aligned chunk writes: ``auto`` (where the filesystem allows), true, false. Reads stay buffered: measured, O_DIRECT reads did not speed cold loads and slowed warm ones |
 | fsync | True | fsync the file and its directory before a save returns |
 | timeout | 600 | seconds any single wait on a worker may take before failing the operation |
-| engine | ``"auto"`` | ``auto`` (GPU when the state has CUDA arrays and nvCOMP is usable), ``cpu``, ``gpu`` |
+| engine | ``"auto"`` | ``auto`` (GPU when the state has CUDA arrays and nvCOMP is usable), ``cpu``, ``gpu`` (every save, failing where no GPU is usable) |
 | max_staging_bytes | 1 GiB | GPU staging ring of a save or restore (chunks being compressed / read and decoded), allocated once per operation |
 | snapshot_gpu_bytes | 1 GiB | ``save_async``: a state whose CUDA tensors hold at most this many bytes is snapshotted by a copy on its GPU (kept in the snapshot pool between saves); a larger one into pinned host memory |
 | kvikio_threads | 16 | kvikio thread pool size (GPU engine) |
-| kvikio_task_size | None | kvikio task size in bytes (None: kvikio's default) |
-| storage_gbps | None | storage write speed for ``codec="auto"`` on the GPU (None: measured once per filesystem and cached) |
+| kvikio_task_size | ``None`` | kvikio task size in bytes (None: kvikio's default) |
+| storage_gbps | ``None`` | storage write speed for ``codec="auto"`` on the GPU (None: measured once per filesystem and cached) |
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
+import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -52,6 +58,31 @@ _CHOICES = {
     "byte_planes": ("auto", "always", "never"),
     "engine": ("auto", "cpu", "gpu"),
 }
+
+# The kind of value each field takes, which decides how its text (an environment variable, a
+# string in a config file) is read and which native TOML types a config file may use for it.
+# Spelled out by hand rather than read from the annotations (strings under ``from __future__``)
+# so that a new field without an entry fails the tests instead of being read as text.
+_KINDS = {
+    "codec": "text", "chunk_bytes": "size", "gpu_chunk_bytes": "size", "pack_below": "size",
+    "byte_planes": "text", "level": "int", "codec_threads": "int", "io_threads": "int",
+    "max_inflight_bytes": "size", "o_direct": "switch", "fsync": "bool", "timeout": "float",
+    "engine": "text", "max_staging_bytes": "size", "snapshot_gpu_bytes": "size", "kvikio_threads": "int",
+    "kvikio_task_size": "size", "storage_gbps": "float",
+}
+_OPTIONAL = frozenset({"level", "kvikio_task_size", "storage_gbps"})
+"""Fields that may be None, written ``none`` (or empty) as text: TOML itself has no null."""
+_SIZE_FIELDS = tuple(name for name, kind in _KINDS.items() if kind == "size" and name not in _OPTIONAL)
+_EXPECTED = {
+    "size": 'an integer number of bytes or a size string such as "4MiB"',
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "switch": 'true, false or "auto"',
+    "text": "a string",
+}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -78,8 +109,7 @@ class Config:
     storage_gbps: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("chunk_bytes", "gpu_chunk_bytes", "pack_below", "max_inflight_bytes", "max_staging_bytes",
-                     "snapshot_gpu_bytes"):
+        for name in _SIZE_FIELDS:
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096 or self.chunk_bytes > 1 << 30:
             raise ValueError(f"chunk_bytes must be a multiple of 4096 between 4 KiB and 1 GiB, "
@@ -121,34 +151,132 @@ class Config:
         environ = dict(os.environ if environ is None else environ)
         changes: dict[str, Any] = {}
         for f in fields(cls):
-            text = environ.get(f"GDSCKPT_{f.name.upper()}")
+            variable = f"GDSCKPT_{f.name.upper()}"
+            text = environ.get(variable)
             if text is None:
                 continue
-            changes[f.name] = _coerce(f.name, text)
+            try:
+                changes[f.name] = _coerce(f.name, text)
+            except ValueError as err:
+                raise ValueError(f"environment variable {variable}: {err}") from err
         return cls(**changes)
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str], *, base: Config | None = None) -> Config:
+        """``base`` (default: ``Config.from_env()``) with the values of the TOML file ``path``.
+
+        The file holds top-level ``field = value`` pairs, one per ``Config`` field it sets, and
+        nothing else (no tables). A value is either the field's native TOML type (an integer
+        for sizes and thread counts, a number for ``timeout``/``storage_gbps``, true/false for
+        ``fsync``/``o_direct``, a string for ``codec``/``engine``/``byte_planes``) or a string
+        read like the ``GDSCKPT_<FIELD>`` environment variable (``"4MiB"``, ``"none"``,
+        ``"auto"``). Raises ``ValueError`` naming the file and the key for an unknown key, a
+        value of the wrong type, or a value the field does not allow (listing what it does),
+        and for a file that is not valid TOML; ``FileNotFoundError`` for a missing file.
+        """
+        where = os.fspath(path)
+        with open(where, "rb") as handle:
+            try:
+                document = _toml_module().load(handle)
+            except ValueError as err:  # TOMLDecodeError and UnicodeDecodeError both are
+                raise ValueError(f"{where}: not valid TOML: {err}") from err
+        changes = {key: _file_value(where, key, value) for key, value in document.items()}
+        start = base if base is not None else cls.from_env()
+        try:
+            return start.replace(**changes)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from err
+
+
+def resolve_config(path: str | os.PathLike[str] | None) -> Config:
+    """The configuration of a command that takes ``--config PATH``: the file applied over the
+    environment (``Config.from_toml``), or with no file the environment alone (``from_env``)."""
+    return Config.from_env() if path is None else Config.from_toml(path)
+
+
+def _toml_module() -> Any:
+    """The TOML parser: the standard library's from Python 3.11, the ``tomli`` backport before."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib
+    import tomli
+
+    return tomli
+
+
+def _file_value(where: str, key: str, value: Any) -> Any:
+    """The value of ``key`` in config file ``where``, checked against the field's kind."""
+    kind = _KINDS.get(key)
+    if kind is None:
+        valid = list(_KINDS)
+        guess = difflib.get_close_matches(key, valid, n=1)
+        hint = f"did you mean {guess[0]!r}? " if guess else ""
+        nested = " (keys go at the top level: no tables)" if isinstance(value, dict) else ""
+        raise ValueError(f"{where}: unknown key {key!r}{nested} ({hint}valid keys: {', '.join(valid)})")
+    if isinstance(value, str):
+        try:
+            coerced = _coerce(key, value)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from err
+    elif _native_fits(kind, value):
+        coerced = float(value) if kind == "float" else value
+    else:
+        raise ValueError(f"{where}: {key} = {value!r} has the wrong type (expected {_expected(key)})")
+    if key == "codec":
+        # Config leaves codec names to the save (the set depends on what is installed); a file
+        # checks them on reading, so a typo fails here rather than at the first save.
+        from .codecs import known_codec_names
+
+        if coerced not in known_codec_names():
+            raise ValueError(f"{where}: codec={coerced!r} is invalid (expected one of: "
+                             f"{', '.join(known_codec_names())})")
+    return coerced
+
+
+def _native_fits(kind: str, value: Any) -> bool:
+    """Whether a non-string TOML value has the type a field of ``kind`` takes (bool is not a
+    number here, though Python makes it an int)."""
+    if isinstance(value, bool):
+        return kind in ("bool", "switch")
+    if kind in ("size", "int"):
+        return isinstance(value, int)
+    if kind == "float":
+        return isinstance(value, (int, float))
+    return False
+
+
+def _expected(name: str) -> str:
+    """What field ``name`` accepts, in words, for error messages."""
+    expected = _EXPECTED[_KINDS[name]]
+    if name in _CHOICES:
+        expected = f"one of: {', '.join(_CHOICES[name])}"
+    return f"{expected} or \"none\"" if name in _OPTIONAL else expected
 
 
 def _coerce(name: str, text: str) -> Any:
-    if name in ("chunk_bytes", "gpu_chunk_bytes", "pack_below", "max_inflight_bytes", "max_staging_bytes",
-                "snapshot_gpu_bytes"):
-        return parse_size(text)
-    if name in ("codec_threads", "io_threads", "kvikio_threads"):
-        return int(text)
-    if name == "kvikio_task_size":
-        return None if text.lower() in ("", "none") else parse_size(text)
-    if name == "level":
-        return None if text.lower() in ("", "none") else int(text)
-    if name == "timeout":
-        return float(text)
-    if name == "storage_gbps":
-        return None if text.lower() in ("", "none") else float(text)
-    if name in ("fsync", "o_direct"):
-        lowered = text.lower()
-        if lowered in ("1", "true", "yes", "on"):
+    """The value of field ``name`` from its text form: an environment variable's value, or a
+    string in a config file. Raises ``ValueError`` naming the field and what it accepts."""
+    kind = _KINDS[name]
+    lowered = text.strip().lower()
+    if name in _OPTIONAL and lowered in ("", "none"):
+        return None
+    try:
+        if kind == "size":
+            return parse_size(text)
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is invalid (expected {_expected(name)})") from None
+    if kind in ("bool", "switch"):
+        if lowered in _TRUE:
             return True
-        if lowered in ("0", "false", "no", "off"):
+        if lowered in _FALSE:
             return False
-        if name == "o_direct" and lowered == "auto":
+        if kind == "switch" and lowered == "auto":
             return "auto"
-        raise ValueError(f"GDSCKPT_{name.upper()}={text!r} is not a boolean")
+        raise ValueError(f"{name}={text!r} is invalid (expected {_expected(name)}, or as text one of: "
+                         f"{', '.join(_TRUE + _FALSE)}{', auto' if kind == 'switch' else ''})")
     return text

@@ -44,11 +44,11 @@ Returns ``(step, extra)``: ``extra`` is a dict of the checkpoint's top-level ent
 not restored in place, loaded (tensors on the CPU); with no targets at all it is the whole
 checkpoint. Returns ``None`` when there is no usable checkpoint (a fresh start).
 
-A checkpoint that fails while loading (a damaged chunk) is skipped with a warning and the next
-older one is restored; it overwrites whatever the failed one wrote. Errors that are not damage
-are raised and nothing else is tried: a target that does not match (``StateMismatchError``), a
-codec or array library this machine lacks (``CodecUnavailableError`` and other
-``CheckpointError``), since an older checkpoint would fail the same way.
+A checkpoint that fails while loading (a damaged chunk, or an I/O error reading one) is skipped
+with a warning and the next older one is restored; it overwrites whatever the failed one wrote.
+Errors that are not damage are raised and nothing else is tried: a target that does not match
+(``StateMismatchError``), a codec or array library this machine lacks (``CodecUnavailableError``
+and other ``CheckpointError``), since an older checkpoint would fail the same way.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from typing import Any
 from . import api as _api
 from .async_save import AsyncSaver, SaveHandle
 from .config import Config
-from .errors import CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
+from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
 from .io import PosixReader
 from .io.posix import TEMP_MARKER, fsync_directory, remove_stale_temporaries, temporary_path
 from .pipeline.load import open_file
@@ -79,6 +79,14 @@ _DAMAGE = (CorruptCheckpointError, UnsupportedFormatError, OSError)
 or unreadable. Anything else (a target that does not match, a codec or array library this
 machine lacks) is raised: an older checkpoint would not do better, and silently restarting from
 an old state is worse than an error."""
+
+
+def _is_damage(err: BaseException) -> bool:
+    """Whether ``err`` is one of ``_DAMAGE``, or the ``CheckpointError`` the reader raises for an
+    ``OSError`` while reading a chunk ("I/O error reading chunk N (tensor ...)"): that file is
+    unreadable too."""
+    return isinstance(err, _DAMAGE) or (isinstance(err, CheckpointError)
+                                        and isinstance(err.__cause__, OSError))
 
 
 class SkippedCheckpointWarning(UserWarning):
@@ -317,7 +325,9 @@ class CheckpointManager:
                 continue
             try:
                 extra = self._load(path, model, optimizer, state)
-            except _DAMAGE as err:
+            except Exception as err:
+                if not _is_damage(err):
+                    raise
                 warnings.warn(f"skipping checkpoint {str(path)!r}: failed while loading: {err}",
                               SkippedCheckpointWarning, stacklevel=2)
                 continue
@@ -372,7 +382,9 @@ def _problem(path: Path, *, verify: bool = False, config: Config | None = None) 
             _api.open(path, config=config).close()
     except FileNotFoundError:
         return "file is missing"
-    except _DAMAGE as err:
+    except Exception as err:
+        if not _is_damage(err):
+            raise
         return f"{type(err).__name__}: {err}"
     return None
 

@@ -15,8 +15,16 @@ strides and dtype, e.g. tied embedding weights) are stored once and come back as
 object, as ``torch.save`` does. Partially overlapping views are stored as independent copies and
 come back as separate tensors.
 
-Anything else raises ``TypeError`` naming its key path. Loading never unpickles anything: the
-structure is JSON.
+Anything else raises ``TypeError`` naming its key path, and so does a container that contains
+itself (a reference cycle) or a state nested deeper than 256 containers; an ``int`` of more than
+4300 decimal digits (the format's limit) raises ``ValueError``. Loading never unpickles anything:
+the structure is JSON.
+
+What is not kept: subclasses of ``dict`` (other than ``OrderedDict``), ``int``, ``float`` and
+``str`` (``defaultdict``, ``IntEnum``, ``numpy.str_``) come back as the base type; a container
+referenced from two places (not a cycle) is saved twice and comes back as two copies; a tensor's
+``.grad`` is not saved, and a plain tensor that requires grad comes back detached
+(``requires_grad=False``; an ``nn.Parameter`` keeps its flag).
 
 Array libraries are found through ``sys.modules`` when saving (a state can only hold a torch
 tensor if torch is imported) and imported lazily when loading, so ``import gdsckpt`` pulls in
@@ -341,6 +349,7 @@ class JaxTarget(NumpyTarget):
     """A JAX array, assembled on the host and handed to JAX through DLPack."""
 
     def __init__(self, shape: tuple[int, ...], dtype_name: str, device: str | None):
+        importlib.import_module("jax")  # before anything is read: ImportError if JAX is missing
         super().__init__(shape, dtype_name)
         self.device = device
 
@@ -391,6 +400,11 @@ class FlatState:
     arrays: list[FlatArray]
 
 
+MAX_INT_DIGITS = 4300
+"""Most decimal digits of an ``int`` in the structure (docs/format.md, scalar encodings)."""
+_INT_LIMIT = 10 ** MAX_INT_DIGITS
+
+
 def _float_bits(value: float) -> str:
     return struct.pack(">d", value).hex()
 
@@ -407,6 +421,9 @@ def encode_scalar(value: Any, path: list[Any]) -> dict[str, Any] | None:
     if isinstance(value, bool):
         return {"t": "bool", "v": value}
     if isinstance(value, int):
+        if value.bit_length() > 3 * MAX_INT_DIGITS and abs(value) >= _INT_LIMIT:  # no str() of it
+            raise ValueError(f"int at {join_key(path)!r} has more than {MAX_INT_DIGITS} decimal digits, "
+                             f"the most a checkpoint holds")
         return {"t": "int", "v": str(int(value))}
     if isinstance(value, float):
         return {"t": "float", "v": _float_bits(float(value))}
@@ -441,20 +458,19 @@ class _Flattener:
         self.torch = sys.modules.get("torch")
         self.cupy = sys.modules.get("cupy")
         self.jax = sys.modules.get("jax")
+        self.open_containers: dict[int, int] = {}
+        """id of each dict / list / tuple being visited -> its depth (finds reference cycles)."""
 
     def visit(self, obj: Any, path: list[Any], depth: int = 0) -> dict[str, Any]:
         if depth > 256:
-            raise TypeError(f"state nested deeper than 256 levels at {join_key(path)!r}")
+            raise TypeError(f"state nested deeper than 256 levels at {join_key(path)!r:.200}")
         if isinstance(obj, np.generic) and not isinstance(obj, (str, bytes)):
             return self._numpy(obj, path)  # before encode_scalar: np.float64 subclasses float
         scalar = encode_scalar(obj, path)
         if scalar is not None:
             return scalar
-        if isinstance(obj, dict):
-            return self._dict(obj, path, depth)
-        if type(obj) in (list, tuple):
-            return {"t": type(obj).__name__,
-                    "items": [self.visit(item, path + [i], depth + 1) for i, item in enumerate(obj)]}
+        if isinstance(obj, dict) or type(obj) in (list, tuple):
+            return self._container(obj, path, depth)
         array = self._array(obj, path)
         if array is not None:
             return array
@@ -463,6 +479,20 @@ class _Flattener:
             f"{join_key(path)!r}: gdsckpt saves dicts, lists, tuples, tensors/arrays, int, float, "
             f"bool, str and None"
         )
+
+    def _container(self, obj: Any, path: list[Any], depth: int) -> dict[str, Any]:
+        if id(obj) in self.open_containers:
+            raise TypeError(f"state contains a reference cycle: the {type(obj).__name__} at "
+                            f"{join_key(path)!r:.200} is the one at "
+                            f"{join_key(path[:self.open_containers[id(obj)]])!r:.200}, which contains it")
+        self.open_containers[id(obj)] = depth
+        try:
+            if isinstance(obj, dict):
+                return self._dict(obj, path, depth)
+            return {"t": type(obj).__name__,
+                    "items": [self.visit(item, path + [i], depth + 1) for i, item in enumerate(obj)]}
+        finally:
+            del self.open_containers[id(obj)]
 
     def _dict(self, obj: dict[Any, Any], path: list[Any], depth: int) -> dict[str, Any]:
         items = []

@@ -108,3 +108,46 @@ def test_help_exits_zero(h: Any) -> None:
     assert result.returncode == 0
     for command in ("demo", "inspect", "verify"):
         assert command in result.stdout
+
+
+def test_inspect_totals_by_group(tmp_path: Path, h: Any) -> None:
+    g = torch.Generator().manual_seed(1)
+    weights = {"w": torch.randn(4000, generator=g).to(torch.bfloat16), "b": torch.zeros(512)}
+    state = {"model": weights, "optimizer": {"state": {0: {"exp_avg": torch.randn(4000, generator=g) * 1e-3,
+                                                          "exp_avg_sq": torch.rand(4000, generator=g) * 1e-6}}},
+             "step": 3}
+    path = tmp_path / "g.gdsckpt"
+    gdsckpt.save(state, path, config=h.small_config())
+    result = h.run_cli("inspect", "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    groups = json.loads(result.stdout)["groups"]
+    assert set(groups) == {"model", "optimizer/exp_avg", "optimizer/exp_avg_sq"}
+    info = {t.key: t for t in gdsckpt.inspect(path).tensors}
+    model = groups["model"]
+    assert model["arrays"] == 2 and model["logical_bytes"] == 4000 * 2 + 512 * 4
+    assert model["stored_bytes"] == info["model/w"].stored_bytes + info["model/b"].stored_bytes
+    assert model["ratio"] == pytest.approx(model["logical_bytes"] / model["stored_bytes"])
+    text = h.run_cli("inspect", str(path)).stdout
+    assert "optimizer/exp_avg_sq" in text and "total" in text
+
+
+def test_quiet_and_config_are_global_options(saved: Path, tmp_path: Path, h: Any) -> None:
+    result = h.run_cli("--quiet", "verify", str(saved))
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    missing = h.run_cli("--config", str(tmp_path / "nope.toml"), "verify", str(saved))
+    assert missing.returncode == 2 and "--config" in missing.stderr
+
+
+def test_progress_callbacks_reach_the_total(tmp_path: Path, h: Any) -> None:
+    state = {"a": torch.randn(50_000), "b": [torch.ones(100), torch.zeros(3000, dtype=torch.bfloat16)]}
+    logical = 50_000 * 4 + 100 * 4 + 3000 * 2
+    path = tmp_path / "p.gdsckpt"
+    for name, call in (("save", lambda p: gdsckpt.save(state, path, config=h.small_config(), progress=p)),
+                       ("load", lambda p: gdsckpt.load(path, progress=p)),
+                       ("verify", lambda p: gdsckpt.verify(path, progress=p))):
+        seen: list[tuple[int, int]] = []
+        call(lambda done, total: seen.append((done, total)))
+        assert len(seen) > 1, name
+        assert all(total == logical for _done, total in seen), name
+        dones = [done for done, _total in seen]
+        assert dones == sorted(dones) and dones[-1] == logical, name

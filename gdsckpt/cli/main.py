@@ -1,16 +1,27 @@
 """``gdsckpt`` / ``python -m gdsckpt``: thin subcommands over the library.
 
 Exit codes: 0 success, 1 the operation failed (e.g. a corrupt checkpoint), 2 bad arguments.
+Global options (before the subcommand): ``--quiet`` (no progress bars, warnings only),
+``--verbose`` (the library's INFO log), ``--config PATH`` (a TOML preset, see
+docs/configuration.md). Long operations draw a progress bar on a terminal only.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import logging
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
+from ..config import Config, resolve_config
+from ..costmodel import group_of
 from ..errors import CheckpointError
+from .progress import byte_progress, progress_bar
+
+_SUBCOMMAND_MODULES: tuple[str, ...] = ("bench", "convert", "plan")
+"""Modules of ``gdsckpt.cli`` that add a subcommand through ``register(subparsers)``."""
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -20,15 +31,31 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if figures["bit_exact"] else 1
 
 
+def group_totals(tensors: Any) -> dict[str, dict[str, Any]]:
+    """Per group (``gdsckpt.costmodel.group_of``): arrays, logical bytes, stored bytes and ratio."""
+    groups: dict[str, dict[str, Any]] = {}
+    for t in tensors:
+        if t.alias_of is not None:
+            continue
+        group = groups.setdefault(group_of(t.key), {"arrays": 0, "logical_bytes": 0, "stored_bytes": 0})
+        group["arrays"] += 1
+        group["logical_bytes"] += t.nbytes
+        group["stored_bytes"] += t.stored_bytes
+    for group in groups.values():
+        group["ratio"] = group["logical_bytes"] / group["stored_bytes"] if group["stored_bytes"] else 0.0
+    return groups
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .. import inspect
 
-    info = inspect(args.path)
+    info = inspect(args.path, config=args.config)
+    groups = group_totals(info.tensors)
     if args.json:
         print(json.dumps({
             "path": info.path, "format_version": list(info.format_version), "writer": info.writer,
             "file_bytes": info.file_bytes, "logical_bytes": info.logical_bytes, "ratio": info.ratio,
-            "codecs": info.codecs,
+            "codecs": info.codecs, "groups": groups,
             "tensors": [{"key": t.key, "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape),
                          "device": t.device, "nbytes": t.nbytes, "stored_bytes": t.stored_bytes,
                          "codecs": list(t.codecs), "alias_of": t.alias_of} for t in info.tensors],
@@ -37,17 +64,25 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{info.path}: format {info.format_version[0]}.{info.format_version[1]}, written by {info.writer}")
     print(f"{len(info.tensors)} arrays, {info.logical_bytes} logical bytes, {info.file_bytes} bytes on disk, "
           f"ratio {info.ratio:.3f}")
+    print(f"  {'key':50} {'dtype':10} {'shape':20} {'stored':>12} {'ratio':>6}  codecs")
     for t in info.tensors:
         ratio = t.nbytes / t.stored_bytes if t.stored_bytes else 0.0
         codecs = ",".join(t.codecs) or (f"alias of {t.alias_of}" if t.alias_of else "-")
-        print(f"  {t.key:50} {t.dtype:10} {str(list(t.shape)):20} {ratio:6.3f}  {codecs}")
+        print(f"  {t.key:50} {t.dtype:10} {str(list(t.shape)):20} {t.stored_bytes:12} {ratio:6.3f}  {codecs}")
+    print(f"  {'group':30} {'arrays':>7} {'logical bytes':>15} {'stored bytes':>15} {'ratio':>6}")
+    for name, group in groups.items():
+        print(f"  {name:30} {group['arrays']:7} {group['logical_bytes']:15} {group['stored_bytes']:15} "
+              f"{group['ratio']:6.3f}")
+    print(f"  {'total':30} {sum(g['arrays'] for g in groups.values()):7} {info.logical_bytes:15} "
+          f"{info.file_bytes:15} {info.ratio:6.3f}")
     return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .. import verify
 
-    report = verify(args.path)
+    with progress_bar(None, "verifying", quiet=args.quiet) as advance:
+        report = verify(args.path, config=args.config, progress=byte_progress(advance))
     print(f"{report.path}: OK, {report.chunks} chunks, {report.logical_bytes} logical bytes verified")
     return 0
 
@@ -55,6 +90,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``gdsckpt`` command."""
     parser = argparse.ArgumentParser(prog="gdsckpt", description=__doc__.splitlines()[0])
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress bars; warnings and errors only")
+    parser.add_argument("--verbose", "-v", action="store_true", help="log what the library does (INFO)")
+    parser.add_argument("--config", metavar="PATH", default=None,
+                        help="TOML preset (configs/*.toml); arguments > this file > GDSCKPT_* > defaults")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="save, restore and verify a small transformer + AdamW state")
     demo.add_argument("--width", type=int, default=512)
@@ -69,12 +108,27 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="read every chunk and check every checksum")
     verify.add_argument("path")
     verify.set_defaults(run=_cmd_verify)
+    for name in _SUBCOMMAND_MODULES:
+        importlib.import_module(f"{__package__}.{name}").register(sub)
     return parser
+
+
+def _resolve_config(parser: argparse.ArgumentParser, path: str | None) -> Config:
+    """The ``Config`` for ``--config`` (over the environment); a bad file is a usage error."""
+    try:
+        return resolve_config(path)
+    except (OSError, ValueError) as err:
+        parser.error(f"--config: {err}")
+        raise  # unreachable: parser.error exits
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="gdsckpt: %(levelname)s: %(message)s", stream=sys.stderr,
+                        level=logging.INFO if args.verbose and not args.quiet else logging.WARNING)
+    args.config = _resolve_config(parser, args.config)
     try:
         return int(args.run(args))
     except (CheckpointError, FileNotFoundError, IsADirectoryError, PermissionError) as err:

@@ -49,6 +49,12 @@ class ZstdCodec(Codec):
         decompressor = getattr(self._local, "decompressor", None)
         if decompressor is None:
             decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
+        # A frame that states its content size is decoded into that many bytes whatever
+        # max_output_size says: refuse a size other than the chunk's before anything is allocated
+        # (a 16 KiB hostile file could otherwise claim gigabytes).
+        declared = zstandard.frame_content_size(data)
+        if declared >= 0 and declared != raw_length:
+            raise ValueError(f"zstd frame declares {declared} bytes, expected {raw_length}")
         # max_output_size covers frames without a content size (nvCOMP may omit it); 0 would mean
         # "no bound" and make an empty frame without a content size undecodable.
         out = decompressor.decompress(data, max_output_size=max(raw_length, 1))

@@ -244,6 +244,10 @@ def _parse_tensors(raw: Any, chunks: list[ChunkRecord]) -> list[TensorRecord]:
         nbytes = math.prod(shape) * DTYPES[dtype].itemsize
         if nbytes > MAX_TENSOR_BYTES:
             raise _fail(f"tensor claims {nbytes} bytes", key=key)
+        # An empty array's other dimensions still set its strides: torch and NumPy refuse a shape
+        # whose nonzero dimensions multiply past int64 (e.g. [0, 2^59, 2^59]), so bound them too.
+        if math.prod(max(d, 1) for d in shape) * DTYPES[dtype].itemsize > MAX_TENSOR_BYTES:
+            raise _fail(f"shape {list(shape)!r:.80} spans more than {MAX_TENSOR_BYTES} bytes", key=key)
         device = entry.get("device", "cpu")
         if not isinstance(device, str):
             raise _fail("device must be a string", key=key)

@@ -58,7 +58,8 @@ Delivery = tuple[int, int, int, int]
 
 
 def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: dict[int, ArrayTarget], *,
-                max_inflight_bytes: int, timeout: float | None = None) -> int:
+                max_inflight_bytes: int, timeout: float | None = None,
+                progress: Callable[[int, int], None] | None = None) -> int:
     """Fill ``targets`` (array id -> target) from the file; returns the stored bytes read."""
     deliveries: dict[int, list[Delivery]] = {}
     for array_id in targets:
@@ -85,7 +86,8 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: di
         return deliver
 
     return _stream_chunks(reader, index, engine, sorted(deliveries), deliver_to_targets,
-                          max_inflight_bytes=max_inflight_bytes, timeout=timeout, direct=direct)
+                          max_inflight_bytes=max_inflight_bytes, timeout=timeout, direct=direct,
+                          progress=progress)
 
 
 NONE_CHAIN = [{"name": "none/1"}]
@@ -119,11 +121,11 @@ def _already_in_place(raw: Any) -> None:
 
 
 def run_verify(reader: StorageReader, index: Index, engine: Engine, *, max_inflight_bytes: int,
-               timeout: float | None = None) -> int:
+               timeout: float | None = None, progress: Callable[[int, int], None] | None = None) -> int:
     """Read, checksum and decode every chunk, keeping nothing; returns the stored bytes read."""
     return _stream_chunks(reader, index, engine, list(range(len(index.chunks))),
                           lambda chunk: lambda raw: None, max_inflight_bytes=max_inflight_bytes,
-                          timeout=timeout)
+                          timeout=timeout, progress=progress)
 
 
 def chunk_owner(index: Index, chunk: int) -> str | None:
@@ -136,11 +138,16 @@ def chunk_owner(index: Index, chunk: int) -> str | None:
 
 def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: list[int],
                    make_deliver: Callable[[int], Callable[[Any], None]], *, max_inflight_bytes: int,
-                   timeout: float | None, direct: dict[int, Any] | None = None) -> int:
+                   timeout: float | None, direct: dict[int, Any] | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> int:
+    """Read ``chunks`` and decode each as its read lands; ``progress(done, total)`` (raw bytes
+    decoded so far) is called in this thread."""
     reads: deque[tuple[int, Future[Any], Any]] = deque()
     decodes: deque[tuple[int, Future[None], int]] = deque()
     inflight = 0
     stored_total = 0
+    raw_total = sum(index.chunks[c].raw for c in chunks)
+    raw_done = 0
     # The engine may bound the chunks outstanding (the GPU engine's read ring has that many slots).
     reading = [index.chunks[c] for c in chunks if not direct or c not in direct]
     slot_limit = engine.reserve_reads(reading, sorted({index.chains[r.chain][-1]["name"] for r in reading}))
@@ -164,7 +171,7 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
                                                     make_deliver(chunk)), _cost(record)))
 
     def finish_decode(block: bool) -> None:
-        nonlocal inflight
+        nonlocal inflight, raw_done
         while decodes and (block or decodes[0][1].done()):
             chunk, future, cost = decodes.popleft()
             try:
@@ -172,6 +179,9 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             except BaseException as err:
                 raise named(chunk, err) from err
             inflight -= cost
+            raw_done += index.chunks[chunk].raw
+            if progress is not None:
+                progress(raw_done, raw_total)
             block = False
 
     try:

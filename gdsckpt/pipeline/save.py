@@ -13,7 +13,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..codecs import Chain
 from ..format import ALIGNMENT, HEADER_REGION, Index, align_up, checksum, pack_header, pack_trailer
@@ -36,13 +36,17 @@ class SaveResult:
 
 
 def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, max_inflight_bytes: int,
-             build_index: Any, timeout: float | None = None) -> SaveResult:
+             build_index: Any, timeout: float | None = None,
+             progress: Callable[[int, int], None] | None = None) -> SaveResult:
     """Encode and write every planned chunk, then the index built by ``build_index(result)``
     (a callable returning an ``Index``), then commit.
 
     ``build_index`` receives the ``SaveResult`` with chunk records, chains and each array's
     segments filled in. ``timeout`` bounds every single wait on a worker (seconds).
+    ``progress(done, total)`` is called in this thread with the raw bytes written so far.
     """
+    total = sum(plan.raw for plan in plans)
+    done = 0
     started = time.perf_counter()
     result = SaveResult(0, 0, 0.0, [], [])
     chain_ids: dict[Chain, int] = {}
@@ -67,13 +71,16 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
         result.raw_bytes += encoded.raw
 
     def retire_written(block: bool) -> None:
-        nonlocal inflight
+        nonlocal inflight, done
         while writes and (block or writes[0][0].done()):
             future, raw, encoded = writes.popleft()
             future.result(timeout=timeout)
             if encoded.release is not None:
                 encoded.release()
             inflight -= raw
+            done += raw
+            if progress is not None:
+                progress(done, total)
             block = False
 
     try:

@@ -1,0 +1,302 @@
+"""``gdsckpt bench``: the storage-throughput benchmark, for the storage a checkpoint will live on.
+
+Argument parsing and printing over ``gdsckpt.storagebench`` (which measures). Exit codes: 0 every
+configuration ran and loaded bit-exact; 1 a configuration failed or a target is missing or not
+writable; 2 bad arguments (a target without room for ``--size`` included); 130 interrupted (every
+file the benchmark wrote is removed first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+from .. import storagebench as sb
+from ..codecs import known_codec_names
+from ..config import Config, parse_size
+
+try:  # the lead's progress helper; the benchmark runs without a bar until it lands
+    from .progress import progress_bar
+except ImportError:  # pragma: no cover - depends on which files are present
+    progress_bar = None
+
+logger = logging.getLogger("gdsckpt")
+
+DESCRIPTION = """\
+Measure what a storage target does with checkpoints, on the same synthetic training state (bf16 +
+fp32 weights and AdamW moments) for every side: raw writes and reads through gdsckpt's I/O
+backends (host memory with POSIX / O_DIRECT; with CUDA also GPU memory with kvikio), gdsckpt save
+and load for each codec x chunk size x thread count x depth, and torch.save / safetensors. Saves
+are durable (fsync inside the timing), loads cold (the file is dropped from the page cache first;
+a remote or virtual disk may still cache), each figure the median of --repeats round-robin runs,
+every load checked bit for bit. Prints a table; writes JSON and PNG plots to --out; --recommend
+writes the fastest lossless configuration as a gdsckpt.Config preset (TOML)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# argument types (argparse turns their errors into exit code 2)
+
+def _size(text: str) -> int:
+    try:
+        value = parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return value
+
+
+def _items(text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
+def _chunk_sizes(text: str) -> tuple[int, ...]:
+    sizes = tuple(_size(item) for item in _items(text))
+    for size in sizes:
+        if size % 4096 or size > 1 << 30:
+            raise argparse.ArgumentTypeError(f"chunk size {sb.format_size(size)} is invalid (expected a "
+                                             f"multiple of 4096 between 4KiB and 1GiB)")
+    return sizes
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(item) for item in _items(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return values
+
+
+def _depths(text: str) -> tuple[int | None, ...]:
+    return tuple(None if item == "default" else _counts(item)[0] for item in _items(text))
+
+
+def _codecs(text: str) -> tuple[str, ...]:
+    codecs = tuple(dict.fromkeys(_items(text)))
+    for codec in codecs:
+        if codec not in known_codec_names():
+            raise argparse.ArgumentTypeError(f"codec {codec!r} is invalid (expected one of: "
+                                             f"{', '.join(known_codec_names())})")
+    return codecs
+
+
+def _baselines(text: str) -> tuple[str, ...]:
+    if text.strip() == "none":
+        return ()
+    names = tuple(dict.fromkeys(_items(text)))
+    for name in names:
+        if name not in sb.BASELINES:
+            raise argparse.ArgumentTypeError(f"baseline {name!r} is invalid (expected one of: "
+                                             f"{', '.join(sb.BASELINES)}, or none)")
+    return names
+
+
+def _repeats(text: str) -> int:
+    return _counts(text)[0]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``bench`` subcommand to ``subparsers`` (``parser.add_subparsers()``)."""
+    parser = subparsers.add_parser("bench", description=DESCRIPTION,
+                                   help="measure storage throughput: raw I/O, gdsckpt, torch, safetensors",
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", action="append", required=True, metavar="DIR",
+                        help="directory on the storage to measure (repeatable: local NVMe, a shared "
+                             "filesystem, tmpfs, ...)")
+    parser.add_argument("--size", type=_size, default=sb.GIB, metavar="SIZE",
+                        help="bytes of training state per measurement (default 1GiB)")
+    parser.add_argument("--codecs", type=_codecs, default=sb.DEFAULT_CODECS, metavar="LIST",
+                        help=f"gdsckpt codecs (default {','.join(sb.DEFAULT_CODECS)}; known: "
+                             f"{', '.join(known_codec_names())}; GPU-only ones run with CUDA only)")
+    parser.add_argument("--chunk-sizes", type=_chunk_sizes, default=(4 << 20, 16 << 20), metavar="LIST",
+                        help="chunk sizes of gdsckpt and block sizes of raw I/O (default 4MiB,16MiB; "
+                             "the GPU engine takes at most 16MiB)")
+    parser.add_argument("--threads", type=_counts, default=(8, 16), metavar="LIST",
+                        help="I/O threads: io_threads, and kvikio_threads on the GPU (default 8,16)")
+    parser.add_argument("--depth", type=_depths, default=(None,), metavar="LIST",
+                        help="chunks in flight: max_inflight_bytes (CPU) / max_staging_bytes (GPU) = depth x "
+                             "chunk size; 'default' keeps the config's budgets (default: default)")
+    parser.add_argument("--repeats", type=_repeats, default=3, metavar="N",
+                        help="runs of each configuration; the median is reported (default 3)")
+    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
+                        help="cpu: host memory only; cuda: also GPU memory (kvikio, GPU engine); auto: cuda "
+                             "when usable (default)")
+    parser.add_argument("--baselines", type=_baselines, default=sb.BASELINES, metavar="LIST",
+                        help="torch,safetensors (default) or none")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="directory for bench.json and the PNG plots (default ./gdsckpt-bench-<time>)")
+    parser.add_argument("--recommend", action="store_true",
+                        help="print the fastest lossless configuration of each target and write it as a "
+                             "config preset")
+    parser.add_argument("--preset-out", default=None, metavar="PATH",
+                        help="where --recommend writes the TOML preset (default <out>/preset-{target}.toml; "
+                             "{target} is replaced by the target's name, needed with several targets)")
+    parser.set_defaults(run=run)
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+def _writable_destination(path: Path) -> bool:
+    """``path`` can be created (its nearest existing ancestor is a writable directory) or written."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            return False
+        probe = probe.parent
+    return probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt while the benchmark runs, so the ``finally`` blocks that
+    remove its files run for ``kill`` as they do for Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _progress(total: int, quiet: bool) -> Any:
+    if progress_bar is None:
+        return nullcontext(lambda _n: None)
+    return progress_bar(total, "bench", quiet=quiet)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark the parsed ``args`` describe; returns the exit code."""
+    base = getattr(args, "config", None) or Config.from_env()
+    try:
+        settings = sb.BenchSettings(size_bytes=args.size, codecs=tuple(args.codecs),
+                                    chunk_sizes=tuple(args.chunk_sizes), threads=tuple(args.threads),
+                                    depths=tuple(args.depth), repeats=args.repeats,
+                                    device=sb.resolve_device(args.device), baselines=tuple(args.baselines),
+                                    config=base)
+    except ValueError as err:
+        logger.error("bench: %s", err)
+        return 2
+    out = Path(args.out) if args.out else Path(f"gdsckpt-bench-{_dt.datetime.now():%Y%m%d-%H%M%S}")
+    preset_pattern = args.preset_out or str(out / "preset-{target}.toml")
+    problem = None
+    if not _writable_destination(out):
+        problem = f"--out {str(out)!r} cannot be created here"
+    elif args.recommend and len(args.target) > 1 and "{target}" not in preset_pattern:
+        problem = "with several targets, --preset-out needs '{target}' in it (one preset per target)"
+    elif args.recommend and not _writable_destination(Path(preset_pattern).parent):
+        problem = f"--preset-out {preset_pattern!r} cannot be written"
+    if problem:
+        logger.error("bench: %s", problem)
+        return 2
+
+    quiet = bool(getattr(args, "quiet", False))
+    try:
+        total = sb.progress_total(settings, len(args.target))
+        with _sigterm_as_interrupt(), _progress(total, quiet) as advance:
+            report = sb.run_benchmark(settings, args.target, advance=advance)
+    except sb.InsufficientSpaceError as err:
+        logger.error("bench: %s", err)
+        return 2
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as err:
+        logger.error("bench: %s", err)
+        return 1
+    except KeyboardInterrupt:
+        logger.error("bench: interrupted; every file the benchmark wrote has been removed")
+        return 130
+
+    recommendations = [sb.recommend(target) for target in report.targets] if args.recommend else []
+    for target, recommendation in zip(report.targets, recommendations):
+        target.recommendation = recommendation
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "bench.json"
+    # default=str: a figure of a library (a NumPy scalar in a report) must not lose the whole run
+    json_path.write_text(json.dumps(report.to_json(), indent=1, default=str) + "\n")
+    plots = sb.write_plots(report, out)
+
+    print(format_report(report))
+    print(f"wrote {json_path}" + "".join(f"\nwrote {plot}" for plot in plots))
+    status = 0 if report.all_ok else 1
+    for number, (target, recommendation) in enumerate(zip(report.targets, recommendations), 1):
+        if recommendation is None:
+            logger.error("bench: no lossless gdsckpt configuration ran on %s: nothing to recommend",
+                         target.path)
+            status = 1
+            continue
+        preset = Path(preset_pattern.replace("{target}", sb.target_slug(number, target.path)))
+        preset.parent.mkdir(parents=True, exist_ok=True)
+        preset.write_text(sb.preset_toml(recommendation, report))
+        print(format_recommendation(recommendation, preset))
+    return status
+
+
+# ---------------------------------------------------------------------------------------------
+# printing
+
+def _figure(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def format_report(report: sb.BenchReport) -> str:
+    """The results as a table per target, with how they were measured."""
+    settings = report.settings
+    lines = [(f"gdsckpt bench: {sb.human_size(report.data['logical_bytes'])} synthetic training state "
+              f"({report.data['tensors']} tensors, bf16 + fp32), device {settings.device}, median of "
+              f"{settings.repeats}, {report.seconds:.0f} s")]
+    header = (f"  {'what':12}{'engine':>7}{'codec':>7}{'chunk':>8}{'thr':>5}{'depth':>8}{'ratio':>8}"
+              f"{'save GB/s':>11}{'load GB/s':>11}  notes")
+    for target in report.targets:
+        fs = target.filesystem
+        lines += ["", (f"{target.path}: {fs['type']} on {fs['device']} (mounted at {fs['mount_point']}), "
+                       f"{sb.human_size(target.free_bytes)} free"), header]
+        for m in target.measurements:
+            depth = "-" if m.kind != "gdsckpt" else ("default" if m.depth is None else str(m.depth))
+            notes = m.backend or ""
+            if m.status != "ok":
+                notes = f"{m.status}: {m.reason}"
+            elif m.bit_exact is False:
+                notes += " NOT BIT-EXACT"
+            lines.append(f"  {m.path:12}{m.engine or '-':>7}{m.codec or '-':>7}"
+                         f"{sb.format_size(m.chunk_bytes) if m.chunk_bytes else '-':>8}{m.threads or '-':>5}"
+                         f"{depth:>8}{_figure(m.ratio):>8}{_figure(m.save_gbps):>11}"
+                         f"{_figure(m.load_gbps):>11}"
+                         f"  {notes}")
+    ran = report.ran()
+    lines += ["", "ran: " + ", ".join(name for name, done in ran.items() if done)
+              + ("; not run: " + ", ".join(name for name, done in ran.items() if not done)
+                 if not all(ran.values()) else ""),
+              (f"GB/s: 10^9 logical tensor bytes per second; saves durable (fsync in the timing); "
+               f"loads cold: {sb.COLD_READ_NOTE}.")]
+    return "\n".join(lines)
+
+
+def format_recommendation(recommendation: sb.Recommendation, preset: Path) -> str:
+    """What ``--recommend`` prints for one target."""
+    m = recommendation.measurement
+    settings = ", ".join(f"{name} = {sb.format_size(value) if name.endswith('_bytes') else value}"
+                         for name, value in recommendation.fields.items())
+    return (f"\nrecommended for {recommendation.target} ({recommendation.engine} engine): {settings}\n"
+            f"  save {m.save_gbps:.3f} GB/s, load {m.load_gbps:.3f} GB/s, ratio {m.ratio:.3f}\n"
+            f"  why: {recommendation.reason}\n"
+            f"  preset written to {preset} (gdsckpt.Config.from_toml)")
+

@@ -1,0 +1,324 @@
+"""Resource bounds and misuse.
+
+- 100,000 tiny tensors (1-37 floats each, in a nested dict) save and load bit-exact on the CPU
+  engine; the seconds are printed, not asserted.
+- Host memory of a save and of a load of a state 8x ``Config.max_inflight_bytes`` grows by at most
+  a bound proportional to ``max_inflight_bytes`` (plus, for a load, the restored arrays
+  themselves), measured in fresh processes (see ``RssSampler`` for what exactly is measured).
+- Misuse: every value ``flatten`` cannot save raises ``TypeError`` (``ValueError`` for a key
+  collision or an oversized int) naming its key path, the failed save leaves nothing behind, and
+  every value it saves with a documented change of type or of what is kept comes back as
+  documented (gdsckpt/state.py). ``MISUSE`` and ``DOCUMENTED`` are the table docs/reliability.md
+  quotes.
+
+Run as ``python -m reliability.test_bounds_and_misuse CHILD`` (cwd ``tests/``), this module is the
+child process of the memory measurement.
+"""
+
+from __future__ import annotations
+
+import collections
+import decimal
+import enum
+import fractions
+import gc
+import json
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gdsckpt
+from gdsckpt.format import unpack_trailer
+
+from .harness import record_figure
+from .test_hostile_files import RssSampler
+
+MIB = 1 << 20
+
+# ---------------------------------------------------------------------------------------------
+# 100,000 tiny tensors
+
+
+def test_100k_tiny_tensors_round_trip_bit_exact(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(100)
+    sizes = torch.randint(1, 38, (100_000,), generator=g).tolist()
+    values = torch.randn(sum(sizes), generator=g)
+    specials = torch.tensor([0x7FC00001, 0x7F800001, -0x3EDCBA9, -(1 << 31)], dtype=torch.int32)
+    values[[0, 40_000, 800_000, 1_500_000]] = specials.view(torch.float32)  # NaN payloads, -0.0
+    state: dict[str, Any] = {}
+    expected = []
+    for i, piece in enumerate(torch.split(values, sizes)):
+        tensor = piece.clone()
+        state.setdefault(f"layer{i // 1000}", {}).setdefault(f"block{i // 100 % 10}", {})[f"p{i}"] = tensor
+        expected.append(tensor)
+    path = tmp_path / "tiny.gdsckpt"
+    config = gdsckpt.Config(fsync=False, codec_threads=2, io_threads=2)
+    started = time.perf_counter()
+    report = gdsckpt.save(state, path, codec="zstd", config=config)
+    saved = time.perf_counter()
+    loaded = gdsckpt.load(path, config=config)
+    restored = time.perf_counter()
+
+    assert report.tensors == 100_000 and report.engine == "cpu"
+    assert list(loaded) == list(state)
+    got = []
+    for layer, blocks in state.items():
+        assert list(loaded[layer]) == list(blocks)
+        for block, params in blocks.items():
+            assert list(loaded[layer][block]) == list(params)
+            for name, tensor in params.items():
+                back = loaded[layer][block][name]
+                assert type(back) is torch.Tensor and back.dtype == torch.float32 and back.shape == tensor.shape
+                got.append(back)
+    assert torch.equal(torch.cat(got).view(torch.int32), torch.cat(expected).view(torch.int32)), "bits differ"
+    data = path.read_bytes()
+    index_bytes = unpack_trailer(data[-64:], len(data)).index_length
+    record_figure("100k tiny tensors",
+                  f"100,000 float32 tensors of 1-37 elements ({values.numel() * 4 / MIB:.1f} MiB, nested dict "
+                  f"100 x 10 x 100) on the CPU engine with zstd: save {saved - started:.1f} s, load "
+                  f"{restored - saved:.1f} s, bit-exact; file {len(data) / MIB:.1f} MiB: {report.chunks} chunks "
+                  f"and a {index_bytes / MIB:.1f} MiB JSON index")
+
+
+# ---------------------------------------------------------------------------------------------
+# host memory bound (fresh processes)
+
+INFLIGHT = 8 * MIB
+STATE_BYTES = 64 * MIB
+
+
+def _bounded_config(max_inflight_bytes: int = INFLIGHT) -> gdsckpt.Config:
+    return gdsckpt.Config(chunk_bytes=MIB, max_inflight_bytes=max_inflight_bytes, codec_threads=2, io_threads=2,
+                          fsync=False)
+
+
+def _big_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(64)
+    count = STATE_BYTES // 4 // 8
+    return {f"w{i}": torch.randn(count, generator=g) for i in range(8)}
+
+
+def _memory_child(mode: str, directory: str, inflight: int) -> None:
+    """Child process: one measured save or load; prints one JSON line."""
+    root = Path(directory)
+    config = _bounded_config(inflight)
+    warm = root / f"warm-{mode}-{inflight}.gdsckpt"
+    gdsckpt.save({"w": torch.randn(1 << 18)}, warm, codec="zstd", config=config)  # imports, pools
+    gdsckpt.load(warm, config=config)
+    path = root / "big.gdsckpt"
+    state = _big_state() if mode == "save" else None
+    gc.collect()
+    sampler = RssSampler()
+    sampler.start()
+    if mode == "save":
+        gdsckpt.save(state, path, codec="zstd", config=config)
+    else:
+        loaded = gdsckpt.load(path, config=config)
+    sampler.stop()
+    restored = sum(t.numel() * t.element_size() for t in loaded.values()) if mode == "load" else 0
+    print(json.dumps({"growth": sampler.growth, "sampled": sampler.sampled - sampler.baseline,
+                      "maxrss_raised": sampler.maxrss_after > sampler.maxrss_before, "restored": restored,
+                      "file": path.stat().st_size}))
+
+
+def _measure(h: Any, mode: str, directory: Path, inflight: int = INFLIGHT) -> dict[str, Any]:
+    child = h.run_python("-m", "reliability.test_bounds_and_misuse", "memory", mode, str(directory), str(inflight),
+                         cwd=h.REPO_ROOT / "tests", timeout=300)
+    assert child.returncode == 0, child.stderr[-4000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def test_host_memory_stays_within_the_inflight_bound(tmp_path: Path, h: Any) -> None:
+    save = _measure(h, "save", tmp_path)
+    load = _measure(h, "load", tmp_path)
+    unbounded = _measure(h, "load", tmp_path, inflight=1 << 30)
+    slack = 16 * MIB  # allocator arenas, codec contexts, thread stacks, the index and Python objects
+    assert load["restored"] == STATE_BYTES
+    record_figure("host memory bound",
+                  f"state {STATE_BYTES // MIB} MiB float32 (file {load['file'] / MIB:.1f} MiB, zstd, 1 MiB "
+                  f"chunks), max_inflight_bytes {INFLIGHT // MIB} MiB, 2 codec threads: save RSS growth "
+                  f"{save['growth'] / MIB:.1f} MiB; load RSS growth {load['growth'] / MIB:.1f} MiB of which "
+                  f"{load['restored'] / MIB:.0f} MiB are the restored arrays (overhead "
+                  f"{(load['growth'] - load['restored']) / MIB:.1f} MiB); the same load with "
+                  f"max_inflight_bytes 1 GiB: overhead {(unbounded['growth'] - unbounded['restored']) / MIB:.1f} "
+                  f"MiB; asserted: save <= 2 x max_inflight_bytes + {slack // MIB} MiB, load <= restored + "
+                  f"2 x max_inflight_bytes + {slack // MIB} MiB (fresh process each; peak of /proc/self/statm "
+                  f"sampled every 1 ms, or ru_maxrss where "
+                  f"the phase raised it: {save['maxrss_raised']}/{load['maxrss_raised']}/"
+                  f"{unbounded['maxrss_raised']})")
+    assert save["growth"] <= 2 * INFLIGHT + slack, save
+    assert load["growth"] <= load["restored"] + 2 * INFLIGHT + slack, load
+    # the measurement sees read buffers at all: without the bound they hold about the whole file
+    assert unbounded["growth"] - unbounded["restored"] > load["growth"] - load["restored"] + INFLIGHT, unbounded
+
+
+# ---------------------------------------------------------------------------------------------
+# misuse
+
+
+class _Custom:
+    pass
+
+
+class _Color(enum.IntEnum):
+    RED = 1
+
+
+class _TensorSubclass(torch.Tensor):
+    pass
+
+
+def _quiet(build: Callable[[], Any]) -> Callable[[], Any]:
+    """Build a value whose constructor warns (sparse CSR, quantized and nested tensors are beta)."""
+    def quietly() -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return build()
+    return quietly
+
+
+def _cycle_dict() -> Any:
+    node: dict[str, Any] = {"x": torch.ones(1)}
+    node["self"] = node
+    return node
+
+
+def _cycle_list() -> Any:
+    node: list[Any] = [1]
+    node.append([node])
+    return node
+
+
+def _deep(levels: int) -> Any:
+    node: Any = torch.ones(1)
+    for _ in range(levels):
+        node = {"d": node}
+    return node
+
+
+# case -> (value at state["outer"]["inner"], exception, regex the message must match)
+MISUSE: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
+    "meta tensor": (lambda: torch.empty(3, device="meta"), TypeError, "meta device"),
+    "sparse COO tensor": (lambda: torch.eye(3).to_sparse(), TypeError, r"layout torch\.sparse_coo.*to_dense"),
+    "sparse CSR tensor": (_quiet(lambda: torch.eye(3).to_sparse_csr()), TypeError, r"layout torch\.sparse_csr"),
+    "quantized tensor": (_quiet(lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)),
+                         TypeError, "quantized"),
+    "nested tensor": (_quiet(lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])), TypeError,
+                      "nested"),
+    "tensor subclass": (lambda: torch.ones(2).as_subclass(_TensorSubclass), TypeError,
+                        "tensor subclass _TensorSubclass"),
+    "set": (lambda: {1, 2}, TypeError, "builtins.set"),
+    "frozenset": (lambda: frozenset([1]), TypeError, "builtins.frozenset"),
+    "custom class": (_Custom, TypeError, "_Custom"),
+    "bytes": (lambda: b"abc", TypeError, "builtins.bytes"),
+    "bytearray": (lambda: bytearray(b"abc"), TypeError, "builtins.bytearray"),
+    "complex (Python)": (lambda: 1 + 2j, TypeError, "builtins.complex"),
+    "Decimal": (lambda: decimal.Decimal("1.5"), TypeError, "decimal.Decimal"),
+    "Fraction": (lambda: fractions.Fraction(1, 3), TypeError, "fractions.Fraction"),
+    "range": (lambda: range(3), TypeError, "builtins.range"),
+    "generator": (lambda: (i for i in range(3)), TypeError, "builtins.generator"),
+    "namedtuple": (lambda: collections.namedtuple("Point", "x y")(1, 2), TypeError, "Point"),
+    "torch.dtype": (lambda: torch.float32, TypeError, "torch.dtype"),
+    "nn.Module (not its state_dict)": (lambda: torch.nn.Linear(2, 2), TypeError, "Linear"),
+    "NumPy object array": (lambda: np.array([1, "a"], dtype=object), TypeError, "dtype object"),
+    "NumPy datetime64 array": (lambda: np.array(["2024-01-01"], dtype="datetime64[D]"), TypeError,
+                               "datetime64"),
+    "NumPy structured array": (lambda: np.zeros(2, dtype=[("a", "<i4")]), TypeError, "dtype"),
+    "dict key: tuple": (lambda: {(1, 2): 1}, TypeError, r"dict key \(1, 2\) of type tuple"),
+    "dict key: bytes": (lambda: {b"k": 1}, TypeError, "dict key b'k' of type bytes"),
+    "dict key: frozenset": (lambda: {frozenset(): 1}, TypeError, "of type frozenset"),
+    "dict keys 1 and '1' (same key path)": (lambda: {1: torch.ones(1), "1": torch.ones(1)}, ValueError,
+                                            "two entries map to the key 'outer/inner/1'"),
+    "str with a lone surrogate": (lambda: "a\udcff", TypeError, "not valid Unicode"),
+    "int over 4300 digits": (lambda: 10 ** 4300, ValueError, "more than 4300 decimal digits"),
+    "dict containing itself": (_cycle_dict, TypeError,
+                               r"reference cycle: the dict at 'outer/inner/self' is the one at 'outer/inner'"),
+    "list containing itself": (_cycle_list, TypeError,
+                               r"reference cycle: the list at 'outer/inner/1/0' is the one at 'outer/inner'"),
+    "nesting 1000 deep": (lambda: _deep(1000), TypeError, r"nested deeper than 256 levels at 'outer/inner/d/d"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISUSE))
+def test_misuse_raises_a_clear_error_naming_the_key_path(case: str, tmp_path: Path) -> None:
+    build, error, pattern = MISUSE[case]
+    path = tmp_path / "misuse.gdsckpt"
+    with pytest.raises(error, match=pattern) as caught:
+        gdsckpt.save({"outer": {"inner": build()}, "ok": torch.ones(3)}, path,
+                     config=gdsckpt.Config(fsync=False))
+    assert "'outer/inner" in str(caught.value), caught.value
+    assert not isinstance(caught.value, RecursionError)
+    assert list(tmp_path.iterdir()) == [], "a failed save leaves no file behind"
+    record_figure(f"misuse | {case}", f"{type(caught.value).__name__}: {str(caught.value)[:140]}")
+
+
+def test_cuda_tensor_on_another_device_than_the_load_device(tmp_path: Path) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices (this machine has "
+                    f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA)")
+    tensor = torch.arange(8.0, device="cuda:1")  # pragma: no cover - GPU hosts only
+    path = tmp_path / "cuda.gdsckpt"
+    gdsckpt.save({"w": tensor}, path)
+    back = gdsckpt.load(path, device="cuda:0")["w"]
+    assert back.device == torch.device("cuda:0") and torch.equal(back.cpu(), tensor.cpu())
+
+
+def _parameter_with_grad() -> Any:
+    parameter = torch.nn.Parameter(torch.ones(3))
+    parameter.grad = torch.full((3,), 2.0)
+    return parameter
+
+
+def _shared() -> Any:
+    inner = {"w": 1}
+    return {"a": inner, "b": inner}
+
+
+# case -> (value, check of what load returns for it, what docs/reliability.md says)
+DOCUMENTED: dict[str, tuple[Callable[[], Any], Callable[[Any, Any], bool], str]] = {
+    "tensor that requires grad (not a leaf)": (
+        lambda: torch.ones(3, requires_grad=True) * 2,
+        lambda value, back: type(back) is torch.Tensor and not back.requires_grad and torch.equal(back, value),
+        "saved; comes back detached (requires_grad=False)"),
+    "nn.Parameter with .grad": (
+        _parameter_with_grad,
+        lambda value, back: isinstance(back, torch.nn.Parameter) and back.requires_grad and back.grad is None,
+        "saved as a Parameter with requires_grad; .grad is not saved"),
+    "IntEnum": (lambda: _Color.RED, lambda value, back: type(back) is int and back == 1, "comes back as int"),
+    "defaultdict": (lambda: collections.defaultdict(int, a=1),
+                    lambda value, back: type(back) is dict and back == {"a": 1}, "comes back as dict"),
+    "numpy.str_": (lambda: np.str_("hi"), lambda value, back: type(back) is str and back == "hi",
+                   "comes back as str"),
+    "NumPy complex scalar": (lambda: np.complex128(1 + 2j),
+                             lambda value, back: type(back) is np.complex128 and back == value,
+                             "kept (a NumPy scalar)"),
+    "None and 'None' keys": (lambda: {None: 1, "None": 2}, lambda value, back: back == value,
+                             "both kept (distinct key types; 'None' is their common key path, used by no array)"),
+    "one dict referenced twice": (_shared,
+                                  lambda value, back: back == value and back["a"] is not back["b"],
+                                  "saved twice; comes back as two equal dicts"),
+    "nesting 256 deep": (lambda: _deep(254), lambda value, back: True, "kept (256 is the limit)"),
+}
+
+
+@pytest.mark.parametrize("case", list(DOCUMENTED))
+def test_documented_behaviour_of_unusual_values(case: str, tmp_path: Path) -> None:
+    build, check, behaviour = DOCUMENTED[case]
+    value = build()
+    path = tmp_path / "unusual.gdsckpt"
+    gdsckpt.save({"outer": {"inner": value}}, path, config=gdsckpt.Config(fsync=False))
+    back = gdsckpt.load(path, config=gdsckpt.Config(fsync=False))["outer"]["inner"]
+    assert check(value, back), (case, back)
+    record_figure(f"misuse | {case}", behaviour)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "memory":
+        _memory_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))

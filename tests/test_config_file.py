@@ -1,0 +1,288 @@
+"""Config files (``Config.from_toml``, ``resolve_config``), the presets in ``configs/``, and the
+precedence of argument > config file > environment > default."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gdsckpt
+from gdsckpt.codecs import PORTABLE_CODECS
+from gdsckpt.config import Config, parse_size, resolve_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+DOC = ROOT / "docs" / "configuration.md"
+
+# What each preset sets, as docs/configuration.md states it; every other field keeps its default.
+PRESETS = {
+    "fast-nvme.toml": {"codec": "ans", "engine": "gpu", "gpu_chunk_bytes": 16 << 20,
+                       "max_staging_bytes": 2 << 30, "kvikio_threads": 32},
+    "shared-filesystem.toml": {"codec": "zstd", "engine": "auto", "gpu_chunk_bytes": 4 << 20,
+                               "io_threads": 16, "fsync": True},
+    "portable.toml": {"codec": "zstd", "engine": "auto", "byte_planes": "auto", "gpu_chunk_bytes": 4 << 20},
+}
+
+
+def _write(tmp_path: Path, text: str, name: str = "settings.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _keys_set_by(path: Path) -> list[str]:
+    return re.findall(r"^(\w+)\s*=", path.read_text(encoding="utf-8"), flags=re.MULTILINE)
+
+
+# ---------------------------------------------------------------------------------------------
+# the presets
+
+def test_configs_directory_holds_exactly_the_documented_presets() -> None:
+    assert sorted(p.name for p in CONFIGS.glob("*.toml")) == sorted(PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_loads_with_the_documented_values(name: str) -> None:
+    path = CONFIGS / name
+    assert sorted(_keys_set_by(path)) == sorted(PRESETS[name])
+    loaded = Config.from_toml(path, base=Config())
+    assert loaded == Config().replace(**PRESETS[name])
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_explains_every_value_in_a_comment_above_it(name: str) -> None:
+    lines = (CONFIGS / name).read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines):
+        if re.match(r"^\w+\s*=", line):
+            assert number > 0 and lines[number - 1].startswith("#"), f"{name}:{number + 1}: no comment"
+
+
+def _doc_cell(cell: str, default: Any) -> Any:
+    """A value of the presets table in docs/configuration.md, as a Config field value."""
+    text = cell.strip().strip("`")
+    if text == "—":
+        return default
+    if text.startswith('"'):
+        return text.strip('"')
+    if text in ("true", "false"):
+        return text == "true"
+    return parse_size(text)
+
+
+def test_presets_table_of_the_docs_matches_the_files_and_the_defaults() -> None:
+    section = DOC.read_text(encoding="utf-8").split("## Presets", 1)[1]
+    header, *rows = [line for line in section.splitlines() if line.startswith("| ")]
+    columns = [cell.strip().strip("`") for cell in header.strip("|").split("|")]
+    assert columns == ["field", "default", *PRESETS]
+    loaded = {name: Config.from_toml(CONFIGS / name, base=Config()) for name in PRESETS}
+    documented: set[str] = set()
+    for row in rows:
+        field, default, *values = [cell.strip() for cell in row.strip("|").split("|")]
+        expected_default = getattr(Config(), field)
+        assert _doc_cell(default, None) == expected_default, field
+        for name, cell in zip(PRESETS, values):
+            assert _doc_cell(cell, expected_default) == getattr(loaded[name], field), (name, field)
+        documented.add(field)
+    assert documented == {key for values in PRESETS.values() for key in values}
+
+
+def test_portable_preset_saves_on_the_cpu_engine_in_portable_codecs_and_loads_bit_exact(
+        tmp_path: Path, h: Any) -> None:
+    torch = pytest.importorskip("torch")
+    config = Config.from_toml(CONFIGS / "portable.toml")
+    generator = torch.Generator().manual_seed(7)
+    state = {
+        "model": {"w": (torch.randn(256, 512, generator=generator) * 0.02).to(torch.bfloat16),
+                  "master": torch.randn(256, 512, generator=generator) * 0.02},
+        "exp_avg_sq": np.abs(np.random.default_rng(7).standard_normal(70_000)).astype(np.float32) * 1e-6,
+        "step": 12,
+    }
+    path = tmp_path / "portable.gdsckpt"
+    report = gdsckpt.save(state, path, config=config)
+    assert report.engine == "cpu" and report.codec == "zstd"
+    stages = {stage.split("/")[0] for label in report.chains for stage in label.split("+")}
+    assert stages <= {*PORTABLE_CODECS, "byteplanes"} and "zstd" in stages, report.chains
+    assert report.ratio > 1.05  # zstd did compress the bf16 / fp32 data
+    h.assert_same(state, gdsckpt.load(path, config=config))
+    gdsckpt.verify(path)
+
+
+def test_fast_nvme_preset_refuses_to_save_without_a_gpu(tmp_path: Path) -> None:
+    """``engine = "gpu"``: no silent fall back to the CPU engine where no GPU is usable."""
+    from gdsckpt.codecs.nvcomp import gpu_available
+
+    if gpu_available():
+        pytest.skip("a GPU is usable here: the preset saves on it")
+    config = Config.from_toml(CONFIGS / "fast-nvme.toml")
+    with pytest.raises(gdsckpt.CodecUnavailableError, match="engine='gpu'"):
+        gdsckpt.save({"w": np.ones(1024, dtype=np.float32)}, tmp_path / "x.gdsckpt", config=config)
+    assert not (tmp_path / "x.gdsckpt").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# precedence: argument > config file > GDSCKPT_* environment > default
+
+STATE_BYTES = 256 << 10
+ENV_CHUNK, FILE_CHUNK, ARGUMENT_CHUNK = 64 << 10, 32 << 10, 16 << 10
+
+
+@pytest.mark.parametrize("env, file, argument, expected", [
+    (False, False, False, 4 << 20),
+    (True, False, False, ENV_CHUNK),
+    (False, True, False, FILE_CHUNK),
+    (True, True, False, FILE_CHUNK),
+    (False, False, True, ARGUMENT_CHUNK),
+    (True, False, True, ARGUMENT_CHUNK),
+    (False, True, True, ARGUMENT_CHUNK),
+    (True, True, True, ARGUMENT_CHUNK),
+])
+def test_argument_beats_file_beats_environment_beats_default(
+        env: bool, file: bool, argument: bool, expected: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        h: Any) -> None:
+    if env:
+        monkeypatch.setenv("GDSCKPT_CHUNK_BYTES", f"{ENV_CHUNK}")
+        monkeypatch.setenv("GDSCKPT_IO_THREADS", "3")  # the file leaves it alone: it must survive
+    config_path = _write(tmp_path, f'chunk_bytes = "{FILE_CHUNK >> 10}KiB"\n') if file else None
+    config = resolve_config(config_path)
+    assert config.io_threads == (3 if env else Config().io_threads)
+    path = tmp_path / "ckpt.gdsckpt"
+    state = {"w": np.arange(STATE_BYTES // 4, dtype=np.float32)}
+    gdsckpt.save(state, path, chunk_bytes=ARGUMENT_CHUNK if argument else None, config=config)
+    chunks = h.read_index(path).chunks
+    assert len(chunks) == max(1, STATE_BYTES // expected)
+    assert max(chunk.raw for chunk in chunks) == min(expected, STATE_BYTES)
+    h.assert_same(state, gdsckpt.load(path))
+
+
+def test_resolve_config_without_a_file_is_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GDSCKPT_LEVEL", "5")
+    assert resolve_config(None) == Config.from_env() == Config(level=5)
+
+
+def test_base_replaces_the_environment_beneath_the_file(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GDSCKPT_IO_THREADS", "3")
+    path = _write(tmp_path, "fsync = false\n")
+    assert Config.from_toml(path, base=Config(io_threads=5)) == Config(io_threads=5, fsync=False)
+    assert Config.from_toml(path) == Config(io_threads=3, fsync=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# values and errors
+
+def test_every_field_reads_from_its_native_type_and_from_text(tmp_path: Path) -> None:
+    native = _write(tmp_path, """
+codec = "lz4"
+chunk_bytes = 8192
+gpu_chunk_bytes = "8MiB"
+pack_below = "4k"
+byte_planes = "never"
+level = 3
+codec_threads = 2
+io_threads = 4
+max_inflight_bytes = "64MiB"
+o_direct = false
+fsync = false
+timeout = 30
+engine = "cpu"
+max_staging_bytes = "512MiB"
+snapshot_gpu_bytes = 0
+kvikio_threads = 8
+kvikio_task_size = "1MiB"
+storage_gbps = 2
+""")
+    expected = Config(codec="lz4", chunk_bytes=8192, gpu_chunk_bytes=8 << 20, pack_below=4096,
+                      byte_planes="never", level=3, codec_threads=2, io_threads=4,
+                      max_inflight_bytes=64 << 20, o_direct=False, fsync=False, timeout=30.0, engine="cpu",
+                      max_staging_bytes=512 << 20, snapshot_gpu_bytes=0, kvikio_threads=8,
+                      kvikio_task_size=1 << 20, storage_gbps=2.0)
+    loaded = Config.from_toml(native, base=Config())
+    assert loaded == expected
+    assert {f.name for f in fields(Config)} == set(_keys_set_by(native))
+    assert isinstance(loaded.timeout, float) and isinstance(loaded.storage_gbps, float)
+    # Strings are read as the environment variables' text is.
+    text = _write(tmp_path, 'level = "none"\no_direct = "auto"\nfsync = "off"\nio_threads = "6"\n'
+                            'kvikio_task_size = ""\nstorage_gbps = "1.5"\n', "text.toml")
+    assert Config.from_toml(text, base=Config(level=3)) == Config(o_direct="auto", fsync=False, io_threads=6,
+                                                                  storage_gbps=1.5)
+
+
+def test_an_empty_file_changes_nothing(tmp_path: Path) -> None:
+    path = _write(tmp_path, "# nothing set\n")
+    assert Config.from_toml(path, base=Config(io_threads=2)) == Config(io_threads=2)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("chunk_byte = 8192\n",
+     r"unknown key 'chunk_byte' \(did you mean 'chunk_bytes'\? valid keys: codec, chunk_bytes, "),
+    ("[gdsckpt]\ncodec = 'zstd'\n", r"unknown key 'gdsckpt' \(keys go at the top level: no tables\)"),
+    ("codec = 'zsdt'\n", r"codec='zsdt' is invalid \(expected one of: .*zstd"),
+    ("engine = 'tpu'\n", r"engine='tpu' is invalid \(expected one of: auto, cpu, gpu\)"),
+    ("byte_planes = 'often'\n", r"byte_planes='often' is invalid \(expected one of: auto, always, never\)"),
+    ("chunk_bytes = '4 parsecs'\n", r"chunk_bytes='4 parsecs' is invalid \(expected an integer number of"),
+    ("chunk_bytes = 1000\n", r"chunk_bytes must be a multiple of 4096"),
+    ("chunk_bytes = true\n", r"chunk_bytes = True has the wrong type \(expected an integer number of bytes"),
+    ("io_threads = 2.5\n", r"io_threads = 2.5 has the wrong type \(expected an integer\)"),
+    ("io_threads = 0\n", r"io_threads must be >= 1"),
+    ("fsync = 1\n", r"fsync = 1 has the wrong type \(expected true or false\)"),
+    ("fsync = 'maybe'\n", r"fsync='maybe' is invalid \(expected true or false, or as text one of: 1, true"),
+    ("o_direct = 'sometimes'\n", r"o_direct='sometimes' is invalid \(expected true, false or \"auto\""),
+    ("level = 'high'\n", r"level='high' is invalid \(expected an integer or \"none\"\)"),
+    ("timeout = [1, 2]\n", r"timeout = \[1, 2\] has the wrong type \(expected a number\)"),
+    ("codec = 'zstd'\ncodec = 'lz4'\n", r"not valid TOML"),
+    ("codec = zstd\n", r"not valid TOML"),
+])
+def test_bad_file_raises_value_error_naming_the_file_the_key_and_the_choices(
+        tmp_path: Path, text: str, message: str) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": .*" + message):
+        Config.from_toml(path, base=Config())
+
+
+def test_missing_file_raises_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="missing.toml"):
+        resolve_config(tmp_path / "missing.toml")
+
+
+def test_bad_environment_value_names_the_variable() -> None:
+    with pytest.raises(ValueError, match=r"GDSCKPT_FSYNC: fsync='maybe' is invalid"):
+        Config.from_env({"GDSCKPT_FSYNC": "maybe"})
+
+
+# ---------------------------------------------------------------------------------------------
+# the field table: one in config.py's docstring, the same in docs/configuration.md
+
+def _table_rows(text: str) -> list[str]:
+    start = text.index("| field | default | meaning |")
+    rows = []
+    for line in text[start:].splitlines():
+        if not line.startswith("|"):
+            break
+        rows.append(line.replace("``", "`"))
+    return rows
+
+
+def _default_from_doc(text: str) -> Any:
+    value = text.strip("`")
+    if value.startswith('"'):
+        return value.strip('"')
+    if value in ("None", "True", "False"):
+        return {"None": None, "True": True, "False": False}[value]
+    return parse_size(value)
+
+
+def test_field_table_is_the_same_in_the_docstring_and_the_docs_and_matches_config() -> None:
+    import gdsckpt.config
+
+    code_rows = _table_rows(gdsckpt.config.__doc__ or "")
+    assert _table_rows(DOC.read_text(encoding="utf-8")) == code_rows
+    cells = [[cell.strip() for cell in row.strip("|").split("|")] for row in code_rows[2:]]
+    assert [row[0] for row in cells] == [f.name for f in fields(Config)]
+    defaults = Config()
+    for name, default, _meaning in cells:
+        assert _default_from_doc(default) == getattr(defaults, name), name

@@ -1,0 +1,318 @@
+"""``gdsckpt bench`` and ``gdsckpt.storagebench`` on the CPU: a tiny real run against two
+directories (JSON, table, plots, presets, cleanup), the recommendation rule, refusals and exit
+codes, and cleanup when the run is interrupted. No timing is asserted beyond "positive"."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import gdsckpt
+from gdsckpt import storagebench as sb
+from gdsckpt.cli import bench
+from gdsckpt.config import parse_size
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# The subcommand's parser as gdsckpt.cli.main builds it (global --quiet, then the subcommand);
+# built here so the tests do not depend on main.py wiring the subcommand in.
+HARNESS = """
+import argparse, sys
+from gdsckpt.cli import bench
+parser = argparse.ArgumentParser(prog="gdsckpt")
+parser.add_argument("--quiet", action="store_true")
+bench.register(parser.add_subparsers(dest="command", required=True))
+args = parser.parse_args(sys.argv[1:])
+sys.exit(args.run(args))
+"""
+
+
+def run_bench(*argv: str) -> tuple[int, str]:
+    """Parse ``argv`` as ``gdsckpt bench ...`` would and run it here; returns (exit code, stdout)."""
+    parser = argparse.ArgumentParser(prog="gdsckpt")
+    parser.add_argument("--quiet", action="store_true")
+    bench.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["--quiet", "bench", *argv])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = args.run(args)
+    return code, out.getvalue()
+
+
+def bench_files(directory: Path) -> list[Path]:
+    """Everything under ``directory`` (the benchmark must leave a target as it found it)."""
+    return sorted(directory.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One real run: 2 targets x (raw POSIX, 2 codecs x 2 chunk sizes, torch, safetensors)."""
+    root = tmp_path_factory.mktemp("bench")
+    targets = [root / "nvme", root / "shared"]
+    for target in targets:
+        target.mkdir()
+    out = root / "out"
+    code, stdout = run_bench(
+        "--target", str(targets[0]), "--target", str(targets[1]), "--size", "1MiB", "--codecs", "lz4,none",
+        "--chunk-sizes", "64KiB,256KiB", "--threads", "2", "--repeats", "2", "--device", "cpu",
+        "--out", str(out), "--recommend", "--preset-out", str(out / "presets" / "{target}.toml"))
+    return {"code": code, "stdout": stdout, "targets": targets, "out": out,
+            "report": json.loads((out / "bench.json").read_text())}
+
+
+def test_tiny_run_succeeds_and_prints_a_table_per_target(tiny_run: dict[str, Any]) -> None:
+    assert tiny_run["code"] == 0, tiny_run["stdout"]
+    stdout = tiny_run["stdout"]
+    for target in tiny_run["targets"]:
+        assert f"{target}: " in stdout
+    assert "save GB/s" in stdout and "load GB/s" in stdout
+    assert "may still serve it from its own cache" in stdout, "the cold-read caveat is printed"
+    assert "not run: raw_kvikio, gdsckpt_gpu" in stdout
+    assert stdout.count("recommended for ") == 2
+
+
+def test_json_has_every_configuration_with_positive_figures(tiny_run: dict[str, Any]) -> None:
+    report = tiny_run["report"]
+    assert report["schema"] == sb.SCHEMA and report["gdsckpt"] == gdsckpt.__version__
+    assert report["all_ok"] is True
+    assert report["ran"] == {"raw_posix": True, "raw_kvikio": False, "gdsckpt_cpu": True,
+                             "gdsckpt_gpu": False, "torch": True, "safetensors": True}
+    settings = report["settings"]
+    assert settings["chunk_sizes"] == [64 << 10, 256 << 10] and settings["codecs"] == ["lz4", "none"]
+    assert settings["device"] == "cpu" and settings["repeats"] == 2
+    data = report["data"]
+    assert data["logical_bytes"] == sb.logical_bytes_for(1 << 20) and data["tensors"] > 10
+    assert set(data["bytes_by_dtype"]) == {"bfloat16", "float32"}
+    assert "fadvise" in report["method"]["load"] and "fsync" in report["method"]["save"]
+    assert [t["path"] for t in report["targets"]] == [str(t.resolve()) for t in tiny_run["targets"]]
+    for target in report["targets"]:
+        assert target["free_bytes_before"] > 0 and target["filesystem"]["type"] != ""
+        rows = target["results"]
+        kinds = sorted((r["path"], r["codec"], r["chunk_bytes"]) for r in rows if r["path"] != "torch"
+                       and r["path"] != "safetensors")
+        assert kinds == sorted([("raw-posix", None, 64 << 10), ("raw-posix", None, 256 << 10)]
+                               + [("gdsckpt", c, s) for c in ("lz4", "none") for s in (64 << 10, 256 << 10)])
+        assert {r["path"] for r in rows} == {"raw-posix", "gdsckpt", "torch", "safetensors"}
+        for row in rows:
+            assert row["status"] == "ok" and row["bit_exact"] is True, row
+            assert len(row["save_seconds"]) == 2 and len(row["load_seconds"]) == 2, row
+            for key in ("save_gbps", "load_gbps", "ratio"):
+                assert isinstance(row[key], float) and math.isfinite(row[key]) and row[key] > 0, (row, key)
+            assert row["logical_bytes"] == data["logical_bytes"] and row["file_bytes"] > 0
+        gds = {(r["codec"], r["chunk_bytes"]): r for r in rows if r["path"] == "gdsckpt"}
+        assert all(r["engine"] == "cpu" and r["threads"] == 2 for r in gds.values())
+        # the knobs really reached the save: lz4 compresses, none does not; smaller chunks, more chunks
+        assert gds[("lz4", 64 << 10)]["ratio"] > 1.0 > gds[("none", 64 << 10)]["ratio"] * 0.999
+        assert gds[("lz4", 64 << 10)]["details"]["chunks"] > gds[("lz4", 256 << 10)]["details"]["chunks"]
+        assert target["recommendation"]["fields"]["codec"] in ("lz4", "none")
+
+
+def test_no_bench_file_is_left_in_a_target(tiny_run: dict[str, Any]) -> None:
+    for target in tiny_run["targets"]:
+        assert bench_files(target) == []
+
+
+def test_recommended_preset_is_a_loadable_config(tiny_run: dict[str, Any]) -> None:
+    presets = sorted((tiny_run["out"] / "presets").glob("*.toml"))
+    assert [p.name for p in presets] == ["1-nvme.toml", "2-shared.toml"]
+    config_fields = {f.name for f in dataclasses.fields(gdsckpt.Config)}
+    for preset, target in zip(presets, tiny_run["report"]["targets"]):
+        text = preset.read_text()
+        header = [line for line in text.splitlines() if line.startswith("#")]
+        assert any(line.startswith("# date: ") for line in header)
+        assert any(line.startswith("# host: ") for line in header)
+        assert any(line.startswith(f"# target: {target['path']} ") for line in header)
+        assert any(line.startswith("# measured: gdsckpt cpu ") and "GB/s" in line for line in header)
+        values = tomllib.loads(text)
+        assert set(values) <= config_fields
+        assert {"codec", "chunk_bytes", "io_threads", "max_inflight_bytes", "storage_gbps"} <= set(values)
+        coerced = {key: parse_size(value) if key.endswith("_bytes") else value
+                   for key, value in values.items()}
+        config = gdsckpt.Config(**coerced)
+        assert config.codec == target["recommendation"]["fields"]["codec"]
+        assert config.chunk_bytes == target["recommendation"]["fields"]["chunk_bytes"]
+        assert config.io_threads == 2 and config.storage_gbps > 0
+        from_toml = getattr(gdsckpt.Config, "from_toml", None)
+        if from_toml is not None:  # the config-file loader, where this build has it
+            assert from_toml(preset, base=gdsckpt.Config()) == config
+
+
+def test_plots_are_written_per_target(tiny_run: dict[str, Any]) -> None:
+    pytest.importorskip("matplotlib")
+    for name in ("bench-1-nvme-cpu.png", "bench-2-shared-cpu.png"):
+        data = (tiny_run["out"] / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+
+
+def test_without_matplotlib_plots_are_skipped_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes ``import matplotlib...`` fail
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    report = sb.BenchReport(sb.BenchSettings(), {}, {"logical_bytes": 1}, [], "today")
+    with caplog.at_level(logging.WARNING, logger="gdsckpt"):
+        assert sb.write_plots(report, tmp_path) == []
+    assert "matplotlib is not installed" in caplog.text
+    assert list(tmp_path.iterdir()) == []
+
+
+def _measurement(codec: str, save_s: float, file_bytes: int, load_s: float = 1.0,
+                 **changes: Any) -> sb.Measurement:
+    """A finished gdsckpt measurement of 1 GB: ``save_s`` / ``load_s`` seconds, ``file_bytes`` stored."""
+    fields: dict[str, Any] = {
+        "path": "gdsckpt", "kind": "gdsckpt", "device": "cpu", "engine": "cpu", "codec": codec,
+        "chunk_bytes": 4 << 20, "threads": 8, "inflight_bytes": 256 << 20, "status": "ok",
+        "logical_bytes": 10**9, "file_bytes": file_bytes, "save_seconds": [save_s], "load_seconds": [load_s],
+        "bit_exact": True}
+    fields.update(changes)
+    return sb.Measurement(**fields)
+
+
+def test_recommend_takes_the_fastest_save_and_breaks_ties_by_ratio_then_load() -> None:
+    raw = sb.Measurement("raw-posix", "raw", "cpu", chunk_bytes=4 << 20, threads=8, status="ok",
+                         logical_bytes=10**9, file_bytes=10**9, save_seconds=[0.5], load_seconds=[0.4],
+                         bit_exact=True)
+    fast_plain = _measurement("none", 1.00, 10**9)
+    tied_smaller = _measurement("lz4", 1.02, 8 * 10**8, load_s=2.0)        # within 3%: fewer bytes wins
+    tied_same_ratio = _measurement("zstd", 1.01, 8 * 10**8 + 10**6, load_s=1.5)  # ratio within 1%, faster
+    slow_small = _measurement("zstd", 2.0, 5 * 10**8, chunk_bytes=16 << 20)  # best ratio, but not a tie
+    broken = _measurement("lz4", 0.5, 5 * 10**8, bit_exact=False)           # fastest, but not bit-exact
+    failed = _measurement("lz4", 0.4, 5 * 10**8, status="failed")
+    result = sb.TargetResult("/t", {"type": "ext4", "device": "d", "mount_point": "/"}, 1,
+                             [raw, fast_plain, tied_smaller, tied_same_ratio, slow_small, broken, failed])
+    chosen = sb.recommend(result)
+    assert chosen is not None and chosen.measurement is tied_same_ratio
+    assert chosen.fields == {"codec": "zstd", "chunk_bytes": 4 << 20, "io_threads": 8,
+                             "max_inflight_bytes": 256 << 20, "storage_gbps": 2.0}
+    assert "loads fastest" in chosen.reason
+    tied_same_ratio.load_seconds = [3.0]
+    assert sb.recommend(result).measurement is tied_smaller
+    assert sb.recommend(sb.TargetResult("/t", {}, 1, [raw, broken, failed])) is None
+
+
+def test_format_size_round_trips_through_parse_size() -> None:
+    for value in (4096, 64 << 10, 4 << 20, 3 << 30, 12345 * 4096, 1 << 40):
+        assert parse_size(sb.format_size(value)) == value
+    assert sb.format_size(4 << 20) == "4MiB" and sb.format_size(12288) == "12KiB"
+
+
+def test_nonexistent_target_exits_1_and_creates_nothing(tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    missing = tmp_path / "no-such-dir"
+    code, stdout = run_bench("--target", str(missing), "--size", "1MiB", "--device", "cpu",
+                             "--out", str(tmp_path / "out"))
+    assert code == 1 and stdout == ""
+    assert f"target {str(missing)!r} does not exist" in caplog.text
+    assert not missing.exists() and not (tmp_path / "out").exists()
+
+
+def test_target_without_room_exits_2_before_writing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import shutil
+
+    too_big = shutil.disk_usage(tmp_path).free + (1 << 30)
+    target = tmp_path / "small"
+    target.mkdir()
+    code, stdout = run_bench("--target", str(target), "--size", str(too_big), "--device", "cpu",
+                             "--out", str(tmp_path / "out"))
+    assert code == 2 and stdout == ""
+    assert "free but the benchmark needs" in caplog.text and "choose a smaller --size" in caplog.text
+    assert bench_files(target) == [] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ("--codecs", "zstd,brotli"),
+    ("--chunk-sizes", "5000"),
+    ("--threads", "0"),
+    ("--baselines", "pickle"),
+    ("--size", "lots"),
+])
+def test_bad_arguments_exit_2(tmp_path: Path, argv: tuple[str, ...],
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        run_bench("--target", str(tmp_path), *argv)
+    assert exited.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_several_targets_need_a_preset_pattern(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    code, _ = run_bench("--target", str(tmp_path), "--target", str(tmp_path), "--size", "1MiB",
+                        "--device", "cpu", "--recommend", "--preset-out", str(tmp_path / "preset.toml"))
+    assert code == 2 and "{target}" in caplog.text
+    assert bench_files(tmp_path) == []
+
+
+def test_cuda_requested_without_a_gpu_exits_2(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _ = run_bench("--target", str(tmp_path), "--size", "1MiB", "--device", "cuda")
+    assert code == 2 and "device 'cuda' requested but" in caplog.text
+    assert bench_files(tmp_path) == []
+
+
+def test_ctrl_c_removes_every_bench_file(tmp_path: Path, h: Any) -> None:
+    """A real SIGINT to a running ``gdsckpt bench`` process: exit 130, the target as it was."""
+    target = tmp_path / "target"
+    target.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-c", HARNESS, "--quiet", "bench", "--target", str(target), "--size", "4MiB",
+         "--codecs", "none", "--chunk-sizes", "64KiB", "--threads", "2", "--repeats", "1000",
+         "--device", "cpu", "--baselines", "none", "--out", str(tmp_path / "out")],
+        env=h.subprocess_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and process.poll() is None and not any(target.iterdir()):
+            time.sleep(0.01)
+        assert process.poll() is None, process.communicate()
+        assert [path.name[:len(sb.WORKDIR_PREFIX)] for path in target.iterdir()] == [sb.WORKDIR_PREFIX]
+        time.sleep(0.3)  # into the measurements (1000 rounds: it is still running)
+        process.send_signal(signal.SIGINT)
+        _stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert bench_files(target) == [], "every bench file is removed on Ctrl-C"
+    assert not (tmp_path / "out").exists()
+
+
+def test_interrupt_between_measurements_removes_the_files(tmp_path: Path) -> None:
+    seen: list[list[Path]] = []
+
+    def interrupt(_nbytes: int) -> None:
+        seen.append(bench_files(tmp_path))
+        raise KeyboardInterrupt
+
+    settings = sb.BenchSettings(size_bytes=1 << 20, codecs=("none",), chunk_sizes=(64 << 10,), threads=(2,),
+                                repeats=1, baselines=())
+    with pytest.raises(KeyboardInterrupt):
+        sb.run_benchmark(settings, [tmp_path], advance=interrupt)
+    assert len(seen) == 1 and seen[0] and seen[0][0].name.startswith(sb.WORKDIR_PREFIX)
+    assert bench_files(tmp_path) == []
+
+
+def test_sigterm_interrupts_like_ctrl_c_while_the_benchmark_runs() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), bench._sigterm_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # the handler raises in this thread long before
+    assert signal.getsignal(signal.SIGTERM) is before

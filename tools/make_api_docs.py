@@ -1,0 +1,86 @@
+"""Write docs/api.md, the API reference, from the package's docstrings and signatures.
+
+The reference is generated so it cannot drift from the code: ``tests/test_docs.py`` regenerates
+it and fails when the committed file differs. Run ``python3 tools/make_api_docs.py`` after
+changing a public signature or docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTPUT = ROOT / "docs" / "api.md"
+SECTIONS = [
+    ("gdsckpt", None),
+    ("gdsckpt.dcp", ["GdsStorageWriter", "GdsStorageReader", "GdsStorageInfo", "item_key"]),
+]
+HEADER = """# API reference
+
+Generated from the docstrings by `tools/make_api_docs.py` (a test keeps it current). The file
+format is specified in [format.md](format.md); options in [configuration.md](configuration.md).
+"""
+
+
+def _signature(obj: object) -> str:
+    try:
+        return str(inspect.signature(obj))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _doc(obj: object) -> str:
+    return inspect.cleandoc(obj.__doc__ or "(no docstring)")
+
+
+def _describe_class(name: str, cls: type) -> list[str]:
+    lines = [f"### class `{name}{_signature(cls)}`", "", _doc(cls), ""]
+    if dataclasses.is_dataclass(cls):
+        lines.append("| field | type | default |")
+        lines.append("|---|---|---|")
+        for field in dataclasses.fields(cls):
+            default = "" if field.default is dataclasses.MISSING else f"`{field.default!r}`"
+            lines.append(f"| `{field.name}` | `{field.type}` | {default} |")
+        lines.append("")
+    for member_name, member in sorted(vars(cls).items()):
+        if member_name.startswith("_"):
+            continue
+        target = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
+        if not callable(target) or not getattr(target, "__doc__", None):
+            continue
+        kind = "property" if isinstance(member, property) else "method"
+        signature = "" if kind == "property" else _signature(target)
+        lines += [f"- {kind} `{member_name}{signature}`: " + _doc(target).replace("\n", "\n  "), ""]
+    return lines
+
+
+def render() -> str:
+    """The reference as Markdown."""
+    lines = [HEADER]
+    for module_name, names in SECTIONS:
+        module = importlib.import_module(module_name)
+        lines += [f"## `{module_name}`", "", _doc(module), ""]
+        for name in names or [n for n in module.__all__ if not n.startswith("__")]:
+            obj = getattr(module, name)
+            if inspect.isclass(obj):
+                lines += _describe_class(name, obj)
+            elif callable(obj):
+                lines += [f"### `{name}{_signature(obj)}`", "", _doc(obj), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> int:
+    """Write (or with ``--check``, compare) docs/api.md; returns the exit code."""
+    text = render()
+    if "--check" in sys.argv:
+        return 0 if OUTPUT.exists() and OUTPUT.read_text() == text else 1
+    OUTPUT.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
