@@ -7,6 +7,7 @@ Each call flattens or rebuilds the state (``state.py``), plans chunks, and runs 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import sys
@@ -721,6 +722,38 @@ class Checkpoint:
             arrays = _restore_arrays(data_reader, self._opened, ids, self._config,
                                      lambda _i, record: _new_target(record, target_device), gpu_device)
         return {key: arrays[i] for key, i in zip(keys, ids)}
+
+    def get_rows(self, key: str, start: int, stop: int, device: Any = None) -> Any:
+        """Rows ``[start, stop)`` of an array of at least one dimension (``array[start:stop]``),
+        reading only the chunks that hold them: how a rank of a resharded DCP load reads its
+        slice of a larger tensor."""
+        i = self._id(key)
+        index = self._opened.index
+        record = index.tensors[i]
+        data_id = record.alias if record.alias is not None else i
+        data = index.tensors[data_id]
+        if not data.shape or not 0 <= start <= stop <= data.shape[0]:
+            raise IndexError(f"rows [{start}, {stop}) of {key!r} (shape {list(data.shape)}) are out of range")
+        row_bytes = data.nbytes // data.shape[0] if data.shape[0] else 0
+        target_device = _parse_device(device)
+        window = dataclasses.replace(data, shape=(stop - start, *data.shape[1:]))
+        gpu_device = _gpu_device(self._config, target_device, index, [data_id])
+        with _data_reader(self.path, self._config, self._reader, gpu_device) as data_reader:
+            target = _new_target(window, target_device)
+            engine = _restore_engine(self._config, gpu_device)
+            try:
+                run_restore(data_reader, index, engine, {data_id: target},
+                            max_inflight_bytes=self._restore_budget(gpu_device), timeout=self._config.timeout,
+                            windows={data_id: (start * row_bytes, stop * row_bytes)})
+            finally:
+                engine.close()
+        rows = target.finish()
+        return rows if record.alias is None else _alias_object(rows, record, data)
+
+    def _restore_budget(self, gpu_device: int | None) -> int:
+        config = self._config
+        return config.max_inflight_bytes if gpu_device is None else max(config.max_inflight_bytes,
+                                                                        config.max_staging_bytes)
 
     def close(self) -> None:
         """Close the file."""

@@ -292,6 +292,12 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
                 by_key: dict[str, list[ReadItem]] = {}
                 for item in items:
                     by_key.setdefault(self._info(item).key, []).append(item)
+                # A rank that needs only some rows of a stored item (resharding along dim 0, as
+                # FSDP2 / Shard(0) does) reads only the chunks holding them.
+                for key in list(by_key):
+                    window = self._row_window(by_key[key], ckpt.info(key).shape)
+                    if window is not None:
+                        self._read_rows(ckpt, key, window, by_key.pop(key), planner)
                 batch: list[str] = []
                 batch_bytes, batch_device = 0, None
                 for key, key_items in sorted(by_key.items(),
@@ -329,6 +335,30 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
             return None
         device = planner.resolve_tensor(item).device
         return f"cuda:{device.index or 0}" if device.type == "cuda" else None
+
+    @staticmethod
+    def _row_window(items: list[ReadItem], shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """The rows ``[start, stop)`` of a stored item that ``items`` need, when they take whole
+        rows (full extent in every dimension after the first) and not all of them; else None."""
+        if not shape or any(item.type == LoadItemType.BYTE_IO for item in items):
+            return None
+        for item in items:
+            offsets, lengths = list(item.storage_offsets), list(item.lengths)
+            if len(offsets) != len(shape) or any(o != 0 or n != d for o, n, d in
+                                                  zip(offsets[1:], lengths[1:], shape[1:])):
+                return None
+        start = min(int(item.storage_offsets[0]) for item in items)
+        stop = max(int(item.storage_offsets[0]) + int(item.lengths[0]) for item in items)
+        return None if (start, stop) == (0, shape[0]) else (start, stop)
+
+    def _read_rows(self, ckpt: Any, key: str, window: tuple[int, int], items: list[ReadItem],
+                   planner: LoadPlanner) -> None:
+        start, stop = window
+        rows = ckpt.get_rows(key, start, stop, device=self._device(items[0], planner))
+        for item in items:
+            offsets = list(item.storage_offsets)
+            offsets[0] -= start  # relative to the rows read
+            self._deliver(dataclasses.replace(item, storage_offsets=torch.Size(offsets)), rows, planner)
 
     def _read_batch(self, ckpt: Any, keys: list[str], device: str | None, by_key: dict[str, list[ReadItem]],
                     planner: LoadPlanner) -> None:

@@ -372,3 +372,34 @@ def test_file_identity_tells_a_replaced_file_apart(tmp_path: Path, h: Any) -> No
         gdsckpt.save({"a": np.arange(11)}, path, config=h.small_config())  # renamed over it
         with PosixReader(path) as replaced:
             assert _file_identity(replaced) != _file_identity(first)
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_get_rows_reads_only_the_chunks_holding_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     codec: str, h: Any) -> None:
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(100, 37, generator=g)  # 14,800 bytes: 4 chunks of 4096
+    state = {"w": weight, "tied": weight, "p": torch.nn.Parameter(torch.randn(10, 3, generator=g))}
+    path = tmp_path / "rows.gdsckpt"
+    gdsckpt.save(state, path, codec=codec, config=h.small_config())
+    index = h.read_index(path)
+    row_bytes = 37 * 4
+    with gdsckpt.open(path) as ckpt:
+        for start, stop in [(0, 100), (0, 1), (27, 28), (26, 57), (99, 100), (40, 40)]:
+            recorder = ReadRecorder(monkeypatch)
+            rows = ckpt.get_rows("w", start, stop)
+            assert h.tensor_bytes(rows) == h.tensor_bytes(weight[start:stop]) and rows.shape == (stop - start, 37)
+            # exactly the chunks whose bytes overlap the rows
+            lo, hi, position, wanted = start * row_bytes, stop * row_bytes, 0, set()
+            for segment in index.tensors[0].segments:
+                if max(lo, position) < min(hi, position + segment.length):
+                    wanted.add(index.chunks[segment.chunk].offset)
+                position += segment.length
+            assert recorder.chunk_reads() == wanted, (start, stop)
+            monkeypatch.undo()
+        assert h.tensor_bytes(ckpt.get_rows("tied", 5, 9)) == h.tensor_bytes(weight[5:9])
+        p = ckpt.get_rows("p", 2, 4)
+        assert isinstance(p, torch.nn.Parameter) and h.tensor_bytes(p) == h.tensor_bytes(state["p"][2:4])
+        for bad in [(-1, 3), (5, 4), (0, 101)]:
+            with pytest.raises(IndexError, match="out of range"):
+                ckpt.get_rows("w", *bad)

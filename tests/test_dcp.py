@@ -112,6 +112,14 @@ def _worker(rank: int, world: int, root: str, tag: str, jobs: list[tuple[str, st
         mesh = DeviceMesh("cpu", torch.arange(world))
         full = full_tensors()
         report: dict[str, Any] = {}
+        row_reads: list[tuple[str, int, int]] = []
+        original_get_rows = gdsckpt.Checkpoint.get_rows
+
+        def counting_get_rows(self: Any, key: str, start: int, stop: int, device: Any = None) -> Any:
+            row_reads.append((key, start, stop))
+            return original_get_rows(self, key, start, stop, device)
+
+        gdsckpt.Checkpoint.get_rows = counting_get_rows  # type: ignore[method-assign]  # this process only
         for job, where in jobs:
             path = Path(root) / where
             outcome = None
@@ -135,6 +143,8 @@ def _worker(rank: int, world: int, root: str, tag: str, jobs: list[tuple[str, st
             except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
                 outcome = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
             report[f"{job}:{where}"] = outcome
+            report[f"row_reads:{job}:{where}"] = list(row_reads)
+            row_reads.clear()
             dist.barrier()
         (Path(root) / f"report-{tag}-{rank}.json").write_text(json.dumps(report))
     finally:
@@ -178,6 +188,24 @@ def test_save_at_n_ranks(chain: Any, group: str, entry: str) -> None:
     _root, reports = chain
     for outcome in _outcomes(reports[group], entry):
         assert outcome is None, outcome
+
+
+def test_resharded_ranks_read_only_their_rows(chain: Any) -> None:
+    # Four ranks loading what one rank saved: each needs its Shard(0) rows of every sharded item
+    # and reads just those (Checkpoint.get_rows: only the chunks holding them).
+    _root, reports = chain
+    for rank, report in enumerate(reports["g4"]):
+        expected = {}
+        for key, name in (("sharded.w", "sh_w"), ("sharded.h", "sh_h")):
+            rows = SHAPES[name][0][0]
+            size = -(-rows // 4)  # torch.chunk's split, as DTensor Shard(0) places rows
+            first, last = min(rank * size, rows), min((rank + 1) * size, rows)
+            if last > first:
+                expected[key] = (first, last)
+        got = {key.split("@")[0]: (start, stop) for key, start, stop in report["row_reads:load:n1"]}
+        assert got == expected, (rank, report["row_reads:load:n1"])
+    # one rank loading what two saved needs every row of each stored shard: whole reads only
+    assert reports["g1b"][0]["row_reads:load:n2"] == []
 
 
 @pytest.mark.parametrize("group, entry", [("g4", "load:n1"), ("g2", "load:n4"), ("g1b", "load:n2")])

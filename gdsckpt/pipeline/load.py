@@ -59,14 +59,21 @@ Delivery = tuple[int, int, int, int]
 
 def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: dict[int, ArrayTarget], *,
                 max_inflight_bytes: int, timeout: float | None = None,
-                progress: Callable[[int, int], None] | None = None) -> int:
-    """Fill ``targets`` (array id -> target) from the file; returns the stored bytes read."""
+                progress: Callable[[int, int], None] | None = None,
+                windows: dict[int, tuple[int, int]] | None = None) -> int:
+    """Fill ``targets`` (array id -> target) from the file; returns the stored bytes read.
+
+    ``windows``: array id -> byte range ``[start, stop)`` of that array to restore (its target
+    holds just those bytes); only the chunks overlapping the range are read."""
     deliveries: dict[int, list[Delivery]] = {}
     for array_id in targets:
+        start, stop = (windows or {}).get(array_id, (0, index.tensors[array_id].nbytes))
         position = 0
         for segment in index.tensors[array_id].segments:
-            deliveries.setdefault(segment.chunk, []).append(
-                (array_id, segment.raw_offset, segment.length, position))
+            low, high = max(position, start), min(position + segment.length, stop)
+            if low < high:
+                deliveries.setdefault(segment.chunk, []).append(
+                    (array_id, segment.raw_offset + low - position, high - low, low - start))
             position += segment.length
 
     direct = _direct_destinations(index, engine, targets, deliveries)
