@@ -498,11 +498,7 @@ class AsyncSaver:
         cfg = config if config is not None else Config.from_env()
         _check_target(path)  # a bad directory fails here, not in the background
         started = time.perf_counter()
-        flat = flatten(state)  # a state gdsckpt.save would reject fails here, with its message
-        devices = [array.device for array in flat.arrays]
-        cuda_bytes = sum(a.source.nbytes for a in flat.arrays
-                         if a.alias is None and a.kind == "torch" and a.device.startswith("cuda"))
-        del flat
+        devices, cuda_bytes = _survey(state)  # a state gdsckpt.save would reject fails here
         validated = time.perf_counter()
         job = _Job(self, path, cfg.timeout)
         with self._cond:
@@ -587,6 +583,29 @@ class AsyncSaver:
         """Drop the idle snapshot buffers; returns the bytes freed."""
         return self.pool.clear()
 
+    def prepare(self, state: Any, *, config: Config | None = None, max_inflight: int = 1) -> int:
+        """Allocate now the snapshot buffers that ``save`` of a state like ``state`` will use
+        (same arrays, sizes and devices), so that the first background save in a training loop
+        does not pay for them: allocating pinned memory is slow (7 s for 8.76 GiB on the H200
+        host, against 0.18 s for the copy itself once the buffers exist). Copies ``state`` once,
+        and keeps the buffers idle in this saver's pool; returns the bytes the pool holds."""
+        cfg = config if config is not None else Config.from_env()
+        _devices, cuda_bytes = _survey(state)
+        _snapshot, lent, _nbytes = take_snapshot(state, self.pool, validate=False,
+                                                 cuda_on_device=0 < cuda_bytes <= cfg.snapshot_gpu_bytes)
+        self.pool.release(lent, copies=max_inflight)
+        return self.pool.stats().held_bytes
+
+
+def _survey(state: Any) -> tuple[list[str], int]:
+    """Validate ``state`` as ``gdsckpt.save`` does; return each array's device (flatten order) and
+    the bytes of its CUDA torch tensors (what a GPU snapshot would take)."""
+    flat = flatten(state)
+    devices = [array.device for array in flat.arrays]
+    cuda_bytes = sum(a.source.nbytes for a in flat.arrays
+                     if a.alias is None and a.kind == "torch" and a.device.startswith("cuda"))
+    return devices, cuda_bytes
+
 
 _default_saver = AsyncSaver()
 
@@ -596,9 +615,11 @@ def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: 
     """Start saving ``state`` to ``path`` in the background; return once a snapshot exists.
 
     Arguments as for ``gdsckpt.save``. When this returns, every tensor and array of ``state`` has
-    been copied into reused snapshot buffers (CUDA tensors into pinned host memory), so the caller
-    may update them right away; the file appears at ``path`` atomically once the background save
-    completes, exactly as with ``gdsckpt.save``.
+    been copied into reused snapshot buffers (CUDA tensors on their GPU when they fit
+    ``config.snapshot_gpu_bytes``, else into pinned host memory), so the caller may update them
+    right away; the file appears at ``path`` atomically once the background save completes,
+    exactly as with ``gdsckpt.save``, compressed on the GPU for CUDA tensors. ``prepare(state)``
+    allocates the buffers ahead of the training loop.
 
     At most ``max_inflight`` saves of this module-wide saver run at once: a further call blocks
     until an earlier one finishes (``TimeoutError`` after ``config.timeout`` seconds). Snapshot
@@ -609,9 +630,8 @@ def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: 
     ``FileNotFoundError`` / ``IsADirectoryError`` for a bad path, and the error of an earlier
     background save whose handle was dropped without ``wait()`` (this save is then not started).
 
-    Not done here yet: a GPU-staging snapshot (compressing into GPU memory before the write); that
-    is the GPU pipeline's job. CUDA tensors are staged through pinned host memory and compressed by
-    the CPU engine, and their index entries name device ``cpu``.
+    The index records the device each tensor was on (``cuda:N`` for CUDA tensors), as
+    ``gdsckpt.save`` of the live state would.
 
     Returns a ``SaveHandle``: ``wait(timeout=None) -> SaveReport``, ``done()``, ``exception()``.
     """
@@ -627,6 +647,12 @@ def wait_all(timeout: float | None = None) -> None:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         saver._wait_inflight(remaining)
     _take_errors()
+
+
+def prepare(state: Any, *, config: Config | None = None, max_inflight: int = 1) -> int:
+    """``AsyncSaver.prepare`` for ``gdsckpt.save_async``: allocate its snapshot buffers for a
+    state like ``state`` now, outside the training loop; returns the bytes its pool holds."""
+    return _default_saver.prepare(state, config=config, max_inflight=max_inflight)
 
 
 def pool_stats() -> PoolStats:

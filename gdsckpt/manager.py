@@ -185,6 +185,11 @@ class CheckpointManager:
         """Statistics of this manager's snapshot pool (``gdsckpt.async_save.PoolStats``)."""
         return self._saver.pool.stats()
 
+    def prepare(self, state: dict[Any, Any]) -> int:
+        """Allocate the snapshot buffers ``save_async`` of a state like ``state`` will use, before
+        the training loop (``gdsckpt.async_save.AsyncSaver.prepare``); returns the bytes held."""
+        return self._saver.prepare(state, config=self.config, max_inflight=self.max_inflight)
+
     def _begin(self, step: int, state: Any) -> Path:
         if not isinstance(state, dict):
             raise TypeError(f"CheckpointManager saves a dict state (e.g. {{'model': ..., 'optimizer': "

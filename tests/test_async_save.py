@@ -180,6 +180,24 @@ def test_snapshot_buffers_are_pooled_and_reused(tmp_path: Path, h: Any) -> None:
     h.assert_same(_clone(state), gdsckpt.load(tmp_path / "b.gdsckpt"))
 
 
+def test_prepare_allocates_so_the_first_save_allocates_nothing(tmp_path: Path, h: Any) -> None:
+    async_save.clear_pool()
+    state = _state()
+    held = async_save.prepare(state, config=h.small_config())
+    prepared = async_save.pool_stats()
+    assert held == prepared.held_bytes > 0 and prepared.lent_bytes == 0
+    handle = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", config=h.small_config())
+    handle.wait(timeout=60)
+    after = async_save.pool_stats()
+    assert after.allocations == prepared.allocations, "the first save after prepare() allocated"
+    assert after.reuses - prepared.reuses == prepared.buffers and handle.snapshot_bytes == held
+    h.assert_same(_clone(state), gdsckpt.load(tmp_path / "a.gdsckpt"))
+    manager = gdsckpt.CheckpointManager(tmp_path / "run", keep_last=1, config=h.small_config())
+    assert manager.prepare(state) == held and manager.pool_stats().allocations == prepared.buffers
+    with pytest.raises(TypeError, match="cannot save"):
+        async_save.prepare({"bad": object()})
+
+
 def test_pool_memory_stays_bounded_when_the_state_changes(tmp_path: Path, h: Any) -> None:
     async_save.clear_pool()
     big = {"a": torch.ones(50_000), "b": np.ones(20_000)}
