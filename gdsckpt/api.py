@@ -237,9 +237,8 @@ def _save(state: Any, path: PathLike, *, codec: str, chunk_bytes: int | str | No
     )
     try:
         writer = make_writer(path, cfg)
-        budget = cfg.max_inflight_bytes if engine.name != "gpu" else max(cfg.max_inflight_bytes,
-                                                                         cfg.max_staging_bytes)
-        result = run_save(plans, engine, writer, max_inflight_bytes=budget, progress=progress,
+        result = run_save(plans, engine, writer, progress=progress,
+                          max_inflight_bytes=_inflight_budget(cfg, engine.name == "gpu"),
                           build_index=lambda r: _build_index(flat, r), timeout=cfg.timeout)
     finally:
         engine.close()
@@ -392,22 +391,26 @@ def _make_target(record: TensorRecord, device: str | None) -> Any:
     return JaxTarget(record.shape, record.dtype, device)
 
 
+def _inflight_budget(config: Config, gpu: bool) -> int:
+    """Bytes of chunks a save or restore keeps in flight: the staging budget (device memory) on
+    the GPU engine, the host budget on the CPU engine."""
+    return max(config.max_inflight_bytes, config.max_staging_bytes) if gpu else config.max_inflight_bytes
+
+
 def _restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int], config: Config,
                     make_target: Any, gpu_device: int | None = None,
-                    progress: Progress | None = None) -> dict[int, Any]:
-    """Restore the arrays ``ids`` (aliases resolved) and return id -> finished object."""
+                    progress: Progress | None = None,
+                    windows: dict[int, tuple[int, int]] | None = None) -> dict[int, Any]:
+    """Restore the arrays ``ids`` (aliases resolved) and return id -> finished object.
+    ``windows``: data array id -> the byte range of it to restore (``run_restore``)."""
     index = opened.index
     ids = list(ids)
     data_ids = sorted({index.tensors[i].alias if index.tensors[i].alias is not None else i for i in ids})
     targets = {i: make_target(i, index.tensors[i]) for i in data_ids}
     engine = _restore_engine(config, gpu_device)
     try:
-        # A GPU restore keeps up to the staging budget of reads in flight (device memory), a
-        # CPU restore the host budget.
-        budget = config.max_inflight_bytes if gpu_device is None else max(config.max_inflight_bytes,
-                                                                          config.max_staging_bytes)
-        run_restore(reader, index, engine, targets, max_inflight_bytes=budget,
-                    timeout=config.timeout, progress=progress)
+        run_restore(reader, index, engine, targets, timeout=config.timeout, progress=progress,
+                    windows=windows, max_inflight_bytes=_inflight_budget(config, gpu_device is not None))
     finally:
         engine.close()
     finished = {i: target.finish() for i, target in targets.items()}
@@ -736,24 +739,15 @@ class Checkpoint:
             raise IndexError(f"rows [{start}, {stop}) of {key!r} (shape {list(data.shape)}) are out of range")
         row_bytes = data.nbytes // data.shape[0] if data.shape[0] else 0
         target_device = _parse_device(device)
-        window = dataclasses.replace(data, shape=(stop - start, *data.shape[1:]))
         gpu_device = _gpu_device(self._config, target_device, index, [data_id])
         with _data_reader(self.path, self._config, self._reader, gpu_device) as data_reader:
-            target = _new_target(window, target_device)
-            engine = _restore_engine(self._config, gpu_device)
-            try:
-                run_restore(data_reader, index, engine, {data_id: target},
-                            max_inflight_bytes=self._restore_budget(gpu_device), timeout=self._config.timeout,
-                            windows={data_id: (start * row_bytes, stop * row_bytes)})
-            finally:
-                engine.close()
-        rows = target.finish()
-        return rows if record.alias is None else _alias_object(rows, record, data)
+            def rows_target(_i: int, data_record: TensorRecord) -> Any:
+                window = dataclasses.replace(data_record, shape=(stop - start, *data_record.shape[1:]))
+                return _new_target(window, target_device)
 
-    def _restore_budget(self, gpu_device: int | None) -> int:
-        config = self._config
-        return config.max_inflight_bytes if gpu_device is None else max(config.max_inflight_bytes,
-                                                                        config.max_staging_bytes)
+            arrays = _restore_arrays(data_reader, self._opened, [i], self._config, rows_target, gpu_device,
+                                     windows={data_id: (start * row_bytes, stop * row_bytes)})
+        return arrays[i]
 
     def close(self) -> None:
         """Close the file."""

@@ -281,7 +281,9 @@ def test_wait_all_raises_unreported_errors(tmp_path: Path, monkeypatch: pytest.M
     assert isinstance(kept.exception(), RuntimeError)  # the handle still has it
 
 
-def test_wait_timeout_and_done(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _hold_saves(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make background saves wait until the returned event is set (then report success without
+    writing): a save that stays in flight as long as a test needs."""
     release = threading.Event()
 
     def held_save(state: Any, path: Any, **kwargs: Any) -> Any:
@@ -289,6 +291,11 @@ def test_wait_timeout_and_done(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         return _fake_report(path)
 
     monkeypatch.setattr(gdsckpt.api, "_save", held_save)
+    return release
+
+
+def test_wait_timeout_and_done(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    release = _hold_saves(monkeypatch)
     handle = gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "held.gdsckpt")
     with pytest.raises(TimeoutError):
         handle.wait(timeout=0.01)
@@ -356,13 +363,7 @@ def test_max_inflight_bounds_saves_in_flight(max_inflight: int, tmp_path: Path,
 
 def test_inflight_wait_gives_up_after_the_config_timeout(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    release = threading.Event()
-
-    def held_save(state: Any, path: Any, **kwargs: Any) -> Any:
-        assert release.wait(60)
-        return _fake_report(path)
-
-    monkeypatch.setattr(gdsckpt.api, "_save", held_save)
+    release = _hold_saves(monkeypatch)
     first = gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "a.gdsckpt")
     with pytest.raises(TimeoutError, match="still in flight"):
         gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "b.gdsckpt", config=gdsckpt.Config(timeout=0.05))
