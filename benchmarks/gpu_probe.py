@@ -10,7 +10,6 @@ import platform
 import time
 
 import cupy
-import numpy as np
 import torch
 from nvidia import nvcomp
 

@@ -8,21 +8,23 @@ __version__ = "0.1.0"
 
 from .api import (  # noqa: E402
     Checkpoint, CheckpointInfo, SaveReport, TensorInfo, VerifyReport, inspect, load, load_into, open,
-    save, verify,
+    rebase, save, verify,
 )
 from .async_save import SaveHandle, save_async, wait_all  # noqa: E402
 from .config import Config  # noqa: E402
 from .convert import ConvertError, ConvertReport, UnsafePickleError, convert  # noqa: E402
 from .errors import (  # noqa: E402
-    CheckpointError, CodecUnavailableError, CorruptCheckpointError, StateMismatchError,
+    BaseCheckpointError, CheckpointError, CodecUnavailableError, CorruptCheckpointError, StateMismatchError,
     UnsupportedFormatError,
 )
+from .lossy import LossyPolicy, LossyWarning  # noqa: E402
 from .manager import CheckpointManager, SkippedCheckpointWarning  # noqa: E402
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointManager", "CodecUnavailableError",
-    "Config", "ConvertError", "ConvertReport", "CorruptCheckpointError", "SaveHandle", "SaveReport",
+    "BaseCheckpointError", "Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointManager", "CodecUnavailableError",
+    "Config", "ConvertError", "ConvertReport", "CorruptCheckpointError", "LossyPolicy", "LossyWarning",
+    "SaveHandle", "SaveReport",
     "SkippedCheckpointWarning", "StateMismatchError", "TensorInfo", "UnsafePickleError",
     "UnsupportedFormatError", "VerifyReport", "__version__", "convert", "inspect", "load", "load_into",
-    "open", "save", "save_async", "verify", "wait_all",
+    "open", "rebase", "save", "save_async", "verify", "wait_all",
 ]

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -19,19 +21,24 @@ from typing import Any, Callable, Iterable, Iterator
 from . import __version__
 from .codecs import Chain, PORTABLE_CODECS, known_codec_names, versioned_name
 from .config import Config
-from .errors import CheckpointError, CodecUnavailableError, CorruptCheckpointError, StateMismatchError
-from .format import Index, TensorRecord
+from .delta import DEFAULT_MAX_CHAIN, BaseBytes, XorSource, XorTarget, base_link, base_path_of, check_identity
+from .errors import (
+    BaseCheckpointError, CheckpointError, CodecUnavailableError, CorruptCheckpointError, StateMismatchError,
+)
+from .format import Index, TensorRecord, dtype_spec
 from .io import PosixReader, PosixWriter, StorageReader, StorageWriter
+from .lossy import LossyPolicy, LossyWarning, apply_policy
 from .pipeline.engine import HostEngine
 from .pipeline.load import OpenedFile, open_file, run_restore, run_verify
 from .pipeline.plan import plan_chunks
 from .pipeline.save import SaveResult, run_save
 from .state import (
-    CupyTarget, FlatState, JaxTarget, NumpyTarget, Selection, TorchTarget, decode_scalar, escape_key,
+    CupyTarget, FlatArray, FlatState, JaxTarget, NumpyTarget, Selection, TorchTarget, decode_scalar, escape_key,
     _torch_dtype_name, flatten, join_key, unflatten, walk_tree,
 )
 
 PathLike = str | os.PathLike[str]
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,6 +62,12 @@ class SaveReport:
     """How many chunks used each codec chain, e.g. ``{"byteplanes/1+zstd/1": 12, "none/1": 1}``."""
     auto: dict[str, Any] = field(default_factory=dict)
     """For ``codec="auto"`` on the GPU: the storage speed and sampled ratios the choice used."""
+    base: str | None = None
+    """The base checkpoint of a delta save (as the index records it), None for a full one."""
+    delta_tensors: int = 0
+    """Arrays stored as the XOR with the base."""
+    lossy: tuple[str, ...] = ()
+    """Keys of the arrays stored rounded to their error bound (``save(lossy=...)``)."""
 
     @property
     def throughput(self) -> float:
@@ -76,6 +89,11 @@ class TensorInfo:
     chunks: int
     codecs: tuple[str, ...]
     alias_of: str | None = None
+    delta: bool = False
+    """Stored as the XOR with the same array of the base checkpoint."""
+    lossy: dict[str, Any] | None = None
+    """For an array saved with ``save(lossy=...)``: ``{"mode", "rel_bound", "abs_bound",
+    "max_error"}`` (its values are within ``abs_bound`` of the saved ones, not bit-exact)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +108,8 @@ class CheckpointInfo:
     ratio: float
     tensors: tuple[TensorInfo, ...]
     codecs: dict[str, int]
+    base: dict[str, Any] | None = None
+    """A delta checkpoint's base (path, index SHA-256, file length, chain depth); None if full."""
 
 
 @dataclass(frozen=True)
@@ -196,7 +216,9 @@ Progress = Callable[[int, int], None]
 
 
 def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
-         config: Config | None = None, progress: Progress | None = None) -> SaveReport:
+         config: Config | None = None, progress: Progress | None = None, base: PathLike | None = None,
+         max_chain: int = DEFAULT_MAX_CHAIN,
+         lossy: LossyPolicy | dict[str, float] | None = None) -> SaveReport:
     """Save ``state`` (nested dicts/lists/tuples of tensors, arrays and plain values) to ``path``.
 
     The file appears at ``path`` atomically and durably (fsync of file and directory) when this
@@ -207,20 +229,38 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
     ``"lz4"``, ``"deflate"``, ``"none"``; ``"auto"`` defers to ``config.codec``.
     ``chunk_bytes`` overrides ``config.chunk_bytes`` and ``config.gpu_chunk_bytes``. Raises ``TypeError`` naming the key path of
     any value that cannot be saved. ``progress``: see ``Progress``.
+
+    ``base``: a checkpoint to write a *delta* against: arrays with the same key, dtype and shape as
+    in ``base`` are stored as the XOR of their bytes with it (lossless; small where little
+    changed), the others in full. The index records the base's path (relative when it lies in
+    the same directory tree) and content identity, and loading resolves the chain by itself;
+    a load whose base is missing or was changed raises ``BaseCheckpointError``. When ``base`` is
+    already a delta ``max_chain`` deep, a full checkpoint is written instead (see
+    ``SaveReport.base``). ``base`` must not be ``path`` itself.
+
+    ``lossy`` (default None: every array bit-exact): a ``gdsckpt.lossy.LossyPolicy`` or a dict of
+    key pattern -> relative error bound, e.g. ``{"*.exp_avg_sq": 1e-2}``; matching float16 /
+    bfloat16 / float32 / float64 torch and NumPy arrays are stored rounded to within
+    ``rel * max(|finite x|)`` of their values (NaN and inf kept), see ``gdsckpt.lossy``;
+    ``SaveReport.lossy`` lists them and loading them warns (``LossyWarning``).
     """
-    return _save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config, progress=progress)
+    return _save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config, progress=progress,
+                 base=base, max_chain=max_chain, lossy=lossy)
 
 
 def _save(state: Any, path: PathLike, *, codec: str, chunk_bytes: int | str | None, config: Config | None,
-          devices: list[str] | None = None, progress: Progress | None = None) -> SaveReport:
+          devices: list[str] | None = None, progress: Progress | None = None, base: PathLike | None = None,
+          max_chain: int = DEFAULT_MAX_CHAIN, lossy: LossyPolicy | dict[str, float] | None = None,
+          flat: FlatState | None = None) -> SaveReport:
     """``save``; ``devices`` (one per array, in flatten order) overrides the device each array's
     index entry records, and a ``cuda:N`` among them runs the GPU engine on device N (where
     usable) whatever memory the arrays live in: ``save_async`` passes the devices of the CUDA
-    tensors it snapshotted into pinned host memory."""
+    tensors it snapshotted into pinned host memory. ``flat``: an already flattened state (then
+    ``state`` is ignored), as ``rebase`` builds from a checkpoint's index."""
     started = time.perf_counter()
     cfg = _config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=chunk_bytes,
                   codec=None if codec == "auto" else codec)
-    flat = flatten(state)
+    flat = flatten(state) if flat is None else flat
     gpu_device = None
     if devices is not None:
         if len(devices) != len(flat.arrays):
@@ -228,20 +268,27 @@ def _save(state: Any, path: PathLike, *, codec: str, chunk_bytes: int | str | No
         for array, device in zip(flat.arrays, devices):
             array.device = device
         gpu_device = next((_device_index(d) for d in devices if d.startswith("cuda")), None)
-    engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, Path(path), gpu_device)
-    chunk = cfg.gpu_chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
-    plans = plan_chunks(
-        [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
-          a.source.plane_width if a.source else 0) for a in flat.arrays],
-        chunk_bytes=chunk, pack_below=min(cfg.pack_below, chunk),
-    )
-    try:
-        writer = make_writer(path, cfg)
-        result = run_save(plans, engine, writer, progress=progress,
-                          max_inflight_bytes=_inflight_budget(cfg, engine.name == "gpu"),
-                          build_index=lambda r: _build_index(flat, r), timeout=cfg.timeout)
-    finally:
-        engine.close()
+    # Rounded before anything reads the sources (a delta then XORs the rounded values).
+    lossy_keys = apply_policy(flat, lossy) if lossy is not None else []
+    with contextlib.ExitStack() as stack:
+        link, delta = None, set()
+        if base is not None:
+            link, delta = _delta_sources(flat, path, base, max_chain, cfg, stack)
+        engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, Path(path), gpu_device)
+        chunk = cfg.gpu_chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
+        plans = plan_chunks(
+            [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
+              a.source.plane_width if a.source else 0) for a in flat.arrays],
+            chunk_bytes=chunk, pack_below=min(cfg.pack_below, chunk), delta=delta,
+        )
+        try:
+            writer = make_writer(path, cfg)
+            result = run_save(plans, engine, writer, progress=progress,
+                              max_inflight_bytes=_inflight_budget(cfg, engine.name == "gpu"),
+                              build_index=lambda r: _build_index(flat, r, link), timeout=cfg.timeout,
+                              minor=1 if link is not None else 0)
+        finally:
+            engine.close()
     logical = sum(a.source.nbytes for a in flat.arrays if a.alias is None)
     chains: dict[str, int] = {}
     for chunk in result.chunks:
@@ -252,7 +299,112 @@ def _save(state: Any, path: PathLike, *, codec: str, chunk_bytes: int | str | No
         ratio=logical / result.file_bytes if result.file_bytes else 0.0,
         seconds=time.perf_counter() - started, codec=codec_name, backend=writer.name,
         engine=engine.name, tensors=len(flat.arrays), chunks=len(result.chunks), chains=chains, auto=auto,
+        base=link["path"] if link is not None else None, delta_tensors=len(delta), lossy=tuple(lossy_keys),
     )
+
+
+def _delta_sources(flat: FlatState, path: PathLike, base: PathLike, max_chain: int, config: Config,
+                   stack: contextlib.ExitStack) -> tuple[dict[str, Any] | None, set[int]]:
+    """Turn the sources of arrays that ``base`` also holds (same key, dtype, shape) into XORs
+    with it; returns the index's ``base`` member and the ids of those arrays, or (None, empty)
+    when the base's chain is already ``max_chain`` deep (a full save then)."""
+    if isinstance(max_chain, bool) or not isinstance(max_chain, int) or max_chain < 0:
+        raise ValueError(f"max_chain must be a non-negative integer, got {max_chain!r}")
+    base_path = Path(base)
+    if not base_path.is_file():
+        raise BaseCheckpointError(f"base checkpoint {str(base_path)!r} does not exist")
+    if Path(path).exists() and os.path.samefile(base_path, path):
+        raise ValueError(f"a delta cannot replace its own base {str(base_path)!r}: save it to another path")
+    checkpoint = stack.enter_context(Checkpoint(base_path, config))
+    opened = checkpoint._opened
+    depth = opened.index.base["depth"] if opened.index.base is not None else 0
+    if depth >= max_chain:
+        log.info("base %s is a delta %d deep (max_chain=%d): writing a full checkpoint", base_path, depth,
+                 max_chain)
+        return None, set()
+    link = base_link(path, base_path, opened.index_sha256, opened.trailer.file_length, depth)
+    read = checkpoint._read_bytes
+    delta = set()
+    for i, array in enumerate(flat.arrays):
+        if array.alias is not None or array.source is None or not array.source.nbytes or array.key not in checkpoint:
+            continue
+        record = checkpoint._data_record(array.key)
+        if (record.dtype, record.shape) == (array.dtype, tuple(array.shape)):
+            array.source = XorSource(array.source, BaseBytes(read, array.key, array.source.nbytes))
+            delta.add(i)
+    return link, delta
+
+
+def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto", config: Config | None = None,
+           force: bool = False) -> SaveReport:
+    """Turn a delta checkpoint into a full one: every array resolved through its chain of bases
+    and written in full to ``output`` (default: ``path`` itself, replaced atomically).
+
+    Memory stays bounded: arrays are read and written in windows, never whole. Replacing
+    ``path`` changes its content identity, so deltas written against it would no longer load:
+    when other checkpoints in its directory name it as their base, an in-place rebase raises
+    ``BaseCheckpointError`` listing them, unless ``force=True``. A full checkpoint is copied as
+    it is (re-encoded with ``codec``).
+    """
+    cfg = _config(config)
+    output = path if output is None else output
+    in_place = Path(output).exists() and os.path.samefile(path, output)
+    if in_place and not force:
+        dependents = _dependents(Path(path), cfg)
+        if dependents:
+            raise BaseCheckpointError(
+                f"{str(path)!r} is the base of {', '.join(repr(str(d)) for d in dependents)}: rebasing it in "
+                f"place would make them unloadable; rebase those first, write to another output, or pass "
+                f"force=True")
+    with Checkpoint(path, cfg) as checkpoint:
+        index = checkpoint._opened.index
+        arrays = []
+        for record in index.tensors:
+            source = None
+            if record.alias is None:
+                source = _WindowSource(BaseBytes(checkpoint._read_bytes, record.key, record.nbytes), record.dtype)
+            arrays.append(FlatArray(record.key, record.kind, record.dtype, record.shape, record.device, source,
+                                    record.alias, dict(record.extra), lossy=record.lossy))
+        return _save(None, output, codec=codec, chunk_bytes=None, config=cfg,
+                     flat=FlatState(index.tree, arrays))
+
+
+def _dependents(path: Path, config: Config) -> list[Path]:
+    """Checkpoint files beside ``path`` whose index names ``path`` as their base."""
+    found = []
+    for entry in sorted(path.parent.iterdir()):
+        if entry.name.startswith(".") or not entry.is_file() or os.path.samefile(entry, path):
+            continue
+        try:
+            base = inspect(entry, config=config).base
+        except (CheckpointError, OSError):
+            continue  # not a checkpoint, or unreadable: not a dependent we can know of
+        if base is not None:
+            candidate = base_path_of(str(entry), base)
+            if candidate.exists() and os.path.samefile(candidate, path):
+                found.append(entry)
+    return found
+
+
+class _WindowSource:
+    """An ``ArraySource`` over an array of a checkpoint, read in windows (``rebase``)."""
+
+    on_device = False
+
+    def __init__(self, data: BaseBytes, dtype: str):
+        spec = dtype_spec(dtype)
+        self.data = data
+        self.nbytes = data.nbytes
+        self.itemsize = spec.itemsize
+        self.plane_width = spec.plane_width
+
+    def host_bytes(self, start: int, stop: int) -> Any:
+        """Bytes ``[start, stop)`` of the resolved array."""
+        return self.data.host(start, stop)
+
+    def device_bytes(self, start: int, stop: int) -> Any:
+        """Bytes ``[start, stop)`` on the current CUDA device."""
+        return self.data.device(start, stop)
 
 
 def _device_index(device: str) -> int:
@@ -321,15 +473,15 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: Path,
     return _host_engine(config, [a.source for a in flat.arrays], codec), _writer, codec, {}
 
 
-def _build_index(flat: FlatState, result: SaveResult) -> Index:
+def _build_index(flat: FlatState, result: SaveResult, base: dict[str, Any] | None = None) -> Index:
     tensors = [
         TensorRecord(key=a.key, kind=a.kind, dtype=a.dtype, shape=a.shape, device=a.device,
-                     segments=result.segments.get(i, []), alias=a.alias, extra=a.extra)
+                     segments=result.segments.get(i, []), alias=a.alias, extra=a.extra, lossy=a.lossy)
         for i, a in enumerate(flat.arrays)
     ]
     chains: list[Chain] = result.chains
     return Index(chains=[c.to_json() for c in chains], chunks=result.chunks, tensors=tensors, tree=flat.tree,
-                 writer=f"gdsckpt {__version__}")
+                 writer=f"gdsckpt {__version__}", minor=1 if base is not None else 0, base=base)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,18 +559,67 @@ def _restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int
     ids = list(ids)
     data_ids = sorted({index.tensors[i].alias if index.tensors[i].alias is not None else i for i in ids})
     targets = {i: make_target(i, index.tensors[i]) for i in data_ids}
-    engine = _restore_engine(config, gpu_device)
-    try:
-        run_restore(reader, index, engine, targets, timeout=config.timeout, progress=progress,
-                    windows=windows, max_inflight_bytes=_inflight_budget(config, gpu_device is not None))
-    finally:
-        engine.close()
+    with contextlib.ExitStack() as stack:
+        delta = set(index.delta_ids()).intersection(data_ids) if index.base is not None else set()
+        if delta:
+            base = stack.enter_context(_open_base(opened, config))
+            for i in delta:
+                record = index.tensors[i]
+                base_record = base._data_record(record.key) if record.key in base else None
+                if base_record is None or (base_record.dtype, base_record.shape) != (record.dtype, record.shape):
+                    raise BaseCheckpointError(f"base checkpoint {base.path!r} holds no {record.dtype}"
+                                              f"{list(record.shape)} array {record.key!r}, which the delta needs")
+                start = (windows or {}).get(i, (0, 0))[0]
+                targets[i] = XorTarget(targets[i], BaseBytes(base._read_bytes, record.key, record.nbytes), start)
+        engine = _restore_engine(config, gpu_device)
+        try:
+            run_restore(reader, index, engine, targets, timeout=config.timeout, progress=progress,
+                        windows=windows, max_inflight_bytes=_inflight_budget(config, gpu_device is not None))
+        finally:
+            engine.close()
     finished = {i: target.finish() for i, target in targets.items()}
     for i in ids:
         alias = index.tensors[i].alias
         if alias is not None:
             finished[i] = _alias_object(finished[alias], index.tensors[i], index.tensors[alias])
     return finished
+
+
+def _open_base(opened: OpenedFile, config: Config) -> Checkpoint:
+    """The base of a delta checkpoint, opened and checked to be the file the delta was written
+    against (``BaseCheckpointError`` otherwise)."""
+    link = opened.index.base
+    assert link is not None
+    path = base_path_of(opened.path, link)
+    if not path.is_file():
+        raise BaseCheckpointError(f"base checkpoint {str(path)!r} of delta {opened.path!r} is missing "
+                                  f"(recorded as {link['path']!r})")
+    try:
+        base = Checkpoint(path, config)
+    except CheckpointError as err:
+        raise BaseCheckpointError(f"base checkpoint {str(path)!r} of delta {opened.path!r} cannot be "
+                                  f"read: {err}") from err
+    try:
+        check_identity(path, link, base._opened.index_sha256, base._opened.trailer.file_length)
+    except BaseException:
+        base.close()
+        raise
+    return base
+
+
+def _data_of(index: Index, i: int) -> TensorRecord:
+    """The record holding tensor ``i``'s bytes: itself, or the target of an alias."""
+    record = index.tensors[i]
+    return index.tensors[record.alias] if record.alias is not None else record
+
+
+def _warn_lossy(index: Index, ids: Iterable[int]) -> None:
+    """One ``LossyWarning`` per load call that returns arrays saved with ``save(lossy=...)``."""
+    arrays = {index.tensors[i].alias if index.tensors[i].alias is not None else i for i in ids}
+    lossy = sum(1 for i in arrays if index.tensors[i].lossy is not None)  # an alias is the same array
+    if lossy:
+        warnings.warn(f"{lossy} loaded array(s) were saved lossily (within their recorded error bounds, "
+                      f"not bit-exact); gdsckpt.inspect shows each bound", LossyWarning, stacklevel=3)
 
 
 def _alias_object(shared: Any, record: TensorRecord, source: TensorRecord) -> Any:
@@ -458,6 +659,7 @@ def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = Non
             arrays = _restore_arrays(data_reader, opened, wanted, cfg,
                                      lambda _i, record: _new_target(record, target_device), gpu_device,
                                      progress)
+    _warn_lossy(index, wanted)
     state = unflatten(index.tree, arrays, selection)
     _check_selection(selection, index)
     return state
@@ -593,6 +795,7 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
 
         arrays = _restore_arrays(reader, opened, list(wanted) + optimizer_ids, cfg, make_target, gpu_device,
                                  progress)
+        _warn_lossy(index, arrays)
 
     import torch
 
@@ -724,6 +927,7 @@ class Checkpoint:
         with _data_reader(self.path, self._config, self._reader, gpu_device) as data_reader:
             arrays = _restore_arrays(data_reader, self._opened, ids, self._config,
                                      lambda _i, record: _new_target(record, target_device), gpu_device)
+        _warn_lossy(self._opened.index, ids)
         return {key: arrays[i] for key, i in zip(keys, ids)}
 
     def get_rows(self, key: str, start: int, stop: int, device: Any = None) -> Any:
@@ -747,7 +951,31 @@ class Checkpoint:
 
             arrays = _restore_arrays(data_reader, self._opened, [i], self._config, rows_target, gpu_device,
                                      windows={data_id: (start * row_bytes, stop * row_bytes)})
+        _warn_lossy(index, [i])
         return arrays[i]
+
+    def _data_record(self, key: str) -> TensorRecord:
+        """The record holding ``key``'s bytes (an alias's target)."""
+        record = self._opened.index.tensors[self._id(key)]
+        return self._opened.index.tensors[record.alias] if record.alias is not None else record
+
+    def _read_bytes(self, key: str, start: int, stop: int, device: Any = None) -> Any:
+        """Bytes ``[start, stop)`` of an array as a flat uint8 array (NumPy, or CuPy on ``device``
+        ``"cuda:N"``), deltas resolved: what a delta built on this checkpoint XORs with."""
+        i = self._id(key)
+        index = self._opened.index
+        data_id = index.tensors[i].alias if index.tensors[i].alias is not None else i
+        target_device = _parse_device(device)
+        window = TensorRecord(key=key, kind="numpy", dtype="uint8", shape=(stop - start,))
+        if target_device is not None and target_device.startswith("cuda"):
+            window.kind = "cupy"
+            window.device = target_device
+        gpu_device = _gpu_device(self._config, target_device, index, [data_id])
+        with _data_reader(self.path, self._config, self._reader, gpu_device) as data_reader:
+            arrays = _restore_arrays(data_reader, self._opened, [data_id], self._config,
+                                     lambda _i, _record: _new_target(window, target_device), gpu_device,
+                                     windows={data_id: (start, stop)})
+        return arrays[data_id]
 
     def close(self) -> None:
         """Close the file."""
@@ -770,7 +998,8 @@ def open(path: PathLike, *, config: Config | None = None) -> Checkpoint:  # noqa
 
 def _tensor_infos(index: Index) -> list[TensorInfo]:
     infos = []
-    for record in index.tensors:
+    delta = set(index.delta_ids())
+    for i, record in enumerate(index.tensors):
         stored = 0.0
         chunks = set()
         codecs = []
@@ -783,7 +1012,8 @@ def _tensor_infos(index: Index) -> list[TensorInfo]:
                 codecs.append(label)
         alias = index.tensors[record.alias].key if record.alias is not None else None
         infos.append(TensorInfo(record.key, record.kind, record.dtype, record.shape, record.device,
-                                record.nbytes, round(stored), len(chunks), tuple(codecs), alias))
+                                record.nbytes, round(stored), len(chunks), tuple(codecs), alias,
+                                i in delta, lossy=_data_of(index, i).lossy))
     return infos
 
 
@@ -800,7 +1030,7 @@ def inspect(path: PathLike, *, config: Config | None = None) -> CheckpointInfo:
         label = chain_label(index.chains[chunk.chain])
         codecs[label] = codecs.get(label, 0) + 1
     return CheckpointInfo(str(path), (opened.header.major, index.minor), index.writer, size, logical,
-                          logical / size if size else 0.0, tuple(_tensor_infos(index)), codecs)
+                          logical / size if size else 0.0, tuple(_tensor_infos(index)), codecs, index.base)
 
 
 def verify(path: PathLike, *, config: Config | None = None, progress: Progress | None = None) -> VerifyReport:
@@ -828,5 +1058,5 @@ def verify(path: PathLike, *, config: Config | None = None, progress: Progress |
 
 __all__ = [
     "CheckpointError", "CheckpointInfo", "Progress", "SaveReport", "TensorInfo", "VerifyReport", "escape_key",
-    "inspect", "known_codec_names", "load", "load_into", "open", "save", "verify",
+    "inspect", "known_codec_names", "load", "load_into", "open", "rebase", "save", "verify",
 ]

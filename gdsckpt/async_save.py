@@ -64,6 +64,7 @@ import numpy as np
 
 from . import api as _api
 from .config import Config
+from .delta import DEFAULT_MAX_CHAIN
 from .state import flatten
 
 PathLike = str | os.PathLike[str]
@@ -477,13 +478,15 @@ class AsyncSaver:
     def save(self, state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
              config: Config | None = None, max_inflight: int = 1,
              after: Callable[[_api.SaveReport], None] | None = None,
-             finally_: Callable[[], None] | None = None) -> SaveHandle:
+             finally_: Callable[[], None] | None = None, base: PathLike | None = None,
+             max_chain: int = DEFAULT_MAX_CHAIN) -> SaveHandle:
         """``save_async`` on this saver. ``after(report)`` runs in the background thread once the
         file is complete (its error counts as the save's); ``finally_()`` runs there at the end,
         and in the caller if the save never starts."""
         try:
             return self._save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config,
-                              max_inflight=max_inflight, after=after, finally_=finally_)
+                              max_inflight=max_inflight, after=after, finally_=finally_,
+                              delta={"base": base, "max_chain": max_chain})
         except BaseException:
             if finally_ is not None:
                 finally_()
@@ -491,7 +494,7 @@ class AsyncSaver:
 
     def _save(self, state: Any, path: PathLike, *, codec: str, chunk_bytes: int | str | None,
               config: Config | None, max_inflight: int, after: Callable[[_api.SaveReport], None] | None,
-              finally_: Callable[[], None] | None) -> SaveHandle:
+              finally_: Callable[[], None] | None, delta: dict[str, Any]) -> SaveHandle:
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
         _take_errors(orphans_only=True)
@@ -524,7 +527,7 @@ class AsyncSaver:
         thread = threading.Thread(target=self._run, name="gdsckpt-async-save", daemon=True,
                                   args=(job, [snapshot], lent, max_inflight,
                                         dict(codec=codec, chunk_bytes=chunk_bytes, config=config,
-                                             devices=devices if cuda_bytes else None),
+                                             devices=devices if cuda_bytes else None, **delta),
                                         after, finally_))
         try:
             thread.start()
@@ -611,10 +614,11 @@ _default_saver = AsyncSaver()
 
 
 def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
-               config: Config | None = None, max_inflight: int = 1) -> SaveHandle:
+               config: Config | None = None, max_inflight: int = 1, base: PathLike | None = None,
+               max_chain: int = DEFAULT_MAX_CHAIN) -> SaveHandle:
     """Start saving ``state`` to ``path`` in the background; return once a snapshot exists.
 
-    Arguments as for ``gdsckpt.save``. When this returns, every tensor and array of ``state`` has
+    Arguments as for ``gdsckpt.save`` (``base``: write a delta against that checkpoint). When this returns, every tensor and array of ``state`` has
     been copied into reused snapshot buffers (CUDA tensors on their GPU when they fit
     ``config.snapshot_gpu_bytes``, else into pinned host memory), so the caller may update them
     right away; the file appears at ``path`` atomically once the background save completes,
@@ -636,7 +640,7 @@ def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: 
     Returns a ``SaveHandle``: ``wait(timeout=None) -> SaveReport``, ``done()``, ``exception()``.
     """
     return _default_saver.save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config,
-                               max_inflight=max_inflight)
+                               max_inflight=max_inflight, base=base, max_chain=max_chain)
 
 
 def wait_all(timeout: float | None = None) -> None:

@@ -40,3 +40,8 @@ class CodecUnavailableError(CheckpointError):
 
 class StateMismatchError(CheckpointError, ValueError):
     """``load_into`` found keys, shapes or dtypes that differ between target and checkpoint."""
+
+
+class BaseCheckpointError(CheckpointError):
+    """A delta checkpoint's base is missing, was changed since the delta was written against it,
+    or does not hold an array the delta needs."""

@@ -17,7 +17,16 @@ Guarantees
   save, and only ever moves to a higher step than this manager last wrote to it (saves that
   finish out of order never move it back).
 - Pruning runs only after a save completed and keeps: the ``keep_last`` highest readable steps,
-  the step ``latest`` names, and every step being written. Everything else with this prefix goes.
+  the step ``latest`` names, every step being written, and every base a kept delta checkpoint
+  needs, transitively. Everything else with this prefix goes.
+
+Delta checkpoints
+-----------------
+With ``delta_every`` (in steps) set, ``save(step, ...)`` writes a delta against the newest
+complete checkpoint (``gdsckpt.save(..., base=...)``), except at multiples of ``full_every``
+steps, when there is no complete checkpoint yet, or when that one's chain of deltas is already
+``max_chain`` deep: then it writes a full one. ``should_save(step)`` says whether a step is due
+(a multiple of ``delta_every`` or of ``full_every``), for loops that ask every step.
 
 Contract of ``restore_latest``
 -------------------------------
@@ -64,7 +73,8 @@ from typing import Any
 from . import api as _api
 from .async_save import AsyncSaver, SaveHandle
 from .config import Config
-from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
+from .delta import DEFAULT_MAX_CHAIN, base_path_of
+from .errors import BaseCheckpointError, CheckpointError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
 from .io import PosixReader
 from .io.posix import TEMP_MARKER, fsync_directory, remove_stale_temporaries, temporary_path
 from .pipeline.load import open_file
@@ -74,9 +84,9 @@ PathLike = str | os.PathLike[str]
 
 POINTER = "latest"
 
-_DAMAGE = (CorruptCheckpointError, UnsupportedFormatError, OSError)
+_DAMAGE = (CorruptCheckpointError, UnsupportedFormatError, BaseCheckpointError, OSError)
 """What makes ``restore_latest`` pass over a checkpoint: the file is damaged, not a checkpoint,
-or unreadable. Anything else (a target that does not match, a codec or array library this
+or unreadable, or it is a delta whose base is missing, changed or damaged. Anything else (a target that does not match, a codec or array library this
 machine lacks) is raised: an older checkpoint would not do better, and silently restarting from
 an old state is worse than an error."""
 
@@ -102,12 +112,18 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: PathLike, *, keep_last: int | None = 3, prefix: str = "step",
-                 config: Config | None = None, max_inflight: int = 1):
+                 config: Config | None = None, max_inflight: int = 1, delta_every: int | None = None,
+                 full_every: int | None = None, max_chain: int = DEFAULT_MAX_CHAIN):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                       or keep_last < 1):
             raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+        for name, value in (("delta_every", delta_every), ("full_every", full_every)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 (steps) or None, got {value!r}")
+        if isinstance(max_chain, bool) or not isinstance(max_chain, int) or max_chain < 0:
+            raise ValueError(f"max_chain must be an int >= 0, got {max_chain!r}")
         if not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or prefix == POINTER:
             raise ValueError(f"prefix {prefix!r} must be a plain file name part (no '/', not starting "
                              f"with '.', not {POINTER!r})")
@@ -117,6 +133,9 @@ class CheckpointManager:
         self.prefix = prefix
         self.config = config
         self.max_inflight = max_inflight
+        self.delta_every = delta_every
+        self.full_every = full_every
+        self.max_chain = max_chain
         self._pattern = re.compile(rf"^{re.escape(prefix)}-(\d{{10,}})\.gdsckpt$")
         self._saver = AsyncSaver()
         self._lock = threading.Lock()
@@ -159,11 +178,35 @@ class CheckpointManager:
     # -----------------------------------------------------------------------------------------
     # saving
 
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is due for a checkpoint: a multiple of ``delta_every`` or of
+        ``full_every`` (False when neither is set)."""
+        _check_step(step)
+        return any(every is not None and step % every == 0 for every in (self.delta_every, self.full_every))
+
+    def _base_for(self, step: int) -> Path | None:
+        """The base of a delta at ``step``: the newest complete checkpoint below it, or None for a
+        full save (deltas off, a ``full_every`` step, or no usable checkpoint yet)."""
+        if self.delta_every is None or (self.full_every is not None and step % self.full_every == 0):
+            return None
+        with self._lock:
+            pointed = self._pointer_step
+        candidates = [pointed] if pointed is not None and pointed < step else []
+        if not candidates:
+            candidates = [s for s in sorted(self._files(), reverse=True) if s < step]
+        for candidate in candidates:
+            path = self.path(candidate)
+            if _problem(path, config=self.config) is None:
+                return path
+        return None
+
     def save(self, step: int, state: dict[Any, Any], *, codec: str = "auto") -> _api.SaveReport:
-        """Save ``state`` as checkpoint ``step`` now; then move ``latest`` and prune."""
+        """Save ``state`` as checkpoint ``step`` now (a delta when due, see the module
+        docstring); then move ``latest`` and prune."""
         path = self._begin(step, state)
         try:
-            report = _api.save(state, path, codec=codec, config=self.config)
+            report = _api.save(state, path, codec=codec, config=self.config, base=self._base_for(step),
+                               max_chain=self.max_chain)
             self._completed(step)
         finally:
             self._end(step)
@@ -174,8 +217,14 @@ class CheckpointManager:
         taken; ``latest`` moves and pruning runs in the background once the file is complete
         (before the handle reports done)."""
         path = self._begin(step, state)
+        try:
+            base = self._base_for(step)
+        except BaseException:
+            self._end(step)
+            raise
         return self._saver.save(state, path, codec=codec, config=self.config, max_inflight=self.max_inflight,
-                                after=lambda _report: self._completed(step), finally_=lambda: self._end(step))
+                                after=lambda _report: self._completed(step), finally_=lambda: self._end(step),
+                                base=base, max_chain=self.max_chain)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for this manager's background saves; raise the first error no handle reported."""
@@ -246,12 +295,36 @@ class CheckpointManager:
         readable = [step for step in sorted(files, reverse=True)
                     if step not in busy and _problem(files[step], config=self.config) is None]
         keep.update(readable[:self.keep_last])
+        keep |= self._bases_of(keep, files)
         for step, path in files.items():
             if step not in keep:
                 try:
                     path.unlink()
                 except FileNotFoundError:
                     pass
+
+    def _bases_of(self, steps: set[int], files: dict[int, Path]) -> set[int]:
+        """Steps of the checkpoints that the delta checkpoints among ``steps`` need, transitively."""
+        needed: set[int] = set()
+        pending = [step for step in steps if step in files]
+        while pending:
+            path = files[pending.pop()]
+            try:
+                base = _api.inspect(path, config=self.config).base
+            except Exception as err:  # an unreadable file needs nothing; it is not kept for itself
+                if not _is_damage(err):
+                    raise
+                continue
+            if base is None:
+                continue
+            match = self._pattern.match(base_path_of(str(path), base).name)
+            base_path = base_path_of(str(path), base)
+            if match and base_path.parent.resolve() == self.directory.resolve():
+                step = int(match.group(1))
+                if step not in needed and step in files:
+                    needed.add(step)
+                    pending.append(step)
+        return needed
 
     # -----------------------------------------------------------------------------------------
     # finding and restoring

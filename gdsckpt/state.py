@@ -390,6 +390,8 @@ class FlatArray:
     source: Any
     alias: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    lossy: dict[str, Any] | None = None
+    """The index record's ``lossy`` member when ``gdsckpt.lossy`` rounded this array."""
 
 
 @dataclass

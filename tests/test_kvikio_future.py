@@ -4,12 +4,15 @@ never finishes), since kvikio itself needs a GPU host."""
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 import time
 
 import pytest
 
-from gdsckpt.io.kvikio import _KvikioFuture
+import gdsckpt
+from gdsckpt.io.kvikio import _KvikioFuture, kvikio_error
 
 
 class ManualTransfer:
@@ -55,3 +58,34 @@ def test_a_short_transfer_is_an_error() -> None:
     future = _KvikioFuture(transfer, 10, "read")
     with pytest.raises(OSError, match="moved 3 of 10 bytes"):
         future.result(timeout=1)
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("KvikIO failure at: /x/posix_io.hpp:173: POSIX error on pwrite: File too large", errno.EFBIG),
+    ("KvikIO failure at: /x/posix_io.hpp:173: POSIX error on pwrite: No space left on device", errno.ENOSPC),
+    ("KvikIO failure at: /x/posix_io.hpp:173: POSIX error on pread: EIO", errno.EIO),
+    ("something kvikio said", errno.EIO),
+])
+def test_kvikio_runtime_errors_become_the_os_error_they_stand_for(message, expected):
+    error = kvikio_error(RuntimeError(message), "write", 4096)
+    assert isinstance(error, OSError) and error.errno == expected
+    assert message in str(error) and os.strerror(expected) in str(error)
+
+
+def test_kvikio_end_of_file_is_a_truncated_checkpoint():
+    error = kvikio_error(RuntimeError("KvikIO failure at: posix_io.hpp:173: POSIX error on pread: EOF"), "read", 8)
+    assert isinstance(error, gdsckpt.CorruptCheckpointError) and "file ends" in str(error)
+
+
+def test_kvikio_future_delivers_the_converted_error():
+    class Failing:
+        def done(self):
+            return True
+
+        def get(self):
+            raise RuntimeError("KvikIO failure at: x: POSIX error on pread: Input/output error")
+
+    future = _KvikioFuture(Failing(), 10, "read")
+    with pytest.raises(OSError) as caught:
+        future.result(timeout=1)
+    assert caught.value.errno == errno.EIO

@@ -18,6 +18,8 @@ OUTPUT = ROOT / "docs" / "api.md"
 SECTIONS = [
     ("gdsckpt", None),
     ("gdsckpt.dcp", ["GdsStorageWriter", "GdsStorageReader", "GdsStorageInfo", "item_key"]),
+    ("gdsckpt.lossy", ["LossyPolicy", "grid_quantize", "GridResult", "compare_modes", "sensitivity",
+                       "Sensitivity"]),
 ]
 HEADER = """# API reference
 

@@ -55,15 +55,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps({
             "path": info.path, "format_version": list(info.format_version), "writer": info.writer,
             "file_bytes": info.file_bytes, "logical_bytes": info.logical_bytes, "ratio": info.ratio,
-            "codecs": info.codecs, "groups": groups,
+            "codecs": info.codecs, "groups": groups, "base": info.base,
             "tensors": [{"key": t.key, "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape),
                          "device": t.device, "nbytes": t.nbytes, "stored_bytes": t.stored_bytes,
-                         "codecs": list(t.codecs), "alias_of": t.alias_of} for t in info.tensors],
+                         "codecs": list(t.codecs), "alias_of": t.alias_of, "lossy": t.lossy,
+                         "delta": t.delta}
+                        for t in info.tensors],
         }, indent=2))
         return 0
     print(f"{info.path}: format {info.format_version[0]}.{info.format_version[1]}, written by {info.writer}")
     print(f"{len(info.tensors)} arrays, {info.logical_bytes} logical bytes, {info.file_bytes} bytes on disk, "
           f"ratio {info.ratio:.3f}")
+    if info.base is not None:
+        deltas = sum(t.delta for t in info.tensors)
+        print(f"delta checkpoint: {deltas} arrays stored as the XOR with base {info.base['path']!r} "
+              f"(chain depth {info.base['depth']}; 'gdsckpt rebase' writes it in full)")
     print(f"  {'key':50} {'dtype':10} {'shape':20} {'stored':>12} {'ratio':>6}  codecs")
     for t in info.tensors:
         ratio = t.nbytes / t.stored_bytes if t.stored_bytes else 0.0
@@ -75,6 +81,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
               f"{group['ratio']:6.3f}")
     print(f"  {'total':30} {sum(g['arrays'] for g in groups.values()):7} {info.logical_bytes:15} "
           f"{info.file_bytes:15} {info.ratio:6.3f}")
+    lossy = [t for t in info.tensors if t.lossy is not None]
+    if lossy:
+        print(f"{len(lossy)} lossy arrays (saved with lossy=..., within abs bound of the saved values):")
+        print(f"  {'key':50} {'mode':6} {'rel bound':>10} {'abs bound':>12} {'max error':>12}")
+        for t in lossy:
+            assert t.lossy is not None
+            print(f"  {t.key:50} {t.lossy['mode']:6} {t.lossy['rel_bound']:10.3g} "
+                  f"{t.lossy['abs_bound']:12.4g} {t.lossy['max_error']:12.4g}")
     return 0
 
 
@@ -84,6 +98,15 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     with progress_bar(None, "verifying", quiet=args.quiet) as advance:
         report = verify(args.path, config=args.config, progress=byte_progress(advance))
     print(f"{report.path}: OK, {report.chunks} chunks, {report.logical_bytes} logical bytes verified")
+    return 0
+
+
+def _cmd_rebase(args: argparse.Namespace) -> int:
+    from .. import rebase
+
+    report = rebase(args.path, args.output, codec=args.codec, config=args.config, force=args.force)
+    print(f"{report.path}: full checkpoint, {report.tensors} arrays, {report.stored_bytes} bytes, "
+          f"ratio {report.ratio:.3f}")
     return 0
 
 
@@ -108,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="read every chunk and check every checksum")
     verify.add_argument("path")
     verify.set_defaults(run=_cmd_verify)
+    rebase = sub.add_parser("rebase", help="turn a delta checkpoint into a full one (resolving its bases)")
+    rebase.add_argument("path")
+    rebase.add_argument("--output", "-o", default=None, help="write here instead of replacing PATH")
+    rebase.add_argument("--codec", default="auto", help="codec of the full checkpoint (default: auto)")
+    rebase.add_argument("--force", action="store_true",
+                        help="replace PATH even when other checkpoints beside it are deltas on it")
+    rebase.set_defaults(run=_cmd_rebase)
     for name in _SUBCOMMAND_MODULES:
         importlib.import_module(f"{__package__}.{name}").register(sub)
     return parser

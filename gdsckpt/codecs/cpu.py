@@ -21,6 +21,7 @@ import lz4.block
 import numpy as np
 import zstandard
 
+from ..format.index import XOR_BASE
 from .base import Codec, Transform, register_codec, register_gpu_only, register_transform
 
 DEFAULT_ZSTD_LEVEL = 3
@@ -213,11 +214,30 @@ def planes_inverse(data: np.ndarray, width: Any) -> np.ndarray:
 
 BYTE_PLANES = BytePlanes()
 
+
+class XorBase(Transform):
+    """``xorbase/1``: the chunk holds element bytes XORed with the base checkpoint's.
+
+    Identity at the chunk level: undoing it needs the base's bytes of the arrays the chunk's
+    segments map to, which a chunk does not know; the restore pipeline applies the XOR as it
+    writes each array's bytes (``gdsckpt.delta.XorTarget``) and the save pipeline as it reads
+    them (``XorSource``). Registered so that decoding a delta chunk (``verify``) knows the name.
+    """
+
+    name = XOR_BASE
+
+    def forward(self, data: np.ndarray, params: dict[str, Any]) -> np.ndarray:
+        return data
+
+    def inverse(self, data: np.ndarray, params: dict[str, Any]) -> np.ndarray:
+        return data
+
 register_codec("zstd/1", "zstd", ZstdCodec)
 register_codec("lz4/1", "lz4", Lz4Codec)
 register_codec("deflate/1", "deflate", DeflateCodec)
 register_codec("none/1", "none", NoneCodec)
 register_transform(BYTE_PLANES)
+register_transform(XorBase())
 for _user, _versioned in (("ans", "nvcomp.ans/1"), ("gdeflate", "nvcomp.gdeflate/1"),
                           ("snappy", "nvcomp.snappy/1"), ("bitcomp", "nvcomp.bitcomp/1"),
                           ("cascaded", "nvcomp.cascaded/1")):

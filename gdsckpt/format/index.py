@@ -29,6 +29,11 @@ MAX_EXPANSION = 1 << 16
 about 32,768:1), so a small file cannot claim a huge decoded size."""
 MAX_TENSOR_BYTES = 1 << 60
 MAX_TREE_DEPTH = 512
+XOR_BASE = "xorbase/1"
+"""The transform of a delta chunk (format 1.1): its raw bytes are the XOR of the arrays' element
+bytes with those of the same arrays in the base checkpoint (docs/format.md §9.5)."""
+MAX_BASE_DEPTH = 1 << 10
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 TENSOR_KINDS = ("torch", "numpy", "cupy", "jax")
 _CODEC_NAME = re.compile(r"[a-z0-9_.\-]+/[0-9]+")
 """A versioned stage name; matched with ``fullmatch`` (``$`` would accept a trailing newline)."""
@@ -73,6 +78,8 @@ class TensorRecord:
     segments: list[Segment] = field(default_factory=list)
     alias: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    lossy: dict[str, Any] | None = None
+    """Informative ``lossy`` member (§6.5): how ``save(lossy=...)`` rounded the values."""
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +95,8 @@ class TensorRecord:
         else:
             out["segments"] = [[s.chunk, s.raw_offset, s.length] for s in self.segments]
         out.update(self.extra)
+        if self.lossy is not None:
+            out["lossy"] = self.lossy
         return out
 
 
@@ -102,6 +111,14 @@ class Index:
     writer: str = ""
     minor: int = FORMAT_MINOR
     user: dict[str, Any] = field(default_factory=dict)
+    base: dict[str, Any] | None = None
+    """The base of a delta checkpoint (format 1.1): ``{"path", "index_sha256", "file_length",
+    "depth"}``; None for a full checkpoint."""
+
+    def delta_ids(self) -> list[int]:
+        """Tensors stored as the XOR with the base (their chunks' chains begin with xorbase/1)."""
+        return [i for i, record in enumerate(self.tensors)
+                if record.segments and _is_delta_chain(self.chains[self.chunks[record.segments[0].chunk].chain])]
 
     def to_json_bytes(self) -> bytes:
         """Serialise: compact UTF-8 JSON with a fixed key order (files are reproducible)."""
@@ -116,6 +133,8 @@ class Index:
             "tensors": [t.to_json() for t in self.tensors],
             "tree": self.tree,
         }
+        if self.base is not None:
+            doc["base"] = self.base
         if self.user:
             doc["user"] = self.user
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
@@ -173,8 +192,44 @@ def parse_index(data: bytes, *, index_offset: int) -> Index:
     if not isinstance(user, dict):
         raise _fail("user must be an object")
     writer = doc.get("writer", "")
+    base = _parse_base(doc["base"]) if "base" in doc else None
+    _check_delta_chunks(chains, chunks, tensors, base)
     return Index(chains=chains, chunks=chunks, tensors=tensors, tree=tree,
-                 writer=writer if isinstance(writer, str) else "", minor=version[1], user=user)
+                 writer=writer if isinstance(writer, str) else "", minor=version[1], user=user, base=base)
+
+
+def _is_delta_chain(chain: list[dict[str, Any]]) -> bool:
+    return chain[0]["name"] == XOR_BASE
+
+
+def _parse_base(raw: Any) -> dict[str, Any]:
+    """The ``base`` member: where the base checkpoint is and what it must be (§6.8)."""
+    if not isinstance(raw, dict):
+        raise _fail("base must be an object")
+    path = raw.get("path")
+    if not isinstance(path, str) or not path or "\0" in path or len(path) > 4096:
+        raise _fail(f"base path must be a non-empty string, got {path!r:.80}")
+    digest = raw.get("index_sha256")
+    if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
+        raise _fail("base index_sha256 must be 64 lower-case hex digits")
+    _int(raw.get("file_length"), "base file_length", HEADER_REGION + 64)
+    _int(raw.get("depth"), "base depth", 1, MAX_BASE_DEPTH + 1)
+    return raw
+
+
+def _check_delta_chunks(chains: list[list[dict[str, Any]]], chunks: list[ChunkRecord],
+                        tensors: list[TensorRecord], base: dict[str, Any] | None) -> None:
+    """xorbase/1 only first in a chain, only with a base, and a tensor's chunks all delta or none."""
+    for number, chain in enumerate(chains):
+        if any(stage["name"] == XOR_BASE for stage in chain[1:]) or chain[-1]["name"] == XOR_BASE:
+            raise _fail(f"chain {number}: {XOR_BASE} must be the first stage, before a codec")
+    delta = [_is_delta_chain(chains[chunk.chain]) for chunk in chunks]
+    if base is None and any(delta):
+        raise _fail(f"chunks use {XOR_BASE} but the index names no base")
+    for record in tensors:
+        kinds = {delta[segment.chunk] for segment in record.segments}
+        if len(kinds) > 1:
+            raise _fail("a tensor's chunks must all be delta chunks or none", key=record.key)
 
 
 def _parse_chains(raw: Any) -> list[list[dict[str, Any]]]:
@@ -252,8 +307,9 @@ def _parse_tensors(raw: Any, chunks: list[ChunkRecord]) -> list[TensorRecord]:
         if not isinstance(device, str):
             raise _fail("device must be a string", key=key)
         extra = {k: v for k, v in entry.items()
-                 if k not in ("key", "kind", "dtype", "shape", "device", "segments", "alias")}
-        record = TensorRecord(key=key, kind=kind, dtype=dtype, shape=shape, device=device, extra=extra)
+                 if k not in ("key", "kind", "dtype", "shape", "device", "segments", "alias", "lossy")}
+        record = TensorRecord(key=key, kind=kind, dtype=dtype, shape=shape, device=device, extra=extra,
+                              lossy=_parse_lossy(entry["lossy"], key) if "lossy" in entry else None)
         if "alias" in entry:
             if "segments" in entry:
                 raise _fail("a tensor has either segments or an alias, not both", key=key)
@@ -277,6 +333,19 @@ def _parse_tensors(raw: Any, chunks: list[ChunkRecord]) -> list[TensorRecord]:
         if position != chunks[c].raw:
             raise _fail(f"tensors cover {position} of the chunk's {chunks[c].raw} decoded bytes", chunk=c)
     return tensors
+
+
+def _parse_lossy(raw: Any, key: str) -> dict[str, Any]:
+    """A tensor record's ``lossy`` member (§6.5): informative, but a malformed one is corrupt."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("mode"), str):
+        raise _fail("lossy must be an object with a string mode", key=key)
+    for name in ("rel_bound", "abs_bound", "max_error"):
+        value = raw.get(name)
+        # ints are exact (no float() of a huge one); bool is not a number here
+        if not ((isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+                or (isinstance(value, float) and math.isfinite(value) and value >= 0)):
+            raise _fail(f"lossy {name} must be a finite number >= 0, got {value!r:.40}", key=key)
+    return raw
 
 
 def _parse_segments(raw: Any, chunks: list[ChunkRecord], key: str, nbytes: int, owner: int,

@@ -43,9 +43,10 @@ def align_up(value: int, alignment: int = ALIGNMENT) -> int:
     return -(-value // alignment) * alignment
 
 
-def pack_header() -> bytes:
-    """The 4096-byte header region a v1 writer puts at offset 0."""
-    body = _HEADER.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, HEADER_REGION, ALIGNMENT, 0, bytes(36), 0)
+def pack_header(minor: int = FORMAT_MINOR) -> bytes:
+    """The 4096-byte header region a v1 writer puts at offset 0 (``minor``: the file's minor
+    version, 1 for a file that uses a 1.1 addition such as a delta base)."""
+    body = _HEADER.pack(MAGIC, FORMAT_MAJOR, minor, HEADER_REGION, ALIGNMENT, 0, bytes(36), 0)
     crc = checksum(body[:60])
     return body[:60] + struct.pack("<I", crc) + bytes(HEADER_REGION - HEADER_SIZE)
 
@@ -92,11 +93,11 @@ class Trailer:
     file_length: int
 
 
-def pack_trailer(index_offset: int, index_length: int, index_crc: int) -> bytes:
+def pack_trailer(index_offset: int, index_length: int, index_crc: int, minor: int = FORMAT_MINOR) -> bytes:
     """The 64-byte trailer that ends every v1 file."""
     file_length = index_offset + index_length + TRAILER_SIZE
     body = _TRAILER.pack(
-        TRAILER_MAGIC, FORMAT_MAJOR, FORMAT_MINOR, 0, index_offset, index_length, index_crc, 0,
+        TRAILER_MAGIC, FORMAT_MAJOR, minor, 0, index_offset, index_length, index_crc, 0,
         file_length, bytes(12), 0,
     )
     return body[:60] + struct.pack("<I", checksum(body[:60]))

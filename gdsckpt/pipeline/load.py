@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+import hashlib
 from typing import Any, Callable
 
 from ..errors import CheckpointError, CorruptCheckpointError
@@ -36,6 +37,11 @@ class OpenedFile:
     header: Header
     trailer: Trailer
     index: Index
+    index_sha256: str = ""
+    """SHA-256 of the index bytes: the content identity a delta checkpoint records of its base
+    (the index holds every chunk's CRC-32C, offset and size, so any change to the file shows)."""
+    path: str | None = None
+    """The file's path, where the reader has one (a delta's relative base path resolves from it)."""
 
 
 def open_file(reader: StorageReader) -> OpenedFile:
@@ -50,7 +56,9 @@ def open_file(reader: StorageReader) -> OpenedFile:
     index_bytes = reader.read(trailer.index_offset, trailer.index_length)
     if checksum(index_bytes) != trailer.index_crc:
         raise CorruptCheckpointError("index checksum mismatch")
-    return OpenedFile(header, trailer, parse_index(index_bytes, index_offset=trailer.index_offset))
+    return OpenedFile(header, trailer, parse_index(index_bytes, index_offset=trailer.index_offset),
+                      hashlib.sha256(index_bytes).hexdigest(),
+                      str(reader.path) if getattr(reader, "path", None) is not None else None)
 
 
 Delivery = tuple[int, int, int, int]

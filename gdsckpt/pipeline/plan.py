@@ -79,38 +79,42 @@ class ChunkPlan:
     plane_width: int = 0
     decision_group: int = -1
     """Chunks of one array share one transform decision; each pack chunk decides for itself."""
+    delta: bool = False
+    """The chunk's arrays are stored as the XOR with a base checkpoint (never mixed with others)."""
 
     @property
     def raw(self) -> int:
         return sum(part.length for part in self.parts)
 
 
-def plan_chunks(sizes: list[tuple[int, int, int]], *, chunk_bytes: int, pack_below: int) -> list[ChunkPlan]:
+def plan_chunks(sizes: list[tuple[int, int, int]], *, chunk_bytes: int, pack_below: int,
+                delta: set[int] | frozenset[int] = frozenset()) -> list[ChunkPlan]:
     """Plan chunks for arrays given as ``(nbytes, itemsize, plane_width)``; ``nbytes == 0``
-    (including aliases, which the caller passes as 0) yields no chunk.
+    (including aliases, which the caller passes as 0) yields no chunk. Arrays in ``delta`` are
+    packed only with each other (a chunk's chain says whether it holds XORs with a base).
 
     ``chunk_bytes`` must be a positive multiple of 4096 (so of every itemsize).
     """
     if chunk_bytes <= 0 or chunk_bytes % 4096:
         raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
     plans: list[ChunkPlan] = []
-    packs: dict[int, list[int]] = {}
+    packs: dict[tuple[bool, int], list[int]] = {}
     for index, (nbytes, _itemsize, width) in enumerate(sizes):
         if nbytes == 0:
             continue
         if nbytes < pack_below:
-            packs.setdefault(width, []).append(index)
+            packs.setdefault((index in delta, width), []).append(index)
             continue
         for start in range(0, nbytes, chunk_bytes):
             plans.append(ChunkPlan(len(plans), [Part(index, start, min(nbytes, start + chunk_bytes))],
-                                   width, decision_group=index))
-    for width, members in sorted(packs.items()):
+                                   width, decision_group=index, delta=index in delta))
+    for (is_delta, width), members in sorted(packs.items()):
         current: ChunkPlan | None = None
         filled = 0  # current.raw, kept here: summing the parts per member is quadratic
         for index in members:
             nbytes = sizes[index][0]
             if current is None or filled + nbytes > chunk_bytes:
-                current = ChunkPlan(len(plans), [], width, decision_group=-1 - len(plans))
+                current = ChunkPlan(len(plans), [], width, decision_group=-1 - len(plans), delta=is_delta)
                 plans.append(current)
                 filled = 0
             current.parts.append(Part(index, 0, nbytes))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..codecs import Chain
-from ..format import ALIGNMENT, HEADER_REGION, Index, align_up, checksum, pack_header, pack_trailer
+from ..format import ALIGNMENT, FORMAT_MINOR, HEADER_REGION, XOR_BASE, Index, align_up, checksum, pack_header, pack_trailer
 from ..format.index import ChunkRecord, Segment
 from ..io.base import StorageWriter
 from .engine import EncodedChunk, Engine
@@ -37,12 +37,14 @@ class SaveResult:
 
 def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, max_inflight_bytes: int,
              build_index: Any, timeout: float | None = None,
-             progress: Callable[[int, int], None] | None = None) -> SaveResult:
+             progress: Callable[[int, int], None] | None = None, minor: int = FORMAT_MINOR) -> SaveResult:
     """Encode and write every planned chunk, then the index built by ``build_index(result)``
     (a callable returning an ``Index``), then commit.
 
     ``build_index`` receives the ``SaveResult`` with chunk records, chains and each array's
-    segments filled in. ``timeout`` bounds every single wait on a worker (seconds).
+    segments filled in. ``timeout`` bounds every single wait on a worker (seconds). A plan marked
+    ``delta`` (its sources yield the XOR with a base) gets ``xorbase/1`` in front of the chain the
+    engine reports, so engines need not know about deltas. ``minor``: the file's format minor.
     ``progress(done, total)`` is called in this thread with the raw bytes written so far.
     """
     total = sum(plan.raw for plan in plans)
@@ -59,7 +61,8 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
         nonlocal offset
         plan, future = encodes.popleft()
         encoded = future.result(timeout=timeout)
-        chain_id = chain_ids.setdefault(encoded.chain, len(chain_ids))
+        chain = Chain.of({"name": XOR_BASE}, *encoded.chain.to_json()) if plan.delta else encoded.chain
+        chain_id = chain_ids.setdefault(chain, len(chain_ids))
         number = len(result.chunks)
         result.chunks.append(ChunkRecord(offset, encoded.stored, encoded.raw, encoded.crc, chain_id))
         position = 0
@@ -84,7 +87,7 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
             block = False
 
     try:
-        writer.submit_write(0, pack_header()).result(timeout=timeout)
+        writer.submit_write(0, pack_header(minor)).result(timeout=timeout)
         for plan in plans:
             while encodes and encodes[0][1].done():
                 place_oldest_encoded()
@@ -108,7 +111,7 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
         index_bytes = index.to_json_bytes()
         index_offset = align_up(offset, ALIGNMENT)
         writer.write_tail(index_offset, index_bytes + pack_trailer(index_offset, len(index_bytes),
-                                                                   checksum(index_bytes)))
+                                                                   checksum(index_bytes), minor))
         result.file_bytes = index_offset + len(index_bytes) + 64
         writer.commit()
     except BaseException:

@@ -39,6 +39,27 @@ REGION_WEIGHTS = {"header": 10, "header padding": 8, "chunk bytes": 42, "chunk p
                   "trailer": 10}
 
 
+def group_regions(regions: list[tuple[str, int, int, int | None]]) -> dict[str, list[tuple[int, int, int | None]]]:
+    """Region name -> its (start, stop, chunk) spans, in ``REGION_WEIGHTS`` order."""
+    groups: dict[str, list[tuple[int, int, int | None]]] = {}
+    for group, start, stop, chunk in regions:
+        groups.setdefault(group, []).append((start, stop, chunk))
+    return {name: groups[name] for name in REGION_WEIGHTS if name in groups}
+
+
+def pick_byte(rng: random.Random, groups: dict[str, list[tuple[int, int, int | None]]]) -> tuple[str, int, int | None]:
+    """A random (region, file offset, chunk): the region by ``REGION_WEIGHTS``, then a byte in it."""
+    names = list(groups)
+    group = rng.choices(names, weights=[REGION_WEIGHTS[g] for g in names])[0]
+    spans = groups[group]
+    position = rng.randrange(sum(stop - start for start, stop, _ in spans))
+    for start, stop, chunk in spans:
+        if position < stop - start:
+            return group, start + position, chunk
+        position -= stop - start
+    raise AssertionError("unreachable: position lies within the spans")
+
+
 def _config() -> gdsckpt.Config:
     # 8 KiB chunks: the 60 KiB state spans about ten chunks, one of them a pack of small tensors.
     return gdsckpt.Config(chunk_bytes=8192, pack_below=1024, codec_threads=2, io_threads=2, fsync=False)
@@ -169,24 +190,14 @@ def test_random_byte_flips_raise_or_load_bit_exact(damaged_target: Any, h: Any) 
     assert all(owners.values())
     h.assert_same(state, gdsckpt.load(path, config=config))
 
-    groups: dict[str, list[tuple[int, int, int | None]]] = {}
-    for group, start, stop, chunk in regions:
-        groups.setdefault(group, []).append((start, stop, chunk))
-    names = [g for g in REGION_WEIGHTS if g in groups]
+    groups = group_regions(regions)
     rng = random.Random(f"flips-{codec}")
     outcomes: Counter[str] = Counter()
     raised_by_load: set[int] = set()
     raised_by_verify: set[int] = set()
     lazy_untouched = lazy_damaged = 0
     for flip in range(FLIPS_PER_CODEC):
-        group = rng.choices(names, weights=[REGION_WEIGHTS[g] for g in names])[0]
-        spans = groups[group]
-        position = rng.randrange(sum(stop - start for start, stop, _ in spans))
-        for start, stop, chunk in spans:
-            if position < stop - start:
-                offset = start + position
-                break
-            position -= stop - start
+        group, offset, chunk = pick_byte(rng, groups)
         mask = rng.randrange(1, 256)
         where = f"flip {flip}: byte {offset} ^ {mask:#04x} in {group} (chunk {chunk})"
         error_class, pattern = _expected(group, offset, size)
@@ -247,7 +258,7 @@ def test_random_byte_flips_raise_or_load_bit_exact(damaged_target: Any, h: Any) 
     assert not [name for name in outcomes if name.endswith("unnoticed")], outcomes
     assert raised_by_load == raised_by_verify
     assert sum(outcomes.values()) == FLIPS_PER_CODEC
-    for group in names:  # every region was hit
+    for group in groups:  # every region was hit
         assert any(name.startswith(f"{group}:") for name in outcomes), (group, outcomes)
 
 

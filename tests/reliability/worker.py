@@ -13,6 +13,10 @@ line on stdout is one JSON event; a child that waits for its parent reads a line
                                   then done
     reader TARGET                 ready; on "go": loads TARGET in a loop until "stop", checks each
                                   load bit-exact against state_for(its version), then summary
+    save-loop-cuda TARGET WARMDIR GPU host only: save-loop with the state as CUDA tensors, saved by
+                                  the GPU engine (codec ans, ``cuda_config``); imports torch and
+                                  runs one untimed save to WARMDIR before "ready" (CUDA context,
+                                  nvCOMP, kvikio and CuPy kernels loaded)
 
 The parent test imports this module for ``state_for``, ``config`` and the sizes.
 """
@@ -37,12 +41,20 @@ MANAGER_ELEMENTS = 800_000
 CONCURRENT_ELEMENTS = 1_500_000
 READER_ELEMENTS = 300_000
 SAVE_LOOP_CAP = 20  # a child the parent forgot to kill stops on its own
+CUDA_CRASH_ELEMENTS = 4_000_000  # float32 weights on the GPU (tests/gpu/test_gpu_reliability.py)
 
 
 def config() -> gdsckpt.Config:
     """Every save and load of these tests: real fsync, O_DIRECT where the filesystem takes it,
     enough chunks that a save has many writes to be killed between."""
     return gdsckpt.Config(chunk_bytes=256 << 10, codec_threads=2, io_threads=2, fsync=True)
+
+
+def cuda_config() -> gdsckpt.Config:
+    """Saves and loads of CUDA states (GPU engine): real fsync, 256 KiB chunks so a save has many
+    kvikio writes to be killed between, a 64 MiB staging budget (several processes share the GPU)."""
+    return gdsckpt.Config(gpu_chunk_bytes=256 << 10, pack_below=64 << 10, max_staging_bytes=64 << 20,
+                          engine="gpu", fsync=True)
 
 
 def state_for(version: int, elements: int) -> dict[str, Any]:
@@ -79,6 +91,30 @@ def save_loop(target: Path) -> None:
         gdsckpt.save(state, target, config=cfg)
         emit(event="saved", version=version, seconds=time.perf_counter() - started)
         state = state_for(version + 1, CRASH_ELEMENTS)  # "training" between two saves
+
+
+def cuda_state_for(version: int, elements: int) -> dict[str, Any]:
+    """``state_for`` with its arrays as CUDA tensors (the same bytes)."""
+    import torch
+
+    return {key: torch.from_numpy(value).to("cuda") if isinstance(value, np.ndarray) else value
+            for key, value in state_for(version, elements).items()}
+
+
+def save_loop_cuda(target: Path, warm_dir: Path) -> None:
+    cfg = cuda_config()
+    warm = warm_dir / f"warm-{os.getpid()}.gdsckpt"
+    gdsckpt.save(cuda_state_for(0, CUDA_CRASH_ELEMENTS), warm, codec="ans", config=cfg)
+    warm.unlink()
+    emit(event="ready", pid=os.getpid())
+    first = int(wait_for_line().split()[1])
+    state = cuda_state_for(first, CUDA_CRASH_ELEMENTS)
+    for version in range(first, first + SAVE_LOOP_CAP):
+        emit(event="begin", version=version)
+        started = time.perf_counter()
+        gdsckpt.save(state, target, codec="ans", config=cfg)
+        emit(event="saved", version=version, seconds=time.perf_counter() - started)
+        state = cuda_state_for(version + 1, CUDA_CRASH_ELEMENTS)
 
 
 def manager_loop(directory: Path) -> None:
@@ -182,6 +218,8 @@ def main() -> None:
         versions(Path(args[0]), int(args[1]), int(args[2]))
     elif mode == "reader":
         reader(Path(args[0]))
+    elif mode == "save-loop-cuda":
+        save_loop_cuda(Path(args[0]), Path(args[1]))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

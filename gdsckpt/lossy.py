@@ -1,0 +1,451 @@
+"""Opt-in lossy compression: error-bounded rounding of chosen floating tensors before a save.
+
+``gdsckpt.save(state, path, lossy={"*.exp_avg_sq": 1e-2, "*.exp_avg": 1e-3})`` rounds every
+floating array whose key matches a pattern to a grid, then stores the rounded values through the
+normal lossless pipeline (byte planes + zstd / ANS / ...), where their zeroed low mantissa bits
+compress well. Lossless is the default and stays so: without ``lossy=`` every array is bit-exact.
+
+The rule (mode ``"grid"``), per array:
+
+- ``abs_bound = rel * max(|x|)`` over the array's finite elements (``rel``: the pattern's relative
+  bound), computed in float64;
+- ``step`` = the largest power of two ``<= 2 * abs_bound``; each finite ``x`` becomes
+  ``round(x / step) * step`` (round half to even), so ``|error| <= step / 2 <= abs_bound``. This
+  is the quantizer of nvCOMP Bitcomp's lossy floating-point mode ("delta is rounded down to the
+  nearest power of two ... the maximum error is <= delta/2", with delta = 2 * abs_bound), here
+  computed with torch (on the tensor's own device) or NumPy ops so any codec can follow it;
+- NaN and +-inf keep their exact bit patterns (NaN payloads included), a zero keeps its sign and a
+  negative value that rounds to zero becomes -0.0; an element whose rounded value would overflow
+  the dtype keeps its original value;
+- the error of every finite element is measured in float64 (exact: the difference of two nearby
+  floats); should it exceed ``abs_bound`` anywhere, the array is stored losslessly instead.
+
+Which arrays: torch tensors (CPU or CUDA) and NumPy arrays of dtype float16, bfloat16, float32 or
+float64. Other dtypes, CuPy and JAX arrays, an array with no finite nonzero element, and an entry
+that aliases another array (it follows the array it aliases) are stored losslessly. The rounded
+values are computed into a new array (the caller's is never modified), a chunk of
+``CHUNK_ELEMENTS`` at a time, so a save holds one extra copy of each lossy array plus bounded
+temporaries.
+
+A lossy array's index record carries an informative ``lossy`` member (``{"mode": "grid",
+"rel_bound": ..., "abs_bound": ..., "max_error": ...}``, docs/format.md section 6.5); decoding is
+unchanged (the stored bytes are the rounded values), so every reader loads these files. Loading
+one warns (``LossyWarning``) with the number of lossy arrays; ``gdsckpt.inspect`` and
+``gdsckpt inspect`` show each one's bound and measured error.
+
+Caution with Adam's second moment: the bound is relative to the array's largest magnitude, and
+``exp_avg_sq`` spans many orders of magnitude, so its small entries round to zero and the next
+update ``m / (sqrt(v) + eps)`` of those entries explodes. Measured on TinyGPT (width 256, depth 4,
+AdamW, 5 and 20 steps): rounding ``exp_avg_sq`` at 1e-2 or 1e-3 zeroed 7-31% of its nonzero
+entries and changed the update by 5e3-1.3e4 times its norm; rounding only ``exp_avg`` changed it
+by 15-35% (1e-2) and 2-5% (1e-3). Check a policy on your own state (``grid_quantize`` and a
+simulated step) before relying on it for resuming.
+
+Also here: ``compare_modes`` (an in-memory estimate of grid rounding against blockwise 8-bit
+quantization, which no file stores) and ``sensitivity`` (how a model's loss moves when groups of
+its tensors are rounded).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .state import FlatState, NumpySource, TorchSource
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+"""Dtypes a policy rounds; arrays of other dtypes are stored losslessly whatever their key."""
+MODES = ("grid",)
+"""Lossy modes a save can use."""
+CHUNK_ELEMENTS = 1 << 21
+"""Elements rounded per step: the float64 temporaries of one step (~40 bytes per element) stay
+near 80 MB on the host or the device, whatever the array's size."""
+
+
+class LossyWarning(UserWarning):
+    """A load read arrays that were saved with ``save(lossy=...)``: within their recorded error
+    bounds, not bit-exact."""
+
+
+def _matches(pattern: str, key: str) -> bool:
+    # Key strings separate containers with "/" ("optimizer/state/0/exp_avg"); users think of them
+    # dotted, as torch names them ("optimizer.state.*.exp_avg"): either spelling matches.
+    return fnmatch.fnmatchcase(key, pattern) or fnmatch.fnmatchcase(key.replace("/", "."), pattern)
+
+
+def _check_rel(rel: Any, pattern: str) -> float:
+    if isinstance(rel, bool) or not isinstance(rel, (int, float)) or not 0 < rel < 1:
+        raise ValueError(f"relative error bound of {pattern!r} must be a number in (0, 1), got {rel!r}")
+    return float(rel)
+
+
+@dataclass(frozen=True)
+class LossyPolicy:
+    """Which arrays a save rounds, and how far: ``rules`` maps key patterns to relative bounds.
+
+    ``LossyPolicy({"*.exp_avg_sq": 1e-2, "optimizer.state.*.exp_avg": 1e-3})``. A pattern is an
+    ``fnmatch`` pattern (``*``, ``?``, ``[...]``; case-sensitive; ``*`` also crosses separators)
+    matched against the key string (``"optimizer/state/0/exp_avg"``) and against its dotted
+    spelling (``"optimizer.state.0.exp_avg"``); the first matching pattern, in ``rules`` order,
+    sets the bound. A bound ``rel`` in (0, 1) means ``abs_bound = rel * max(|finite x|)`` for
+    each array. ``mode``: ``"grid"`` (the only one; see the module docstring).
+    """
+
+    rules: Mapping[str, float] | Sequence[tuple[str, float]]
+    mode: str = "grid"
+
+    def __post_init__(self) -> None:
+        pairs = list(self.rules.items()) if isinstance(self.rules, Mapping) else list(self.rules)
+        checked = []
+        for pair in pairs:
+            if not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[0], str):
+                raise TypeError(f"a lossy rule must be a (pattern, relative bound) pair, got {pair!r}")
+            checked.append((pair[0], _check_rel(pair[1], pair[0])))
+        if self.mode not in MODES:
+            raise ValueError(f"lossy mode {self.mode!r} is not one of {MODES}")
+        object.__setattr__(self, "rules", tuple(checked))  # frozen: a tuple, hashable and ordered
+
+    @classmethod
+    def of(cls, value: LossyPolicy | Mapping[str, float]) -> LossyPolicy:
+        """``value`` as a policy: a ``LossyPolicy`` itself, or a dict of pattern -> relative bound."""
+        if isinstance(value, LossyPolicy):
+            return value
+        if isinstance(value, Mapping):
+            return cls(value)
+        raise TypeError(f"lossy must be a LossyPolicy or a dict of pattern -> relative bound, "
+                        f"got {type(value).__qualname__}")
+
+    def bound_for(self, key: str) -> float | None:
+        """The relative bound of the first pattern matching ``key``, or None (lossless)."""
+        for pattern, rel in self.rules:  # type: ignore[misc]
+            if _matches(pattern, key):
+                return rel
+        return None
+
+
+@dataclass(frozen=True)
+class GridResult:
+    """An array rounded to a grid (``grid_quantize``): the new values and what bounds them."""
+
+    values: Any
+    """A new C-contiguous array of the input's type, dtype (native byte order), shape and device."""
+    rel_bound: float
+    abs_bound: float
+    step: float
+    max_error: float
+    """The largest ``|rounded - original|`` over the finite elements, measured in float64."""
+
+    def record(self) -> dict[str, Any]:
+        """The index record's ``lossy`` member."""
+        return {"mode": "grid", "rel_bound": self.rel_bound, "abs_bound": self.abs_bound,
+                "max_error": self.max_error}
+
+
+def _grid_step(amax: float, rel: float) -> tuple[float, float] | None:
+    """(abs_bound, step) for an array whose largest finite magnitude is ``amax``; None when the
+    bound is zero (nothing to round)."""
+    abs_bound = rel * amax
+    if not abs_bound > 0 or not math.isfinite(abs_bound):
+        return None
+    # abs_bound = m * 2**e with m in [0.5, 1): the largest power of two <= 2 * abs_bound is 2**e.
+    # Capped at 2**1023 (float64's largest power of two) rather than computing 2 * abs_bound,
+    # which overflows for bounds near float64's maximum.
+    _mantissa, exponent = math.frexp(abs_bound)
+    return abs_bound, math.ldexp(1.0, min(exponent, 1023))
+
+
+_TORCH_INT = {2: "int16", 4: "int32", 8: "int64"}
+_NUMPY_INT = {2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _grid_torch(tensor: Any, rel: float) -> GridResult | None:
+    import torch
+
+    with torch.no_grad():
+        # The copy we round in place, chunk by chunk: never the caller's memory. copy_ also
+        # materialises strided, conjugate or negative views.
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        out.copy_(tensor.detach())
+        flat = out.reshape(-1)
+        n = flat.numel()
+        amax = torch.zeros((), dtype=torch.float64, device=out.device)
+        for start in range(0, n, CHUNK_ELEMENTS):
+            part = flat[start:start + CHUNK_ELEMENTS]  # max is exact in the array's own dtype
+            amax = torch.maximum(amax, torch.where(torch.isfinite(part), part.abs(), 0).amax().double())
+        bound = _grid_step(float(amax), rel) if n else None  # one scalar to the host per pass
+        if bound is None:
+            return None
+        abs_bound, step = bound
+        ints = flat.view(getattr(torch, _TORCH_INT[out.element_size()]))
+        worst = torch.zeros((), dtype=torch.float64, device=out.device)
+        for start in range(0, n, CHUNK_ELEMENTS):
+            part = flat[start:start + CHUNK_ELEMENTS]
+            x = part.to(torch.float64)  # exact for every float dtype here
+            # x / step and * step are exact (step is a power of two); copysign keeps -0.0 and
+            # makes a negative value that rounds to zero -0.0.
+            rounded = torch.copysign(torch.round(x / step) * step, x).to(out.dtype)
+            back = rounded.to(torch.float64)
+            # Non-finite inputs keep their bits; so does a finite one whose rounding overflowed.
+            keep = torch.isfinite(x) & torch.isfinite(back)
+            worst = torch.maximum(worst, torch.where(keep, (back - x).abs(), 0).amax())
+            # Selected as integers: a float select could canonicalise a NaN's payload.
+            chunk_ints = ints[start:start + CHUNK_ELEMENTS]
+            chunk_ints.copy_(torch.where(keep, rounded.view(chunk_ints.dtype), chunk_ints))
+        max_error = float(worst)
+    if not max_error <= abs_bound:
+        return None
+    return GridResult(out, rel, abs_bound, step, max_error)
+
+
+def _grid_numpy(array: np.ndarray, rel: float) -> GridResult | None:
+    dtype = array.dtype if array.dtype.isnative else array.dtype.newbyteorder("=")
+    out = np.array(array, dtype=dtype, order="C", copy=True)
+    flat = out.reshape(-1)
+    n = flat.size
+    # Overflow to inf (a rounded value past the dtype's range) is expected and handled: no warnings.
+    with np.errstate(all="ignore"):
+        amax = 0.0
+        for start in range(0, n, CHUNK_ELEMENTS):
+            part = flat[start:start + CHUNK_ELEMENTS].astype(np.float64)
+            amax = max(amax, float(np.max(np.abs(part), where=np.isfinite(part), initial=0.0)))
+        bound = _grid_step(amax, rel) if n else None
+        if bound is None:
+            return None
+        abs_bound, step = bound
+        ints = flat.view(_NUMPY_INT[dtype.itemsize])
+        max_error = 0.0
+        for start in range(0, n, CHUNK_ELEMENTS):
+            x = flat[start:start + CHUNK_ELEMENTS].astype(np.float64)
+            rounded = np.copysign(np.round(x / step) * step, x).astype(dtype)
+            back = rounded.astype(np.float64)
+            keep = np.isfinite(x) & np.isfinite(back)
+            error = np.max(np.abs(back - x), where=keep, initial=0.0)
+            max_error = max(max_error, float(error))
+            chunk_ints = ints[start:start + CHUNK_ELEMENTS]
+            np.copyto(chunk_ints, rounded.view(chunk_ints.dtype), where=keep)
+    if not max_error <= abs_bound:
+        return None
+    return GridResult(out, rel, abs_bound, step, max_error)
+
+
+def _dtype_name(array: Any) -> str | None:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(array, torch.Tensor):
+        return str(array.dtype).removeprefix("torch.")
+    if isinstance(array, np.ndarray):
+        return array.dtype.name
+    return None
+
+
+def grid_quantize(array: Any, rel: float) -> GridResult | None:
+    """Round a torch tensor (CPU or CUDA, on its own device) or NumPy array to the grid of
+    relative bound ``rel`` (module docstring) into a new array.
+
+    Returns None where a save would store the array losslessly: a dtype other than float16,
+    bfloat16, float32 and float64, no finite nonzero element, or a measured error above the bound.
+    """
+    rel = _check_rel(rel, "grid_quantize")
+    if _dtype_name(array) not in FLOAT_DTYPES:
+        return None
+    if isinstance(array, np.ndarray):
+        return _grid_numpy(array, rel)
+    return _grid_torch(array, rel)
+
+
+def apply_policy(flat: FlatState, policy: LossyPolicy | Mapping[str, float]) -> list[str]:
+    """Round the arrays of a flattened state that ``policy`` selects (``save(lossy=...)``): their
+    sources now read the rounded copies and their ``lossy`` holds the record member. Returns the
+    keys of the arrays rounded."""
+    policy = LossyPolicy.of(policy)
+    rounded = []
+    for array in flat.arrays:
+        if array.alias is not None or array.source is None or array.dtype not in FLOAT_DTYPES:
+            continue
+        rel = policy.bound_for(array.key)
+        if rel is None:
+            continue
+        if isinstance(array.source, TorchSource):
+            result = _grid_torch(array.source.tensor, rel)
+            if result is not None:
+                array.source = TorchSource(result.values, array.dtype)
+        elif isinstance(array.source, NumpySource) and array.kind == "numpy":
+            result = _grid_numpy(np.asarray(array.source.array), rel)
+            if result is not None:
+                array.source = NumpySource(result.values, array.dtype)
+        else:
+            continue  # CuPy and JAX arrays: lossless
+        if result is not None:
+            array.lossy = result.record()
+            rounded.append(array.key)
+    return rounded
+
+
+# ---------------------------------------------------------------------------------------------
+# analysis: grid against blockwise 8-bit quantization
+
+def _zstd_bytes(data: np.ndarray, width: int) -> int:
+    """Bytes zstd (level 1, as the CPU engine) takes for ``data``: the smaller of one frame and
+    one frame per byte plane, as the engine's byte-plane trial chooses."""
+    import zstandard
+
+    from .codecs.cpu import planes_forward
+    from .pipeline.engine import HOST_ZSTD_LEVEL
+
+    compressor = zstandard.ZstdCompressor(level=HOST_ZSTD_LEVEL)
+    data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    plain = len(compressor.compress(data))
+    if width < 2 or data.size % width:
+        return plain
+    planes = planes_forward(data, width).reshape(width, -1)
+    return min(plain, sum(len(compressor.compress(plane)) for plane in planes))
+
+
+def _as_numpy(array: Any) -> np.ndarray:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(array, torch.Tensor):
+        array = array.detach().cpu()
+        if array.dtype == torch.bfloat16:
+            # NumPy has no bfloat16 without ml_dtypes: keep the bits (for the grid's stored bytes)
+            return array.view(torch.int16).numpy()
+        return array.numpy()
+    return np.asarray(array)
+
+
+def compare_modes(array: Any, rel: float, *, block: int = 256) -> dict[str, Any]:
+    """Estimate what grid rounding at ``rel`` and blockwise 8-bit quantization would store for one
+    floating array, both compressed with zstd (an in-memory analysis: no file holds the 8-bit form).
+
+    8-bit (``q8``): per block of ``block`` elements, ``scale = max|x| / 127`` (float32) and int8
+    codes ``round(x / scale)``; its error is at most ``scale / 2`` per block, which need not meet
+    the grid's ``abs_bound`` (``q8_within_bound`` says). Non-finite elements count as 0 for q8.
+    Returns raw, grid and q8 byte counts, ratios and measured max errors.
+    """
+    grid = grid_quantize(array, rel)
+    raw = _as_numpy(array)
+    itemsize = raw.dtype.itemsize
+    values = _as_numpy(grid.values) if grid is not None else raw
+    grid_bytes = _zstd_bytes(values, itemsize)
+
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(array, torch.Tensor):
+        x = array.detach().to("cpu", torch.float64).reshape(-1).numpy()
+    else:
+        x = np.asarray(array, dtype=np.float64).reshape(-1)
+    x = np.where(np.isfinite(x), x, 0.0)
+    padded = np.zeros(-(-x.size // block) * block, dtype=np.float64)
+    padded[:x.size] = x
+    blocks = padded.reshape(-1, block)
+    scales = (np.abs(blocks).max(axis=1) / 127).astype(np.float32)
+    divisor = np.where(scales > 0, scales, 1).astype(np.float64)[:, None]
+    codes = np.clip(np.round(blocks / divisor), -127, 127).astype(np.int8)
+    decoded = codes.astype(np.float64) * scales.astype(np.float64)[:, None]
+    q8_error = float(np.abs(decoded - blocks).max()) if blocks.size else 0.0
+    q8_bytes = _zstd_bytes(codes, 1) + _zstd_bytes(scales, 4)
+
+    nbytes = raw.nbytes
+    abs_bound = grid.abs_bound if grid is not None else 0.0
+    return {
+        "raw_bytes": nbytes, "rel_bound": rel, "abs_bound": abs_bound, "block": block,
+        "grid_bytes": grid_bytes, "grid_ratio": nbytes / grid_bytes if grid_bytes else 0.0,
+        "grid_max_error": grid.max_error if grid is not None else 0.0,
+        "q8_bytes": q8_bytes, "q8_ratio": nbytes / q8_bytes if q8_bytes else 0.0,
+        "q8_max_error": q8_error, "q8_within_bound": q8_error <= abs_bound,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# sensitivity of a model's loss
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """How the loss moved when one group of a model's tensors was grid-rounded at one bound."""
+
+    group: str
+    rel_bound: float
+    keys: tuple[str, ...]
+    """The state_dict keys rounded (empty: the group matched no floating tensor)."""
+    base_loss: float
+    loss: float
+    rel_change: float
+    """``(loss - base_loss) / |base_loss|`` (the plain difference when ``base_loss`` is 0)."""
+    max_error: float
+    """The largest measured ``max_error`` among the group's tensors."""
+
+
+_WILDCARDS = frozenset("*?[")
+
+
+def _groups(spec: Any) -> list[tuple[str, list[str], float | None]]:
+    """(name, patterns, own bound or None) of each group of ``sensitivity``."""
+    if isinstance(spec, LossyPolicy) or (isinstance(spec, Mapping) and spec
+                                         and all(isinstance(v, (int, float)) for v in spec.values())):
+        policy = LossyPolicy.of(spec)
+        return [(pattern, [pattern], rel) for pattern, rel in policy.rules]  # type: ignore[misc]
+    if isinstance(spec, Mapping):
+        return [(str(name), [patterns] if isinstance(patterns, str) else list(patterns), None)
+                for name, patterns in spec.items()]
+    if isinstance(spec, str) or not isinstance(spec, Iterable):
+        raise TypeError("groups must be a LossyPolicy, a dict of pattern -> bound, a dict of name -> "
+                        "patterns, or a list of patterns / key prefixes")
+    # A plain name is a prefix: "blocks.0" covers "blocks.0.qkv.weight", ...
+    return [(p, [p] if _WILDCARDS & set(p) else [p, p + ".*", p + "/*"], None) for p in spec]
+
+
+def sensitivity(model: Any, loss_fn: Callable[[Any, Any], Any], batch: Any, groups: Any,
+                rel_bounds: Iterable[float] | None = (1e-2, 1e-3)) -> list[Sensitivity]:
+    """For each group of ``model``'s floating state_dict tensors and each bound: round that group
+    to its grid form (``grid_quantize``), evaluate ``loss_fn(model, batch)`` (under
+    ``torch.no_grad``), restore the originals (bit-exact), and report the loss's relative change.
+
+    ``groups``: a ``LossyPolicy`` or dict of pattern -> bound (a group per pattern), a dict of
+    name -> pattern(s), or a list of patterns / key prefixes (``"blocks.0"``); patterns match
+    state_dict keys as in ``LossyPolicy``. ``rel_bounds``: the bounds to try; None uses each
+    pattern's own bound (policies only). Put the model in ``eval()`` mode first if it has dropout,
+    or the loss moves by itself. Returns one ``Sensitivity`` per group and bound, in that order.
+    """
+    import torch
+
+    entries = [(key, tensor) for key, tensor in model.state_dict().items()
+               if isinstance(tensor, torch.Tensor) and _dtype_name(tensor) in FLOAT_DTYPES]
+    bounds = None if rel_bounds is None else [_check_rel(rel, "rel_bounds") for rel in rel_bounds]
+    with torch.no_grad():
+        base = float(loss_fn(model, batch))
+    results = []
+    for name, patterns, own in _groups(groups):
+        members = [(key, tensor) for key, tensor in entries if any(_matches(p, key) for p in patterns)]
+        if bounds is None and own is None:
+            raise ValueError(f"group {name!r} has no bound of its own: give rel_bounds")
+        for rel in (bounds if bounds is not None else [own]):
+            assert rel is not None
+            keys, worst, loss = [], 0.0, base
+            if members:
+                # Every original is copied before anything is written: tied tensors (one memory
+                # under two keys) come back as they were.
+                originals = [tensor.detach().clone() for _key, tensor in members]
+                try:
+                    with torch.no_grad():
+                        for key, tensor in members:
+                            result = _grid_torch(tensor, rel)
+                            if result is not None:
+                                tensor.copy_(result.values)
+                                keys.append(key)
+                                worst = max(worst, result.max_error)
+                        loss = float(loss_fn(model, batch))
+                finally:
+                    with torch.no_grad():
+                        for (_key, tensor), original in zip(members, originals):
+                            tensor.copy_(original)
+            change = (loss - base) / abs(base) if base else loss - base
+            results.append(Sensitivity(name, rel, tuple(keys), base, loss, change, worst))
+    return results
+
+
+__all__ = [
+    "FLOAT_DTYPES", "GridResult", "LossyPolicy", "LossyWarning", "Sensitivity", "apply_policy",
+    "compare_modes", "grid_quantize", "sensitivity",
+]

@@ -1,0 +1,297 @@
+"""Delta checkpoints (issue 7): ``save(..., base=)``, chains, rebase, the manager's schedule."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gdsckpt  # noqa: E402
+from gdsckpt import delta as delta_module  # noqa: E402
+from gdsckpt.demo import bit_equal  # noqa: E402
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(64, 300, generator=g)
+    special = torch.tensor([float("nan"), -0.0, 0.0, float("inf"), -float("inf"), 1e-45])
+    special = torch.cat([special, torch.tensor([0], dtype=torch.int32).view(torch.float32)])
+    payload_nan = torch.tensor([0x7FC00123], dtype=torch.int32).view(torch.float32)
+    return {
+        "model": {"w": weight.to(torch.bfloat16), "tied": None, "b": torch.randn(300, generator=g),
+                  "special": torch.cat([special, payload_nan]), "count": torch.arange(17),
+                  "mask": torch.rand(33, generator=g) > 0.5,
+                  "tiny": [torch.randn(3, generator=g) for _ in range(5)]},
+        "optimizer": {"exp_avg": torch.randn(64, 300, generator=g) * 1e-3,
+                      "array": np.arange(40, dtype=np.float64)},
+        "step": seed,
+    }
+
+
+def _tie(state: dict) -> dict:
+    state["model"]["tied"] = state["model"]["w"]
+    return state
+
+
+def _step(state: dict, seed: int) -> dict:
+    """The next training state: small updates of the float tensors, everything else kept."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    new = {"model": {}, "optimizer": {}, "step": seed}
+    for group in ("model", "optimizer"):
+        for key, value in state[group].items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "special":
+                noise = torch.randn(value.shape, generator=g) * 1e-3
+                new[group][key] = (value.float() + noise).to(value.dtype)
+            elif isinstance(value, list):
+                new[group][key] = [t + 1e-3 for t in value]
+            elif isinstance(value, np.ndarray):
+                new[group][key] = value + 0.5
+            else:
+                new[group][key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return _tie(new)
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and bit_equal(a, b)
+    return a == b
+
+
+def test_delta_chain_round_trips_bit_exact_up_to_max_chain(tmp_path):
+    states = [_tie(_state())]
+    for i in range(1, 6):
+        states.append(_step(states[-1], i))
+    paths = [tmp_path / f"c{i}.gdsckpt" for i in range(6)]
+    reports = [gdsckpt.save(states[0], paths[0], codec="zstd")]
+    for i in range(1, 6):
+        reports.append(gdsckpt.save(states[i], paths[i], codec="zstd", base=paths[i - 1], max_chain=3))
+    depths = [None if (b := gdsckpt.inspect(p).base) is None else b["depth"] for p in paths]
+    assert depths == [None, 1, 2, 3, None, 1]  # the 4th would be 4 deep: written in full
+    assert [r.base for r in reports] == [None, "c0.gdsckpt", "c1.gdsckpt", "c2.gdsckpt", None, "c4.gdsckpt"]
+    assert reports[1].delta_tensors > 0 and reports[4].delta_tensors == 0
+    for state, path in zip(states, paths):
+        assert _equal(gdsckpt.load(path), state)
+    loaded = gdsckpt.load(paths[3])
+    assert loaded["model"]["tied"] is loaded["model"]["w"]
+    info = gdsckpt.inspect(paths[3])
+    assert info.format_version == (1, 1) and gdsckpt.inspect(paths[0]).format_version == (1, 0)
+    assert {t.key for t in info.tensors if t.delta} >= {"model/w", "model/count", "optimizer/exp_avg"}
+    assert all(label.startswith("xorbase/1+") for t in info.tensors if t.delta for label in t.codecs)
+    gdsckpt.verify(paths[3])
+
+
+def test_every_read_path_resolves_the_chain(tmp_path):
+    base_state, state = _tie(_state()), None
+    gdsckpt.save(base_state, tmp_path / "a.gdsckpt")
+    state = _step(base_state, 1)
+    gdsckpt.save(state, tmp_path / "b.gdsckpt", base=tmp_path / "a.gdsckpt")
+    path = tmp_path / "b.gdsckpt"
+    assert _equal(gdsckpt.load(path, keys=["model/w", "optimizer"]),
+                  {"model": {"w": state["model"]["w"]}, "optimizer": state["optimizer"]})
+    with gdsckpt.open(path) as checkpoint:
+        assert bit_equal(checkpoint.get("model/b"), state["model"]["b"])
+        assert bit_equal(checkpoint.get_rows("optimizer/exp_avg", 5, 9), state["optimizer"]["exp_avg"][5:9])
+    model = {k: torch.zeros_like(v) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    gdsckpt.load_into({"model": model}, path, strict=False)
+    assert all(bit_equal(model[k], state["model"][k]) for k in model)
+
+
+def test_windows_smaller_than_the_arrays(tmp_path, monkeypatch):
+    """Base bytes are read in windows; arrays many windows long, chunks across window edges."""
+    monkeypatch.setattr(delta_module, "HOST_WINDOW_BYTES", 12288)
+    g = torch.Generator().manual_seed(7)
+    base = {"x": torch.randn(50_000, generator=g), "y": torch.randn(3_001, generator=g).to(torch.float16)}
+    new = {"x": base["x"] + 1e-4, "y": base["y"] * 2}
+    config = gdsckpt.Config(chunk_bytes=8192, io_threads=4)
+    gdsckpt.save(base, tmp_path / "a.gdsckpt", config=config)
+    gdsckpt.save(new, tmp_path / "b.gdsckpt", base=tmp_path / "a.gdsckpt", config=config)
+    assert _equal(gdsckpt.load(tmp_path / "b.gdsckpt", config=config), new)
+    with gdsckpt.open(tmp_path / "b.gdsckpt", config=config) as checkpoint:
+        assert bit_equal(checkpoint.get_rows("x", 1_000, 45_000), new["x"][1_000:45_000])
+
+
+def test_only_matching_arrays_are_deltas(tmp_path):
+    base = {"same": torch.ones(1000), "reshaped": torch.ones(10, 100), "retyped": torch.ones(1000),
+            "gone": torch.ones(5)}
+    gdsckpt.save(base, tmp_path / "a.gdsckpt")
+    new = {"same": torch.ones(1000) * 2, "reshaped": torch.ones(100, 10), "retyped": torch.ones(1000).double(),
+           "added": torch.zeros(3)}
+    report = gdsckpt.save(new, tmp_path / "b.gdsckpt", base=tmp_path / "a.gdsckpt")
+    assert report.delta_tensors == 1
+    assert {t.key for t in gdsckpt.inspect(tmp_path / "b.gdsckpt").tensors if t.delta} == {"same"}
+    assert _equal(gdsckpt.load(tmp_path / "b.gdsckpt"), new)
+
+
+def test_small_changes_make_small_deltas(tmp_path):
+    base = _state()
+    gdsckpt.save(base, tmp_path / "a.gdsckpt", codec="zstd")
+    full = gdsckpt.save(_step(base, 1), tmp_path / "full.gdsckpt", codec="zstd")
+    unchanged = gdsckpt.save(base, tmp_path / "same.gdsckpt", codec="zstd", base=tmp_path / "a.gdsckpt")
+    def payload(report):  # chunk bytes, without the file's fixed header, padding and index
+        return sum(t.stored_bytes for t in gdsckpt.inspect(report.path).tensors)
+
+    assert unchanged.delta_tensors == 12
+    assert payload(unchanged) < payload(full) / 50  # all-zero XORs
+
+
+def test_missing_or_changed_base_is_a_clear_error(tmp_path):
+    a, b = tmp_path / "a.gdsckpt", tmp_path / "b.gdsckpt"
+    state = _state()
+    gdsckpt.save(state, a)
+    gdsckpt.save(_step(state, 1), b, base=a)
+    moved = tmp_path / "moved.gdsckpt"
+    os.rename(a, moved)
+    with pytest.raises(gdsckpt.BaseCheckpointError, match="missing"):
+        gdsckpt.load(b)
+    os.rename(moved, a)
+    gdsckpt.save(_step(state, 2), a)  # another checkpoint under the base's name
+    with pytest.raises(gdsckpt.BaseCheckpointError, match="changed"):
+        gdsckpt.load(b)
+    with pytest.raises(gdsckpt.BaseCheckpointError, match="changed"):
+        gdsckpt.open(b).get("model/w")
+    with pytest.raises(gdsckpt.BaseCheckpointError, match="does not exist"):
+        gdsckpt.save(state, tmp_path / "c.gdsckpt", base=tmp_path / "nope.gdsckpt")
+    with pytest.raises(ValueError, match="its own base"):
+        gdsckpt.save(state, a, base=a)
+    with pytest.raises(ValueError, match="max_chain"):
+        gdsckpt.save(state, tmp_path / "c.gdsckpt", base=a, max_chain=-1)
+
+
+def test_a_directory_of_checkpoints_moves_as_a_whole(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    state = _state()
+    gdsckpt.save(state, run / "a.gdsckpt")
+    new = _step(state, 1)
+    gdsckpt.save(new, run / "b.gdsckpt", base=run / "a.gdsckpt")
+    shutil.move(run, tmp_path / "elsewhere")
+    assert _equal(gdsckpt.load(tmp_path / "elsewhere" / "b.gdsckpt"), new)
+
+
+def test_rebase_writes_a_full_checkpoint_and_guards_dependents(tmp_path):
+    a, b, c = (tmp_path / f"{n}.gdsckpt" for n in "abc")
+    s0 = _tie(_state())
+    s1, s2 = _step(s0, 1), _step(_step(s0, 1), 2)
+    gdsckpt.save(s0, a)
+    gdsckpt.save(s1, b, base=a)
+    gdsckpt.save(s2, c, base=b)
+    with pytest.raises(gdsckpt.BaseCheckpointError, match="c.gdsckpt"):
+        gdsckpt.rebase(b)  # c needs b as it is
+    report = gdsckpt.rebase(c, tmp_path / "c-full.gdsckpt")
+    assert report.base is None and gdsckpt.inspect(tmp_path / "c-full.gdsckpt").base is None
+    gdsckpt.rebase(c)  # in place: nothing depends on c
+    assert gdsckpt.inspect(c).base is None
+    a.unlink()
+    b.unlink()
+    assert _equal(gdsckpt.load(c), s2) and _equal(gdsckpt.load(tmp_path / "c-full.gdsckpt"), s2)
+
+
+def test_rebase_and_inspect_commands(tmp_path):
+    a, b = tmp_path / "a.gdsckpt", tmp_path / "b.gdsckpt"
+    state = _state()
+    gdsckpt.save(state, a)
+    gdsckpt.save(_step(state, 1), b, base=a)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "gdsckpt", *args], capture_output=True, text=True, timeout=120)
+
+    shown = cli("inspect", str(b), "--json")
+    assert shown.returncode == 0, shown.stderr
+    doc = json.loads(shown.stdout)
+    assert doc["base"]["path"] == "a.gdsckpt" and any(t["delta"] for t in doc["tensors"])
+    assert "delta checkpoint" in cli("inspect", str(b)).stdout
+    refused = cli("rebase", str(a))  # b is a delta on a
+    assert refused.returncode == 1 and "b.gdsckpt" in refused.stderr
+    done = cli("rebase", str(b))
+    assert done.returncode == 0, done.stderr
+    assert gdsckpt.inspect(b).base is None
+    assert cli("rebase").returncode == 2
+
+
+def test_index_rules_for_deltas(tmp_path):
+    from gdsckpt.format import parse_index
+
+    a, b = tmp_path / "a.gdsckpt", tmp_path / "b.gdsckpt"
+    gdsckpt.save({"x": torch.ones(100), "y": torch.ones(7)}, a, codec="none")
+    gdsckpt.save({"x": torch.ones(100) * 2, "y": torch.ones(7)}, b, base=a, codec="none")
+    raw = b.read_bytes()
+    with gdsckpt.open(b) as checkpoint:
+        trailer = checkpoint._opened.trailer
+    doc = json.loads(raw[trailer.index_offset:trailer.index_offset + trailer.index_length])
+
+    def parse(document):
+        return parse_index(json.dumps(document).encode(), index_offset=trailer.index_offset)
+
+    assert parse(doc).base["depth"] == 1
+    for mutate, message in [
+        (lambda d: d.pop("base"), "names no base"),
+        (lambda d: d["base"].__setitem__("index_sha256", "xyz"), "index_sha256"),
+        (lambda d: d["base"].__setitem__("depth", 0), "depth"),
+        (lambda d: d["base"].__setitem__("path", ""), "path"),
+        (lambda d: d.__setitem__("base", [1]), "base must be an object"),
+        (lambda d: d["chains"].append([{"name": "zstd/1"}, {"name": "xorbase/1"}]), "first stage"),
+        (lambda d: d["chains"].append([{"name": "xorbase/1"}]), "first stage"),
+    ]:
+        changed = json.loads(json.dumps(doc))
+        mutate(changed)
+        with pytest.raises(gdsckpt.CorruptCheckpointError, match=message):
+            parse(changed)
+
+
+def test_manager_schedule_pruning_and_restore(tmp_path):
+    manager = gdsckpt.CheckpointManager(tmp_path, keep_last=2, delta_every=10, full_every=40, max_chain=8)
+    assert [s for s in range(0, 90) if manager.should_save(s)] == list(range(0, 90, 10))
+    state = _state()
+    states = {}
+    for step in range(0, 90, 10):
+        state = _step(state, step)
+        states[step] = state
+        manager.save(step, state)
+    kinds = {step: gdsckpt.inspect(manager.path(step)).base for step in manager.steps()}
+    # kept: the 2 newest (70, 80: full, a multiple of 40) and the chain 70 -> 60 -> 50 -> 40 (full)
+    assert sorted(kinds) == [40, 50, 60, 70, 80]
+    assert kinds[40] is None and kinds[80] is None
+    assert all(kinds[s]["path"] == manager.path(s - 10).name for s in (50, 60, 70))
+    for step in kinds:
+        assert _equal(gdsckpt.load(manager.path(step)), states[step])
+    model = {k: torch.zeros_like(v) for k, v in states[80]["model"].items() if isinstance(v, torch.Tensor)}
+    step, _extra = manager.restore_latest(state={"model": model})
+    assert step == 80 and all(bit_equal(model[k], states[80]["model"][k]) for k in model)
+
+
+def test_manager_skips_a_delta_whose_base_was_lost(tmp_path):
+    manager = gdsckpt.CheckpointManager(tmp_path, keep_last=None, delta_every=1, full_every=2)
+    state = _state()
+    manager.save(0, state)          # full
+    manager.save(1, _step(state, 1))  # delta on 0
+    manager.save(2, _step(state, 2))  # full
+    manager.save(3, _step(state, 3))  # delta on 2
+    assert gdsckpt.inspect(manager.path(3)).base["path"] == manager.path(2).name
+    manager.path(2).write_bytes(b"garbage")
+    with pytest.warns(gdsckpt.SkippedCheckpointWarning):
+        restored = manager.restore_latest()
+    assert restored is not None and restored[0] == 1
+
+
+def test_manager_save_async_writes_deltas(tmp_path):
+    manager = gdsckpt.CheckpointManager(tmp_path, keep_last=3, delta_every=1)
+    state = _state()
+    manager.save(0, state)
+    new = _step(state, 1)
+    handle = manager.save_async(1, new)
+    report = handle.wait(timeout=120)
+    assert report.base == manager.path(0).name and report.delta_tensors > 0
+    assert _equal(gdsckpt.load(manager.path(1)), new)
