@@ -165,11 +165,16 @@ def lossy(args: argparse.Namespace, directory: Path) -> dict:
     result["lossless"]["resumed_loss"] = base_loss = resume_loss(model, optimizer, lossless_path, steps, args.resume)
     # Both moments, and exp_avg alone: a bound relative to the tensor's largest value rounds most
     # of exp_avg_sq's small entries to zero, which the next update m / (sqrt(v) + eps) amplifies.
-    variants = [(rel, moments) for rel in args.lossy_bounds for moments in (MOMENTS, MOMENTS[:1])]
-    for rel, moments in variants:
-        name = f"{rel:g}" + ("" if moments == MOMENTS else "-exp_avg-only")
-        path = directory / f"lossy-{name}.gdsckpt"
-        report, seconds = timed_save(state, path, codec=args.codec, lossy={f"*/{k}": rel for k in moments})
+    # Three policies: grid on both moments; grid on exp_avg only; grid on exp_avg and, per
+    # element, mantissa rounding on exp_avg_sq (its entries keep rel of their own magnitude).
+    policies = {"grid-both": lambda rel: {"*/exp_avg": rel, "*/exp_avg_sq": rel},
+                "grid-exp_avg-only": lambda rel: {"*/exp_avg": rel},
+                "grid+mantissa": lambda rel: {"*/exp_avg": rel, "*/exp_avg_sq": ("mantissa", rel)}}
+    for rel, label in [(rel, label) for rel in args.lossy_bounds for label in policies]:
+        policy = policies[label]
+        name = f"{rel:g} {label}"
+        path = directory / f"lossy-{rel:g}-{label}.gdsckpt"
+        report, seconds = timed_save(state, path, codec=args.codec, lossy=policy(rel))
         groups = group_bytes(path)
         loss = resume_loss(model, optimizer, path, steps, args.resume)
         errors = [t.lossy for t in gdsckpt.inspect(path).tensors if t.lossy is not None]

@@ -20,6 +20,15 @@ The rule (mode ``"grid"``), per array:
 - the error of every finite element is measured in float64 (exact: the difference of two nearby
   floats); should it exceed ``abs_bound`` anywhere, the array is stored losslessly instead.
 
+The rule of mode ``"mantissa"`` (a rule ``("mantissa", rel)``), per element: round to nearest
+(ties to even) keeping ``m = ceil(log2(1/rel)) - 1`` mantissa bits, on the bit pattern, so
+``|error| <= 2**-(m+1) * |x| <= rel * |x|``: every element keeps ``rel`` of its own magnitude, zeros
+stay zeros and small entries stay nonzero. Elements where that would not hold (subnormals, a
+carry into infinity), NaN and inf keep their bits. The record's ``abs_bound`` is then
+``rel * max(|x|)`` (a bound on the absolute error too). Meant for arrays spanning many orders of
+magnitude, Adam's ``exp_avg_sq`` first (below); its ratio is lower than the grid's (the exponent
+bits stay).
+
 Which arrays: torch tensors (CPU or CUDA) and NumPy arrays of dtype float16, bfloat16, float32 or
 float64. Other dtypes, CuPy and JAX arrays, an array with no finite nonzero element, and an entry
 that aliases another array (it follows the array it aliases) are stored losslessly. The rounded
@@ -33,13 +42,14 @@ unchanged (the stored bytes are the rounded values), so every reader loads these
 one warns (``LossyWarning``) with the number of lossy arrays; ``gdsckpt.inspect`` and
 ``gdsckpt inspect`` show each one's bound and measured error.
 
-Caution with Adam's second moment: the bound is relative to the array's largest magnitude, and
+Caution with Adam's second moment in mode ``grid``: the bound is relative to the array's largest magnitude, and
 ``exp_avg_sq`` spans many orders of magnitude, so its small entries round to zero and the next
 update ``m / (sqrt(v) + eps)`` of those entries explodes. Measured on TinyGPT (width 256, depth 4,
 AdamW, 5 and 20 steps): rounding ``exp_avg_sq`` at 1e-2 or 1e-3 zeroed 7-31% of its nonzero
 entries and changed the update by 5e3-1.3e4 times its norm; rounding only ``exp_avg`` changed it
 by 15-35% (1e-2) and 2-5% (1e-3). Check a policy on your own state (``grid_quantize`` and a
-simulated step) before relying on it for resuming.
+simulated step) before relying on it for resuming; mode ``mantissa`` keeps every entry within
+``rel`` of itself and is the one to use for ``exp_avg_sq``.
 
 Also here: ``compare_modes`` (an in-memory estimate of grid rounding against blockwise 8-bit
 quantization, which no file stores) and ``sensitivity`` (how a model's loss moves when groups of
@@ -60,8 +70,10 @@ from .state import FlatState, NumpySource, TorchSource
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 """Dtypes a policy rounds; arrays of other dtypes are stored losslessly whatever their key."""
-MODES = ("grid",)
-"""Lossy modes a save can use."""
+MODES = ("grid", "mantissa")
+"""Lossy modes a save can use: ``grid`` (error bounded by ``rel`` times the array's largest
+magnitude) and ``mantissa`` (error bounded by ``rel`` times each element's own magnitude)."""
+_MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}
 CHUNK_ELEMENTS = 1 << 21
 """Elements rounded per step: the float64 temporaries of one step (~40 bytes per element) stay
 near 80 MB on the host or the device, whatever the array's size."""
@@ -84,6 +96,16 @@ def _check_rel(rel: Any, pattern: str) -> float:
     return float(rel)
 
 
+def _check_rule(value: Any, pattern: str, default_mode: str) -> tuple[str, float]:
+    """A rule's (mode, relative bound): a bare bound takes the policy's mode; ``(mode, bound)``
+    chooses one for this pattern."""
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
+        if value[0] not in MODES:
+            raise ValueError(f"lossy mode {value[0]!r} of {pattern!r} is not one of {MODES}")
+        return value[0], _check_rel(value[1], pattern)
+    return default_mode, _check_rel(value, pattern)
+
+
 @dataclass(frozen=True)
 class LossyPolicy:
     """Which arrays a save rounds, and how far: ``rules`` maps key patterns to relative bounds.
@@ -93,7 +115,9 @@ class LossyPolicy:
     matched against the key string (``"optimizer/state/0/exp_avg"``) and against its dotted
     spelling (``"optimizer.state.0.exp_avg"``); the first matching pattern, in ``rules`` order,
     sets the bound. A bound ``rel`` in (0, 1) means ``abs_bound = rel * max(|finite x|)`` for
-    each array. ``mode``: ``"grid"`` (the only one; see the module docstring).
+    each array (mode ``"grid"``), or ``|error| <= rel * |x|`` for each element (mode
+    ``"mantissa"``). ``mode`` is the policy's default; a rule's value may also be a pair
+    ``(mode, rel)``: ``{"*.exp_avg": 1e-2, "*.exp_avg_sq": ("mantissa", 1e-2)}``.
     """
 
     rules: Mapping[str, float] | Sequence[tuple[str, float]]
@@ -105,7 +129,9 @@ class LossyPolicy:
         for pair in pairs:
             if not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[0], str):
                 raise TypeError(f"a lossy rule must be a (pattern, relative bound) pair, got {pair!r}")
-            checked.append((pair[0], _check_rel(pair[1], pair[0])))
+            if self.mode not in MODES:
+                raise ValueError(f"lossy mode {self.mode!r} is not one of {MODES}")
+            checked.append((pair[0], _check_rule(pair[1], pair[0], self.mode)))
         if self.mode not in MODES:
             raise ValueError(f"lossy mode {self.mode!r} is not one of {MODES}")
         object.__setattr__(self, "rules", tuple(checked))  # frozen: a tuple, hashable and ordered
@@ -122,9 +148,14 @@ class LossyPolicy:
 
     def bound_for(self, key: str) -> float | None:
         """The relative bound of the first pattern matching ``key``, or None (lossless)."""
-        for pattern, rel in self.rules:  # type: ignore[misc]
+        rule = self.rule_for(key)
+        return rule[1] if rule is not None else None
+
+    def rule_for(self, key: str) -> tuple[str, float] | None:
+        """(mode, relative bound) of the first pattern matching ``key``, or None (lossless)."""
+        for pattern, rule in self.rules:  # type: ignore[misc]
             if _matches(pattern, key):
-                return rel
+                return rule
         return None
 
 
@@ -139,10 +170,11 @@ class GridResult:
     step: float
     max_error: float
     """The largest ``|rounded - original|`` over the finite elements, measured in float64."""
+    mode: str = "grid"
 
     def record(self) -> dict[str, Any]:
         """The index record's ``lossy`` member."""
-        return {"mode": "grid", "rel_bound": self.rel_bound, "abs_bound": self.abs_bound,
+        return {"mode": self.mode, "rel_bound": self.rel_bound, "abs_bound": self.abs_bound,
                 "max_error": self.max_error}
 
 
@@ -233,6 +265,80 @@ def _grid_numpy(array: np.ndarray, rel: float) -> GridResult | None:
     return GridResult(out, rel, abs_bound, step, max_error)
 
 
+def _mantissa_drop(dtype_name: str, rel: float) -> int:
+    """Low mantissa bits to clear so that rounding to nearest errs by at most ``rel`` relative:
+    keeping ``m`` bits bounds the error by 2**-(m+1) of the value, so m = ceil(log2(1/rel)) - 1."""
+    keep = max(0, math.ceil(-math.log2(rel)) - 1)
+    return max(0, _MANTISSA_BITS[dtype_name] - keep)
+
+
+def _mantissa_torch(tensor: Any, rel: float) -> GridResult | None:
+    """Mode ``mantissa`` on a torch tensor: each finite element rounded to nearest (ties to even)
+    at ``_mantissa_drop`` fewer mantissa bits, as integers on its bit pattern, on its device.
+    Elements whose rounding would leave the bound (subnormals, which have fewer significant bits,
+    or a carry into infinity) keep their bits, as do NaN and inf."""
+    import torch
+
+    dtype_name = str(tensor.dtype).removeprefix("torch.")
+    drop = _mantissa_drop(dtype_name, rel)
+    if drop == 0 or tensor.numel() == 0:
+        return None
+    with torch.no_grad():
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        out.copy_(tensor.detach())
+        flat = out.reshape(-1)
+        width = out.element_size()
+        ints = flat.view(getattr(torch, _TORCH_INT[width]))
+        sign = -(1 << (8 * width - 1))  # the sign bit as a signed integer of that width
+        worst = torch.zeros((), dtype=torch.float64, device=out.device)
+        amax = torch.zeros((), dtype=torch.float64, device=out.device)
+        for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+            bits = ints[start:start + CHUNK_ELEMENTS]
+            wide = bits.to(torch.int64)  # sign-extended; the masks below fit int64 at every width
+            magnitude = wide & (-sign - 1)
+            half, lsb = 1 << (drop - 1), (magnitude >> drop) & 1
+            rounded = ((magnitude + half - 1 + lsb) >> drop) << drop
+            candidate = ((wide & sign) | rounded).to(bits.dtype)
+            x = flat[start:start + CHUNK_ELEMENTS].to(torch.float64)
+            back = candidate.view(out.dtype).to(torch.float64)
+            error = (back - x).abs()
+            keep = torch.isfinite(x) & torch.isfinite(back) & (error <= rel * x.abs())
+            worst = torch.maximum(worst, torch.where(keep, error, 0).amax())
+            amax = torch.maximum(amax, torch.where(torch.isfinite(x), x.abs(), 0).amax())
+            bits.copy_(torch.where(keep, candidate, bits))
+        max_error, largest = float(worst), float(amax)
+    return GridResult(out, rel, rel * largest, 0.0, max_error, mode="mantissa")
+
+
+def _mantissa_numpy(array: np.ndarray, rel: float) -> GridResult | None:
+    """Mode ``mantissa`` on a NumPy array (``_mantissa_torch``'s rule)."""
+    dtype = array.dtype if array.dtype.isnative else array.dtype.newbyteorder("=")
+    drop = _mantissa_drop(dtype.name, rel)
+    if drop == 0 or array.size == 0:
+        return None
+    out = np.array(array, dtype=dtype, order="C", copy=True)
+    flat = out.reshape(-1)
+    unsigned = {2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
+    ints = flat.view(unsigned)
+    sign = unsigned(1) << unsigned(8 * dtype.itemsize - 1)
+    max_error = largest = 0.0
+    with np.errstate(all="ignore"):
+        for start in range(0, flat.size, CHUNK_ELEMENTS):
+            bits = ints[start:start + CHUNK_ELEMENTS]
+            magnitude = (bits & ~sign).astype(np.uint64)
+            half, lsb = np.uint64(1 << (drop - 1)), (magnitude >> np.uint64(drop)) & np.uint64(1)
+            rounded = ((magnitude + half - np.uint64(1) + lsb) >> np.uint64(drop)) << np.uint64(drop)
+            candidate = (bits & sign) | rounded.astype(unsigned)
+            x = flat[start:start + CHUNK_ELEMENTS].astype(np.float64)
+            back = candidate.view(dtype).astype(np.float64)
+            error = np.abs(back - x)
+            keep = np.isfinite(x) & np.isfinite(back) & (error <= rel * np.abs(x))
+            max_error = max(max_error, float(np.max(error, where=keep, initial=0.0)))
+            largest = max(largest, float(np.max(np.abs(x), where=np.isfinite(x), initial=0.0)))
+            np.copyto(bits, candidate, where=keep)
+    return GridResult(out, rel, rel * largest, 0.0, max_error, mode="mantissa")
+
+
 def _dtype_name(array: Any) -> str | None:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(array, torch.Tensor):
@@ -266,15 +372,16 @@ def apply_policy(flat: FlatState, policy: LossyPolicy | Mapping[str, float]) -> 
     for array in flat.arrays:
         if array.alias is not None or array.source is None or array.dtype not in FLOAT_DTYPES:
             continue
-        rel = policy.bound_for(array.key)
-        if rel is None:
+        rule = policy.rule_for(array.key)
+        if rule is None:
             continue
+        mode, rel = rule
         if isinstance(array.source, TorchSource):
-            result = _grid_torch(array.source.tensor, rel)
+            result = (_grid_torch if mode == "grid" else _mantissa_torch)(array.source.tensor, rel)
             if result is not None:
                 array.source = TorchSource(result.values, array.dtype)
         elif isinstance(array.source, NumpySource) and array.kind == "numpy":
-            result = _grid_numpy(np.asarray(array.source.array), rel)
+            result = (_grid_numpy if mode == "grid" else _mantissa_numpy)(np.asarray(array.source.array), rel)
             if result is not None:
                 array.source = NumpySource(result.values, array.dtype)
         else:
@@ -380,20 +487,20 @@ class Sensitivity:
 _WILDCARDS = frozenset("*?[")
 
 
-def _groups(spec: Any) -> list[tuple[str, list[str], float | None]]:
-    """(name, patterns, own bound or None) of each group of ``sensitivity``."""
+def _groups(spec: Any) -> list[tuple[str, list[str], float | None, str]]:
+    """(name, patterns, own bound or None, mode) of each group of ``sensitivity``."""
     if isinstance(spec, LossyPolicy) or (isinstance(spec, Mapping) and spec
-                                         and all(isinstance(v, (int, float)) for v in spec.values())):
+                                         and all(isinstance(v, (int, float, tuple)) for v in spec.values())):
         policy = LossyPolicy.of(spec)
-        return [(pattern, [pattern], rel) for pattern, rel in policy.rules]  # type: ignore[misc]
+        return [(pattern, [pattern], rule[1], rule[0]) for pattern, rule in policy.rules]  # type: ignore[misc]
     if isinstance(spec, Mapping):
-        return [(str(name), [patterns] if isinstance(patterns, str) else list(patterns), None)
+        return [(str(name), [patterns] if isinstance(patterns, str) else list(patterns), None, "grid")
                 for name, patterns in spec.items()]
     if isinstance(spec, str) or not isinstance(spec, Iterable):
         raise TypeError("groups must be a LossyPolicy, a dict of pattern -> bound, a dict of name -> "
                         "patterns, or a list of patterns / key prefixes")
     # A plain name is a prefix: "blocks.0" covers "blocks.0.qkv.weight", ...
-    return [(p, [p] if _WILDCARDS & set(p) else [p, p + ".*", p + "/*"], None) for p in spec]
+    return [(p, [p] if _WILDCARDS & set(p) else [p, p + ".*", p + "/*"], None, "grid") for p in spec]
 
 
 def sensitivity(model: Any, loss_fn: Callable[[Any, Any], Any], batch: Any, groups: Any,
@@ -416,7 +523,7 @@ def sensitivity(model: Any, loss_fn: Callable[[Any, Any], Any], batch: Any, grou
     with torch.no_grad():
         base = float(loss_fn(model, batch))
     results = []
-    for name, patterns, own in _groups(groups):
+    for name, patterns, own, mode in _groups(groups):
         members = [(key, tensor) for key, tensor in entries if any(_matches(p, key) for p in patterns)]
         if bounds is None and own is None:
             raise ValueError(f"group {name!r} has no bound of its own: give rel_bounds")
@@ -430,7 +537,7 @@ def sensitivity(model: Any, loss_fn: Callable[[Any, Any], Any], batch: Any, grou
                 try:
                     with torch.no_grad():
                         for key, tensor in members:
-                            result = _grid_torch(tensor, rel)
+                            result = (_grid_torch if mode == "grid" else _mantissa_torch)(tensor, rel)
                             if result is not None:
                                 tensor.copy_(result.values)
                                 keys.append(key)

@@ -397,3 +397,48 @@ def test_compare_modes_reports_both() -> None:
     assert figures["q8_within_bound"] == (figures["q8_max_error"] <= figures["abs_bound"])
     half = lossy.compare_modes(values.to(torch.bfloat16), 1e-3)
     assert half["raw_bytes"] == 40000
+
+
+@PROPERTY
+@given(float_arrays(), st.sampled_from([0.3, 1e-2, 1e-3, 1e-6]), st.booleans())
+def test_mantissa_mode_bounds_each_element_relatively(case: tuple[str, np.ndarray], rel: float,
+                                                      chunked: bool) -> None:
+    dtype, bits = case
+    tensor = _torch_of(dtype, bits)
+    before = _bits(tensor)
+    with mock.patch.object(lossy, "CHUNK_ELEMENTS", 5 if chunked else lossy.CHUNK_ELEMENTS):
+        result = lossy._mantissa_torch(tensor, rel)
+    assert np.array_equal(_bits(tensor), before), "the caller's tensor is never modified"
+    if result is None:  # the dtype has no mantissa bits to spare at this bound
+        assert lossy._mantissa_drop(dtype, rel) == 0
+        return
+    x, y = _as_float64(tensor), _as_float64(result.values)
+    finite = np.isfinite(x)
+    error = np.abs(y[finite] - x[finite])
+    assert np.all(error <= rel * np.abs(x[finite])), "every element within rel of its own magnitude"
+    assert result.max_error == (float(error.max()) if error.size else 0.0) and result.mode == "mantissa"
+    after = _bits(result.values)
+    assert np.array_equal(after[~finite], before[~finite]), "NaN / inf bit patterns (payloads) kept"
+    assert np.array_equal(np.signbit(y[finite]), np.signbit(x[finite]))
+    if dtype != "bfloat16":  # NumPy computes the very same bits
+        same = lossy._mantissa_numpy(tensor.numpy(), rel)
+        assert same is not None and np.array_equal(_bits(same.values), after)
+
+
+def test_mantissa_rule_in_a_policy_round_trips(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(5)
+    second_moment = torch.rand(4096, generator=g) ** 8 * 1e-4  # many orders of magnitude
+    state = {"optimizer": {"exp_avg": torch.randn(4096, generator=g) * 1e-3, "exp_avg_sq": second_moment},
+             "model": {"w": torch.randn(64, generator=g)}}
+    policy = {"*.exp_avg": 1e-2, "*.exp_avg_sq": ("mantissa", 1e-2)}
+    report = gdsckpt.save(state, tmp_path / "m.gdsckpt", codec="zstd", lossy=policy)
+    assert set(report.lossy) == {"optimizer/exp_avg", "optimizer/exp_avg_sq"}
+    modes = {t.key: t.lossy["mode"] for t in gdsckpt.inspect(tmp_path / "m.gdsckpt").tensors if t.lossy}
+    assert modes == {"optimizer/exp_avg": "grid", "optimizer/exp_avg_sq": "mantissa"}
+    with pytest.warns(lossy.LossyWarning):
+        loaded = gdsckpt.load(tmp_path / "m.gdsckpt")
+    v, w = second_moment.double(), loaded["optimizer"]["exp_avg_sq"].double()
+    assert torch.all((w - v).abs() <= 1e-2 * v.abs()) and torch.all((w == 0) == (v == 0))
+    assert bit_equal(loaded["model"]["w"], state["model"]["w"])
+    with pytest.raises(ValueError, match="mode"):
+        lossy.LossyPolicy({"*": ("blockwise", 1e-2)})
