@@ -162,7 +162,9 @@ class GpuEngine(Engine):
             # kernels then take SMs first and the calls return sooner. Training loses little: the
             # compression kernels are a small share of the GPU time (ANS: ~160 GB/s).
             self._gil_friendly = gil_friendly()
-            priority = cupy.cuda.runtime.deviceGetStreamPriorityRange()[1] if self._gil_friendly else 0
+            # CUDA clamps a priority outside the device's range to the nearest end: -100 asks for
+            # the highest there is (CuPy 14 does not expose cudaDeviceGetStreamPriorityRange).
+            priority = -100 if self._gil_friendly else 0
             self.stream = cupy.cuda.Stream(non_blocking=True, priority=priority)
             self._out_bytes = chunk_bytes
             self._trial_out = TRIAL_BYTES
