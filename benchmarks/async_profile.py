@@ -1101,9 +1101,6 @@ def conditions(args: argparse.Namespace) -> list[Condition]:
         Condition("b_gil_spin", "Python thread spinning pure-Python code (GIL contention reference)",
                   lambda ctx: GilSpin()),
         Condition("c_save_async", "gdsckpt.save_async to a file, GPU snapshot, default Config", saver("c"), save=True),
-        Condition("c_gil_unfriendly", "c with GDSCKPT_GIL_FRIENDLY=0 (fixed 0.5 ms kvikio polls, default-"
-                  "priority stream, no wait before nvCOMP calls: the engine before this knob)",
-                  saver("cu", env={"GDSCKPT_GIL_FRIENDLY": "0"}), save=True),
         Condition("d_null_sink", "c into a null sink paced to c's file write rate (no kvikio/disk/D2H)",
                   saver("d", sink="null-paced", rate=lambda ctx: ctx.warm["file_rate"]), save=True),
         Condition("e_d2h", "GPU->pinned copies on a side stream paced to c's file write rate",

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator
 from . import __version__
 from .codecs import Chain, PORTABLE_CODECS, known_codec_names, versioned_name
 from .config import Config
-from .delta import DEFAULT_MAX_CHAIN, BaseBytes, XorSource, XorTarget, base_link, base_path_of, check_identity
+from .delta import DEFAULT_MAX_CHAIN, BaseBytes, BaseReader, XorSource, XorTarget, base_link, base_path_of, check_identity
 from .errors import (
     BaseCheckpointError, CheckpointError, CodecUnavailableError, CorruptCheckpointError, StateMismatchError,
 )
@@ -323,14 +323,14 @@ def _delta_sources(flat: FlatState, path: PathLike, base: PathLike, max_chain: i
                  max_chain)
         return None, set()
     link = base_link(path, base_path, opened.index_sha256, opened.trailer.file_length, depth)
-    read = checkpoint._read_bytes
+    reader = checkpoint._base_reader()
     delta = set()
     for i, array in enumerate(flat.arrays):
         if array.alias is not None or array.source is None or not array.source.nbytes or array.key not in checkpoint:
             continue
         record = checkpoint._data_record(array.key)
         if (record.dtype, record.shape) == (array.dtype, tuple(array.shape)):
-            array.source = XorSource(array.source, BaseBytes(read, array.key, array.source.nbytes))
+            array.source = XorSource(array.source, reader.view(record.key))
             delta.add(i)
     return link, delta
 
@@ -358,11 +358,12 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
                 f"force=True")
     with Checkpoint(path, cfg) as checkpoint:
         index = checkpoint._opened.index
+        reader = checkpoint._base_reader()
         arrays = []
         for record in index.tensors:
             source = None
             if record.alias is None:
-                source = _WindowSource(BaseBytes(checkpoint._read_bytes, record.key, record.nbytes), record.dtype)
+                source = _WindowSource(reader.view(record.key), record.dtype)
             arrays.append(FlatArray(record.key, record.kind, record.dtype, record.shape, record.device, source,
                                     record.alias, dict(record.extra), lossy=record.lossy))
         return _save(None, output, codec=codec, chunk_bytes=None, config=cfg,
@@ -563,6 +564,7 @@ def _restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int
         delta = set(index.delta_ids()).intersection(data_ids) if index.base is not None else set()
         if delta:
             base = stack.enter_context(_open_base(opened, config))
+            base_reader = base._base_reader()
             for i in delta:
                 record = index.tensors[i]
                 base_record = base._data_record(record.key) if record.key in base else None
@@ -570,7 +572,7 @@ def _restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int
                     raise BaseCheckpointError(f"base checkpoint {base.path!r} holds no {record.dtype}"
                                               f"{list(record.shape)} array {record.key!r}, which the delta needs")
                 start = (windows or {}).get(i, (0, 0))[0]
-                targets[i] = XorTarget(targets[i], BaseBytes(base._read_bytes, record.key, record.nbytes), start)
+                targets[i] = XorTarget(targets[i], base_reader.view(base_record.key), start)
         engine = _restore_engine(config, gpu_device)
         try:
             run_restore(reader, index, engine, targets, timeout=config.timeout, progress=progress,
@@ -959,23 +961,33 @@ class Checkpoint:
         record = self._opened.index.tensors[self._id(key)]
         return self._opened.index.tensors[record.alias] if record.alias is not None else record
 
-    def _read_bytes(self, key: str, start: int, stop: int, device: Any = None) -> Any:
-        """Bytes ``[start, stop)`` of an array as a flat uint8 array (NumPy, or CuPy on ``device``
-        ``"cuda:N"``), deltas resolved: what a delta built on this checkpoint XORs with."""
-        i = self._id(key)
+    def _base_reader(self) -> BaseReader:
+        """A ``BaseReader`` of this checkpoint's arrays (deltas resolved): what a delta built on it
+        XORs with, and what ``rebase`` writes out."""
+        sizes = {record.key: record.nbytes for record in self._opened.index.tensors
+                 if record.alias is None and record.nbytes}
+        return BaseReader(self._read_many, sizes)
+
+    def _read_many(self, requests: list[tuple[str, int, int]], device: Any = None) -> list[Any]:
+        """Bytes ``[start, stop)`` of each named array (distinct, not aliases) as flat uint8 arrays
+        (NumPy, or CuPy on ``device`` ``"cuda:N"``), deltas resolved, in one restore."""
         index = self._opened.index
-        data_id = index.tensors[i].alias if index.tensors[i].alias is not None else i
         target_device = _parse_device(device)
-        window = TensorRecord(key=key, kind="numpy", dtype="uint8", shape=(stop - start,))
-        if target_device is not None and target_device.startswith("cuda"):
-            window.kind = "cupy"
-            window.device = target_device
-        gpu_device = _gpu_device(self._config, target_device, index, [data_id])
+        ids, windows, records = [], {}, {}
+        for key, start, stop in requests:
+            i = self._id(key)
+            window = TensorRecord(key=key, kind="numpy", dtype="uint8", shape=(stop - start,))
+            if target_device is not None and target_device.startswith("cuda"):
+                window.kind, window.device = "cupy", target_device
+            ids.append(i)
+            windows[i] = (start, stop)
+            records[i] = window
+        gpu_device = _gpu_device(self._config, target_device, index, ids)
         with _data_reader(self.path, self._config, self._reader, gpu_device) as data_reader:
-            arrays = _restore_arrays(data_reader, self._opened, [data_id], self._config,
-                                     lambda _i, _record: _new_target(window, target_device), gpu_device,
-                                     windows={data_id: (start, stop)})
-        return arrays[data_id]
+            arrays = _restore_arrays(data_reader, self._opened, ids, self._config,
+                                     lambda i, _record: _new_target(records[i], target_device), gpu_device,
+                                     windows=windows)
+        return [arrays[i] for i in ids]
 
     def close(self) -> None:
         """Close the file."""

@@ -40,8 +40,6 @@ HOST_WINDOW_BYTES = 64 << 20
 DEVICE_WINDOW_BYTES = 256 << 20
 """Bytes of a base array read at a time (host / GPU). Each window is one restore of the base
 (engine, reads, decode): large enough to amortise that, small enough to stay a fixed cost."""
-_WINDOWS_KEPT = 2
-"""Windows cached per memory kind: parallel chunk workers ask for neighbouring ranges."""
 
 
 def base_link(delta_path: str | os.PathLike[str], base_path: str | os.PathLike[str], index_sha256: str,
@@ -80,49 +78,88 @@ def check_identity(base_path: Path, link: dict[str, Any], index_sha256: str, fil
             f"or load an older full checkpoint")
 
 
-ReadBytes = Callable[[str, int, int, Any], Any]
-"""(key, start, stop, device or None) -> the resolved bytes [start, stop) of an array of the base
-as a flat uint8 array: NumPy for None, CuPy on that CUDA device otherwise."""
+ReadMany = Callable[[list[tuple[str, int, int]], Any], list[Any]]
+"""([(key, start, stop), ...], device or None) -> the resolved bytes of each range of the base's
+arrays (distinct arrays), as flat uint8 arrays: NumPy for None, CuPy on that CUDA device
+otherwise; one restore of the base for the whole list."""
+
+
+class BaseReader:
+    """The resolved element bytes of a base checkpoint's arrays, fetched in batches and cached.
+
+    A request for an array smaller than a quarter window fetches it together with the small
+    arrays that follow it in the base's order, up to one window, in a single restore; a larger
+    array is read in windows at multiples of the window size. Without batching, a state of many
+    small arrays cost one restore (engine, reads, decode) per array and per link of a chain of
+    deltas: 7.6 s for the tenth delta of a 62 MiB state on the CPU host, against 0.1 s for a full
+    save. The cache keeps about two windows; thread-safe (the CPU engine asks from several
+    threads)."""
+
+    def __init__(self, read_many: ReadMany, sizes: dict[str, int]):
+        self._read_many = read_many
+        self._sizes = sizes
+        self._order = list(sizes)
+        self._position = {key: i for i, key in enumerate(self._order)}
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[Any, str, int, int], Any] = OrderedDict()
+        self._cached_bytes = 0
+
+    def view(self, key: str) -> BaseBytes:
+        """The bytes of one array (``key`` an array of the base)."""
+        return BaseBytes(self, key, self._sizes[key])
+
+    def read(self, key: str, start: int, stop: int, device: Any) -> Any:
+        """Bytes ``[start, stop)`` of array ``key`` (host for ``device`` None, else ``"cuda:N"``)."""
+        size = HOST_WINDOW_BYTES if device is None else DEVICE_WINDOW_BYTES
+        with self._lock:
+            for (kind, cached_key, low, high), data in self._cache.items():
+                if kind == device and cached_key == key and low <= start and stop <= high:
+                    self._cache.move_to_end((kind, cached_key, low, high))
+                    return data[start - low:stop - low]
+            nbytes = self._sizes[key]
+            if nbytes <= size // 4:
+                batch, total = [(key, 0, nbytes)], nbytes
+                for other in self._order[self._position[key] + 1:]:
+                    other_bytes = self._sizes[other]
+                    if other_bytes > size // 4 or total + other_bytes > size:
+                        break
+                    if other_bytes and not any(k == device and ck == other for k, ck, _l, _h in self._cache):
+                        batch.append((other, 0, other_bytes))
+                        total += other_bytes
+            else:
+                # Windows at multiples of their size: chunks decoded out of order, and the windows
+                # a base of a base is asked for, fall into the same few windows.
+                low = start // size * size
+                batch = [(key, low, min(nbytes, max(stop, low + size)))]
+            fetched = self._read_many(batch, device)
+            for (batch_key, low, high), data in zip(batch, fetched):
+                self._cache[(device, batch_key, low, high)] = data
+                self._cached_bytes += high - low
+            wanted = (device, key, batch[0][1], batch[0][2])
+            while self._cached_bytes > 2 * size and len(self._cache) > len(batch):
+                (_kind, _key, low, high), _data = self._cache.popitem(last=False)
+                self._cached_bytes -= high - low
+            data = self._cache[wanted]
+            return data[start - wanted[2]:stop - wanted[2]]
 
 
 class BaseBytes:
-    """The resolved element bytes of one array of a base checkpoint, read in cached windows.
+    """The resolved element bytes of one array of a base checkpoint (through a ``BaseReader``)."""
 
-    Thread-safe: the CPU engine's workers ask from several threads."""
-
-    def __init__(self, read: ReadBytes, key: str, nbytes: int):
-        self._read = read
+    def __init__(self, reader: BaseReader, key: str, nbytes: int):
+        self.reader = reader
         self.key = key
         self.nbytes = nbytes
-        self._lock = threading.Lock()
-        self._windows: dict[Any, OrderedDict[tuple[int, int], Any]] = {}
-
-    def _window(self, start: int, stop: int, device: Any, size: int) -> tuple[int, Any]:
-        with self._lock:
-            cached = self._windows.setdefault(device, OrderedDict())
-            for (low, high), data in cached.items():
-                if low <= start and stop <= high:
-                    cached.move_to_end((low, high))
-                    return low, data
-            high = min(self.nbytes, max(stop, start + size))
-            data = self._read(self.key, start, high, device)
-            cached[(start, high)] = data
-            while len(cached) > _WINDOWS_KEPT:
-                cached.popitem(last=False)
-            return start, data
 
     def host(self, start: int, stop: int) -> np.ndarray:
         """Bytes ``[start, stop)`` in host memory."""
-        low, data = self._window(start, stop, None, HOST_WINDOW_BYTES)
-        return data[start - low:stop - low]
+        return self.reader.read(self.key, start, stop, None)
 
     def device(self, start: int, stop: int) -> Any:
         """Bytes ``[start, stop)`` as a CuPy array on the current CUDA device."""
         import cupy
 
-        device = cupy.cuda.runtime.getDevice()
-        low, data = self._window(start, stop, f"cuda:{device}", DEVICE_WINDOW_BYTES)
-        return data[start - low:stop - low]
+        return self.reader.read(self.key, start, stop, f"cuda:{cupy.cuda.runtime.getDevice()}")
 
 
 class XorSource:

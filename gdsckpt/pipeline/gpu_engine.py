@@ -42,7 +42,6 @@ from ..codecs.nvcomp import BY_VERSIONED, GPU_ALGORITHMS, DeviceCodec
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..format import XOR_BASE, align_up
 from ..format.index import ChunkRecord
-from ..io.kvikio import gil_friendly
 from .engine import NONE_CHAIN, EncodedChunk, Engine
 from .plan import ArraySource, ChunkPlan
 
@@ -157,15 +156,7 @@ class GpuEngine(Engine):
         self.timeout = timeout
         self._codecs: dict[tuple[str, str | None], DeviceCodec] = {}
         with cupy.cuda.Device(device_id):
-            # High priority: nvCOMP's Python calls hold the GIL until their kernels finish (an
-            # async save slowed a training loop that needs the GIL to launch its kernels); our
-            # kernels then take SMs first and the calls return sooner. Training loses little: the
-            # compression kernels are a small share of the GPU time (ANS: ~160 GB/s).
-            self._gil_friendly = gil_friendly()
-            # CUDA clamps a priority outside the device's range to the nearest end: -100 asks for
-            # the highest there is (CuPy 14 does not expose cudaDeviceGetStreamPriorityRange).
-            priority = -100 if self._gil_friendly else 0
-            self.stream = cupy.cuda.Stream(non_blocking=True, priority=priority)
+            self.stream = cupy.cuda.Stream(non_blocking=True)
             self._out_bytes = chunk_bytes
             self._trial_out = TRIAL_BYTES
             if sources and codec != "none":
@@ -290,8 +281,14 @@ class GpuEngine(Engine):
         if cached is not None:
             return cached
         width = chunk.plane_width
-        if self.codec == "ans":
-            decision: tuple[bool, str | None] = (False, _TYPED_ANS.get(width))
+        if self.codec == "ans" and chunk.delta and width and self.byte_planes != "never":
+            # XORs with a base are no floats: mostly zero high bytes, noisy low ones. Byte planes
+            # and bytes-mode ANS code those apart (typed ANS on XORs of bf16 weights: 1.28x
+            # smaller than the weights' own stream; Zstd with planes: 2.3x; GPU_HOST.md: 9-10x
+            # for planes + ANS on XORs 10 steps apart).
+            decision: tuple[bool, str | None] = (True, None)
+        elif self.codec == "ans":
+            decision = (False, _TYPED_ANS.get(width))
         elif width == 0 or self.byte_planes == "never" or self.codec == "none":
             decision = (False, None)
         elif self.byte_planes == "always":
@@ -332,9 +329,6 @@ class GpuEngine(Engine):
             sizes: list[int | None] = [None] * len(prepared)
             codecs: list[DeviceCodec | None] = [None] * len(prepared)
             if self.codec != "none":
-                if self._gil_friendly:
-                    # CuPy waits without the GIL; nvCOMP's call would wait for this work with it.
-                    self.stream.synchronize()
                 groups: dict[str | None, list[int]] = {}
                 for i, entry in enumerate(prepared):
                     groups.setdefault(entry[7], []).append(i)
