@@ -32,9 +32,10 @@ bits stay).
 Which arrays: torch tensors (CPU or CUDA) and NumPy arrays of dtype float16, bfloat16, float32 or
 float64. Other dtypes, CuPy and JAX arrays, an array with no finite nonzero element, and an entry
 that aliases another array (it follows the array it aliases) are stored losslessly. The rounded
-values are computed into a new array (the caller's is never modified), a chunk of
-``CHUNK_ELEMENTS`` at a time, so a save holds one extra copy of each lossy array plus bounded
-temporaries.
+values are computed as the save pipeline reads each chunk (the caller's array is never
+modified, and no rounded copy of it is held: a pass for its largest magnitude and a pass checking
+every element's error come first, ``CHUNK_ELEMENTS`` at a time, so memory stays bounded whatever
+the array's size).
 
 A lossy array's index record carries an informative ``lossy`` member (``{"mode": "grid",
 "rel_bound": ..., "abs_bound": ..., "max_error": ...}``, docs/format.md section 6.5); decoding is
@@ -195,74 +196,185 @@ _TORCH_INT = {2: "int16", 4: "int32", 8: "int64"}
 _NUMPY_INT = {2: np.int16, 4: np.int32, 8: np.int64}
 
 
-def _grid_torch(tensor: Any, rel: float) -> GridResult | None:
+# Per-part rounding: pure functions of one 1-D run of elements (a chunk), so that a save can
+# round each chunk as the pipeline reads it (``RoundedSource``) and hold no rounded copy of the
+# array, and ``grid_quantize`` can build the whole rounded array from the same code.
+
+def _grid_part_torch(part: Any, step: float) -> tuple[Any, Any]:
+    """(rounded copy of ``part``, largest error as a 0-d float64 tensor) under the grid rule."""
     import torch
 
-    with torch.no_grad():
-        # The copy we round in place, chunk by chunk: never the caller's memory. copy_ also
-        # materialises strided, conjugate or negative views.
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-        out.copy_(tensor.detach())
-        flat = out.reshape(-1)
-        n = flat.numel()
-        amax = torch.zeros((), dtype=torch.float64, device=out.device)
-        for start in range(0, n, CHUNK_ELEMENTS):
-            part = flat[start:start + CHUNK_ELEMENTS]  # max is exact in the array's own dtype
-            amax = torch.maximum(amax, torch.where(torch.isfinite(part), part.abs(), 0).amax().double())
-        bound = _grid_step(float(amax), rel) if n else None  # one scalar to the host per pass
+    x = part.to(torch.float64)  # exact for every float dtype here
+    # x / step and * step are exact (step is a power of two); copysign keeps -0.0 and makes a
+    # negative value that rounds to zero -0.0.
+    rounded = torch.copysign(torch.round(x / step) * step, x).to(part.dtype)
+    back = rounded.to(torch.float64)
+    # Non-finite inputs keep their bits; so does a finite one whose rounding overflowed.
+    keep = torch.isfinite(x) & torch.isfinite(back)
+    worst = torch.where(keep, (back - x).abs(), 0).amax() if part.numel() else x.new_zeros(())
+    # Selected as integers: a float select could canonicalise a NaN's payload.
+    ints = getattr(torch, _TORCH_INT[part.element_size()])
+    out = torch.where(keep, rounded.view(ints), part.view(ints)).view(part.dtype)
+    return out, worst
+
+
+def _mantissa_part_torch(part: Any, rel: float, drop: int) -> tuple[Any, Any]:
+    """(rounded copy of ``part``, largest error) under the mantissa rule (``_mantissa_torch``)."""
+    import torch
+
+    width = part.element_size()
+    ints = part.view(getattr(torch, _TORCH_INT[width]))
+    sign = -(1 << (8 * width - 1))  # the sign bit as a signed integer of that width
+    wide = ints.to(torch.int64)  # sign-extended; the masks below fit int64 at every width
+    magnitude = wide & (-sign - 1)
+    half, lsb = 1 << (drop - 1), (magnitude >> drop) & 1
+    rounded = ((magnitude + half - 1 + lsb) >> drop) << drop
+    candidate = ((wide & sign) | rounded).to(ints.dtype)
+    x = part.to(torch.float64)
+    back = candidate.view(part.dtype).to(torch.float64)
+    error = (back - x).abs()
+    keep = torch.isfinite(x) & torch.isfinite(back) & (error <= rel * x.abs())
+    worst = torch.where(keep, error, 0).amax() if part.numel() else x.new_zeros(())
+    return torch.where(keep, candidate, ints).view(part.dtype), worst
+
+
+def _grid_part_numpy(part: np.ndarray, step: float) -> tuple[np.ndarray, float]:
+    """``_grid_part_torch`` for a native-order NumPy run of elements."""
+    with np.errstate(all="ignore"):  # overflow to inf is expected and handled
+        x = part.astype(np.float64)
+        rounded = np.copysign(np.round(x / step) * step, x).astype(part.dtype)
+        back = rounded.astype(np.float64)
+        keep = np.isfinite(x) & np.isfinite(back)
+        worst = float(np.max(np.abs(back - x), where=keep, initial=0.0))
+    ints = _NUMPY_INT[part.dtype.itemsize]
+    out = part.copy()
+    np.copyto(out.view(ints), rounded.view(ints), where=keep)
+    return out, worst
+
+
+def _mantissa_part_numpy(part: np.ndarray, rel: float, drop: int) -> tuple[np.ndarray, float]:
+    """``_mantissa_part_torch`` for a native-order NumPy run of elements."""
+    unsigned = {2: np.uint16, 4: np.uint32, 8: np.uint64}[part.dtype.itemsize]
+    bits = part.view(unsigned)
+    sign = unsigned(1) << unsigned(8 * part.dtype.itemsize - 1)
+    with np.errstate(all="ignore"):  # overflow and signalling NaNs are expected and handled
+        magnitude = (bits & ~sign).astype(np.uint64)
+        half, lsb = np.uint64(1 << (drop - 1)), (magnitude >> np.uint64(drop)) & np.uint64(1)
+        rounded = ((magnitude + half - np.uint64(1) + lsb) >> np.uint64(drop)) << np.uint64(drop)
+        candidate = (bits & sign) | rounded.astype(unsigned)
+        x = part.astype(np.float64)
+        back = candidate.view(part.dtype).astype(np.float64)
+        error = np.abs(back - x)
+        keep = np.isfinite(x) & np.isfinite(back) & (error <= rel * np.abs(x))
+        worst = float(np.max(error, where=keep, initial=0.0))
+    out = part.copy()
+    np.copyto(out.view(unsigned), candidate, where=keep)
+    return out, worst
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """How one array is rounded: the record, and the per-part function a ``RoundedSource`` runs."""
+
+    mode: str
+    rel_bound: float
+    abs_bound: float
+    step: float
+    max_error: float
+    round_part: Callable[[Any], Any]
+    """A 1-D run of the array's elements (torch tensor or native-order NumPy array) -> rounded copy."""
+
+    def record(self) -> dict[str, Any]:
+        """The index record's ``lossy`` member."""
+        return {"mode": self.mode, "rel_bound": self.rel_bound, "abs_bound": self.abs_bound,
+                "max_error": self.max_error}
+
+
+def _parts(array: Any, torch_kind: bool) -> Iterable[Any]:
+    """The array's elements in C order, ``CHUNK_ELEMENTS`` at a time (1-D runs; native order)."""
+    from .state import _array_range, _torch_range
+
+    n = array.numel() if torch_kind else array.size
+    for start in range(0, n, CHUNK_ELEMENTS):
+        stop = min(n, start + CHUNK_ELEMENTS)
+        if torch_kind:
+            yield _torch_range(array.detach(), start, stop)
+        else:
+            part = _array_range(array, start, stop, np)
+            yield part if part.dtype.isnative else part.astype(part.dtype.newbyteorder("="))
+
+
+def plan_rounding(array: Any, mode: str, rel: float) -> Rounding | None:
+    """Measure how ``array`` (a torch tensor on any device, or a NumPy array) rounds under
+    ``mode`` at ``rel`` without keeping a rounded copy: one pass for the largest magnitude, one
+    computing every part's error and discarding it. None where a save stores the array losslessly
+    (other dtypes, nothing to round, a bound the measurement breaks)."""
+    rel = _check_rel(rel, "plan_rounding")
+    dtype_name = _dtype_name(array)
+    if dtype_name not in FLOAT_DTYPES or mode not in MODES:
+        return None
+    torch_kind = not isinstance(array, np.ndarray)
+    amax = 0.0
+    for part in _parts(array, torch_kind):
+        if torch_kind:
+            import torch
+
+            finite = torch.where(torch.isfinite(part), part.abs(), 0)
+            amax = max(amax, float(finite.amax().double())) if part.numel() else amax
+        else:
+            with np.errstate(invalid="ignore"):  # a signalling NaN raises the flag when converted
+                x = part.astype(np.float64)
+            amax = max(amax, float(np.max(np.abs(x), where=np.isfinite(x), initial=0.0)))
+    if mode == "grid":
+        bound = _grid_step(amax, rel)
         if bound is None:
             return None
         abs_bound, step = bound
-        ints = flat.view(getattr(torch, _TORCH_INT[out.element_size()]))
-        worst = torch.zeros((), dtype=torch.float64, device=out.device)
-        for start in range(0, n, CHUNK_ELEMENTS):
-            part = flat[start:start + CHUNK_ELEMENTS]
-            x = part.to(torch.float64)  # exact for every float dtype here
-            # x / step and * step are exact (step is a power of two); copysign keeps -0.0 and
-            # makes a negative value that rounds to zero -0.0.
-            rounded = torch.copysign(torch.round(x / step) * step, x).to(out.dtype)
-            back = rounded.to(torch.float64)
-            # Non-finite inputs keep their bits; so does a finite one whose rounding overflowed.
-            keep = torch.isfinite(x) & torch.isfinite(back)
-            worst = torch.maximum(worst, torch.where(keep, (back - x).abs(), 0).amax())
-            # Selected as integers: a float select could canonicalise a NaN's payload.
-            chunk_ints = ints[start:start + CHUNK_ELEMENTS]
-            chunk_ints.copy_(torch.where(keep, rounded.view(chunk_ints.dtype), chunk_ints))
-        max_error = float(worst)
+        function = _grid_part_torch if torch_kind else _grid_part_numpy
+        round_part: Callable[[Any], Any] = lambda part: function(part, step)[0]  # noqa: E731
+        errors = (function(part, step)[1] for part in _parts(array, torch_kind))
+    else:
+        drop = _mantissa_drop(dtype_name, rel)
+        if drop == 0 or amax == 0:
+            return None
+        abs_bound, step = rel * amax, 0.0
+        function = _mantissa_part_torch if torch_kind else _mantissa_part_numpy
+        round_part = lambda part: function(part, rel, drop)[0]  # noqa: E731
+        errors = (function(part, rel, drop)[1] for part in _parts(array, torch_kind))
+    max_error = max((float(e) for e in errors), default=0.0)
     if not max_error <= abs_bound:
         return None
-    return GridResult(out, rel, abs_bound, step, max_error)
+    return Rounding(mode, rel, abs_bound, step, max_error, round_part)
+
+
+def _round_whole(array: Any, rounding: Rounding) -> Any:
+    """The whole rounded array (new, C-contiguous, native order, same device)."""
+    torch_kind = not isinstance(array, np.ndarray)
+    parts = [rounding.round_part(part) for part in _parts(array, torch_kind)]
+    if torch_kind:
+        import torch
+
+        flat = torch.cat(parts) if parts else array.detach().reshape(-1).clone()
+        return flat.reshape(array.shape)
+    dtype = array.dtype if array.dtype.isnative else array.dtype.newbyteorder("=")
+    flat = np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+    return flat.reshape(array.shape)
+
+
+def _quantize(array: Any, rel: float, mode: str) -> GridResult | None:
+    rounding = plan_rounding(array, mode, rel)
+    if rounding is None:
+        return None
+    return GridResult(_round_whole(array, rounding), rounding.rel_bound, rounding.abs_bound, rounding.step,
+                      rounding.max_error, mode=mode)
+
+
+def _grid_torch(tensor: Any, rel: float) -> GridResult | None:
+    return _quantize(tensor, rel, "grid")
 
 
 def _grid_numpy(array: np.ndarray, rel: float) -> GridResult | None:
-    dtype = array.dtype if array.dtype.isnative else array.dtype.newbyteorder("=")
-    out = np.array(array, dtype=dtype, order="C", copy=True)
-    flat = out.reshape(-1)
-    n = flat.size
-    # Overflow to inf (a rounded value past the dtype's range) is expected and handled: no warnings.
-    with np.errstate(all="ignore"):
-        amax = 0.0
-        for start in range(0, n, CHUNK_ELEMENTS):
-            part = flat[start:start + CHUNK_ELEMENTS].astype(np.float64)
-            amax = max(amax, float(np.max(np.abs(part), where=np.isfinite(part), initial=0.0)))
-        bound = _grid_step(amax, rel) if n else None
-        if bound is None:
-            return None
-        abs_bound, step = bound
-        ints = flat.view(_NUMPY_INT[dtype.itemsize])
-        max_error = 0.0
-        for start in range(0, n, CHUNK_ELEMENTS):
-            x = flat[start:start + CHUNK_ELEMENTS].astype(np.float64)
-            rounded = np.copysign(np.round(x / step) * step, x).astype(dtype)
-            back = rounded.astype(np.float64)
-            keep = np.isfinite(x) & np.isfinite(back)
-            error = np.max(np.abs(back - x), where=keep, initial=0.0)
-            max_error = max(max_error, float(error))
-            chunk_ints = ints[start:start + CHUNK_ELEMENTS]
-            np.copyto(chunk_ints, rounded.view(chunk_ints.dtype), where=keep)
-    if not max_error <= abs_bound:
-        return None
-    return GridResult(out, rel, abs_bound, step, max_error)
+    return _quantize(array, rel, "grid")
 
 
 def _mantissa_drop(dtype_name: str, rel: float) -> int:
@@ -277,66 +389,48 @@ def _mantissa_torch(tensor: Any, rel: float) -> GridResult | None:
     at ``_mantissa_drop`` fewer mantissa bits, as integers on its bit pattern, on its device.
     Elements whose rounding would leave the bound (subnormals, which have fewer significant bits,
     or a carry into infinity) keep their bits, as do NaN and inf."""
-    import torch
-
-    dtype_name = str(tensor.dtype).removeprefix("torch.")
-    drop = _mantissa_drop(dtype_name, rel)
-    if drop == 0 or tensor.numel() == 0:
-        return None
-    with torch.no_grad():
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-        out.copy_(tensor.detach())
-        flat = out.reshape(-1)
-        width = out.element_size()
-        ints = flat.view(getattr(torch, _TORCH_INT[width]))
-        sign = -(1 << (8 * width - 1))  # the sign bit as a signed integer of that width
-        worst = torch.zeros((), dtype=torch.float64, device=out.device)
-        amax = torch.zeros((), dtype=torch.float64, device=out.device)
-        for start in range(0, flat.numel(), CHUNK_ELEMENTS):
-            bits = ints[start:start + CHUNK_ELEMENTS]
-            wide = bits.to(torch.int64)  # sign-extended; the masks below fit int64 at every width
-            magnitude = wide & (-sign - 1)
-            half, lsb = 1 << (drop - 1), (magnitude >> drop) & 1
-            rounded = ((magnitude + half - 1 + lsb) >> drop) << drop
-            candidate = ((wide & sign) | rounded).to(bits.dtype)
-            x = flat[start:start + CHUNK_ELEMENTS].to(torch.float64)
-            back = candidate.view(out.dtype).to(torch.float64)
-            error = (back - x).abs()
-            keep = torch.isfinite(x) & torch.isfinite(back) & (error <= rel * x.abs())
-            worst = torch.maximum(worst, torch.where(keep, error, 0).amax())
-            amax = torch.maximum(amax, torch.where(torch.isfinite(x), x.abs(), 0).amax())
-            bits.copy_(torch.where(keep, candidate, bits))
-        max_error, largest = float(worst), float(amax)
-    return GridResult(out, rel, rel * largest, 0.0, max_error, mode="mantissa")
+    return _quantize(tensor, rel, "mantissa")
 
 
 def _mantissa_numpy(array: np.ndarray, rel: float) -> GridResult | None:
     """Mode ``mantissa`` on a NumPy array (``_mantissa_torch``'s rule)."""
-    dtype = array.dtype if array.dtype.isnative else array.dtype.newbyteorder("=")
-    drop = _mantissa_drop(dtype.name, rel)
-    if drop == 0 or array.size == 0:
-        return None
-    out = np.array(array, dtype=dtype, order="C", copy=True)
-    flat = out.reshape(-1)
-    unsigned = {2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
-    ints = flat.view(unsigned)
-    sign = unsigned(1) << unsigned(8 * dtype.itemsize - 1)
-    max_error = largest = 0.0
-    with np.errstate(all="ignore"):
-        for start in range(0, flat.size, CHUNK_ELEMENTS):
-            bits = ints[start:start + CHUNK_ELEMENTS]
-            magnitude = (bits & ~sign).astype(np.uint64)
-            half, lsb = np.uint64(1 << (drop - 1)), (magnitude >> np.uint64(drop)) & np.uint64(1)
-            rounded = ((magnitude + half - np.uint64(1) + lsb) >> np.uint64(drop)) << np.uint64(drop)
-            candidate = (bits & sign) | rounded.astype(unsigned)
-            x = flat[start:start + CHUNK_ELEMENTS].astype(np.float64)
-            back = candidate.view(dtype).astype(np.float64)
-            error = np.abs(back - x)
-            keep = np.isfinite(x) & np.isfinite(back) & (error <= rel * np.abs(x))
-            max_error = max(max_error, float(np.max(error, where=keep, initial=0.0)))
-            largest = max(largest, float(np.max(np.abs(x), where=np.isfinite(x), initial=0.0)))
-            np.copyto(bits, candidate, where=keep)
-    return GridResult(out, rel, rel * largest, 0.0, max_error, mode="mantissa")
+    return _quantize(array, rel, "mantissa")
+
+
+class RoundedSource:
+    """An ``ArraySource`` yielding an array's elements rounded by a ``Rounding``, computed range by
+    range as the save pipeline reads them: the save holds no rounded copy of the array."""
+
+    def __init__(self, source: Any, rounding: Rounding):
+        self.source = source
+        self.rounding = rounding
+        self.nbytes, self.itemsize = source.nbytes, source.itemsize
+        self.plane_width, self.on_device = source.plane_width, source.on_device
+
+    def _rounded(self, start: int, stop: int) -> Any:
+        from .state import _array_range, _torch_range
+
+        first, last = start // self.itemsize, stop // self.itemsize
+        if isinstance(self.source, TorchSource):
+            return self.rounding.round_part(_torch_range(self.source.tensor, first, last))
+        part = _array_range(self.source.array, first, last, np)
+        return self.rounding.round_part(part if part.dtype.isnative else part.astype(part.dtype.newbyteorder("=")))
+
+    def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        """Rounded bytes ``[start, stop)`` in host memory (little-endian)."""
+        rounded = self._rounded(start, stop)
+        if isinstance(rounded, np.ndarray):
+            return NumpySource(rounded, _dtype_name(rounded)).host_bytes(0, stop - start)
+        return TorchSource(rounded, _dtype_name(rounded)).host_bytes(0, stop - start)
+
+    def device_bytes(self, start: int, stop: int) -> Any:
+        """Rounded bytes ``[start, stop)`` on the array's device (CuPy)."""
+        rounded = self._rounded(start, stop)
+        if isinstance(rounded, np.ndarray):
+            import cupy
+
+            return cupy.asarray(self.host_bytes(start, stop))
+        return TorchSource(rounded, _dtype_name(rounded)).device_bytes(0, stop - start)
 
 
 def _dtype_name(array: Any) -> str | None:
@@ -365,8 +459,9 @@ def grid_quantize(array: Any, rel: float) -> GridResult | None:
 
 def apply_policy(flat: FlatState, policy: LossyPolicy | Mapping[str, float]) -> list[str]:
     """Round the arrays of a flattened state that ``policy`` selects (``save(lossy=...)``): their
-    sources now read the rounded copies and their ``lossy`` holds the record member. Returns the
-    keys of the arrays rounded."""
+    sources now yield rounded bytes, computed chunk by chunk as the pipeline reads them
+    (``RoundedSource``: no rounded copy of an array is held), and their ``lossy`` holds the
+    record member. Returns the keys of the arrays rounded."""
     policy = LossyPolicy.of(policy)
     rounded = []
     for array in flat.arrays:
@@ -377,17 +472,14 @@ def apply_policy(flat: FlatState, policy: LossyPolicy | Mapping[str, float]) -> 
             continue
         mode, rel = rule
         if isinstance(array.source, TorchSource):
-            result = (_grid_torch if mode == "grid" else _mantissa_torch)(array.source.tensor, rel)
-            if result is not None:
-                array.source = TorchSource(result.values, array.dtype)
+            rounding = plan_rounding(array.source.tensor, mode, rel)
         elif isinstance(array.source, NumpySource) and array.kind == "numpy":
-            result = (_grid_numpy if mode == "grid" else _mantissa_numpy)(np.asarray(array.source.array), rel)
-            if result is not None:
-                array.source = NumpySource(result.values, array.dtype)
+            rounding = plan_rounding(np.asarray(array.source.array), mode, rel)
         else:
             continue  # CuPy and JAX arrays: lossless
-        if result is not None:
-            array.lossy = result.record()
+        if rounding is not None:
+            array.source = RoundedSource(array.source, rounding)
+            array.lossy = rounding.record()
             rounded.append(array.key)
     return rounded
 
