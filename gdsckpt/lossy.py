@@ -430,6 +430,11 @@ class RoundedSource:
             import cupy
 
             return cupy.asarray(self.host_bytes(start, stop))
+        if rounded.is_cuda:
+            import torch
+
+            # torch rounded on its own current stream; the GPU engine reads on another one.
+            torch.cuda.current_stream(rounded.device).synchronize()
         return TorchSource(rounded, _dtype_name(rounded)).device_bytes(0, stop - start)
 
 
