@@ -39,6 +39,9 @@ from .state import (
 
 PathLike = str | os.PathLike[str]
 log = logging.getLogger(__name__)
+MAX_RESOLVE_DEPTH = 64
+"""Deltas a load resolves behind one file (each link is a nested restore, a few stack frames
+deep): far beyond ``max_chain``'s default of 8, short of Python's recursion limit."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +321,7 @@ def _delta_sources(flat: FlatState, path: PathLike, base: PathLike, max_chain: i
     checkpoint = stack.enter_context(Checkpoint(base_path, config))
     opened = checkpoint._opened
     depth = opened.index.base["depth"] if opened.index.base is not None else 0
-    if depth >= max_chain:
+    if depth >= min(max_chain, MAX_RESOLVE_DEPTH):  # never write what a load would refuse
         log.info("base %s is a delta %d deep (max_chain=%d): writing a full checkpoint", base_path, depth,
                  max_chain)
         return None, set()
@@ -603,6 +606,16 @@ def _open_base(opened: OpenedFile, config: Config) -> Checkpoint:
                                   f"read: {err}") from err
     try:
         check_identity(path, link, base._opened.index_sha256, base._opened.trailer.file_length)
+        # The recorded depth must be the base's own plus one: with the identity check this bounds
+        # the recursion of a resolve by what the writer recorded, never by a crafted loop.
+        base_depth = base._opened.index.base["depth"] if base._opened.index.base is not None else 0
+        if link["depth"] != base_depth + 1:
+            raise BaseCheckpointError(f"delta {opened.path!r} records chain depth {link['depth']} but its base "
+                                      f"{str(path)!r} is {base_depth} deep")
+        if link["depth"] > MAX_RESOLVE_DEPTH:
+            raise BaseCheckpointError(f"delta {opened.path!r} is {link['depth']} deltas deep, more than the "
+                                      f"{MAX_RESOLVE_DEPTH} a load resolves: rebase an older link of the chain "
+                                      f"('gdsckpt rebase')")
     except BaseException:
         base.close()
         raise

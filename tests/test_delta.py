@@ -295,3 +295,54 @@ def test_manager_save_async_writes_deltas(tmp_path):
     report = handle.wait(timeout=120)
     assert report.base == manager.path(0).name and report.delta_tensors > 0
     assert _equal(gdsckpt.load(manager.path(1)), new)
+
+
+def test_crafted_base_links_are_refused(tmp_path):
+    """A delta whose recorded depth disagrees with its base, or whose chain is deeper than a load
+    resolves, is refused with a clear error (no recursion without bound); a base that is not a
+    regular file (a FIFO would block an open) counts as missing."""
+    from gdsckpt import api
+
+    a, b = tmp_path / "a.gdsckpt", tmp_path / "b.gdsckpt"
+    gdsckpt.save({"x": torch.ones(10)}, a)
+    gdsckpt.save({"x": torch.ones(10) * 2}, b, base=a)
+    raw = bytearray(b.read_bytes())
+    with gdsckpt.open(b) as checkpoint:
+        trailer = checkpoint._opened.trailer
+    index = bytes(raw[trailer.index_offset:trailer.index_offset + trailer.index_length])
+    assert b'"depth":1' in index
+    forged = tmp_path / "forged.gdsckpt"
+    body = raw[:trailer.index_offset] + index.replace(b'"depth":1', b'"depth":2')
+    from gdsckpt.format import checksum, pack_trailer
+
+    new_index = index.replace(b'"depth":1', b'"depth":2')
+    forged.write_bytes(bytes(body) + pack_trailer(trailer.index_offset, len(new_index), checksum(new_index), 1))
+    with pytest.raises(gdsckpt.BaseCheckpointError, match="depth"):
+        gdsckpt.load(forged)
+    deep = tmp_path / "deep.gdsckpt"
+    deep_index = index.replace(b'"depth":1', f'"depth":{api.MAX_RESOLVE_DEPTH + 1}'.encode())
+    deep.write_bytes(bytes(raw[:trailer.index_offset]) + deep_index
+                     + pack_trailer(trailer.index_offset, len(deep_index), checksum(deep_index), 1))
+    with pytest.raises(gdsckpt.BaseCheckpointError, match="depth"):
+        gdsckpt.load(deep)
+    a.unlink()
+    os.mkfifo(a)
+    with pytest.raises(gdsckpt.BaseCheckpointError, match="missing"):
+        gdsckpt.load(b)
+
+
+def test_chains_stop_at_what_a_load_resolves(tmp_path, monkeypatch):
+    from gdsckpt import api
+
+    monkeypatch.setattr(api, "MAX_RESOLVE_DEPTH", 3)
+    paths, previous = [], None
+    for i in range(5):
+        paths.append(tmp_path / f"c{i}.gdsckpt")
+        gdsckpt.save({"x": torch.full((100,), float(i))}, paths[-1], base=previous, max_chain=100)
+        previous = paths[-1]
+    depths = [(gdsckpt.inspect(p).base or {}).get("depth", 0) for p in paths]
+    assert depths == [0, 1, 2, 3, 0]  # the fifth would be 4 deep: written in full
+    assert gdsckpt.load(paths[3])["x"][0].item() == 3.0
+    monkeypatch.setattr(api, "MAX_RESOLVE_DEPTH", 2)
+    with pytest.raises(gdsckpt.BaseCheckpointError, match="3 deltas deep"):
+        gdsckpt.load(paths[3])
