@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from .state import (
 
 PathLike = str | os.PathLike[str]
 log = logging.getLogger(__name__)
+_BASE_LOCK = threading.Lock()
 MAX_RESOLVE_DEPTH = 64
 """Deltas a load resolves behind one file (each link is a nested restore, a few stack frames
 deep): far beyond ``max_chain``'s default of 8, short of Python's recursion limit."""
@@ -563,25 +565,27 @@ def _restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int
     ids = list(ids)
     data_ids = sorted({index.tensors[i].alias if index.tensors[i].alias is not None else i for i in ids})
     targets = {i: make_target(i, index.tensors[i]) for i in data_ids}
-    with contextlib.ExitStack() as stack:
-        delta = set(index.delta_ids()).intersection(data_ids) if index.base is not None else set()
-        if delta:
-            base = stack.enter_context(_open_base(opened, config))
-            base_reader = base._base_reader()
-            for i in delta:
-                record = index.tensors[i]
-                base_record = base._data_record(record.key) if record.key in base else None
-                if base_record is None or (base_record.dtype, base_record.shape) != (record.dtype, record.shape):
-                    raise BaseCheckpointError(f"base checkpoint {base.path!r} holds no {record.dtype}"
-                                              f"{list(record.shape)} array {record.key!r}, which the delta needs")
-                start = (windows or {}).get(i, (0, 0))[0]
-                targets[i] = XorTarget(targets[i], base_reader.view(base_record.key), start)
-        engine = _restore_engine(config, gpu_device)
-        try:
-            run_restore(reader, index, engine, targets, timeout=config.timeout, progress=progress,
-                        windows=windows, max_inflight_bytes=_inflight_budget(config, gpu_device is not None))
-        finally:
-            engine.close()
+    delta = set(index.delta_ids()).intersection(data_ids) if index.base is not None else set()
+    if delta:
+        with _BASE_LOCK:  # restores of one open Checkpoint may run in several threads
+            if opened.base is None:  # kept for the next restore of this file: its cache with it
+                checkpoint = _open_base(opened, config)
+                opened.base = (checkpoint, checkpoint._base_reader())
+        base, base_reader = opened.base
+        for i in delta:
+            record = index.tensors[i]
+            base_record = base._data_record(record.key) if record.key in base else None
+            if base_record is None or (base_record.dtype, base_record.shape) != (record.dtype, record.shape):
+                raise BaseCheckpointError(f"base checkpoint {base.path!r} holds no {record.dtype}"
+                                          f"{list(record.shape)} array {record.key!r}, which the delta needs")
+            start = (windows or {}).get(i, (0, 0))[0]
+            targets[i] = XorTarget(targets[i], base_reader.view(base_record.key), start)
+    engine = _restore_engine(config, gpu_device)
+    try:
+        run_restore(reader, index, engine, targets, timeout=config.timeout, progress=progress,
+                    windows=windows, max_inflight_bytes=_inflight_budget(config, gpu_device is not None))
+    finally:
+        engine.close()
     finished = {i: target.finish() for i, target in targets.items()}
     for i in ids:
         alias = index.tensors[i].alias
@@ -670,10 +674,13 @@ def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = Non
         index = opened.index
         wanted = [i for i, record in enumerate(index.tensors) if selection.covers(record.key)]
         gpu_device = _gpu_device(cfg, target_device, index, wanted)
-        with _data_reader(path, cfg, reader, gpu_device) as data_reader:
-            arrays = _restore_arrays(data_reader, opened, wanted, cfg,
-                                     lambda _i, record: _new_target(record, target_device), gpu_device,
-                                     progress)
+        try:
+            with _data_reader(path, cfg, reader, gpu_device) as data_reader:
+                arrays = _restore_arrays(data_reader, opened, wanted, cfg,
+                                         lambda _i, record: _new_target(record, target_device), gpu_device,
+                                         progress)
+        finally:
+            opened.close_base()
     _warn_lossy(index, wanted)
     state = unflatten(index.tree, arrays, selection)
     _check_selection(selection, index)
@@ -808,8 +815,11 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
                 return TorchTarget(record.shape, record.dtype, str(tensor.device), existing=tensor)
             return _new_target(record, None)
 
-        arrays = _restore_arrays(reader, opened, list(wanted) + optimizer_ids, cfg, make_target, gpu_device,
-                                 progress)
+        try:
+            arrays = _restore_arrays(reader, opened, list(wanted) + optimizer_ids, cfg, make_target, gpu_device,
+                                     progress)
+        finally:
+            opened.close_base()
         _warn_lossy(index, arrays)
 
     import torch
@@ -1003,7 +1013,8 @@ class Checkpoint:
         return [arrays[i] for i in ids]
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the file (and the base a delta's reads opened)."""
+        self._opened.close_base()
         self._reader.close()
 
     def __enter__(self) -> Checkpoint:

@@ -37,9 +37,12 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_CHAIN = 8
 """Deltas a load may have to resolve behind one checkpoint before a full one is written."""
 HOST_WINDOW_BYTES = 64 << 20
-DEVICE_WINDOW_BYTES = 256 << 20
-"""Bytes of a base array read at a time (host / GPU). Each window is one restore of the base
-(engine, reads, decode): large enough to amortise that, small enough to stay a fixed cost."""
+DEVICE_WINDOW_BYTES = 64 << 20
+"""Bytes of a base read at a time (host / GPU memory). Each window is one restore of the base
+(engine, reads, decode): large enough to amortise that, small enough to stay a fixed cost. A
+``BaseReader`` caches about two windows, and each link of a chain has one (kept while the file
+that needs it is open, so that the next restore finds its cache): resolving a chain ``d`` deep
+holds up to ``2 * d`` windows, 1 GiB at the default ``max_chain`` of 8."""
 
 
 def base_link(delta_path: str | os.PathLike[str], base_path: str | os.PathLike[str], index_sha256: str,

@@ -42,6 +42,15 @@ class OpenedFile:
     (the index holds every chunk's CRC-32C, offset and size, so any change to the file shows)."""
     path: str | None = None
     """The file's path, where the reader has one (a delta's relative base path resolves from it)."""
+    base: Any = None
+    """A delta's base, opened once by the first restore that needs it and kept for the next ones
+    (with its reader's cache): ``(Checkpoint, BaseReader)``; closed by ``close_base``."""
+
+    def close_base(self) -> None:
+        """Close the base this file's restores opened (and, through it, the rest of the chain)."""
+        if self.base is not None:
+            checkpoint, self.base = self.base[0], None
+            checkpoint.close()
 
 
 def open_file(reader: StorageReader) -> OpenedFile:
