@@ -23,7 +23,9 @@ condition, at most ``--max-condition-s`` (the activity is restarted whenever it 
   x_d2h_blocking_stream e on a stream created with default flags, one 4 MiB copy per synchronize:
                         what kvikio compat mode does (its per-thread streams are created with
                         CU_STREAM_DEFAULT, so they synchronize with the legacy default stream that
-                        torch trains on); e against this isolates that implicit synchronization
+                        torch trains on); e against this isolates that implicit synchronization.
+                        It crashed the process on the H200 (run 8), so it runs only when named in
+                        --conditions
   f_nvcomp              only nvCOMP compression (gdsckpt's DeviceCodec, the codec the save chose)
                         of the state's bytes on a side stream, paced to the save's logical rate
   g_switch_0.5ms/50ms   c with ``sys.setswitchinterval`` 0.0005 s / 0.05 s (default 0.005 s)
@@ -1488,6 +1490,10 @@ def main(argv: list[str] | None = None) -> int:
                 results["errors"]["conditions"] = f"unknown conditions: {sorted(unknown)}"
             chosen = [c for c in chosen if c.name in wanted]
         skip = {n.strip() for n in args.skip.split(",") if n.strip()}
+        if not args.conditions:
+            # Crashed the process with SIGSEGV on the H200 (run 8: a torch ExternalStream over a
+            # CuPy stream created with default flags): only when asked for by name.
+            skip.add("x_d2h_blocking_stream")
         for condition in chosen:
             name = condition.name
             if name in skip:
