@@ -97,6 +97,11 @@ class BenchSettings:
     baselines: tuple[str, ...] = BASELINES
     seed: int = 0
     config: Config = field(default_factory=Config)
+    max_seconds: float | None = None
+    """A time budget for the measurements (shared out evenly over the targets): once a target's
+    share is spent, its configurations not yet measured are skipped and those measured fewer
+    times than ``repeats`` keep what they have, so the run ends on time with partial results
+    rather than being killed with none (a 512 MiB, two-target GPU run overran a 95 s limit)."""
 
     def __post_init__(self) -> None:
         if self.size_bytes <= 0:
@@ -115,6 +120,8 @@ class BenchSettings:
             raise ValueError("threads and depths must be >= 1")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ValueError(f"max_seconds must be > 0, got {self.max_seconds}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device!r} is invalid (expected one of: cpu, cuda)")
         bad = [b for b in self.baselines if b not in BASELINES]
@@ -152,7 +159,8 @@ class Measurement:
     """The in-flight budget that ran (``max_inflight_bytes``, or ``max_staging_bytes`` on the GPU)."""
     lossless: bool = True
     status: str = "pending"
-    """``ok`` (every repeat ran), ``failed`` (``reason`` says why) or ``skipped`` (cannot run here)."""
+    """``ok`` (its repeats ran: fewer than asked when the time budget ran out, ``reason`` then says
+    so), ``failed`` (``reason`` says why) or ``skipped`` (cannot run here, or no time left)."""
     reason: str | None = None
     logical_bytes: int = 0
     file_bytes: int | None = None
@@ -897,11 +905,15 @@ def run_benchmark(settings: BenchSettings, targets: list[str | os.PathLike[str]]
     report = BenchReport(settings, host_info(settings.device), data, [], date)
     tick = advance or (lambda _n: None)
     try:
-        for target in targets:
+        for number, target in enumerate(targets):
             result = TargetResult(str(Path(target).resolve()), filesystem_of(target), free[str(target)])
             report.targets.append(result)
+            deadline = None
+            if settings.max_seconds is not None:
+                left = settings.max_seconds - (time.perf_counter() - started)
+                deadline = time.perf_counter() + left / (len(targets) - number)
             with bench_directory(target) as directory:
-                _measure_target(result, sides, settings, logical, directory, tick)
+                _measure_target(result, sides, settings, logical, directory, tick, deadline)
     finally:
         del sides
         if settings.device == "cuda":
@@ -920,7 +932,7 @@ def progress_total(settings: BenchSettings, targets: int) -> int:
 
 
 def _measure_target(result: TargetResult, sides: list[_Side], settings: BenchSettings, logical: int,
-                    directory: Path, tick: Callable[[int], None]) -> None:
+                    directory: Path, tick: Callable[[int], None], deadline: float | None = None) -> None:
     cases = [(side, case) for side in sides for case in _cases(side, settings, logical)]
     result.measurements = [case.measurement for _side, case in cases]
     for side in sides:
@@ -931,6 +943,14 @@ def _measure_target(result: TargetResult, sides: list[_Side], settings: BenchSet
         gc.collect()  # once a round: garbage of earlier rounds is not collected inside a timing
         for number, (side, case) in enumerate(cases):
             m = case.measurement
+            if deadline is not None and time.perf_counter() > deadline and m.status in ("pending", "ok"):
+                if m.status == "pending":
+                    m.status, m.reason = "skipped", "the time budget (--max-seconds) was spent first"
+                elif len(m.save_seconds) < settings.repeats:
+                    m.reason = (f"{len(m.save_seconds)} of {settings.repeats} repeats: the time budget "
+                                f"(--max-seconds) was spent")
+                tick(logical)
+                continue
             if m.status in ("pending", "ok"):
                 _run_once(case, directory / f"case-{number}{case.suffix}", side.sync)
                 if m.status != "failed":

@@ -242,6 +242,7 @@ def test_target_without_room_exits_2_before_writing(tmp_path: Path, caplog: pyte
     ("--threads", "0"),
     ("--baselines", "pickle"),
     ("--size", "lots"),
+    ("--max-seconds", "0"),
 ])
 def test_bad_arguments_exit_2(tmp_path: Path, argv: tuple[str, ...],
                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -316,3 +317,34 @@ def test_sigterm_interrupts_like_ctrl_c_while_the_benchmark_runs() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(10)  # the handler raises in this thread long before
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_time_budget_ends_the_run_with_partial_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--max-seconds: once a target's share of the budget is spent, configurations not measured
+    yet are skipped and measured ones keep the repeats they have; the report is still complete."""
+    settings = sb.BenchSettings(size_bytes=1 << 20, codecs=("zstd", "none"), chunk_sizes=(1 << 20,), threads=(2,),
+                                repeats=3, device="cpu", baselines=(), max_seconds=3600)
+    clock = {"now": 0.0}
+    real = time.perf_counter
+    runs: list[str] = []
+    original = sb._run_once
+
+    def run_once(case: Any, path: Path, sync: Any) -> None:
+        original(case, path, sync)
+        runs.append(case.measurement.label)
+        if len(runs) == 4:  # round 1 (raw, zstd, none) and one of round 2 ran: the budget is spent
+            clock["now"] = 7200.0
+
+    monkeypatch.setattr(sb, "_run_once", run_once)
+    monkeypatch.setattr(sb.time, "perf_counter", lambda: real() + clock["now"])
+    report = sb.run_benchmark(settings, [tmp_path])
+    measurements = report.targets[0].measurements
+    assert len(runs) == 4 and all(m.status == "ok" for m in measurements)
+    repeats = sorted(len(m.save_seconds) for m in measurements)
+    assert repeats == [1, 1, 2]
+    partial = [m for m in measurements if len(m.save_seconds) == 1]
+    assert all("of 3 repeats" in (m.reason or "") for m in partial)
+    assert json.loads(json.dumps(report.to_json()))["targets"][0]["results"]
+    skipped = sb.run_benchmark(dataclasses.replace(settings, max_seconds=1e-9), [tmp_path])
+    assert {m.status for m in skipped.targets[0].measurements} == {"skipped"}
+    assert all("time budget" in m.reason for m in skipped.targets[0].measurements)

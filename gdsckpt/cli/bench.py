@@ -105,6 +105,16 @@ def _baselines(text: str) -> tuple[str, ...]:
     return names
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
 def _repeats(text: str) -> int:
     return _counts(text)[0]
 
@@ -137,6 +147,9 @@ def register(subparsers: Any) -> None:
                              "when usable (default)")
     parser.add_argument("--baselines", type=_baselines, default=sb.BASELINES, metavar="LIST",
                         help="torch,safetensors (default) or none")
+    parser.add_argument("--max-seconds", type=_seconds, default=None, metavar="S",
+                        help="time budget for the measurements, shared over the targets: what is not "
+                             "measured by then is skipped, partial repeats are kept (default: none)")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="directory for bench.json and the PNG plots (default ./gdsckpt-bench-<time>)")
     parser.add_argument("--recommend", action="store_true",
@@ -193,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
                                     chunk_sizes=tuple(args.chunk_sizes), threads=tuple(args.threads),
                                     depths=tuple(args.depth), repeats=args.repeats,
                                     device=sb.resolve_device(args.device), baselines=tuple(args.baselines),
-                                    config=base)
+                                    config=base, max_seconds=args.max_seconds)
     except ValueError as err:
         logger.error("bench: %s", err)
         return 2
