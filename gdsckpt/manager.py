@@ -74,7 +74,9 @@ from . import api as _api
 from .async_save import AsyncSaver, SaveHandle
 from .config import Config
 from .delta import DEFAULT_MAX_CHAIN, base_path_of
-from .errors import BaseCheckpointError, CheckpointError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
+from .errors import (
+    BaseCheckpointError, CheckpointError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError,
+)
 from .io import PosixReader
 from .io.posix import TEMP_MARKER, fsync_directory, remove_stale_temporaries, temporary_path
 from .pipeline.load import open_file
@@ -86,8 +88,8 @@ POINTER = "latest"
 
 _DAMAGE = (CorruptCheckpointError, UnsupportedFormatError, BaseCheckpointError, OSError)
 """What makes ``restore_latest`` pass over a checkpoint: the file is damaged, not a checkpoint,
-or unreadable, or it is a delta whose base is missing, changed or damaged. Anything else (a target that does not match, a codec or array library this
-machine lacks) is raised: an older checkpoint would not do better, and silently restarting from
+or unreadable, or it is a delta whose base is missing, changed or damaged. Anything else (a
+target that does not match, a codec or array library this machine lacks) is raised: an older checkpoint would not do better, and silently restarting from
 an old state is worse than an error."""
 
 
@@ -140,6 +142,8 @@ class CheckpointManager:
         self._saver = AsyncSaver()
         self._lock = threading.Lock()
         self._writing: Counter[int] = Counter()
+        self._bases_in_use: Counter[int] = Counter()
+        """Steps that saves still being written use as their base: never pruned under them."""
         self._pointer_step: int | None = None
         self._remove_stale_temporaries()
 
@@ -197,6 +201,8 @@ class CheckpointManager:
         for candidate in candidates:
             path = self.path(candidate)
             if _problem(path, config=self.config) is None:
+                with self._lock:  # from now until the save ends, pruning keeps it
+                    self._bases_in_use[candidate] += 1
                 return path
         return None
 
@@ -204,12 +210,13 @@ class CheckpointManager:
         """Save ``state`` as checkpoint ``step`` now (a delta when due, see the module
         docstring); then move ``latest`` and prune."""
         path = self._begin(step, state)
+        base = None
         try:
-            report = _api.save(state, path, codec=codec, config=self.config, base=self._base_for(step),
-                               max_chain=self.max_chain)
+            base = self._base_for(step)
+            report = _api.save(state, path, codec=codec, config=self.config, base=base, max_chain=self.max_chain)
             self._completed(step)
         finally:
-            self._end(step)
+            self._end(step, base)
         return report
 
     def save_async(self, step: int, state: dict[Any, Any], *, codec: str = "auto") -> SaveHandle:
@@ -223,8 +230,8 @@ class CheckpointManager:
             self._end(step)
             raise
         return self._saver.save(state, path, codec=codec, config=self.config, max_inflight=self.max_inflight,
-                                after=lambda _report: self._completed(step), finally_=lambda: self._end(step),
-                                base=base, max_chain=self.max_chain)
+                                after=lambda _report: self._completed(step),
+                                finally_=lambda: self._end(step, base), base=base, max_chain=self.max_chain)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for this manager's background saves; raise the first error no handle reported."""
@@ -248,11 +255,17 @@ class CheckpointManager:
             self._writing[step] += 1
         return path
 
-    def _end(self, step: int) -> None:
+    def _end(self, step: int, base: Path | None = None) -> None:
         with self._lock:
             self._writing[step] -= 1
             if self._writing[step] <= 0:
                 del self._writing[step]
+            match = self._pattern.match(base.name) if base is not None else None
+            if match:
+                used = int(match.group(1))
+                self._bases_in_use[used] -= 1
+                if self._bases_in_use[used] <= 0:
+                    del self._bases_in_use[used]
 
     def _completed(self, step: int) -> None:
         """Checkpoint ``step`` is complete: point ``latest`` at it (unless a higher step of this
@@ -295,6 +308,7 @@ class CheckpointManager:
         readable = [step for step in sorted(files, reverse=True)
                     if step not in busy and _problem(files[step], config=self.config) is None]
         keep.update(readable[:self.keep_last])
+        keep.update(self._bases_in_use)
         keep |= self._bases_of(keep, files)
         for step, path in files.items():
             if step not in keep:

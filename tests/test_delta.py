@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -346,3 +347,32 @@ def test_chains_stop_at_what_a_load_resolves(tmp_path, monkeypatch):
     monkeypatch.setattr(api, "MAX_RESOLVE_DEPTH", 2)
     with pytest.raises(gdsckpt.BaseCheckpointError, match="3 deltas deep"):
         gdsckpt.load(paths[3])
+
+
+def test_manager_never_prunes_the_base_of_a_save_in_flight(tmp_path, monkeypatch):
+    """keep_last=1: while a delta is written against step 1, step 2 (full) completes and prunes;
+    step 1 must survive until the delta is done, so that the delta loads."""
+    manager = gdsckpt.CheckpointManager(tmp_path, keep_last=1, delta_every=1, full_every=2)
+    state = _state()
+    manager.save(1, state)                      # full (no base yet)
+    new = _step(state, 3)
+    started, release = threading.Event(), threading.Event()
+    original = gdsckpt.api._save
+
+    def held_save(*args, **kwargs):
+        if kwargs.get("base") is not None:      # the delta at step 3: wait inside the save
+            started.set()
+            assert release.wait(60)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gdsckpt.api, "_save", held_save)
+    handle = manager.save_async(3, new)         # delta on step 1
+    try:
+        assert started.wait(60)
+        manager.save(2, _step(state, 2))        # full (a multiple of full_every), prunes
+        assert manager.path(1).exists(), "the in-flight delta's base was pruned"
+    finally:
+        release.set()
+    report = handle.wait(timeout=60)
+    assert report.base == manager.path(1).name
+    assert _equal(gdsckpt.load(manager.path(3)), new)
