@@ -479,14 +479,14 @@ class AsyncSaver:
              config: Config | None = None, max_inflight: int = 1,
              after: Callable[[_api.SaveReport], None] | None = None,
              finally_: Callable[[], None] | None = None, base: PathLike | None = None,
-             max_chain: int = DEFAULT_MAX_CHAIN) -> SaveHandle:
+             max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None) -> SaveHandle:
         """``save_async`` on this saver. ``after(report)`` runs in the background thread once the
         file is complete (its error counts as the save's); ``finally_()`` runs there at the end,
         and in the caller if the save never starts."""
         try:
             return self._save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config,
                               max_inflight=max_inflight, after=after, finally_=finally_,
-                              delta={"base": base, "max_chain": max_chain})
+                              delta={"base": base, "max_chain": max_chain, "lossy": lossy})
         except BaseException:
             if finally_ is not None:
                 finally_()
@@ -615,10 +615,11 @@ _default_saver = AsyncSaver()
 
 def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
                config: Config | None = None, max_inflight: int = 1, base: PathLike | None = None,
-               max_chain: int = DEFAULT_MAX_CHAIN) -> SaveHandle:
+               max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None) -> SaveHandle:
     """Start saving ``state`` to ``path`` in the background; return once a snapshot exists.
 
-    Arguments as for ``gdsckpt.save`` (``base``: write a delta against that checkpoint). When this returns, every tensor and array of ``state`` has
+    Arguments as for ``gdsckpt.save`` (``base``: write a delta against that checkpoint; ``lossy``:
+    round the snapshot's selected arrays, in the background). When this returns, every tensor and array of ``state`` has
     been copied into reused snapshot buffers (CUDA tensors on their GPU when they fit
     ``config.snapshot_gpu_bytes``, else into pinned host memory), so the caller may update them
     right away; the file appears at ``path`` atomically once the background save completes,
@@ -640,7 +641,7 @@ def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: 
     Returns a ``SaveHandle``: ``wait(timeout=None) -> SaveReport``, ``done()``, ``exception()``.
     """
     return _default_saver.save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config,
-                               max_inflight=max_inflight, base=base, max_chain=max_chain)
+                               max_inflight=max_inflight, base=base, max_chain=max_chain, lossy=lossy)
 
 
 def wait_all(timeout: float | None = None) -> None:

@@ -111,11 +111,14 @@ class CheckpointManager:
     ``keep_last``: how many of the newest checkpoints to keep (None: all). ``prefix``: the file
     name prefix. ``config``: the ``Config`` of every save and load. ``max_inflight``: background
     saves at once (``save_async``); each manager has its own snapshot pool (``pool_stats()``).
+    ``delta_every`` / ``full_every`` (steps) and ``max_chain``: delta checkpoints (module
+    docstring). ``lossy``: a ``gdsckpt.lossy.LossyPolicy`` (or dict) every save applies; off by
+    default.
     """
 
     def __init__(self, directory: PathLike, *, keep_last: int | None = 3, prefix: str = "step",
                  config: Config | None = None, max_inflight: int = 1, delta_every: int | None = None,
-                 full_every: int | None = None, max_chain: int = DEFAULT_MAX_CHAIN):
+                 full_every: int | None = None, max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                       or keep_last < 1):
             raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
@@ -138,6 +141,7 @@ class CheckpointManager:
         self.delta_every = delta_every
         self.full_every = full_every
         self.max_chain = max_chain
+        self.lossy = lossy
         self._pattern = re.compile(rf"^{re.escape(prefix)}-(\d{{10,}})\.gdsckpt$")
         self._saver = AsyncSaver()
         self._lock = threading.Lock()
@@ -213,7 +217,8 @@ class CheckpointManager:
         base = None
         try:
             base = self._base_for(step)
-            report = _api.save(state, path, codec=codec, config=self.config, base=base, max_chain=self.max_chain)
+            report = _api.save(state, path, codec=codec, config=self.config, base=base, max_chain=self.max_chain,
+                               lossy=self.lossy)
             self._completed(step)
         finally:
             self._end(step, base)
@@ -231,7 +236,8 @@ class CheckpointManager:
             raise
         return self._saver.save(state, path, codec=codec, config=self.config, max_inflight=self.max_inflight,
                                 after=lambda _report: self._completed(step),
-                                finally_=lambda: self._end(step, base), base=base, max_chain=self.max_chain)
+                                finally_=lambda: self._end(step, base), base=base, max_chain=self.max_chain,
+                                lossy=self.lossy)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for this manager's background saves; raise the first error no handle reported."""

@@ -466,3 +466,16 @@ def test_a_lossy_save_holds_no_rounded_copy_of_the_array(tmp_path: Path, monkeyp
         loaded = gdsckpt.load(tmp_path / "big.gdsckpt")["exp_avg"]
     bound = gdsckpt.inspect(tmp_path / "big.gdsckpt").tensors[0].lossy["abs_bound"]
     assert np.max(np.abs(loaded.astype(np.float64) - array)) <= bound
+
+
+def test_save_async_and_the_manager_take_a_lossy_policy(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(9)
+    state = {"optimizer": {"exp_avg": torch.randn(5000, generator=g)}, "model": {"w": torch.randn(50, generator=g)}}
+    report = gdsckpt.save_async(state, tmp_path / "a.gdsckpt", lossy={"*exp_avg": 1e-2}).wait(timeout=60)
+    assert report.lossy == ("optimizer/exp_avg",)
+    manager = gdsckpt.CheckpointManager(tmp_path / "run", lossy={"*exp_avg": 1e-2})
+    assert manager.save(1, state).lossy == ("optimizer/exp_avg",)
+    assert manager.save_async(2, state).wait(timeout=60).lossy == ("optimizer/exp_avg",)
+    with pytest.warns(lossy.LossyWarning):
+        loaded = gdsckpt.load(manager.path(2))
+    assert bit_equal(loaded["model"]["w"], state["model"]["w"])
