@@ -126,6 +126,9 @@ class VerifyReport:
     stored_bytes: int
     logical_bytes: int
     seconds: float
+    bases: tuple[str, ...] = ()
+    """A delta's chain of bases, nearest first, each checked to be present and unchanged (and,
+    with ``verify(chain=True)``, verified chunk by chunk too)."""
 
 
 def chain_label(chain: list[dict[str, Any]]) -> str:
@@ -1069,27 +1072,52 @@ def inspect(path: PathLike, *, config: Config | None = None) -> CheckpointInfo:
                           logical / size if size else 0.0, tuple(_tensor_infos(index)), codecs, index.base)
 
 
-def verify(path: PathLike, *, config: Config | None = None, progress: Progress | None = None) -> VerifyReport:
+def verify(path: PathLike, *, config: Config | None = None, progress: Progress | None = None,
+           chain: bool = False) -> VerifyReport:
     """Read every chunk, check every checksum and decode every stream.
 
     Returns a ``VerifyReport`` when the file is sound; raises ``CorruptCheckpointError`` naming
-    the first bad tensor and chunk otherwise. ``progress``: see ``Progress``.
+    the first bad tensor and chunk otherwise. ``progress``: see ``Progress``. For a delta
+    checkpoint, every base down its chain must also be present, unchanged and of the recorded
+    depth (``BaseCheckpointError`` otherwise: the delta would not load); ``chain=True`` verifies
+    their chunks too.
     """
     cfg = _config(config)
     started = time.perf_counter()
-    with _reader(path, cfg) as reader:
-        opened = _open_checked(reader)
-        gpu_device = _gpu_device(cfg, None, opened.index)
-        engine = _restore_engine(cfg, gpu_device)
-        try:
-            with _data_reader(path, cfg, reader, gpu_device) as data_reader:
-                stored = run_verify(data_reader, opened.index, engine, max_inflight_bytes=cfg.max_inflight_bytes,
-                                    timeout=cfg.timeout, progress=progress)
-        finally:
-            engine.close()
+    opened, stored = _verify_chunks(path, cfg, progress)
+    bases: list[str] = []
+    checkpoints: list[Checkpoint] = []
+    try:
+        current = opened
+        while current.index.base is not None:
+            base = _open_base(current, cfg)  # present, unchanged, of the recorded depth
+            checkpoints.append(base)
+            bases.append(base.path)
+            if chain:
+                _verify_chunks(base.path, cfg, None)
+            current = base._opened
+    finally:
+        for checkpoint in checkpoints:
+            checkpoint.close()
     index = opened.index
     logical = sum(record.nbytes for record in index.tensors if record.alias is None)
-    return VerifyReport(str(path), len(index.chunks), stored, logical, time.perf_counter() - started)
+    return VerifyReport(str(path), len(index.chunks), stored, logical, time.perf_counter() - started,
+                        tuple(bases))
+
+
+def _verify_chunks(path: PathLike, config: Config, progress: Progress | None) -> tuple[OpenedFile, int]:
+    """Open ``path`` and read, check and decode every chunk; returns the file and its stored bytes."""
+    with _reader(path, config) as reader:
+        opened = _open_checked(reader)
+        gpu_device = _gpu_device(config, None, opened.index)
+        engine = _restore_engine(config, gpu_device)
+        try:
+            with _data_reader(path, config, reader, gpu_device) as data_reader:
+                stored = run_verify(data_reader, opened.index, engine, max_inflight_bytes=config.max_inflight_bytes,
+                                    timeout=config.timeout, progress=progress)
+        finally:
+            engine.close()
+    return opened, stored
 
 
 __all__ = [

@@ -376,3 +376,31 @@ def test_manager_never_prunes_the_base_of_a_save_in_flight(tmp_path, monkeypatch
     report = handle.wait(timeout=60)
     assert report.base == manager.path(1).name
     assert _equal(gdsckpt.load(manager.path(3)), new)
+
+
+def test_verify_checks_the_chain_of_bases(tmp_path):
+    a, b, c = (tmp_path / f"{n}.gdsckpt" for n in "abc")
+    state = _state()
+    gdsckpt.save(state, a, codec="zstd")
+    gdsckpt.save(_step(state, 1), b, codec="zstd", base=a)
+    gdsckpt.save(_step(state, 2), c, codec="zstd", base=b)
+    report = gdsckpt.verify(c)
+    assert report.bases == (str(b), str(a))
+    assert gdsckpt.verify(c, chain=True).bases == (str(b), str(a))
+    # a damaged chunk in the oldest base: only --chain reads it
+    raw = bytearray(a.read_bytes())
+    index = gdsckpt.inspect(a)
+    with gdsckpt.open(a) as checkpoint:
+        first = checkpoint._opened.index.chunks[0]
+    raw[first.offset] ^= 0xFF
+    a.write_bytes(bytes(raw))
+    assert index.file_bytes == len(raw)
+    gdsckpt.verify(c)  # present and unchanged index: the chunk is not read
+    with pytest.raises(gdsckpt.CorruptCheckpointError):
+        gdsckpt.verify(c, chain=True)
+    cli = subprocess.run([sys.executable, "-m", "gdsckpt", "verify", "--chain", str(c)], capture_output=True,
+                         text=True, timeout=120)
+    assert cli.returncode == 1 and "chunk 0" in cli.stderr
+    b.unlink()
+    with pytest.raises(gdsckpt.BaseCheckpointError, match="missing"):
+        gdsckpt.verify(c)

@@ -96,8 +96,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from .. import verify
 
     with progress_bar(None, "verifying", quiet=args.quiet) as advance:
-        report = verify(args.path, config=args.config, progress=byte_progress(advance))
+        report = verify(args.path, config=args.config, progress=byte_progress(advance), chain=args.chain)
     print(f"{report.path}: OK, {report.chunks} chunks, {report.logical_bytes} logical bytes verified")
+    if report.bases:
+        how = "verified" if args.chain else "present and unchanged (--chain verifies their chunks)"
+        print(f"bases: {', '.join(report.bases)}: {how}")
     return 0
 
 
@@ -130,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=_cmd_inspect)
     verify = sub.add_parser("verify", help="read every chunk and check every checksum")
     verify.add_argument("path")
+    verify.add_argument("--chain", action="store_true",
+                        help="for a delta checkpoint, verify every base's chunks too (they are always "
+                             "checked to be present and unchanged)")
     verify.set_defaults(run=_cmd_verify)
     rebase = sub.add_parser("rebase", help="turn a delta checkpoint into a full one (resolving its bases)")
     rebase.add_argument("path")
