@@ -219,7 +219,10 @@ def _grid_part_torch(part: Any, step: float) -> tuple[Any, Any]:
 
 
 def _mantissa_part_torch(part: Any, rel: float, drop: int) -> tuple[Any, Any]:
-    """(rounded copy of ``part``, largest error) under the mantissa rule (``_mantissa_torch``)."""
+    """(rounded copy of ``part``, largest error) under the mantissa rule: each finite element
+    rounded to nearest (ties to even) at ``drop`` fewer mantissa bits, as integers on its bit
+    pattern, on its device. Elements whose rounding would leave the bound (subnormals, which have
+    fewer significant bits, or a carry into infinity) keep their bits, as do NaN and inf."""
     import torch
 
     width = part.element_size()
@@ -362,6 +365,7 @@ def _round_whole(array: Any, rounding: Rounding) -> Any:
 
 
 def _quantize(array: Any, rel: float, mode: str) -> GridResult | None:
+    """The whole array rounded under ``mode`` (``plan_rounding``'s rules), or None."""
     rounding = plan_rounding(array, mode, rel)
     if rounding is None:
         return None
@@ -369,32 +373,11 @@ def _quantize(array: Any, rel: float, mode: str) -> GridResult | None:
                       rounding.max_error, mode=mode)
 
 
-def _grid_torch(tensor: Any, rel: float) -> GridResult | None:
-    return _quantize(tensor, rel, "grid")
-
-
-def _grid_numpy(array: np.ndarray, rel: float) -> GridResult | None:
-    return _quantize(array, rel, "grid")
-
-
 def _mantissa_drop(dtype_name: str, rel: float) -> int:
     """Low mantissa bits to clear so that rounding to nearest errs by at most ``rel`` relative:
     keeping ``m`` bits bounds the error by 2**-(m+1) of the value, so m = ceil(log2(1/rel)) - 1."""
     keep = max(0, math.ceil(-math.log2(rel)) - 1)
     return max(0, _MANTISSA_BITS[dtype_name] - keep)
-
-
-def _mantissa_torch(tensor: Any, rel: float) -> GridResult | None:
-    """Mode ``mantissa`` on a torch tensor: each finite element rounded to nearest (ties to even)
-    at ``_mantissa_drop`` fewer mantissa bits, as integers on its bit pattern, on its device.
-    Elements whose rounding would leave the bound (subnormals, which have fewer significant bits,
-    or a carry into infinity) keep their bits, as do NaN and inf."""
-    return _quantize(tensor, rel, "mantissa")
-
-
-def _mantissa_numpy(array: np.ndarray, rel: float) -> GridResult | None:
-    """Mode ``mantissa`` on a NumPy array (``_mantissa_torch``'s rule)."""
-    return _quantize(array, rel, "mantissa")
 
 
 class RoundedSource:
@@ -457,9 +440,7 @@ def grid_quantize(array: Any, rel: float) -> GridResult | None:
     rel = _check_rel(rel, "grid_quantize")
     if _dtype_name(array) not in FLOAT_DTYPES:
         return None
-    if isinstance(array, np.ndarray):
-        return _grid_numpy(array, rel)
-    return _grid_torch(array, rel)
+    return _quantize(array, rel, "grid")
 
 
 def apply_policy(flat: FlatState, policy: LossyPolicy | Mapping[str, float]) -> list[str]:
@@ -634,7 +615,7 @@ def sensitivity(model: Any, loss_fn: Callable[[Any, Any], Any], batch: Any, grou
                 try:
                     with torch.no_grad():
                         for key, tensor in members:
-                            result = (_grid_torch if mode == "grid" else _mantissa_torch)(tensor, rel)
+                            result = _quantize(tensor, rel, mode)
                             if result is not None:
                                 tensor.copy_(result.values)
                                 keys.append(key)

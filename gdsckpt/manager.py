@@ -337,8 +337,8 @@ class CheckpointManager:
                 continue
             if base is None:
                 continue
-            match = self._pattern.match(base_path_of(str(path), base).name)
             base_path = base_path_of(str(path), base)
+            match = self._pattern.match(base_path.name)
             if match and base_path.parent.resolve() == self.directory.resolve():
                 step = int(match.group(1))
                 if step not in needed and step in files:

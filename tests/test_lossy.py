@@ -407,7 +407,7 @@ def test_mantissa_mode_bounds_each_element_relatively(case: tuple[str, np.ndarra
     tensor = _torch_of(dtype, bits)
     before = _bits(tensor)
     with mock.patch.object(lossy, "CHUNK_ELEMENTS", 5 if chunked else lossy.CHUNK_ELEMENTS):
-        result = lossy._mantissa_torch(tensor, rel)
+        result = lossy._quantize(tensor, rel, "mantissa")
     assert np.array_equal(_bits(tensor), before), "the caller's tensor is never modified"
     if result is None:  # no mantissa bits to spare at this bound, or nothing finite and nonzero
         x = _as_float64(tensor)
@@ -422,7 +422,7 @@ def test_mantissa_mode_bounds_each_element_relatively(case: tuple[str, np.ndarra
     assert np.array_equal(after[~finite], before[~finite]), "NaN / inf bit patterns (payloads) kept"
     assert np.array_equal(np.signbit(y[finite]), np.signbit(x[finite]))
     if dtype != "bfloat16":  # NumPy computes the very same bits
-        same = lossy._mantissa_numpy(tensor.numpy(), rel)
+        same = lossy._quantize(tensor.numpy(), rel, "mantissa")
         assert same is not None and np.array_equal(_bits(same.values), after)
 
 
