@@ -8,7 +8,8 @@ exp_avg + exp_avg_sq):
    whole call, fsync of the file included), ``torch.distributed.checkpoint.async_save`` (the call
    returning its future; with a new ``FileSystemWriter`` each time, and with one writer that caches
    its staged copy in pinned memory), ``gdsckpt.save_async`` (the call returning its handle; default
-   ``Config`` and ``Config(snapshot_gpu_bytes=...)``, a device-memory snapshot). CUDA is
+   ``Config`` and ``Config(snapshot_gpu_bytes=...)``, a device-memory snapshot; each also with
+   ``async_worker="process"``, the save in a worker process; ``prepare`` first). CUDA is
    synchronized before each timer starts; each round is waited for (with a timeout) outside the
    blocked time, and its completion time (call to durable on disk) is recorded too. Medians.
 2. Training throughput. ``--train-steps`` steps of ``gdsckpt.demo.train_steps`` without
@@ -114,14 +115,17 @@ class Recorder:
     others go on; after each method the JSON so far is written to ``out`` (a run cut short by an
     outer time limit keeps what it measured) and a progress line is printed."""
 
-    def __init__(self, results: dict, out: Path):
-        self.results, self.out = results, out
+    def __init__(self, results: dict, out: Path, skip: frozenset[str] = frozenset()):
+        self.results, self.out, self.skip = results, out, skip
         self.errors: dict[str, str] = results.setdefault("errors", {})
         self.seconds: dict[str, float] = results.setdefault("phase_seconds", {})
         self.timed_out = False
         self.started = time.perf_counter()
 
     def attempt(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        if name in self.skip:
+            self.results.setdefault("skipped", {})[name] = "--skip"
+            return None
         started = time.perf_counter()
         try:
             return fn(*args)
@@ -196,13 +200,20 @@ def bench_blocked(state: dict, directory: Path, args: argparse.Namespace, device
                     "ratio": report.ratio, "codec": report.codec, "backend": report.backend}
 
         try:
+            started = time.perf_counter()
+            # As a training loop would (the docs say so): buffers allocated and, with
+            # async_worker="process", the worker started before the first checkpoint.
+            gdsckpt.async_save.prepare(state, config=config)
+            prepared = time.perf_counter() - started
             results[name] = blocked_rounds(
                 args.rounds, device,
                 lambda i: gdsckpt.save_async(state, path(name, i, ".gdsckpt"), config=config),
                 finish, lambda i: remove(path(name, i, ".gdsckpt")))
             results[name]["pool"] = dataclasses.asdict(gdsckpt.async_save.pool_stats())
+            results[name]["prepare_s"] = prepared
         finally:
             gdsckpt.async_save.clear_pool()
+            gdsckpt.async_save._default_saver.close_worker()
 
     for suffix, config in configs.items():
         name = f"gdsckpt_save_async{suffix}"
@@ -293,6 +304,7 @@ def bench_training(model: TinyGPT, optimizer: torch.optim.Optimizer, directory: 
             run["steps_saved"] = manager.steps()
             results[name] = run
         finally:
+            manager._saver.close_worker()
             shutil.rmtree(where, ignore_errors=True)
 
     def with_dcp() -> None:
@@ -430,7 +442,12 @@ def main() -> None:
     parser.add_argument("--snapshot-gpu-bytes", type=int, default=0,
                         help="Config.snapshot_gpu_bytes of the device-snapshot variants (0: twice the state)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any single wait may take")
+    parser.add_argument("--workers", default="thread,process",
+                        help="Config.async_worker values of the gdsckpt variants (thread: in the training process)")
+    parser.add_argument("--skip", default="", help="phases to leave out, as named in the progress lines "
+                        "(e.g. dcp_async_save_pinned,train_gdsckpt_manager_gpu_snapshot)")
     args = parser.parse_args()
+    args.workers = [w for w in args.workers.split(",") if w]
     device = torch.device(args.device)
     created = not Path(args.dir).exists()
     directory = Path(args.dir) / f"run-{os.getpid()}"
@@ -442,7 +459,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(), "width": args.width, "depth": args.depth, "steps_before": args.steps_before,
         "rounds": args.rounds, "every": args.every, "train_steps": args.train_steps, "timeout": args.timeout,
         "errors": {}, "skipped": {}}
-    recorder = Recorder(results, Path(args.out))
+    recorder = Recorder(results, Path(args.out), frozenset(x for x in args.skip.split(",") if x))
     try:
         with warnings.catch_warnings():
             # DCP without a process group warns "torch.distributed is disabled, unavailable or
@@ -485,12 +502,16 @@ def run(args: argparse.Namespace, device: torch.device, directory: Path, results
     results["snapshot_gpu_bytes"] = snapshot_bytes
     # gdsckpt variants: "" the default Config (from the environment; only the timeout is ours),
     # "_gpu_snapshot" a device-memory snapshot budget large enough for the whole state
-    configs = {"": gdsckpt.Config.from_env().replace(timeout=args.timeout)}
-    try:
-        configs["_gpu_snapshot"] = configs[""].replace(snapshot_gpu_bytes=snapshot_bytes)
-    except TypeError as err:  # a gdsckpt without the field yet
-        for name in ("gdsckpt_save_async_gpu_snapshot", "gdsckpt_manager_gpu_snapshot"):
-            skipped[name] = f"Config does not take snapshot_gpu_bytes: {err}"
+    # "_process": the same with async_worker="process" (the save in a worker process)
+    configs = {}
+    for worker in args.workers:
+        suffix = "" if worker == "thread" else f"_{worker}"
+        base = gdsckpt.Config.from_env().replace(timeout=args.timeout)
+        try:
+            configs[suffix] = base if worker == "thread" else base.replace(async_worker=worker)
+            configs[f"{suffix}_gpu_snapshot"] = configs[suffix].replace(snapshot_gpu_bytes=snapshot_bytes)
+        except (TypeError, ValueError) as err:  # a gdsckpt without the field yet
+            skipped[f"gdsckpt{suffix}"] = f"Config does not take this variant: {err}"
     results["configs"] = {f"gdsckpt{suffix}": dataclasses.asdict(c) for suffix, c in configs.items()}
     results["blocked"] = bench_blocked(state, directory, args, device, configs, recorder, skipped)
     del state  # the bf16 copies; the training loop checkpoints model + optimizer state_dicts

@@ -14,8 +14,8 @@ from .async_save import SaveHandle, save_async, wait_all  # noqa: E402
 from .config import Config  # noqa: E402
 from .convert import ConvertError, ConvertReport, UnsafePickleError, convert  # noqa: E402
 from .errors import (  # noqa: E402
-    BaseCheckpointError, CheckpointError, CodecUnavailableError, CorruptCheckpointError, StateMismatchError,
-    UnsupportedFormatError,
+    BaseCheckpointError, CheckpointError, CodecUnavailableError, CorruptCheckpointError, SaveWorkerError,
+    StateMismatchError, UnsupportedFormatError,
 )
 from .lossy import LossyPolicy, LossyWarning  # noqa: E402
 from .manager import CheckpointManager, SkippedCheckpointWarning  # noqa: E402
@@ -23,7 +23,7 @@ from .manager import CheckpointManager, SkippedCheckpointWarning  # noqa: E402
 __all__ = [
     "BaseCheckpointError", "Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointManager", "CodecUnavailableError",
     "Config", "ConvertError", "ConvertReport", "CorruptCheckpointError", "LossyPolicy", "LossyWarning",
-    "SaveHandle", "SaveReport",
+    "SaveHandle", "SaveReport", "SaveWorkerError",
     "SkippedCheckpointWarning", "StateMismatchError", "TensorInfo", "UnsafePickleError",
     "UnsupportedFormatError", "VerifyReport", "__version__", "convert", "inspect", "load", "load_into",
     "open", "rebase", "save", "save_async", "verify", "wait_all",

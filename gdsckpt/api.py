@@ -259,12 +259,14 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
 def _save(state: Any, path: PathLike, *, codec: str, chunk_bytes: int | str | None, config: Config | None,
           devices: list[str] | None = None, progress: Progress | None = None, base: PathLike | None = None,
           max_chain: int = DEFAULT_MAX_CHAIN, lossy: LossyPolicy | dict[str, float] | None = None,
-          flat: FlatState | None = None) -> SaveReport:
+          flat: FlatState | None = None, rename: bool = True) -> SaveReport:
     """``save``; ``devices`` (one per array, in flatten order) overrides the device each array's
     index entry records, and a ``cuda:N`` among them runs the GPU engine on device N (where
     usable) whatever memory the arrays live in: ``save_async`` passes the devices of the CUDA
     tensors it snapshotted into pinned host memory. ``flat``: an already flattened state (then
-    ``state`` is ignored), as ``rebase`` builds from a checkpoint's index."""
+    ``state`` is ignored), as ``rebase`` builds from a checkpoint's index. ``rename=False``: the
+    complete, fsynced file is left at a temporary path beside ``path``, given as the report's
+    ``path``; the caller renames it (``gdsckpt.worker``)."""
     started = time.perf_counter()
     cfg = _config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=chunk_bytes,
                   codec=None if codec == "auto" else codec)
@@ -291,6 +293,11 @@ def _save(state: Any, path: PathLike, *, codec: str, chunk_bytes: int | str | No
         )
         try:
             writer = make_writer(path, cfg)
+            if not rename:
+                if not isinstance(writer, PosixWriter):
+                    writer.abort()
+                    raise ValueError(f"a save in a worker process needs a file path, not {path!r}")
+                writer.keep_temporary = True
             result = run_save(plans, engine, writer, progress=progress,
                               max_inflight_bytes=_inflight_budget(cfg, engine.name == "gpu"),
                               build_index=lambda r: _build_index(flat, r, link), timeout=cfg.timeout,
@@ -303,7 +310,7 @@ def _save(state: Any, path: PathLike, *, codec: str, chunk_bytes: int | str | No
         label = chain_label(result.chains[chunk.chain].to_json())
         chains[label] = chains.get(label, 0) + 1
     return SaveReport(
-        path=str(path), logical_bytes=logical, stored_bytes=result.file_bytes,
+        path=str(path if rename else writer.temp), logical_bytes=logical, stored_bytes=result.file_bytes,
         ratio=logical / result.file_bytes if result.file_bytes else 0.0,
         seconds=time.perf_counter() - started, codec=codec_name, backend=writer.name,
         engine=engine.name, tensors=len(flat.arrays), chunks=len(result.chunks), chains=chains, auto=auto,

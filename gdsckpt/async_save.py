@@ -100,7 +100,9 @@ class SnapshotPool:
 
     Kinds: ``"numpy"`` (``np.empty``), ``"torch"`` (CPU ``torch.empty``), ``"pinned"``
     (page-locked ``torch.empty(pin_memory=True)``, for copies from CUDA tensors), ``"cuda:N"``
-    (``torch.empty`` on GPU N, for device-side snapshots).
+    (``torch.empty`` on GPU N, for device-side snapshots); for a save worker process
+    (``Config.async_worker="process"``) ``"shared"`` and ``"shared-pinned"`` in place of
+    ``"torch"`` and ``"pinned"``: memory both processes map (``gdsckpt.worker.shared_host_buffer``).
     """
 
     def __init__(self) -> None:
@@ -181,6 +183,10 @@ class SnapshotPool:
 def _allocate(kind: str, nbytes: int) -> Any:
     if kind == "numpy":
         return np.empty(nbytes, dtype=np.uint8)
+    if kind.startswith("shared"):  # host memory a save worker process maps too
+        from .worker import shared_host_buffer
+
+        return shared_host_buffer(nbytes, pin=kind == "shared-pinned")
     import torch
 
     if kind.startswith("cuda"):
@@ -194,9 +200,10 @@ def _allocate(kind: str, nbytes: int) -> Any:
 class _Snapshotter:
     """Rebuilds a state with every array copied into pool buffers."""
 
-    def __init__(self, pool: SnapshotPool, *, cuda_on_device: bool = False):
+    def __init__(self, pool: SnapshotPool, *, cuda_on_device: bool = False, shared: bool = False):
         self.pool = pool
         self.cuda_on_device = cuda_on_device
+        self.shared = shared
         self.lent: list[tuple[tuple[str, int], Any]] = []
         self.views: dict[tuple[Any, ...], Any] = {}
         self.cuda_devices: set[Any] = set()
@@ -253,9 +260,10 @@ class _Snapshotter:
                 data = torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
             else:
                 on_cuda = tensor.device.type == "cuda"
-                kind = "torch"
+                kind = "shared" if self.shared else "torch"
                 if on_cuda:
-                    kind = f"cuda:{tensor.device.index or 0}" if self.cuda_on_device else "pinned"
+                    kind = (f"cuda:{tensor.device.index or 0}" if self.cuda_on_device
+                            else "shared-pinned" if self.shared else "pinned")
                 buffer = self._buffer(kind, nbytes)
                 data = buffer.view(tensor.dtype).view(tuple(tensor.shape))
                 with torch.no_grad():
@@ -290,15 +298,16 @@ class _Snapshotter:
                 self.torch.cuda.synchronize(device)
 
 
-def take_snapshot(state: Any, pool: SnapshotPool, *, validate: bool = True, cuda_on_device: bool = False
-                  ) -> tuple[Any, list[tuple[tuple[str, int], Any]], int]:
+def take_snapshot(state: Any, pool: SnapshotPool, *, validate: bool = True, cuda_on_device: bool = False,
+                  shared: bool = False) -> tuple[Any, list[tuple[tuple[str, int], Any]], int]:
     """A copy of ``state`` whose arrays live in buffers of ``pool``; returns the copy, the lent
     buffers (give them back with ``pool.release``) and the bytes copied into them. ``validate``:
     check the state first as ``gdsckpt.save`` does (skip it only when done already).
-    ``cuda_on_device``: copy CUDA torch tensors on their GPU instead of into pinned host memory."""
+    ``cuda_on_device``: copy CUDA torch tensors on their GPU instead of into pinned host memory.
+    ``shared``: host buffers a save worker process can map (``gdsckpt.worker``)."""
     if validate:
         flatten(state)  # the same validation (and TypeError messages) as gdsckpt.save
-    snapshotter = _Snapshotter(pool, cuda_on_device=cuda_on_device)
+    snapshotter = _Snapshotter(pool, cuda_on_device=cuda_on_device, shared=shared)
     try:
         snapshot = snapshotter.copy(state)
         snapshotter.finish()
@@ -461,6 +470,8 @@ class AsyncSaver:
         self._cond = threading.Condition()
         self._inflight: list[_Job] = []
         self._waiting = 0
+        self._worker: Any = None  # gdsckpt.worker.SaveWorker, made on the first process save
+        self._worker_lock = threading.Lock()
         _savers.add(self)
 
     @property
@@ -515,9 +526,11 @@ class AsyncSaver:
                                    f"flight after {cfg.timeout} s (config timeout)")
             self._inflight.append(job)
         slot = time.perf_counter()
+        in_process = cfg.async_worker == "process"
         try:
             snapshot, lent, nbytes = take_snapshot(state, self.pool, validate=False,
-                                                   cuda_on_device=0 < cuda_bytes <= cfg.snapshot_gpu_bytes)
+                                                   cuda_on_device=0 < cuda_bytes <= cfg.snapshot_gpu_bytes,
+                                                   shared=in_process)
         except BaseException:
             self._end(job)
             raise
@@ -528,7 +541,7 @@ class AsyncSaver:
                                   args=(job, [snapshot], lent, max_inflight,
                                         dict(codec=codec, chunk_bytes=chunk_bytes, config=config,
                                              devices=devices if cuda_bytes else None, **delta),
-                                        after, finally_))
+                                        after, finally_, in_process))
         try:
             thread.start()
         except BaseException:
@@ -538,9 +551,13 @@ class AsyncSaver:
         return handle
 
     def _run(self, job: _Job, holder: list[Any], lent: list[Any], copies: int, options: dict[str, Any],
-             after: Callable[[_api.SaveReport], None] | None, finally_: Callable[[], None] | None) -> None:
+             after: Callable[[_api.SaveReport], None] | None, finally_: Callable[[], None] | None,
+             in_process: bool = False) -> None:
         try:
-            report = _api._save(holder.pop(), job.path, **options)
+            if in_process:
+                report = self.worker().save(holder.pop(), lent, job.path, options, job.timeout)
+            else:
+                report = _api._save(holder.pop(), job.path, **options)
             if after is not None:
                 after(report)
             job.report = report
@@ -586,17 +603,41 @@ class AsyncSaver:
         """Drop the idle snapshot buffers; returns the bytes freed."""
         return self.pool.clear()
 
+    def worker(self) -> Any:
+        """This saver's ``gdsckpt.worker.SaveWorker`` (made on first use; its process starts on
+        the first save with ``Config(async_worker="process")`` or in ``prepare``)."""
+        with self._worker_lock:
+            if self._worker is None:
+                from .worker import SaveWorker
+
+                self._worker = SaveWorker()
+            return self._worker
+
+    def close_worker(self, timeout: float = 10.0) -> None:
+        """Stop this saver's worker process, if any, after the saves in flight (it restarts on
+        the next process save)."""
+        self._wait_inflight(None)
+        with self._worker_lock:
+            worker = self._worker
+        if worker is not None:
+            worker.close(timeout)
+
     def prepare(self, state: Any, *, config: Config | None = None, max_inflight: int = 1) -> int:
         """Allocate now the snapshot buffers that ``save`` of a state like ``state`` will use
         (same arrays, sizes and devices), so that the first background save in a training loop
         does not pay for them: allocating pinned memory is slow (7 s for 8.76 GiB on the H200
         host, against 0.18 s for the copy itself once the buffers exist). Copies ``state`` once,
-        and keeps the buffers idle in this saver's pool; returns the bytes the pool holds."""
+        and keeps the buffers idle in this saver's pool; with ``Config(async_worker="process")``
+        also starts the worker process. Returns the bytes the pool holds."""
         cfg = config if config is not None else Config.from_env()
         _devices, cuda_bytes = _survey(state)
+        in_process = cfg.async_worker == "process"
         _snapshot, lent, _nbytes = take_snapshot(state, self.pool, validate=False,
-                                                 cuda_on_device=0 < cuda_bytes <= cfg.snapshot_gpu_bytes)
+                                                 cuda_on_device=0 < cuda_bytes <= cfg.snapshot_gpu_bytes,
+                                                 shared=in_process)
         self.pool.release(lent, copies=max_inflight)
+        if in_process:
+            self.worker().start(cfg.timeout)
         return self.pool.stats().held_bytes
 
 
@@ -682,6 +723,9 @@ def _at_exit() -> None:
             if not job.event.wait(job.timeout):
                 logger.error("gdsckpt: abandoning the background save to %s at interpreter exit after "
                              "%s s; the path keeps its previous content", job.path, job.timeout)
+        worker = saver._worker
+        if worker is not None:
+            worker.close(timeout=1.0)
     with _registry_lock:
         jobs = list(_unobserved)
         _unobserved.clear()

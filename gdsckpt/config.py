@@ -24,6 +24,7 @@ the presets in ``configs/``.
 | engine | ``"auto"`` | ``auto`` (GPU when the state has CUDA arrays and nvCOMP is usable), ``cpu``, ``gpu`` (every save, failing where no GPU is usable) |
 | max_staging_bytes | 1 GiB | GPU staging ring of a save or restore (chunks being compressed / read and decoded), allocated once per operation |
 | snapshot_gpu_bytes | 1 GiB | ``save_async``: a state whose CUDA tensors hold at most this many bytes is snapshotted by a copy on its GPU (kept in the snapshot pool between saves); a larger one into pinned host memory |
+| async_worker | ``"thread"`` | ``save_async`` / ``CheckpointManager.save_async``: where the background save runs: ``thread`` (a thread of the training process) or ``process`` (a spawned worker process reading the snapshot through shared memory: the training process's GIL stays free; see ``gdsckpt.worker``) |
 | kvikio_threads | 16 | kvikio thread pool size (GPU engine) |
 | kvikio_task_size | ``None`` | kvikio task size in bytes (None: kvikio's default) |
 | storage_gbps | ``None`` | storage write speed for ``codec="auto"`` on the GPU (None: measured once per filesystem and cached) |
@@ -57,6 +58,7 @@ def parse_size(value: int | str) -> int:
 _CHOICES = {
     "byte_planes": ("auto", "always", "never"),
     "engine": ("auto", "cpu", "gpu"),
+    "async_worker": ("thread", "process"),
 }
 
 # The kind of value each field takes, which decides how its text (an environment variable, a
@@ -67,7 +69,8 @@ _KINDS = {
     "codec": "text", "chunk_bytes": "size", "gpu_chunk_bytes": "size", "pack_below": "size",
     "byte_planes": "text", "level": "int", "codec_threads": "int", "io_threads": "int",
     "max_inflight_bytes": "size", "o_direct": "switch", "fsync": "bool", "timeout": "float",
-    "engine": "text", "max_staging_bytes": "size", "snapshot_gpu_bytes": "size", "kvikio_threads": "int",
+    "engine": "text", "max_staging_bytes": "size", "snapshot_gpu_bytes": "size", "async_worker": "text",
+    "kvikio_threads": "int",
     "kvikio_task_size": "size", "storage_gbps": "float",
 }
 _OPTIONAL = frozenset({"level", "kvikio_task_size", "storage_gbps"})
@@ -104,6 +107,7 @@ class Config:
     engine: str = "auto"
     max_staging_bytes: int = 1 << 30
     snapshot_gpu_bytes: int = 1 << 30
+    async_worker: str = "thread"
     kvikio_threads: int = 16
     kvikio_task_size: int | None = None
     storage_gbps: float | None = None
@@ -168,7 +172,7 @@ class Config:
         The file holds top-level ``field = value`` pairs, one per ``Config`` field it sets, and
         nothing else (no tables). A value is either the field's native TOML type (an integer
         for sizes and thread counts, a number for ``timeout``/``storage_gbps``, true/false for
-        ``fsync``/``o_direct``, a string for ``codec``/``engine``/``byte_planes``) or a string
+        ``fsync``/``o_direct``, a string for ``codec``/``engine``/``byte_planes``/``async_worker``) or a string
         read like the ``GDSCKPT_<FIELD>`` environment variable (``"4MiB"``, ``"none"``,
         ``"auto"``). Raises ``ValueError`` naming the file and the key for an unknown key, a
         value of the wrong type, or a value the field does not allow (listing what it does),

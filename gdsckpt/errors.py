@@ -45,3 +45,9 @@ class StateMismatchError(CheckpointError, ValueError):
 class BaseCheckpointError(CheckpointError):
     """A delta checkpoint's base is missing, was changed since the delta was written against it,
     or does not hold an array the delta needs."""
+
+
+class SaveWorkerError(RuntimeError):
+    """The worker process of ``save_async`` with ``Config(async_worker="process")`` died, did not
+    answer within ``Config.timeout``, or could not be started; that save failed (the target path
+    keeps its previous content) and the next save starts a new worker."""

@@ -63,7 +63,12 @@ def _process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # A zombie (exited, not yet reaped: an orphan under a PID 1 that does not reap) writes nothing.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def fsync_directory(directory: Path) -> None:
@@ -111,6 +116,9 @@ class PosixWriter(StorageWriter):
         self.name = "posix+odirect" if self._direct_fd is not None else "posix"
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="gdsckpt-write")
         self._closed = False
+        self.keep_temporary = False
+        """When True, ``commit`` makes the temporary file durable and leaves the rename over the
+        target to the caller (``gdsckpt.worker``: the process that owns the snapshot commits)."""
 
     def submit_write(self, offset: int, data: Any) -> Future[None]:
         fd = self._fd
@@ -136,6 +144,9 @@ class PosixWriter(StorageWriter):
         if self.fsync:
             os.fsync(self._fd)
         self._close_fds()
+        if self.keep_temporary:
+            self._closed = True
+            return
         os.replace(self.temp, self.target)
         self._closed = True
         if self.fsync:

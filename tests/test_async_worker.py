@@ -1,0 +1,218 @@
+"""``save_async`` with ``Config(async_worker="process")``: the background save runs in a worker
+process that maps the snapshot's buffers (``gdsckpt.worker``). Real processes, real files: the
+snapshot is taken at call time, buffers and the worker are reused, the worker's errors and its
+death surface on ``wait()``, the training process alone renames the file (so its death never
+leaves a checkpoint written from freed memory), and the caller's script is not re-run."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gdsckpt
+from gdsckpt import async_save
+from gdsckpt.async_save import AsyncSaver
+
+TEMP_GLOB = ".*.gdsckpt-tmp-*"
+PROCESS = gdsckpt.Config(async_worker="process", chunk_bytes=65536, max_inflight_bytes=1 << 20, timeout=120)
+
+
+@pytest.fixture
+def saver() -> Any:
+    """A saver of its own, whose worker is stopped after the test."""
+    own = AsyncSaver()
+    yield own
+    own.close_worker()
+    async_save._unobserved[:] = [job for job in async_save._unobserved if job.saver is not own]
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    tied = torch.nn.Parameter(torch.randn(64, 16, generator=g))
+    model = collections.OrderedDict([("w", torch.randn(300, 40, generator=g)),
+                                     ("b", torch.randn(40, generator=g).to(torch.bfloat16))])
+    model._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    return {"model": model, "embed": tied, "head": tied, "strided": torch.randn(30, 20, generator=g).t()[::2],
+            "ints": torch.arange(1000), "empty": torch.empty(0, 4), "numpy": np.arange(500, dtype=np.float32),
+            "list": [torch.ones(3), 1, "text", None], "step": 10}
+
+
+def _clone(state: Any) -> Any:
+    if isinstance(state, torch.nn.Parameter):
+        return torch.nn.Parameter(state.detach().clone(), requires_grad=state.requires_grad)
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, np.ndarray):
+        return state.copy()
+    if isinstance(state, dict):
+        return {k: _clone(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_clone(v) for v in state]
+    return state
+
+
+def test_process_save_round_trips_and_the_snapshot_is_taken_at_call_time(tmp_path: Path, saver: Any,
+                                                                          h: Any) -> None:
+    state = _state()
+    expected = _clone(state)
+    path = tmp_path / "a.gdsckpt"
+    handle = saver.save(state, path, codec="zstd", config=PROCESS)
+    with torch.no_grad():  # changed right after the call: the file must hold the old values
+        state["model"]["w"].add_(1.0)
+        state["embed"].mul_(2.0)
+        state["numpy"] += 1
+    report = handle.wait(120)
+    assert report.path == str(path) and report.tensors == len(gdsckpt.inspect(path).tensors)
+    loaded = gdsckpt.load(path)
+    h.assert_same({k: v for k, v in expected.items() if k != "model"}, {k: v for k, v in loaded.items() if k != "model"})
+    h.assert_same(dict(expected["model"]), dict(loaded["model"]))
+    assert loaded["model"]._metadata == {"": {"version": 1}}
+    aliases = [t for t in gdsckpt.inspect(path).tensors if t.alias_of is not None]
+    assert [t.key for t in aliases] == ["head"], "tied weights are stored once, as in gdsckpt.save"
+    assert not list(tmp_path.glob(TEMP_GLOB))
+
+
+def test_worker_and_buffers_are_reused_across_saves(tmp_path: Path, saver: Any, h: Any) -> None:
+    state = _state()
+    saver.prepare(state, config=PROCESS)
+    pid = saver.worker().pid
+    assert pid is not None, "prepare starts the worker"
+    allocations = saver.pool.stats().allocations
+    for step in range(3):
+        state["step"] = step
+        with torch.no_grad():
+            state["model"]["w"].fill_(step)
+        saver.save(state, tmp_path / f"s{step}.gdsckpt", config=PROCESS).wait(120)
+    assert saver.worker().pid == pid
+    assert saver.pool.stats().allocations == allocations, "the snapshot buffers are the prepared ones"
+    for step in range(3):
+        loaded = gdsckpt.load(tmp_path / f"s{step}.gdsckpt")
+        assert loaded["step"] == step and torch.equal(loaded["model"]["w"], torch.full((300, 40), float(step)))
+
+
+def test_a_changed_state_gets_new_buffers_and_the_worker_forgets_dropped_ones(tmp_path: Path, saver: Any) -> None:
+    for size in (1000, 5000, 1000, 7000):
+        state = {"x": torch.arange(size, dtype=torch.float32)}
+        saver.save(state, tmp_path / f"{size}.gdsckpt", config=PROCESS).wait(120)
+        assert torch.equal(gdsckpt.load(tmp_path / f"{size}.gdsckpt")["x"], state["x"])
+    assert saver.pool.stats().held_bytes <= 7000 * 4, "the pool keeps one snapshot's bytes"
+
+
+def test_an_error_in_the_worker_surfaces_on_wait_with_its_type(tmp_path: Path, saver: Any) -> None:
+    path = tmp_path / "delta.gdsckpt"
+    base = tmp_path / "base.gdsckpt"
+    gdsckpt.save({"x": torch.zeros(10)}, base)
+    handle = saver.save({"x": torch.ones(10)}, path, config=PROCESS, base=base)
+    base.unlink()  # gone before the worker resolves it (the worker takes a second to start)
+    error = handle.exception(120)
+    assert isinstance(error, gdsckpt.BaseCheckpointError), repr(error)
+    assert any("save worker process" in note for note in getattr(error, "__notes__", []))
+    assert not path.exists() and not list(tmp_path.glob(TEMP_GLOB))
+    # The worker survives its save's error.
+    saver.save({"x": torch.ones(10)}, path, config=PROCESS).wait(120)
+    assert torch.equal(gdsckpt.load(path)["x"], torch.ones(10))
+
+
+def test_a_killed_worker_fails_that_save_and_is_replaced(tmp_path: Path, saver: Any) -> None:
+    path = tmp_path / "k.gdsckpt"
+    gdsckpt.save({"x": torch.zeros(1 << 16)}, path)  # the previous content
+    pid = saver.worker().start(120)
+    handle = saver.save({"x": torch.ones(1 << 16)}, path, config=PROCESS)
+    os.kill(pid, signal.SIGKILL)
+    error = handle.exception(120)
+    assert isinstance(error, gdsckpt.SaveWorkerError), repr(error)
+    assert "exited with code" in str(error)
+    assert torch.equal(gdsckpt.load(path)["x"], torch.zeros(1 << 16)), "the path keeps its previous content"
+    saver.save({"x": torch.full((1 << 16,), 2.0)}, path, config=PROCESS).wait(120)
+    assert saver.worker().pid not in (None, pid)
+    assert torch.equal(gdsckpt.load(path)["x"], torch.full((1 << 16,), 2.0))
+    assert not list(tmp_path.glob(TEMP_GLOB)), "the dead worker's temporary file is removed by the next save"
+
+
+_PARENT_DIES = """
+import os, signal, sys, time
+import torch, gdsckpt
+from gdsckpt.async_save import AsyncSaver
+from gdsckpt.io import posix
+
+path = sys.argv[1]
+gdsckpt.save({"x": torch.zeros(1 << 20)}, path)  # the previous content
+config = gdsckpt.Config(async_worker="process", chunk_bytes=65536, timeout=120)
+saver = AsyncSaver()
+print(saver.worker().start(120), flush=True)
+state = {"x": torch.ones(1 << 20)}
+saver.save(state, path, config=config)
+time.sleep(float(sys.argv[2]))
+os.kill(os.getpid(), signal.SIGKILL)  # the training process dies while (or after) the worker writes
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3, 3.0])
+def test_the_training_process_dying_never_publishes_a_file_and_stops_the_worker(tmp_path: Path, h: Any,
+                                                                               delay: float) -> None:
+    path = tmp_path / "p.gdsckpt"
+    result = h.run_python("-c", _PARENT_DIES, str(path), str(delay), timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    worker = int(result.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+        status = Path(f"/proc/{worker}/status").read_text() if Path(f"/proc/{worker}/status").exists() else ""
+        if "zombie" in status:
+            break
+        time.sleep(0.1)
+    status = Path(f"/proc/{worker}/status").read_text() if Path(f"/proc/{worker}/status").exists() else ""
+    assert not status or "zombie" in status, "the worker exits when the training process dies"
+    # Only the training process renames, once the worker's file is complete: the path holds the
+    # previous content or the new one, bit-exact; killed at once, the previous one.
+    loaded = gdsckpt.load(path)["x"]
+    assert torch.equal(loaded, torch.zeros(1 << 20)) or (delay > 0 and torch.equal(loaded, torch.ones(1 << 20)))
+    gdsckpt.save({"x": torch.ones(3)}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name], "leftovers are removed by the next save"
+
+
+_NO_MAIN_GUARD = """
+import sys, torch, gdsckpt
+print("module body ran", flush=True)  # a script without `if __name__ == "__main__":`
+config = gdsckpt.Config(async_worker="process")
+gdsckpt.save_async({"x": torch.arange(10)}, sys.argv[1], config=config).wait(120)
+print("saved", flush=True)
+"""
+
+
+def test_the_callers_script_is_not_run_again_by_the_worker(tmp_path: Path, h: Any) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(_NO_MAIN_GUARD)
+    path = tmp_path / "x.gdsckpt"
+    result = h.run_python(str(script), str(path), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("module body ran") == 1 and "saved" in result.stdout
+    assert torch.equal(gdsckpt.load(path)["x"], torch.arange(10))
+
+
+def test_manager_saves_through_a_worker_process(tmp_path: Path) -> None:
+    manager = gdsckpt.CheckpointManager(tmp_path / "ckpts", keep_last=2, config=PROCESS)
+    try:
+        for step in (1, 2, 3):
+            manager.save_async(step, {"w": torch.full((100,), float(step))}).wait(120)
+        target = {"w": torch.zeros(100)}
+        restored = manager.restore_latest(state=target)
+        assert restored is not None and restored[0] == 3
+        assert torch.equal(target["w"], torch.full((100,), 3.0))
+        assert len(list((tmp_path / "ckpts").glob("*.gdsckpt"))) == 2
+    finally:
+        manager._saver.close_worker()
+
+
+def test_async_worker_config_is_validated_and_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="async_worker"):
+        gdsckpt.Config(async_worker="fork")
+    monkeypatch.setenv("GDSCKPT_ASYNC_WORKER", "process")
+    assert gdsckpt.Config.from_env().async_worker == "process"
