@@ -30,11 +30,13 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import faulthandler
 import json
 import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -447,6 +449,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="phases to leave out, as named in the progress lines "
                         "(e.g. dcp_async_save_pinned,train_gdsckpt_manager_gpu_snapshot)")
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck run shows where it is
     args.workers = [w for w in args.workers.split(",") if w]
     device = torch.device(args.device)
     created = not Path(args.dir).exists()

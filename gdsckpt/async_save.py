@@ -614,9 +614,12 @@ class AsyncSaver:
             return self._worker
 
     def close_worker(self, timeout: float = 10.0) -> None:
-        """Stop this saver's worker process, if any, after the saves in flight (it restarts on
-        the next process save)."""
-        self._wait_inflight(None)
+        """Stop this saver's worker process, if any, after the saves in flight (each waited for
+        up to its config timeout; it restarts on the next process save)."""
+        with self._cond:
+            jobs = list(self._inflight)
+        for job in jobs:
+            job.event.wait(job.timeout)
         with self._worker_lock:
             worker = self._worker
         if worker is not None:

@@ -40,11 +40,13 @@ or in ``prepare``.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import io
 import logging
 import mmap
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -362,9 +364,12 @@ class SaveWorker:
         }, protocol=pickle.HIGHEST_PROTOCOL)
         assert self._conn is not None and self._fds is not None
         try:
+            # The message first: the worker reads it, then takes the descriptors one by one. The
+            # other order deadlocks once the unsent descriptors fill the socket's buffer (a few
+            # hundred arrays), the worker still waiting for the message.
+            self._conn.send_bytes(message)
             for bid, _nbytes, fd, _pinned in new_host:
                 socket.send_fds(self._fds, [bid.to_bytes(8, "little")], [fd])
-            self._conn.send_bytes(message)
         except OSError as err:
             raise SaveWorkerError(f"gdsckpt save worker is gone: {err}") from err
         reply = self._receive(timeout, f"save to {path!r}")
@@ -481,6 +486,7 @@ def _main() -> None:
     threading.Thread(target=_watch_parent, args=(parent,), name="gdsckpt-watch-parent", daemon=True).start()
     conn = Connection(int(sys.argv[1]))
     fds = socket.socket(fileno=int(sys.argv[2]))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` shows where it is
     _warm_up([name for name in os.environ.get(_ENV_WARM, "").split(",") if name])
     try:
         _serve(conn, fds)

@@ -216,3 +216,12 @@ def test_async_worker_config_is_validated_and_read_from_the_environment(monkeypa
         gdsckpt.Config(async_worker="fork")
     monkeypatch.setenv("GDSCKPT_ASYNC_WORKER", "process")
     assert gdsckpt.Config.from_env().async_worker == "process"
+
+
+def test_a_state_of_many_arrays_goes_through(tmp_path: Path, saver: Any) -> None:
+    """Each new host buffer's descriptor crosses its own socket message: 600 of them once
+    deadlocked (the descriptors, sent before the message, filled the socket's buffer)."""
+    state = {f"t{i}": torch.full((300,), float(i)) for i in range(600)}
+    saver.save(state, tmp_path / "many.gdsckpt", config=PROCESS).wait(60)
+    loaded = gdsckpt.load(tmp_path / "many.gdsckpt")
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
