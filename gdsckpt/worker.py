@@ -63,6 +63,10 @@ from .io.posix import fsync_directory
 
 logger = logging.getLogger("gdsckpt")
 
+WORKER_NICE = 10
+"""The worker's scheduling niceness: the training process's threads (which launch its kernels)
+come first where the CPUs are busy with the save's copies, checksums and writes."""
+
 POLL_SECONDS = 0.5
 """How often the parent checks a silent worker and the worker checks its parent."""
 
@@ -487,6 +491,10 @@ def _main() -> None:
     conn = Connection(int(sys.argv[1]))
     fds = socket.socket(fileno=int(sys.argv[2]))
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` shows where it is
+    try:
+        os.nice(WORKER_NICE)  # its threads (kvikio's, the pipeline's) inherit it
+    except OSError:
+        pass
     _warm_up([name for name in os.environ.get(_ENV_WARM, "").split(",") if name])
     try:
         _serve(conn, fds)
