@@ -266,7 +266,10 @@ class SaveWorker:
             self._process = subprocess.Popen(
                 [sys.executable, "-c", _BOOT,
                  str(child_msgs.fileno()), str(child_fds.fileno())],
-                pass_fds=(child_msgs.fileno(), child_fds.fileno()), env=env, stdin=subprocess.DEVNULL)
+                pass_fds=(child_msgs.fileno(), child_fds.fileno()), env=env, stdin=subprocess.DEVNULL,
+                # Its own session: a Ctrl-C at the terminal interrupts the training process,
+                # which then waits for the save in flight, instead of also killing that save.
+                start_new_session=True)
         finally:
             child_msgs.close()
             child_fds.close()
@@ -385,8 +388,14 @@ class SaveWorker:
 
     def close(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit (after its current save) and wait up to ``timeout`` seconds,
-        then stop it."""
-        with self._lock:
+        then stop it. A save still running after ``timeout`` seconds (one abandoned at
+        interpreter exit) is stopped with its worker: its file is never renamed."""
+        if not self._lock.acquire(timeout=timeout):
+            process = self._process
+            if process is not None and process.poll() is None:
+                process.kill()  # the save's thread then fails with SaveWorkerError
+            return
+        try:
             process, conn = self._process, self._conn
             if process is not None and process.poll() is None and conn is not None:
                 try:
@@ -395,6 +404,8 @@ class SaveWorker:
                 except (OSError, subprocess.TimeoutExpired):
                     pass
             self._discard()
+        finally:
+            self._lock.release()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -225,3 +225,36 @@ def test_a_state_of_many_arrays_goes_through(tmp_path: Path, saver: Any) -> None
     saver.save(state, tmp_path / "many.gdsckpt", config=PROCESS).wait(60)
     loaded = gdsckpt.load(tmp_path / "many.gdsckpt")
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+_CTRL_C = """
+import os, signal, sys, time
+import torch, gdsckpt
+from gdsckpt.async_save import AsyncSaver
+
+path = sys.argv[1]
+config = gdsckpt.Config(async_worker="process", timeout=120)
+saver = AsyncSaver()
+saver.worker().start(120)
+handle = saver.save({"x": torch.arange(1 << 20, dtype=torch.float32)}, path, config=config)
+try:
+    os.killpg(os.getpgid(0), signal.SIGINT)  # Ctrl-C at the terminal: the whole foreground group
+    time.sleep(5)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+print(handle.wait(120).path, flush=True)
+"""
+
+
+def test_ctrl_c_interrupts_the_training_process_not_the_save(tmp_path: Path, h: Any) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.gdsckpt"
+    # In a group of its own, so that the SIGINT reaches nothing but the script (and its worker,
+    # were the worker in the script's group).
+    result = subprocess.run([sys.executable, "-c", _CTRL_C, str(path)], capture_output=True, text=True,
+                            timeout=120, env=h.subprocess_env(), start_new_session=True)
+    assert result.returncode == 0, result.stderr
+    assert "interrupted" in result.stdout and str(path) in result.stdout
+    assert torch.equal(gdsckpt.load(path)["x"], torch.arange(1 << 20, dtype=torch.float32))
