@@ -229,6 +229,7 @@ def test_a_state_of_many_arrays_goes_through(tmp_path: Path, saver: Any) -> None
 
 _CTRL_C = """
 import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell running the tests in the background ignores SIGINT
 import torch, gdsckpt
 from gdsckpt.async_save import AsyncSaver
 

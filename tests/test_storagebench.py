@@ -35,6 +35,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # The subcommand's parser as gdsckpt.cli.main builds it (global --quiet, then the subcommand);
 # built here so the tests do not depend on main.py wiring the subcommand in.
 HARNESS = """
+import signal
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell running the tests in the background ignores SIGINT
 import argparse, sys
 from gdsckpt.cli import bench
 parser = argparse.ArgumentParser(prog="gdsckpt")
