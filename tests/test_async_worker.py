@@ -259,3 +259,24 @@ def test_ctrl_c_interrupts_the_training_process_not_the_save(tmp_path: Path, h: 
     assert result.returncode == 0, result.stderr
     assert "interrupted" in result.stdout and str(path) in result.stdout
     assert torch.equal(gdsckpt.load(path)["x"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+_MANY_SMALL = """
+import resource, sys
+import torch, gdsckpt
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+state = {f"t{i}": torch.full((10,), float(i)) for i in range(3000)}
+config = gdsckpt.Config(async_worker="process", timeout=120)
+gdsckpt.save_async(state, sys.argv[1], config=config).wait(120)
+loaded = gdsckpt.load(sys.argv[1])
+print(all(torch.equal(loaded[k], v) for k, v in state.items()), flush=True)
+"""
+
+
+def test_small_arrays_share_slabs_within_a_low_descriptor_limit(tmp_path: Path, h: Any) -> None:
+    """3,000 small tensors under a limit of 256 open files: small host buffers are carved from
+    shared slabs, so the snapshot needs a handful of descriptors, not one per tensor."""
+    path = tmp_path / "small.gdsckpt"
+    result = h.run_python("-c", _MANY_SMALL, str(path), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
