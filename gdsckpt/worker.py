@@ -113,6 +113,7 @@ class _ByIdentity:
         return entry[1]
 
     def values(self) -> list[Any]:
+        """The values of the live keys."""
         return [value for ref, value in list(self._entries.values()) if ref() is not None]
 
 
