@@ -67,7 +67,7 @@ from typing import Any
 
 from .config import Config
 from .errors import SaveWorkerError
-from .io.posix import fsync_directory
+from .io.posix import publish
 
 logger = logging.getLogger("gdsckpt")
 
@@ -380,14 +380,8 @@ class SaveWorker:
             except SaveWorkerError:
                 self._discard()
                 raise
-        try:
-            os.replace(report.path, path)
-        except BaseException:
-            Path(report.path).unlink(missing_ok=True)
-            raise
         config = options.get("config")
-        if (config if config is not None else Config.from_env()).fsync:
-            fsync_directory(Path(path).parent)
+        publish(Path(report.path), Path(path), fsync=(config if config is not None else Config.from_env()).fsync)
         return dataclasses.replace(report, path=path)
 
     def _save(self, snapshot: Any, lent: list[tuple[tuple[str, int], Any]], path: str,

@@ -71,6 +71,18 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
+def publish(temp: Path, target: Path, *, fsync: bool) -> None:
+    """Rename a complete temporary file over ``target`` (atomic on POSIX) and, with ``fsync``,
+    fsync the directory so the rename is durable. A failed rename removes the temporary file."""
+    try:
+        os.replace(temp, target)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    if fsync:
+        fsync_directory(target.parent)
+
+
 def fsync_directory(directory: Path) -> None:
     """fsync a directory so a rename inside it is durable."""
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -147,10 +159,8 @@ class PosixWriter(StorageWriter):
         if self.keep_temporary:
             self._closed = True
             return
-        os.replace(self.temp, self.target)
+        publish(self.temp, self.target, fsync=self.fsync)
         self._closed = True
-        if self.fsync:
-            fsync_directory(self.target.parent)
 
     def abort(self) -> None:
         if self._closed:
