@@ -52,6 +52,7 @@ import torch
 from gpu_bench import tensors  # benchmarks/ is on sys.path when this runs as a script
 
 import gdsckpt
+from gdsckpt.config import _coerce
 from gdsckpt.demo import TinyGPT, _durable_torch_save, train_steps
 
 TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError)
@@ -448,6 +449,12 @@ def main() -> None:
                         help="Config.async_worker values of the gdsckpt variants (thread: in the training process)")
     parser.add_argument("--skip", default="", help="phases to leave out, as named in the progress lines "
                         "(e.g. dcp_async_save_pinned,train_gdsckpt_manager_gpu_snapshot)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
+                        help="an extra gdsckpt variant ``_NAME``: the default Config with these fields, "
+                        "written as their GDSCKPT_* environment variables take them (repeatable; e.g. "
+                        "cpu_process:engine=cpu,async_worker=process)")
+    parser.add_argument("--training-only", action="store_true",
+                        help="leave out part 1 (blocked time of single checkpoints)")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck run shows where it is
     args.workers = [w for w in args.workers.split(",") if w]
@@ -515,8 +522,20 @@ def run(args: argparse.Namespace, device: torch.device, directory: Path, results
             configs[f"{suffix}_gpu_snapshot"] = configs[suffix].replace(snapshot_gpu_bytes=snapshot_bytes)
         except (TypeError, ValueError) as err:  # a gdsckpt without the field yet
             skipped[f"gdsckpt{suffix}"] = f"Config does not take this variant: {err}"
+    for spec in args.variant:
+        name, _, fields = spec.partition(":")
+        base = gdsckpt.Config.from_env().replace(timeout=args.timeout)
+        try:
+            changes = dict(field.split("=", 1) for field in fields.split(",") if field)
+            configs[f"_{name}"] = base.replace(**{k: _coerce(k, v) for k, v in changes.items()})
+        except (TypeError, ValueError) as err:
+            skipped[f"gdsckpt_{name}"] = f"variant {spec!r}: {err}"
     results["configs"] = {f"gdsckpt{suffix}": dataclasses.asdict(c) for suffix, c in configs.items()}
-    results["blocked"] = bench_blocked(state, directory, args, device, configs, recorder, skipped)
+    if args.training_only:
+        results["blocked"] = {}
+        skipped["blocked"] = "--training-only"
+    else:
+        results["blocked"] = bench_blocked(state, directory, args, device, configs, recorder, skipped)
     del state  # the bf16 copies; the training loop checkpoints model + optimizer state_dicts
     if device.type == "cuda":
         torch.cuda.empty_cache()
