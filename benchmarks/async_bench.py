@@ -451,8 +451,9 @@ def main() -> None:
                         "(e.g. dcp_async_save_pinned,train_gdsckpt_manager_gpu_snapshot)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
                         help="an extra gdsckpt variant ``_NAME``: the default Config with these fields, "
-                        "written as their GDSCKPT_* environment variables take them (repeatable; e.g. "
-                        "cpu_process:engine=cpu,async_worker=process)")
+                        "written as their GDSCKPT_* environment variables take them, or NAME:@FILE.toml, "
+                        "a config file (repeatable; e.g. cpu_process:engine=cpu,async_worker=process or "
+                        "preset:@configs/async-training.toml)")
     parser.add_argument("--training-only", action="store_true",
                         help="leave out part 1 (blocked time of single checkpoints)")
     args = parser.parse_args()
@@ -526,6 +527,9 @@ def run(args: argparse.Namespace, device: torch.device, directory: Path, results
         name, _, fields = spec.partition(":")
         base = gdsckpt.Config.from_env().replace(timeout=args.timeout)
         try:
+            if fields.startswith("@"):  # a config file (a preset), applied over the environment
+                configs[f"_{name}"] = gdsckpt.Config.from_toml(fields[1:]).replace(timeout=args.timeout)
+                continue
             changes = dict(field.split("=", 1) for field in fields.split(",") if field)
             configs[f"_{name}"] = base.replace(**{k: _coerce(k, v) for k, v in changes.items()})
         except (TypeError, ValueError) as err:

@@ -26,6 +26,10 @@ Why a raw copy and not a compressed one: compressing at call time (nvCOMP ANS, ~
 the whole pipeline) would block ~25 times longer than a device copy and save only the ratio's
 share of the memory (1.25x on a trained mixed-precision state); the stall is what users pay.
 Without a usable GPU engine (no nvCOMP), the CPU engine compresses the pinned snapshot.
+``Config.async_engine="cpu"`` makes the CPU engine compress it in any case (reading a GPU
+snapshot chunk by chunk into host memory): with ``async_worker="process"`` the background save
+then does no CUDA work in the training process and no kernels at all, which is what kept a
+training loop at 0.96-0.97 of its speed on the H200 (docs/performance.md, run 13).
 
 Memory: at most ``max_inflight`` snapshots exist at once, so the pool holds at most
 ``max_inflight`` times the state's bytes (on the GPU only when the state fits
@@ -459,6 +463,14 @@ class SaveHandle:
         return f"<SaveHandle {self.path!r} {state}>"
 
 
+def _background_config(config: Config) -> Config:
+    """The config the background save runs with: ``config`` with ``engine`` set to
+    ``async_engine`` unless that is ``"auto"``. A separate field, not ``engine`` itself, because
+    the engine that suits a background save (the CPU's, from a worker process: the GPU stays with
+    training) is not the one that suits a restore or a blocking save of the same job."""
+    return config if config.async_engine == "auto" else config.replace(engine=config.async_engine)
+
+
 class AsyncSaver:
     """Runs background saves with a bounded number in flight and its own snapshot pool.
 
@@ -539,7 +551,7 @@ class AsyncSaver:
         handle = SaveHandle(job)
         thread = threading.Thread(target=self._run, name="gdsckpt-async-save", daemon=True,
                                   args=(job, [snapshot], lent, max_inflight,
-                                        dict(codec=codec, chunk_bytes=chunk_bytes, config=config,
+                                        dict(codec=codec, chunk_bytes=chunk_bytes, config=_background_config(cfg),
                                              devices=devices if cuda_bytes else None, **delta),
                                         after, finally_, in_process))
         try:

@@ -25,6 +25,7 @@ the presets in ``configs/``.
 | max_staging_bytes | 1 GiB | GPU staging ring of a save or restore (chunks being compressed / read and decoded), allocated once per operation |
 | snapshot_gpu_bytes | 1 GiB | ``save_async``: a state whose CUDA tensors hold at most this many bytes is snapshotted by a copy on its GPU (kept in the snapshot pool between saves); a larger one into pinned host memory |
 | async_worker | ``"thread"`` | ``save_async`` / ``CheckpointManager.save_async``: where the background save runs: ``thread`` (a thread of the training process) or ``process`` (a spawned worker process reading the snapshot through shared memory: the training process's GIL stays free; see ``gdsckpt.worker``) |
+| async_engine | ``"auto"`` | ``save_async``: the engine of the background save: ``auto`` (as ``engine``), ``cpu``, ``gpu``. With ``async_worker="process"``, ``cpu`` leaves the GPU and the training process to training: 0.96-0.97 of the steps per second without checkpoints on the H200, against 0.90 for the defaults (``configs/async-training.toml``) |
 | kvikio_threads | 16 | kvikio thread pool size (GPU engine) |
 | kvikio_task_size | ``None`` | kvikio task size in bytes (None: kvikio's default) |
 | storage_gbps | ``None`` | storage write speed for ``codec="auto"`` on the GPU (None: measured once per filesystem and cached) |
@@ -59,6 +60,7 @@ _CHOICES = {
     "byte_planes": ("auto", "always", "never"),
     "engine": ("auto", "cpu", "gpu"),
     "async_worker": ("thread", "process"),
+    "async_engine": ("auto", "cpu", "gpu"),
 }
 
 # The kind of value each field takes, which decides how its text (an environment variable, a
@@ -70,7 +72,7 @@ _KINDS = {
     "byte_planes": "text", "level": "int", "codec_threads": "int", "io_threads": "int",
     "max_inflight_bytes": "size", "o_direct": "switch", "fsync": "bool", "timeout": "float",
     "engine": "text", "max_staging_bytes": "size", "snapshot_gpu_bytes": "size", "async_worker": "text",
-    "kvikio_threads": "int",
+    "async_engine": "text", "kvikio_threads": "int",
     "kvikio_task_size": "size", "storage_gbps": "float",
 }
 _OPTIONAL = frozenset({"level", "kvikio_task_size", "storage_gbps"})
@@ -108,6 +110,7 @@ class Config:
     max_staging_bytes: int = 1 << 30
     snapshot_gpu_bytes: int = 1 << 30
     async_worker: str = "thread"
+    async_engine: str = "auto"
     kvikio_threads: int = 16
     kvikio_task_size: int | None = None
     storage_gbps: float | None = None

@@ -216,6 +216,33 @@ def test_async_worker_config_is_validated_and_read_from_the_environment(monkeypa
         gdsckpt.Config(async_worker="fork")
     monkeypatch.setenv("GDSCKPT_ASYNC_WORKER", "process")
     assert gdsckpt.Config.from_env().async_worker == "process"
+    with pytest.raises(ValueError, match="async_engine"):
+        gdsckpt.Config(async_engine="fast")
+    monkeypatch.setenv("GDSCKPT_ASYNC_ENGINE", "cpu")
+    assert gdsckpt.Config.from_env().async_engine == "cpu"
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_async_engine_sets_the_engine_of_background_saves_only(tmp_path: Path, saver: Any, h: Any,
+                                                               worker: str) -> None:
+    """``async_engine`` replaces ``engine`` for the background save, in a thread or the worker,
+    and nowhere else: the same config's blocking save keeps ``engine``."""
+    from gdsckpt.codecs.nvcomp import gpu_available
+
+    state = _state()
+    expected = _clone(state)
+    config = PROCESS.replace(async_worker=worker, engine="gpu", async_engine="cpu")
+    report = saver.save(state, tmp_path / "cpu.gdsckpt", codec="zstd", config=config).wait(120)
+    assert report.engine == "cpu"
+    h.assert_same(expected["embed"], gdsckpt.load(tmp_path / "cpu.gdsckpt")["embed"])
+    if gpu_available():
+        return  # the other direction needs a machine where the GPU engine cannot run
+    with pytest.raises(gdsckpt.CodecUnavailableError, match="engine='gpu'"):
+        gdsckpt.save(state, tmp_path / "blocking.gdsckpt", config=config)
+    handle = saver.save(state, tmp_path / "gpu.gdsckpt", config=config.replace(engine="cpu", async_engine="gpu"))
+    with pytest.raises(gdsckpt.CodecUnavailableError, match="engine='gpu'"):
+        handle.wait(120)
+    assert not (tmp_path / "gpu.gdsckpt").exists()
 
 
 def test_a_state_of_many_arrays_goes_through(tmp_path: Path, saver: Any) -> None:

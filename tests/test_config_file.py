@@ -26,6 +26,7 @@ PRESETS = {
     "shared-filesystem.toml": {"codec": "zstd", "engine": "auto", "gpu_chunk_bytes": 4 << 20,
                                "io_threads": 16, "fsync": True},
     "portable.toml": {"codec": "zstd", "engine": "auto", "byte_planes": "auto", "gpu_chunk_bytes": 4 << 20},
+    "async-training.toml": {"async_worker": "process", "async_engine": "cpu", "snapshot_gpu_bytes": 16 << 30},
 }
 
 
@@ -193,6 +194,7 @@ engine = "cpu"
 max_staging_bytes = "512MiB"
 snapshot_gpu_bytes = 0
 async_worker = "process"
+async_engine = "gpu"
 kvikio_threads = 8
 kvikio_task_size = "1MiB"
 storage_gbps = 2
@@ -200,7 +202,8 @@ storage_gbps = 2
     expected = Config(codec="lz4", chunk_bytes=8192, gpu_chunk_bytes=8 << 20, pack_below=4096,
                       byte_planes="never", level=3, codec_threads=2, io_threads=4,
                       max_inflight_bytes=64 << 20, o_direct=False, fsync=False, timeout=30.0, engine="cpu",
-                      max_staging_bytes=512 << 20, snapshot_gpu_bytes=0, async_worker="process", kvikio_threads=8,
+                      max_staging_bytes=512 << 20, snapshot_gpu_bytes=0, async_worker="process", async_engine="gpu",
+                      kvikio_threads=8,
                       kvikio_task_size=1 << 20, storage_gbps=2.0)
     loaded = Config.from_toml(native, base=Config())
     assert loaded == expected

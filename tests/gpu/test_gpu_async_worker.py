@@ -1,6 +1,7 @@
 """``save_async`` with ``Config(async_worker="process")`` on CUDA tensors: the worker process reads
 the snapshot through CUDA IPC (device snapshot) or page-locked shared host memory (pinned
-snapshot), runs the GPU engine, and the file is bit-exact with the state at call time.
+snapshot), runs the GPU engine (or, with ``async_engine="cpu"``, the CPU engine, reading the
+device snapshot through host copies), and the file is bit-exact with the state at call time.
 
 Run on a GPU host with:  python3 -m pytest -m gpu tests/gpu
 """
@@ -28,9 +29,12 @@ def _state() -> dict:
             "host": torch.arange(1000), "step": 7}
 
 
+@pytest.mark.parametrize("async_engine", ["auto", "cpu"])
 @pytest.mark.parametrize("snapshot_gpu_bytes", [1 << 30, 0], ids=["device-snapshot", "pinned-snapshot"])
-def test_process_worker_saves_cuda_tensors_bit_exact(tmp_path, snapshot_gpu_bytes):
-    config = gdsckpt.Config(async_worker="process", snapshot_gpu_bytes=snapshot_gpu_bytes, timeout=120)
+def test_process_worker_saves_cuda_tensors_bit_exact(tmp_path, snapshot_gpu_bytes, async_engine):
+    config = gdsckpt.Config(async_worker="process", snapshot_gpu_bytes=snapshot_gpu_bytes, timeout=120,
+                            async_engine=async_engine)
+    codec, engine = ("ans", "gpu") if async_engine == "auto" else ("auto", "cpu")
     saver = AsyncSaver()
     try:
         state = _state()
@@ -40,12 +44,13 @@ def test_process_worker_saves_cuda_tensors_bit_exact(tmp_path, snapshot_gpu_byte
         for round_ in range(2):
             expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
             small = [t.clone() for t in state["small"]]
-            handle = saver.save(state, tmp_path / f"r{round_}.gdsckpt", codec="ans", config=config)
+            handle = saver.save(state, tmp_path / f"r{round_}.gdsckpt", codec=codec, config=config)
             state["bf16"].add_(1)  # changed right after the call
             state["fp32"].mul_(-1)
             state["small"][0].zero_()
             report = handle.wait(120)
-            assert report.engine == "gpu" and report.backend.startswith("kvikio")
+            assert report.engine == engine
+            assert report.backend.startswith("kvikio") == (engine == "gpu"), report.backend
             back = gdsckpt.load(tmp_path / f"r{round_}.gdsckpt", device="cuda")
             for key, tensor in expected.items():
                 assert bit_equal(back[key].cpu(), tensor.cpu()), key
