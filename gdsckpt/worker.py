@@ -39,10 +39,13 @@ hundred MiB of GPU memory, on top of ``max_staging_bytes``; its start (seconds) 
 or in ``prepare``; the open slab (up to 64 MiB of host memory each, pinned and not) stays
 allocated for the next save.
 
-Measured on the H200 (docs/performance.md, runs 12b/12c): the same blocked time as the thread
-and the same training slowdown while a save runs (0.92-0.94 of the steps per second without
-checkpoints, against 0.94 for the thread): that slowdown comes from the device, not from the
-training process's GIL or CPUs.
+Measured on the H200 (docs/performance.md, runs 12b-14), a loop checkpointing every 100 steps:
+with the GPU engine the worker changed nothing (0.92-0.94 of the steps per second without
+checkpoints, against 0.94 for the thread): its kernels and copies still share the GPU with
+training. With ``async_engine="cpu"`` as well it reached 0.973-0.978 (0.959 with a pinned
+snapshot), where the CPU engine in a thread reached 0.919: the worker process is what lets the
+save run off the GPU without taking the training process's time. ``configs/async-training.toml``
+sets both.
 """
 
 from __future__ import annotations
