@@ -24,3 +24,21 @@ for kw in [dict(mode=1, delta=1e-3), dict(mode="lossy", delta=1e-3), dict(lossy=
            dict(mode=1, delta=1e-3, data_type="<f4"), dict(bitcomp_mode=1, delta=1e-3, data_type="<f4"),
            dict(algorithm_type=0, mode=1, delta=1e-3, data_type="<f4")]:
     attempt(str(kw), **kw)
+
+# Second round (after the first showed nvcomp.BitcompMode): the mode as that enum.
+print("BitcompMode members:", [m for m in dir(nvcomp.BitcompMode) if m.startswith("BITCOMP")])
+for delta in (2e-3, 2e-4, 2e-5):
+    for mode in ("BITCOMP_LOSSY_FP_TO_SIGNED", "BITCOMP_LOSSY_FP_TO_UNSIGNED"):
+        for bk in ("RAW", "NVCOMP_NATIVE"):
+            attempt(f"{mode} delta={delta} {bk}", mode=getattr(nvcomp.BitcompMode, mode), delta=delta,
+                    data_type="<f4", bitstream_kind=getattr(nvcomp.BitstreamKind, bk))
+x16 = x.astype(cp.float16)
+arr16 = nvcomp.as_array(x16)
+try:
+    c = nvcomp.Codec(algorithm="Bitcomp", mode=nvcomp.BitcompMode.BITCOMP_LOSSY_FP_TO_SIGNED, delta=2e-4, data_type="<f2")
+    enc = c.encode(arr16)
+    dec = cp.asarray(c.decode(enc)).view(cp.uint8)[: x16.nbytes].view(cp.float16)
+    print(f"OK fp16 delta=2e-4: ratio {x16.nbytes / cp.asarray(enc).nbytes:.3f} max err "
+          f"{float(cp.abs(dec.astype(cp.float32) - x16.astype(cp.float32)).max()):.3g}")
+except Exception as e:
+    print(f"FAIL fp16: {type(e).__name__}: {str(e)[:300]}")
