@@ -1,5 +1,4 @@
 """Does nvCOMP's Python API (this version) take Bitcomp's lossy mode? Prints what it finds."""
-import inspect, sys, traceback
 import cupy as cp
 from nvidia import nvcomp
 print("nvcomp", getattr(nvcomp, "__version__", "?"))

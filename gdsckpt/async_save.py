@@ -625,13 +625,17 @@ class AsyncSaver:
                 self._worker = SaveWorker()
             return self._worker
 
-    def close_worker(self, timeout: float = 10.0) -> None:
+    def close_worker(self, timeout: float = 10.0, *, when: str = "on close_worker") -> None:
         """Stop this saver's worker process, if any, after the saves in flight (each waited for
-        up to its config timeout; it restarts on the next process save)."""
+        up to its config timeout, then abandoned with an error logged; the worker restarts on the
+        next process save). ``timeout``: how long the worker may take to exit; ``when`` names
+        the occasion in that log line."""
         with self._cond:
             jobs = list(self._inflight)
         for job in jobs:
-            job.event.wait(job.timeout)
+            if not job.event.wait(job.timeout):
+                logger.error("gdsckpt: abandoning the background save to %s %s after %s s; the path "
+                             "keeps its previous content", job.path, when, job.timeout)
         with self._worker_lock:
             worker = self._worker
         if worker is not None:
@@ -732,15 +736,7 @@ def clear_pool() -> int:
 def _at_exit() -> None:
     """Let in-flight saves finish (each up to its config timeout); report what cannot."""
     for saver in list(_savers):
-        with saver._cond:
-            jobs = list(saver._inflight)
-        for job in jobs:
-            if not job.event.wait(job.timeout):
-                logger.error("gdsckpt: abandoning the background save to %s at interpreter exit after "
-                             "%s s; the path keeps its previous content", job.path, job.timeout)
-        worker = saver._worker
-        if worker is not None:
-            worker.close(timeout=1.0)
+        saver.close_worker(timeout=1.0, when="at interpreter exit")
     with _registry_lock:
         jobs = list(_unobserved)
         _unobserved.clear()

@@ -305,13 +305,7 @@ class GpuEngine(Engine):
             # on the H200, run 11), while each byte plane has few distinct values (order-0
             # entropy of the planes: 5.3-6.3x on the same kind of data): a trial decides.
             typed = _TYPED_ANS.get(width)
-            sample = data[: min(data.nbytes, TRIAL_BYTES) // width * width]
-            as_floats = self._codec(self.codec, typed).encode_into(
-                [sample], self._scratch, [TRIAL_BYTES], self._trial_out)[0]
-            planed = self._planes(sample, self._scratch[:TRIAL_BYTES], width)
-            as_planes = self._codec(self.codec, None).encode_into(
-                [planed], self._scratch, [TRIAL_BYTES + self._trial_out], self._trial_out)[0]
-            decision = (True, None) if as_planes < as_floats else (False, typed)
+            decision = (True, None) if self._planes_smaller(data, width, typed) else (False, typed)
         elif self.codec == "ans":
             decision = (False, _TYPED_ANS.get(width))
         elif width == 0 or self.byte_planes == "never" or self.codec == "none":
@@ -319,14 +313,22 @@ class GpuEngine(Engine):
         elif self.byte_planes == "always":
             decision = (True, None)
         else:
-            sample = data[: min(data.nbytes, TRIAL_BYTES) // width * width]
-            planed = self._planes(sample, self._scratch[:TRIAL_BYTES], width)
-            codec = self._codec(self.codec, None)
-            sizes = codec.encode_into([sample, planed], self._scratch,
-                                      [TRIAL_BYTES, TRIAL_BYTES + self._trial_out], self._trial_out)
-            decision = (sizes[1] < sizes[0], None)
+            decision = (self._planes_smaller(data, width, None), None)
         self._decisions[chunk.decision_group] = decision
         return decision
+
+    def _planes_smaller(self, data: Any, width: int, plain_type: str | None) -> bool:
+        """The trial of ``_decide``: whether a sample of ``data`` (its first ``TRIAL_BYTES``)
+        codes smaller as byte planes in bytes mode than as it is, coded with ``plain_type``
+        (ANS's typed mode; None for the LZ family). Uses the trial scratch: the planes at its
+        start, the two streams after them."""
+        sample = data[: min(data.nbytes, TRIAL_BYTES) // width * width]
+        planed = self._planes(sample, self._scratch[:TRIAL_BYTES], width)
+        plain = self._codec(self.codec, plain_type).encode_into(
+            [sample], self._scratch, [TRIAL_BYTES], self._trial_out)[0]
+        as_planes = self._codec(self.codec, None).encode_into(
+            [planed], self._scratch, [TRIAL_BYTES + self._trial_out], self._trial_out)[0]
+        return as_planes < plain
 
     def _encode_batch(self, jobs: list[Any]) -> None:
         cupy = self.cupy

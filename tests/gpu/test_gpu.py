@@ -217,3 +217,21 @@ def test_nvcomp_allocator_routing_exits_cleanly(tmp_path):
     done = subprocess.run([sys.executable, "-c", _ALLOCATOR_CHILD.replace("{DIR}", str(tmp_path))],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_gpu_byte_plane_trial_keeps_the_smaller_form(tmp_path, codec):
+    """``byte_planes="auto"`` on the GPU engine codes a sample both ways and keeps the smaller:
+    its file is never meaningfully larger than forcing either form, and for bf16 weights (where
+    planes separate the predictable high bytes) it takes planes."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    state = {"w": (torch.randn(6 << 20, device="cuda", generator=g) * 0.02).to(torch.bfloat16)}
+    sizes = {}
+    for planes in ("auto", "always", "never"):
+        config = gdsckpt.Config(byte_planes=planes, engine="gpu")
+        report = gdsckpt.save(state, tmp_path / f"{planes}.gdsckpt", codec=codec, config=config)
+        sizes[planes] = report.stored_bytes
+        assert bit_equal(gdsckpt.load(tmp_path / f"{planes}.gdsckpt", device="cuda")["w"].cpu(), state["w"].cpu())
+    assert sizes["auto"] <= 1.01 * min(sizes["always"], sizes["never"]), sizes
+    codecs = gdsckpt.inspect(tmp_path / "auto.gdsckpt").tensors[0].codecs
+    assert any("byteplanes" in c for c in codecs) == (sizes["always"] < sizes["never"]), (codecs, sizes)

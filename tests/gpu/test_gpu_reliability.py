@@ -35,7 +35,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import re
 import threading
 import time
 from collections import Counter, deque
@@ -54,7 +53,7 @@ pytestmark = [pytest.mark.gpu,
 # package, ``gpu``, puts it there, as it does for ``reliability``).
 from reliability.harness import Child, record_figure  # noqa: E402
 from reliability.test_corruption import (  # noqa: E402
-    _attempt, _expected, _flat_state, _nest, _regions, group_regions, pick_byte,
+    _flat_state, _nest, assert_sound, flip_campaign,
 )
 from reliability.test_crash import Tally, _seed, _temporaries  # noqa: E402
 from reliability.test_io_errors import SAVE_STAGES, Fault  # noqa: E402
@@ -245,81 +244,32 @@ def test_random_byte_flips_raise_or_load_bit_exact_on_the_gpu(gpu_written: Any, 
     path, flat, chains = gpu_written
     config = _corruption_config()
     state = _nest(flat)
-    original = path.read_bytes()
-    size = len(original)
-    index = h.read_index(path)
-    regions = _regions(original, index)
-    owners = {c: {t.key for t in index.tensors if any(s.chunk == c for s in t.segments)}
-              for c in range(len(index.chunks))}
-    assert all(owners.values())
     assert _same(state, gdsckpt.load(path, device="cuda", config=config), h)
 
-    groups = group_regions(regions)
-    rng = random.Random("gpu-flips")
-    outcomes: Counter[str] = Counter()
-    raised_by_load: set[int] = set()
-    raised_by_verify: set[int] = set()
-    lazy_untouched = lazy_damaged = 0
-    for flip in range(FLIPS):
-        group, offset, chunk = pick_byte(rng, groups)
-        mask = rng.randrange(1, 256)
-        where = f"flip {flip}: byte {offset} ^ {mask:#04x} in {group} (chunk {chunk})"
-        error_class, pattern = _expected(group, offset, size)
-        with path.open("r+b") as handle:
-            handle.seek(offset)
-            handle.write(bytes([original[offset] ^ mask]))
-        try:
-            loaded, load_error = _attempt(lambda: gdsckpt.load(path, device="cuda", config=config))
-            _, verify_error = _attempt(lambda: gdsckpt.verify(path, config=config))
-            if load_error is not None:
-                raised_by_load.add(flip)
-            if verify_error is not None:
-                raised_by_verify.add(flip)
-            if error_class is None:
-                assert load_error is None, f"{where}: uncovered byte failed the load: {load_error!r}"
-                assert verify_error is None, f"{where}: uncovered byte failed verify: {verify_error!r}"
-                outcomes[f"{group}: loaded bit-exact" if _same(state, loaded, h) else "SILENTLY WRONG"] += 1
-                continue
-            if load_error is None:
-                outcomes["SILENTLY WRONG" if not _same(state, loaded, h) else f"{group}: unnoticed"] += 1
-                continue
-            for err in (load_error, verify_error):
-                assert type(err) is error_class, f"{where}: {err!r}, expected {error_class.__name__}"
-                assert re.search(pattern, str(err)), f"{where}: {err}"
-            if group == "chunk bytes":
-                for err in (load_error, verify_error):
-                    assert err.chunk == chunk and err.key in owners[chunk], f"{where}: {err!r}"
-                    assert f"chunk {chunk}" in str(err) and repr(err.key) in str(err), f"{where}: {err}"
-                untouched = sorted(key for key in flat if key not in owners[chunk])
-                with gdsckpt.open(path, config=config) as ckpt:
-                    everything = ckpt.get_many(untouched, device="cuda")
-                    assert _same({key: flat[key] for key in untouched}, everything, h), where
-                    lazy_untouched += len(untouched)
-                    with pytest.raises(gdsckpt.CorruptCheckpointError) as caught:
-                        ckpt.get(rng.choice(sorted(owners[chunk])), device="cuda")
-                    assert caught.value.chunk == chunk, where
-                    lazy_damaged += 1
-            outcomes[f"{group}: raised {error_class.__name__}"] += 1
-        finally:
-            with path.open("r+b") as handle:
-                handle.seek(offset)
-                handle.write(original[offset:offset + 1])
-    assert path.read_bytes() == original
+    def check_lazy(chunk: int, untouched: list[str], damaged: list[str], rng: random.Random,
+                   where: str) -> tuple[int, int]:
+        with gdsckpt.open(path, config=config) as ckpt:
+            everything = ckpt.get_many(untouched, device="cuda")
+            assert _same({key: flat[key] for key in untouched}, everything, h), where
+            with pytest.raises(gdsckpt.CorruptCheckpointError) as caught:
+                ckpt.get(rng.choice(damaged), device="cuda")
+            assert caught.value.chunk == chunk, where
+        return len(untouched), 1
 
-    summary = ", ".join(f"{name} {count}" for name, count in sorted(outcomes.items()))
+    seen = flip_campaign(path, flat, h, flips=FLIPS, seed="gpu-flips",
+                         load=lambda: gdsckpt.load(path, device="cuda", config=config),
+                         verify=lambda: gdsckpt.verify(path, config=config),
+                         same=lambda loaded: _same(state, loaded, h), check_lazy=check_lazy)
+    index = h.read_index(path)
     record_figure("corruption flips (GPU, ans)",
-                  f"{FLIPS} single-byte flips over a {size}-byte GPU-written file of {len(index.chunks)} chunks "
-                  f"({chains}) and {len(index.tensors)} tensors, loaded with device='cuda': {summary}; silently "
-                  f"wrong {outcomes['SILENTLY WRONG']}; verify raised for the same {len(raised_by_verify)} flips "
-                  f"as load; lazy get_many after a chunk hit: {lazy_untouched} untouched-tensor reads bit-exact, "
-                  f"{lazy_damaged} damaged-tensor reads raised")
-    assert outcomes["SILENTLY WRONG"] == 0
-    assert not [name for name in outcomes if name.endswith("unnoticed")], outcomes
-    assert raised_by_load == raised_by_verify
-    assert sum(outcomes.values()) == FLIPS
-    assert outcomes["chunk bytes: raised CorruptCheckpointError"] >= FLIPS // 4, outcomes
-    for group in groups:  # every region was hit
-        assert any(name.startswith(f"{group}:") for name in outcomes), (group, outcomes)
+                  f"{FLIPS} single-byte flips over a {path.stat().st_size}-byte GPU-written file of "
+                  f"{len(index.chunks)} chunks ({chains}) and {len(index.tensors)} tensors, loaded with "
+                  f"device='cuda': {seen.summary()}; silently wrong {seen.outcomes['SILENTLY WRONG']}; verify "
+                  f"raised for the same {len(seen.raised_by_verify)} flips as load; lazy get_many after a chunk "
+                  f"hit: {seen.lazy_untouched} untouched-tensor reads bit-exact, {seen.lazy_damaged} "
+                  f"damaged-tensor reads raised")
+    assert_sound(seen, FLIPS)
+    assert seen.outcomes["chunk bytes: raised CorruptCheckpointError"] >= FLIPS // 4, seen.outcomes
 
 
 def test_random_truncations_of_a_gpu_written_file_raise(gpu_written: Any, tmp_path: Path) -> None:

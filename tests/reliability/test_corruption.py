@@ -20,6 +20,8 @@ from __future__ import annotations
 import random
 import re
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -177,26 +179,43 @@ def damaged_target(request: Any, tmp_path_factory: Any) -> tuple[str, Path, dict
     return request.param, path, flat, chains
 
 
-def test_random_byte_flips_raise_or_load_bit_exact(damaged_target: Any, h: Any) -> None:
-    codec, path, flat, chains = damaged_target
-    config = _config()
-    state = _nest(flat)
+@dataclass
+class FlipOutcome:
+    """What a flip campaign (``flip_campaign``) saw."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    raised_by_load: set[int] = field(default_factory=set)
+    raised_by_verify: set[int] = field(default_factory=set)
+    lazy_untouched: int = 0
+    lazy_damaged: int = 0
+    groups: list[str] = field(default_factory=list)
+    """The file's region groups (every one must be hit)."""
+
+    def summary(self) -> str:
+        return ", ".join(f"{name} {count}" for name, count in sorted(self.outcomes.items()))
+
+
+def flip_campaign(path: Path, flat: dict[str, Any], h: Any, *, flips: int, seed: str,
+                  load: Callable[[], Any], verify: Callable[[], Any], same: Callable[[Any], bool],
+                  check_lazy: Callable[[int, list[str], list[str], random.Random, str], tuple[int, int]]
+                  ) -> FlipOutcome:
+    """``flips`` seeded single-byte flips of ``path`` (each undone before the next), spread over
+    every region of the file its index names; after each, ``load()`` and ``verify()`` must both
+    raise the error the region calls for (naming the chunk and a tensor it holds, for chunk
+    bytes), or, for bytes nothing covers, both succeed and ``same(loaded)`` hold. After a chunk
+    hit, ``check_lazy(chunk, untouched keys, damaged keys, rng, where)`` reads through
+    ``gdsckpt.open`` and returns (untouched reads, damaged reads). Shared by the CPU campaign
+    here and the GPU one (tests/gpu/test_gpu_reliability.py); ``assert_sound`` checks its result."""
     original = path.read_bytes()
     size = len(original)
     index = h.read_index(path)
-    regions = _regions(original, index)
     owners = {c: {t.key for t in index.tensors if any(s.chunk == c for s in t.segments)}
               for c in range(len(index.chunks))}
     assert all(owners.values())
-    h.assert_same(state, gdsckpt.load(path, config=config))
-
-    groups = group_regions(regions)
-    rng = random.Random(f"flips-{codec}")
-    outcomes: Counter[str] = Counter()
-    raised_by_load: set[int] = set()
-    raised_by_verify: set[int] = set()
-    lazy_untouched = lazy_damaged = 0
-    for flip in range(FLIPS_PER_CODEC):
+    groups = group_regions(_regions(original, index))
+    rng = random.Random(seed)
+    seen = FlipOutcome(groups=list(groups))
+    for flip in range(flips):
         group, offset, chunk = pick_byte(rng, groups)
         mask = rng.randrange(1, 256)
         where = f"flip {flip}: byte {offset} ^ {mask:#04x} in {group} (chunk {chunk})"
@@ -205,20 +224,19 @@ def test_random_byte_flips_raise_or_load_bit_exact(damaged_target: Any, h: Any) 
             handle.seek(offset)
             handle.write(bytes([original[offset] ^ mask]))
         try:
-            loaded, load_error = _attempt(lambda: gdsckpt.load(path, config=config))
-            _, verify_error = _attempt(lambda: gdsckpt.verify(path, config=config))
+            loaded, load_error = _attempt(load)
+            _, verify_error = _attempt(verify)
             if load_error is not None:
-                raised_by_load.add(flip)
+                seen.raised_by_load.add(flip)
             if verify_error is not None:
-                raised_by_verify.add(flip)
+                seen.raised_by_verify.add(flip)
             if error_class is None:
                 assert load_error is None, f"{where}: uncovered byte failed the load: {load_error!r}"
                 assert verify_error is None, f"{where}: uncovered byte failed verify: {verify_error!r}"
-                outcomes[f"{group}: loaded bit-exact" if _same(state, loaded, h)
-                         else "SILENTLY WRONG"] += 1
+                seen.outcomes[f"{group}: loaded bit-exact" if same(loaded) else "SILENTLY WRONG"] += 1
                 continue
             if load_error is None:
-                outcomes["SILENTLY WRONG" if not _same(state, loaded, h) else f"{group}: unnoticed"] += 1
+                seen.outcomes["SILENTLY WRONG" if not same(loaded) else f"{group}: unnoticed"] += 1
                 continue
             for err in (load_error, verify_error):
                 assert type(err) is error_class, f"{where}: {err!r}, expected {error_class.__name__}"
@@ -228,38 +246,61 @@ def test_random_byte_flips_raise_or_load_bit_exact(damaged_target: Any, h: Any) 
                     assert err.chunk == chunk and err.key in owners[chunk], f"{where}: {err!r}"
                     assert f"chunk {chunk}" in str(err) and repr(err.key) in str(err), f"{where}: {err}"
                 untouched = sorted(key for key in flat if key not in owners[chunk])
-                damaged = sorted(owners[chunk])
-                key = rng.choice(untouched)
-                with gdsckpt.open(path, config=config) as ckpt:
-                    assert _raw_bytes(ckpt.get(key), h) == _raw_bytes(flat[key], h), f"{where}: {key}"
-                    everything = ckpt.get_many(untouched)
-                    for other in untouched:
-                        h.assert_same(flat[other], everything[other], other)
-                    lazy_untouched += 1 + len(untouched)
-                    with pytest.raises(gdsckpt.CorruptCheckpointError) as caught:
-                        ckpt.get(rng.choice(damaged))
-                    assert caught.value.chunk == chunk, where
-                    lazy_damaged += 1
-            outcomes[f"{group}: raised {error_class.__name__}"] += 1
+                reads, raised = check_lazy(chunk, untouched, sorted(owners[chunk]), rng, where)
+                seen.lazy_untouched += reads
+                seen.lazy_damaged += raised
+            seen.outcomes[f"{group}: raised {error_class.__name__}"] += 1
         finally:
             with path.open("r+b") as handle:
                 handle.seek(offset)
                 handle.write(original[offset:offset + 1])
     assert path.read_bytes() == original
+    return seen
 
-    summary = ", ".join(f"{name} {count}" for name, count in sorted(outcomes.items()))
+
+def assert_sound(seen: FlipOutcome, flips: int) -> None:
+    """No flip went unnoticed or loaded wrong, ``verify`` failed exactly where ``load`` did, and
+    every region of the file was hit."""
+    assert seen.outcomes["SILENTLY WRONG"] == 0
+    assert not [name for name in seen.outcomes if name.endswith("unnoticed")], seen.outcomes
+    assert seen.raised_by_load == seen.raised_by_verify
+    assert sum(seen.outcomes.values()) == flips
+    for group in seen.groups:
+        assert any(name.startswith(f"{group}:") for name in seen.outcomes), (group, seen.outcomes)
+
+
+def test_random_byte_flips_raise_or_load_bit_exact(damaged_target: Any, h: Any) -> None:
+    codec, path, flat, chains = damaged_target
+    config = _config()
+    state = _nest(flat)
+    h.assert_same(state, gdsckpt.load(path, config=config))
+
+    def check_lazy(chunk: int, untouched: list[str], damaged: list[str], rng: random.Random,
+                   where: str) -> tuple[int, int]:
+        key = rng.choice(untouched)
+        with gdsckpt.open(path, config=config) as ckpt:
+            assert _raw_bytes(ckpt.get(key), h) == _raw_bytes(flat[key], h), f"{where}: {key}"
+            everything = ckpt.get_many(untouched)
+            for other in untouched:
+                h.assert_same(flat[other], everything[other], other)
+            with pytest.raises(gdsckpt.CorruptCheckpointError) as caught:
+                ckpt.get(rng.choice(damaged))
+            assert caught.value.chunk == chunk, where
+        return 1 + len(untouched), 1
+
+    seen = flip_campaign(path, flat, h, flips=FLIPS_PER_CODEC, seed=f"flips-{codec}",
+                         load=lambda: gdsckpt.load(path, config=config),
+                         verify=lambda: gdsckpt.verify(path, config=config),
+                         same=lambda loaded: _same(state, loaded, h), check_lazy=check_lazy)
+    index = h.read_index(path)
     record_figure(f"corruption flips ({codec})",
-                  f"{FLIPS_PER_CODEC} single-byte flips over a {size}-byte file of {len(index.chunks)} chunks "
-                  f"({chains}) and {len(index.tensors)} tensors: {summary}; silently wrong "
-                  f"{outcomes['SILENTLY WRONG']}; verify raised for the same {len(raised_by_verify)} flips as "
-                  f"load; lazy get after a chunk hit: {lazy_untouched} untouched-tensor reads bit-exact, "
-                  f"{lazy_damaged} damaged-tensor reads raised")
-    assert outcomes["SILENTLY WRONG"] == 0
-    assert not [name for name in outcomes if name.endswith("unnoticed")], outcomes
-    assert raised_by_load == raised_by_verify
-    assert sum(outcomes.values()) == FLIPS_PER_CODEC
-    for group in groups:  # every region was hit
-        assert any(name.startswith(f"{group}:") for name in outcomes), (group, outcomes)
+                  f"{FLIPS_PER_CODEC} single-byte flips over a {path.stat().st_size}-byte file of "
+                  f"{len(index.chunks)} chunks ({chains}) and {len(index.tensors)} tensors: {seen.summary()}; "
+                  f"silently wrong {seen.outcomes['SILENTLY WRONG']}; verify raised for the same "
+                  f"{len(seen.raised_by_verify)} flips as load; lazy get after a chunk hit: "
+                  f"{seen.lazy_untouched} untouched-tensor reads bit-exact, {seen.lazy_damaged} "
+                  f"damaged-tensor reads raised")
+    assert_sound(seen, FLIPS_PER_CODEC)
 
 
 def test_random_truncations_raise(damaged_target: Any, tmp_path: Path) -> None:
