@@ -231,17 +231,19 @@ def test_unknown_codec_raises_value_error_listing_choices(name: str, ckpt_path: 
         gdsckpt.save({"w": torch.ones(10)}, ckpt_path, config=h.small_config(codec="brotli"))
 
 
-def test_file_naming_a_gpu_only_codec_cannot_be_decoded_on_cpu(ckpt_path: Path, h: Any) -> None:
+@pytest.mark.parametrize("stage", [{"name": "nvcomp.ans/1"},
+                                   {"data_type": "<f4", "delta": 0.25, "name": "nvcomp.bitcomp-lossy/1"}])
+def test_file_naming_a_gpu_only_codec_cannot_be_decoded_on_cpu(stage: dict[str, Any], ckpt_path: Path,
+                                                                h: Any) -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only machine's answer")
     gdsckpt.save({"w": torch.arange(3000.0)}, ckpt_path, codec="zstd", config=h.small_config())
 
     def edit(doc: dict[str, Any]) -> None:
-        doc["chains"] = [[{"name": "nvcomp.ans/1"}] if chain[-1]["name"] == "zstd/1" else chain
-                         for chain in doc["chains"]]
+        doc["chains"] = [[stage] if chain[-1]["name"] == "zstd/1" else chain for chain in doc["chains"]]
 
     h.rewrite_index(ckpt_path, edit)
-    assert "nvcomp.ans/1" in gdsckpt.inspect(ckpt_path).codecs
+    assert stage["name"] in gdsckpt.inspect(ckpt_path).codecs
     for operation in (gdsckpt.load, gdsckpt.verify):
         with pytest.raises(gdsckpt.CodecUnavailableError, match="zstd, lz4, deflate, none"):
             operation(ckpt_path)
@@ -286,3 +288,49 @@ def test_compression_level_is_applied(tmp_path: Path, h: Any) -> None:
         sizes[level] = gdsckpt.save(state, path, codec="zstd", config=config.replace(level=level)).stored_bytes
         h.assert_same(state, gdsckpt.load(path))
     assert sizes[19] < sizes[1] * 0.8, sizes
+
+
+def test_bitcomp_lossy_is_a_bitstream_not_a_codec_choice(ckpt_path: Path, h: Any) -> None:
+    """The GPU engine writes ``nvcomp.bitcomp-lossy/1`` for rounded arrays; no user picks it."""
+    assert "bitcomp-lossy" not in known_codec_names() and "bitcomp" in known_codec_names()
+    with pytest.raises(ValueError, match="bitcomp-lossy"):
+        gdsckpt.save({"w": torch.ones(10)}, ckpt_path, codec="bitcomp-lossy", config=h.small_config())
+    with pytest.raises(gdsckpt.CodecUnavailableError, match="nvcomp.bitcomp-lossy/1"):
+        host_codec("nvcomp.bitcomp-lossy/1")
+
+
+@pytest.mark.parametrize("stage, problem", [
+    ({"data_type": "<f4"}, "delta"),
+    ({"data_type": "<f4", "delta": True}, "delta"),
+    ({"data_type": "<f4", "delta": 0}, "delta"),
+    ({"data_type": "<f4", "delta": -0.5}, "delta"),
+    ({"data_type": "<f4", "delta": float("inf")}, "delta"),
+    ({"data_type": "<f4", "delta": float("nan")}, "delta"),
+    ({"data_type": "<f4", "delta": [0.5]}, "delta"),
+    ({"data_type": "<f8", "delta": 0.5}, "data_type"),
+    ({"data_type": ["<f4"], "delta": 0.5}, "data_type"),
+    ({"delta": 0.5}, "data_type"),
+])
+def test_bitcomp_lossy_stage_parameters_are_checked(stage: dict[str, Any], problem: str) -> None:
+    """A Bitcomp lossy stage decodes only with the encoder's data type and delta, read from the
+    file: anything but "<f4"/"<f2" and a finite positive number is refused (the GPU reader turns
+    that into CorruptCheckpointError), and ill-typed parameters never reach a dict key."""
+    from gdsckpt.codecs.nvcomp import bitcomp_lossy_params
+    from gdsckpt.pipeline.gpu_engine import _decoder_key
+
+    stage = {"name": "nvcomp.bitcomp-lossy/1", **stage}
+    with pytest.raises(ValueError, match=problem):
+        bitcomp_lossy_params(stage)
+    with pytest.raises(ValueError, match=problem):
+        _decoder_key(stage)
+
+
+def test_decoder_keys_of_valid_stages() -> None:
+    from gdsckpt.pipeline.gpu_engine import _decoder_key
+
+    assert _decoder_key({"name": "nvcomp.bitcomp-lossy/1", "data_type": "<f2", "delta": 1}) == \
+        ("nvcomp.bitcomp-lossy/1", "<f2", 1.0)
+    assert _decoder_key({"name": "nvcomp.ans/1", "data_type": "<f4"}) == ("nvcomp.ans/1", "<f4", None)
+    assert _decoder_key({"name": "zstd/1"}) == ("zstd/1", None, None)
+    with pytest.raises(ValueError, match="data_type"):
+        _decoder_key({"name": "nvcomp.ans/1", "data_type": {"x": 1}})

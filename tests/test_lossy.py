@@ -189,6 +189,24 @@ def test_policy_matching_and_validation() -> None:
         gdsckpt.LossyPolicy.of(["*"])  # type: ignore[arg-type]
 
 
+def test_policy_bitcomp_switch_reaches_each_rounded_source() -> None:
+    """``LossyPolicy.bitcomp`` (may the GPU engine store grid-rounded arrays as Bitcomp lossy
+    streams) defaults to True, must be a bool, and travels with every array's rounding."""
+    from gdsckpt.state import flatten
+
+    assert gdsckpt.LossyPolicy({"*": 0.1}).bitcomp is True
+    for bad in (1, "no", None):
+        with pytest.raises(TypeError, match="bitcomp"):
+            gdsckpt.LossyPolicy({"*": 0.1}, bitcomp=bad)  # type: ignore[arg-type]
+    state = {"w": torch.randn(64), "h": torch.randn(64).half(), "n": np.linspace(-1, 1, 64)}
+    for switch in (True, False):
+        flat = flatten(state)
+        assert sorted(lossy.apply_policy(flat, gdsckpt.LossyPolicy({"*": 0.01}, bitcomp=switch))) == ["h", "n", "w"]
+        sources = {a.key: a.source for a in flat.arrays}
+        assert {k: s.rounding.bitcomp for k, s in sources.items()} == {"w": switch, "h": switch, "n": switch}
+        assert {k: s.dtype for k, s in sources.items()} == {"w": "float32", "h": "float16", "n": "float64"}
+
+
 # ---------------------------------------------------------------------------------------------
 # save / load
 

@@ -98,6 +98,9 @@ _CODECS: dict[str, Callable[[], Codec]] = {}
 _TRANSFORMS: dict[str, Transform] = {}
 _USER_NAMES: dict[str, str] = {}
 _GPU_ONLY: dict[str, str] = {}
+_GPU_ONLY_STREAMS: set[str] = set()
+"""GPU-only bitstreams no user selects as a codec (the writer chooses them, as
+``nvcomp.bitcomp-lossy/1`` for rounded arrays)."""
 
 
 def register_codec(versioned_name: str, user_name: str, factory: Callable[[], Codec]) -> None:
@@ -106,9 +109,13 @@ def register_codec(versioned_name: str, user_name: str, factory: Callable[[], Co
     _USER_NAMES[user_name] = versioned_name
 
 
-def register_gpu_only(user_name: str, versioned_name: str) -> None:
-    """Record a codec that only has a GPU implementation, for clear errors on CPU-only machines."""
-    _GPU_ONLY[user_name] = versioned_name
+def register_gpu_only(user_name: str | None, versioned_name: str) -> None:
+    """Record a codec that only has a GPU implementation, for clear errors on CPU-only machines;
+    ``user_name`` None: a bitstream that is not a codec choice (``known_codec_names`` omits it)."""
+    if user_name is None:
+        _GPU_ONLY_STREAMS.add(versioned_name)
+    else:
+        _GPU_ONLY[user_name] = versioned_name
 
 
 def register_transform(transform: Transform) -> None:
@@ -141,7 +148,8 @@ def host_codec(name: str) -> Codec:
     factory = _CODECS.get(versioned)
     if factory is not None:
         return factory()
-    gpu_only = _GPU_ONLY.get(name) or (versioned if versioned in _GPU_ONLY.values() else None)
+    gpu_only = _GPU_ONLY.get(name) or (versioned if versioned in {*_GPU_ONLY.values(), *_GPU_ONLY_STREAMS}
+                                       else None)
     if gpu_only is not None:
         raise CodecUnavailableError(
             f"codec {name!r} ({gpu_only}) needs an NVIDIA GPU with nvCOMP and has no CPU decoder; "
@@ -150,7 +158,8 @@ def host_codec(name: str) -> Codec:
     if "/" in name:
         raise UnsupportedFormatError(
             f"codec {name!r} is not known to this version of gdsckpt "
-            f"(known: {', '.join(sorted(_CODECS) + sorted(_GPU_ONLY.values()))}); upgrade gdsckpt"
+            f"(known: {', '.join(sorted(_CODECS) + sorted({*_GPU_ONLY.values(), *_GPU_ONLY_STREAMS}))}); "
+            f"upgrade gdsckpt"
         )
     raise ValueError(f"unknown codec {name!r} (expected one of: {', '.join(known_codec_names())})")
 

@@ -242,3 +242,4 @@ for _user, _versioned in (("ans", "nvcomp.ans/1"), ("gdeflate", "nvcomp.gdeflate
                           ("snappy", "nvcomp.snappy/1"), ("bitcomp", "nvcomp.bitcomp/1"),
                           ("cascaded", "nvcomp.cascaded/1")):
     register_gpu_only(_user, _versioned)
+register_gpu_only(None, "nvcomp.bitcomp-lossy/1")  # written for rounded arrays, never chosen by name

@@ -18,6 +18,14 @@ batch and returns the slots. The restore driver keeps no more chunks outstanding
 slots, so GPU memory beyond the destination arrays is the ring plus nvCOMP's scratch, whatever the
 checkpoint's size.
 
+Lossy arrays: where ``save(lossy=...)`` rounded a float32 / float16 array to its grid and the
+save runs a GPU-only codec, its chunks go to nvCOMP Bitcomp's lossy mode instead
+(``nvcomp.bitcomp-lossy/1`` with ``delta`` = the grid's step), each stream decoded again at once
+into a verification buffer and compared with the rounded values (zeros of either sign count as
+equal, everything else bit for bit); a chunk that fails, or does not shrink, takes the codec's
+path like any other. The check is what makes the lossy record's ``max_error`` hold for what a
+reader gets, whatever Bitcomp's quantizer does at the edges (integer overflow, outliers).
+
 Host sources: an array in host memory (a pinned snapshot of CUDA tensors taken by
 ``save_async``) is copied into its staging slot on the engine's stream (asynchronous when the
 memory is pinned) and compressed there like device data.
@@ -29,6 +37,7 @@ hanging it.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import queue
 import threading
@@ -37,14 +46,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..codecs import BYTE_PLANES, Chain
-from ..codecs.nvcomp import BY_VERSIONED, GPU_ALGORITHMS, DeviceCodec
+from ..codecs import BYTE_PLANES, PORTABLE_CODECS, Chain
+from ..codecs.nvcomp import (BITCOMP_LOSSY, BITCOMP_LOSSY_TYPES, BY_VERSIONED, GPU_ALGORITHMS, DeviceCodec,
+                             bitcomp_lossy_params)
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..format import XOR_BASE, align_up
 from ..format.index import ChunkRecord
 from .engine import NONE_CHAIN, EncodedChunk, Engine
 from .plan import ArraySource, ChunkPlan
 
+_log = logging.getLogger(__name__)
 TRIAL_BYTES = 1 << 20
 STAGING_RING_SHARE = 0.9
 """Share of ``max_staging_bytes`` for the ring and nvCOMP's scratch; the rest covers CRC buffers,
@@ -98,6 +109,28 @@ extern "C" __global__ void zero_tails(unsigned char** starts, const int* lengths
 _kernels: dict[int, Any] = {}
 _allocator_installed = False
 _allocator_lock = threading.Lock()
+
+
+def _same_values(cupy: Any, expected: Any, decoded: Any, itemsize: int) -> Any:
+    """A device boolean: whether ``decoded`` holds the floats of ``expected`` (uint8 arrays of
+    ``itemsize``-byte floats): every element bit for bit (NaN payloads, infinities included),
+    except that a zero may come back with the other sign (Bitcomp's lossy mode returns +0.0)."""
+    unsigned = {4: cupy.uint32, 2: cupy.uint16}[itemsize]
+    magnitude = (1 << (8 * itemsize - 1)) - 1
+    a, b = expected.view(unsigned), decoded.view(unsigned)
+    return cupy.all((a == b) | (((a | b) & magnitude) == 0))
+
+
+def _decoder_key(stage: dict[str, Any]) -> tuple[str, str | None, float | None]:
+    """(bitstream name, data type, delta) that picks the decoder of a chain's codec stage, its
+    parameters checked (``ValueError``): they come from the file and key a dict."""
+    name = stage["name"]
+    if name == BITCOMP_LOSSY:
+        return (name, *bitcomp_lossy_params(stage))
+    data_type = stage.get("data_type")
+    if data_type is not None and not isinstance(data_type, str):
+        raise ValueError(f"{name} stage has data_type {data_type!r}, expected a string")
+    return name, data_type, None
 
 
 def _zero_tails_kernel(cupy: Any) -> Any:
@@ -160,7 +193,10 @@ class GpuEngine(Engine):
         self.chunk_bytes = chunk_bytes
         self.batch_chunks = batch_chunks
         self.timeout = timeout
-        self._codecs: dict[tuple[str, str | None], DeviceCodec] = {}
+        self._codecs: dict[tuple[str, str | None, float | None], DeviceCodec] = {}
+        # Bitcomp lossy replaces only GPU-only codecs: a portable codec was chosen to be portable.
+        self._lossy_bitcomp = codec not in PORTABLE_CODECS and any(
+            self._bitcomp_type(source) is not None for source in sources)
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)
             self._out_bytes = chunk_bytes
@@ -170,13 +206,18 @@ class GpuEngine(Engine):
                     probe = cupy.empty(chunk_bytes, dtype=cupy.uint8)
                     bound = self._codec(codec, None).max_compressed_bytes(probe)
                     trial_bound = self._codec(codec, None).max_compressed_bytes(probe[:TRIAL_BYTES])
+                    if self._lossy_bitcomp:
+                        bound = max(bound, *(self._codec("bitcomp", data_type, 1.0).max_compressed_bytes(probe)
+                                             for data_type in BITCOMP_LOSSY_TYPES.values()))
                     del probe
                 self._out_bytes = align_up(max(bound, chunk_bytes))
                 self._trial_out = align_up(max(trial_bound, TRIAL_BYTES))
             self._slot_bytes = chunk_bytes + self._out_bytes
-            # The ring and nvCOMP's scratch share 90% of the budget (see ENCODE_SCRATCH).
+            # The ring and nvCOMP's scratch share 90% of the budget (see ENCODE_SCRATCH); the
+            # Bitcomp lossy check's decode buffer (one chunk) comes out of the fixed part.
+            fixed, per_chunk = _scratch(ENCODE_SCRATCH, [codec] + ["bitcomp"] * self._lossy_bitcomp, chunk_bytes)
             slots = ring_slots(max_staging_bytes, self._slot_bytes,
-                               _scratch(ENCODE_SCRATCH, [codec], chunk_bytes))
+                               (fixed + chunk_bytes * self._lossy_bitcomp, per_chunk))
             self.max_pending = slots
             self.staging_bytes = slots * self._slot_bytes if sources else 0
             self._staging: Any = None if not sources else cupy.empty(self.staging_bytes, dtype=cupy.uint8)
@@ -184,6 +225,7 @@ class GpuEngine(Engine):
             trials = codec not in ("none", "ans") or any(_rounded(source) for source in sources)
             if sources and codec != "none" and byte_planes == "auto" and trials:
                 self._scratch = cupy.empty(TRIAL_BYTES + 2 * self._trial_out, dtype=cupy.uint8)
+            self._verify: Any = cupy.empty(chunk_bytes, dtype=cupy.uint8) if self._lossy_bitcomp else None
         self.max_staging_bytes = max_staging_bytes
         self._free_slots: queue.Queue[int] = queue.Queue()
         for slot in range(slots if sources else 0):
@@ -230,12 +272,12 @@ class GpuEngine(Engine):
                         if not job_[-1].done():
                             job_[-1].set_exception(err)
 
-    def _codec(self, user_name: str, data_type: str | None) -> DeviceCodec:
-        key = (user_name, data_type)
+    def _codec(self, user_name: str, data_type: str | None, delta: float | None = None) -> DeviceCodec:
+        key = (user_name, data_type, delta)
         codec = self._codecs.get(key)
         if codec is None:
             codec = self._codecs[key] = DeviceCodec(user_name, stream=self.stream, device_id=self.device_id,
-                                                    data_type=data_type)
+                                                    data_type=data_type, delta=delta)
         return codec
 
     # -- save ------------------------------------------------------------------------------
@@ -247,6 +289,24 @@ class GpuEngine(Engine):
 
     def _release(self, slot: int) -> None:
         self._free_slots.put(slot)
+
+    @staticmethod
+    def _bitcomp_type(source: ArraySource) -> str | None:
+        """nvCOMP data type under which Bitcomp's lossy mode may code ``source``: arrays rounded
+        to a grid by ``save(lossy=...)`` (policy ``bitcomp`` on), float32 or float16."""
+        rounding = getattr(source, "rounding", None)
+        if rounding is None or rounding.mode != "grid" or not rounding.bitcomp:
+            return None
+        return BITCOMP_LOSSY_TYPES.get(getattr(source, "dtype", None))
+
+    def _bitcomp_form(self, chunk: ChunkPlan) -> tuple[str, float] | None:
+        """(data type, delta) when the chunk goes to Bitcomp's lossy mode: one part of one
+        eligible array (a pack of several arrays has several grids), a GPU-only codec."""
+        if not self._lossy_bitcomp or len(chunk.parts) != 1 or chunk.delta:
+            return None
+        source = self.sources[chunk.parts[0].array]
+        data_type = self._bitcomp_type(source)
+        return None if data_type is None else (data_type, source.rounding.step)  # type: ignore[attr-defined]
 
     def _has_rounded(self, chunk: ChunkPlan) -> bool:
         return any(_rounded(self.sources[p.array]) for p in chunk.parts)
@@ -334,54 +394,14 @@ class GpuEngine(Engine):
         cupy = self.cupy
         from ..codecs.gpu_crc import crc32c_batch
 
-        prepared = []
+        for _kind, chunk, _future in jobs:
+            if chunk.raw > self.chunk_bytes:
+                raise ValueError(f"chunk of {chunk.raw} bytes exceeds the staging slot")
         with self.stream:
-            for _kind, chunk, future in jobs:
-                if chunk.raw > self.chunk_bytes:
-                    raise ValueError(f"chunk of {chunk.raw} bytes exceeds the staging slot")
-                slot = self._free_slots.get(timeout=self.timeout)
-                base = slot * self._slot_bytes
-                slot_in = self._staging[base:base + self.chunk_bytes]
-                out_offset = base + self.chunk_bytes
-                slot_out = self._staging[out_offset:out_offset + self._out_bytes]
-                direct = len(chunk.parts) == 1 and self._on_device(chunk)
-                data = self._gather(chunk, None if direct else slot_out)
-                use_planes, data_type = self._decide(chunk, data)
-                if use_planes:
-                    data = self._planes(data, slot_in, chunk.plane_width)
-                elif not direct:
-                    slot_in[:data.nbytes] = data
-                    data = slot_in[:data.nbytes]
-                prepared.append((chunk, future, slot, data, slot_out, out_offset, use_planes, data_type))
-            sizes: list[int | None] = [None] * len(prepared)
-            codecs: list[DeviceCodec | None] = [None] * len(prepared)
-            if self.codec != "none":
-                groups: dict[str | None, list[int]] = {}
-                for i, entry in enumerate(prepared):
-                    groups.setdefault(entry[7], []).append(i)
-                for data_type, members in groups.items():
-                    codec = self._codec(self.codec, data_type)
-                    got = codec.encode_into([prepared[i][3] for i in members], self._staging,
-                                            [prepared[i][5] for i in members], self._out_bytes)
-                    for i, size in zip(members, got):
-                        sizes[i], codecs[i] = size, codec
-            payloads, results = [], []
-            for (chunk, future, slot, data, slot_out, _o, use_planes, _dt), size, codec in zip(prepared, sizes,
-                                                                                              codecs):
-                if size is None or codec is None or size >= chunk.raw:
-                    # Incompressible (or codec "none"): store the untransformed bytes.
-                    in_place = len(chunk.parts) == 1 and self._on_device(chunk)
-                    original = self._gather(chunk, None if in_place else slot_out)
-                    if original.data.ptr != slot_out.data.ptr:
-                        slot_out[:original.nbytes] = original
-                    stored, chain = chunk.raw, NONE_CHAIN
-                else:
-                    stored = size
-                    stages = [{"name": BYTE_PLANES.name, "width": chunk.plane_width}] if use_planes else []
-                    chain = Chain.of(*stages, codec.stage())
-                padded = align_up(stored)
-                payloads.append(slot_out[:stored])
-                results.append((future, slot_out[:padded], stored, chunk.raw, chain, slot))
+            lossy = [job for job in jobs if self._bitcomp_form(job[1]) is not None]
+            results, fallback = self._encode_bitcomp_lossy(lossy) if lossy else ([], [])
+            results += self._encode_codec([job for job in jobs if self._bitcomp_form(job[1]) is None] + fallback)
+            payloads = [padded[:stored] for _future, padded, stored, _raw, _chain, _slot in results]
             tails = [(p.data.ptr + p.nbytes, r[1].nbytes - p.nbytes) for p, r in zip(payloads, results)
                      if r[1].nbytes > p.nbytes]
             if tails:
@@ -392,6 +412,102 @@ class GpuEngine(Engine):
         for (future, payload, stored, raw, chain, slot), crc in zip(results, crcs):
             future.set_result(EncodedChunk(payload, stored, raw, int(crc), chain,
                                            release=lambda s=slot: self._release(s)))
+
+    def _slot(self) -> tuple[int, Any, Any, int]:
+        """A free staging slot: (number, input area, output area, output area's offset)."""
+        slot = self._free_slots.get(timeout=self.timeout)
+        base = slot * self._slot_bytes
+        out_offset = base + self.chunk_bytes
+        return (slot, self._staging[base:base + self.chunk_bytes],
+                self._staging[out_offset:out_offset + self._out_bytes], out_offset)
+
+    def _encode_bitcomp_lossy(self, jobs: list[Any]) -> tuple[list[Any], list[Any]]:
+        """Code chunks of grid-rounded arrays with Bitcomp's lossy mode (module docstring).
+        Returns the results (as ``_encode_codec``'s) and the jobs that must take the codec's path:
+        their streams did not decode to the rounded values or did not shrink (slots released)."""
+        cupy = self.cupy
+        entries = []
+        for _kind, chunk, future in jobs:
+            slot, slot_in, _slot_out, out_offset = self._slot()
+            data = self._gather(chunk, None if self._on_device(chunk) else slot_in)
+            entries.append((chunk, future, slot, data, out_offset, self._bitcomp_form(chunk)))
+        groups: dict[tuple[str, float], list[int]] = {}
+        for i, entry in enumerate(entries):
+            groups.setdefault(entry[5], []).append(i)
+        sizes = [0] * len(entries)
+        for (data_type, delta), members in groups.items():
+            got = self._codec("bitcomp", data_type, delta).encode_into(
+                [entries[i][3] for i in members], self._staging, [entries[i][4] for i in members], self._out_bytes)
+            for i, size in zip(members, got):
+                sizes[i] = size
+        # Decode each stream again (one verification buffer, reused in stream order) and compare.
+        checks = []
+        for (chunk, _future, _slot, data, out_offset, (data_type, delta)), size in zip(entries, sizes):
+            try:
+                decoded = self._codec("bitcomp", data_type, delta).decode_into(
+                    [self._staging[out_offset:out_offset + size]], self._verify, [0], [chunk.raw])[0]
+            except (ValueError, RuntimeError):
+                decoded = -1
+            itemsize = self.sources[chunk.parts[0].array].itemsize
+            checks.append(_same_values(cupy, data, self._verify[:chunk.raw], itemsize)
+                          if decoded == chunk.raw else cupy.zeros((), dtype=cupy.bool_))
+        passed = cupy.stack(checks).get()  # one synchronization for the batch
+        results, fallback = [], []
+        for (chunk, future, slot, _data, out_offset, (data_type, delta)), size, ok in zip(entries, sizes, passed):
+            if ok and size < chunk.raw:
+                chain = Chain.of(self._codec("bitcomp", data_type, delta).stage())
+                results.append((future, self._staging[out_offset:out_offset + align_up(size)], size, chunk.raw,
+                                chain, slot))
+            else:
+                if not ok:
+                    _log.info("chunk %d: Bitcomp's lossy stream did not decode to the rounded values; "
+                              "stored with codec %s", chunk.number, self.codec)
+                self._release(slot)
+                fallback.append(("encode", chunk, future))
+        return results, fallback
+
+    def _encode_codec(self, jobs: list[Any]) -> list[Any]:
+        """Gather, transform and compress chunks with the engine's codec; returns (future, padded
+        payload, stored size, raw size, chain, slot) per chunk, on the stream, unsynchronized."""
+        prepared = []
+        for _kind, chunk, future in jobs:
+            slot, slot_in, slot_out, out_offset = self._slot()
+            direct = len(chunk.parts) == 1 and self._on_device(chunk)
+            data = self._gather(chunk, None if direct else slot_out)
+            use_planes, data_type = self._decide(chunk, data)
+            if use_planes:
+                data = self._planes(data, slot_in, chunk.plane_width)
+            elif not direct:
+                slot_in[:data.nbytes] = data
+                data = slot_in[:data.nbytes]
+            prepared.append((chunk, future, slot, data, slot_out, out_offset, use_planes, data_type))
+        sizes: list[int | None] = [None] * len(prepared)
+        codecs: list[DeviceCodec | None] = [None] * len(prepared)
+        if self.codec != "none":
+            groups: dict[str | None, list[int]] = {}
+            for i, entry in enumerate(prepared):
+                groups.setdefault(entry[7], []).append(i)
+            for data_type, members in groups.items():
+                codec = self._codec(self.codec, data_type)
+                got = codec.encode_into([prepared[i][3] for i in members], self._staging,
+                                        [prepared[i][5] for i in members], self._out_bytes)
+                for i, size in zip(members, got):
+                    sizes[i], codecs[i] = size, codec
+        results = []
+        for (chunk, future, slot, data, slot_out, _o, use_planes, _dt), size, codec in zip(prepared, sizes, codecs):
+            if size is None or codec is None or size >= chunk.raw:
+                # Incompressible (or codec "none"): store the untransformed bytes.
+                in_place = len(chunk.parts) == 1 and self._on_device(chunk)
+                original = self._gather(chunk, None if in_place else slot_out)
+                if original.data.ptr != slot_out.data.ptr:
+                    slot_out[:original.nbytes] = original
+                stored, chain = chunk.raw, NONE_CHAIN
+            else:
+                stored = size
+                stages = [{"name": BYTE_PLANES.name, "width": chunk.plane_width}] if use_planes else []
+                chain = Chain.of(*stages, codec.stage())
+            results.append((future, slot_out[:align_up(stored)], stored, chunk.raw, chain, slot))
+        return results
 
     # -- restore ---------------------------------------------------------------------------
     def reserve_reads(self, records: list[ChunkRecord], codecs: Any = ()) -> int | None:
@@ -479,19 +595,26 @@ class GpuEngine(Engine):
                 job[-1].set_exception(CorruptCheckpointError("chunk checksum mismatch"))
             else:
                 live.append((job, body, self._slot_areas(slot, job[1].raw)))
-        groups: dict[tuple[str, str | None], list[int]] = {}
+        groups: dict[tuple[str, str | None, float | None], list[int]] = {}
         for i, (job, _body, _areas) in enumerate(live):
-            stage = job[2][-1]
-            groups.setdefault((stage["name"], stage.get("data_type")), []).append(i)
+            try:
+                key = _decoder_key(job[2][-1])
+            except ValueError as err:
+                job[-1].set_exception(CorruptCheckpointError(f"invalid codec stage: {err}"))
+                continue
+            groups.setdefault(key, []).append(i)
         raws: list[Any] = [None] * len(live)
-        for (name, data_type), members in groups.items():
+        for (name, data_type, delta), members in groups.items():
             if name == "none/1":
                 for i in members:
                     raws[i] = live[i][1]
                 continue
-            if name not in BY_VERSIONED:
+            if name == BITCOMP_LOSSY:
+                user = "bitcomp"
+            elif name in BY_VERSIONED:
+                user, _algorithm = BY_VERSIONED[name]
+            else:
                 raise UnsupportedFormatError(f"codec {name!r} is not known to this version of gdsckpt")
-            user, _algorithm = BY_VERSIONED[name]
             raw_sizes = [live[i][0][1].raw for i in members]
             # Every output area is a view of one buffer (the ring, or a batch buffer without one):
             # nvCOMP's batches are carved from a single allocation at offsets.
@@ -505,8 +628,8 @@ class GpuEngine(Engine):
                     offsets.append(offsets[-1] + align_up(size))
                 buffer = cupy.empty(offsets[-1] + align_up(raw_sizes[-1]), dtype=cupy.uint8)
             try:
-                got = self._codec(user, data_type).decode_into([live[i][1] for i in members], buffer,
-                                                               offsets, raw_sizes)
+                got = self._codec(user, data_type, delta).decode_into([live[i][1] for i in members], buffer,
+                                                                      offsets, raw_sizes)
             except (ValueError, RuntimeError) as err:
                 for i in members:
                     live[i][0][-1].set_exception(CorruptCheckpointError(f"chunk does not decode ({err})"))
