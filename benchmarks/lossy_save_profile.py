@@ -1,7 +1,9 @@
 """Where a lossy save's time goes on the GPU engine (issue 7): the fp32 AdamW moments of a
 TinyGPT saved with ``lossy={"*": rel}`` under ANS, with Bitcomp's lossy streams (the default)
-and without (``LossyPolicy(bitcomp=False)``), each saved once to warm up and then under cProfile.
-Prints the seconds of each save, the distinct grid steps, and the top functions by own time.
+and without (``LossyPolicy(bitcomp=False)``), each saved once to warm up and then measured:
+the seconds of each save, the distinct grid steps, the wall time spent inside the engine's main
+calls (summed over calls, from whichever thread: the GPU engine's work runs in its worker, which
+cProfile would not see), and the main thread's top functions by own time.
 
     python3 benchmarks/lossy_save_profile.py --rel 1e-2
 """
@@ -23,7 +25,31 @@ import torch
 
 import gdsckpt
 from async_bench import build_training  # benchmarks/ is on sys.path
-from gdsckpt.lossy import plan_rounding
+from gdsckpt.codecs import gpu_crc
+from gdsckpt.codecs.nvcomp import DeviceCodec
+from gdsckpt.lossy import RoundedSource, plan_rounding
+from gdsckpt.pipeline.gpu_engine import GpuEngine
+
+TIMED = [(GpuEngine, "_encode_bitcomp_lossy"), (GpuEngine, "_encode_codec"), (GpuEngine, "_planes_smaller"),
+         (DeviceCodec, "__init__"), (DeviceCodec, "encode_into"), (DeviceCodec, "decode_into"),
+         (RoundedSource, "device_bytes"), (gpu_crc, "crc32c_batch")]
+spent: dict[str, list[float]] = {}
+
+
+def timed(owner: object, name: str) -> None:
+    """Wrap ``owner.name`` to add each call's wall time to ``spent``."""
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            entry = spent.setdefault(f"{getattr(owner, '__name__', owner)}.{name}", [0.0, 0])
+            entry[0] += time.perf_counter() - started
+            entry[1] += 1
+
+    setattr(owner, name, wrapper)
 
 
 def main() -> None:
@@ -36,6 +62,8 @@ def main() -> None:
     _model, optimizer = build_training(args.width, args.depth, 20, torch.device("cuda"))
     moments = {f"{i}.{name}": value for i, state in enumerate(optimizer.state.values())
                for name, value in state.items() if name in ("exp_avg", "exp_avg_sq")}
+    for owner, name in TIMED:
+        timed(owner, name)
     steps = {plan_rounding(v, "grid", args.rel).step for v in moments.values()}
     print(f"{len(moments)} tensors, {sum(v.numel() * 4 for v in moments.values()) / 1e9:.2f} GB, "
           f"{len(steps)} distinct grid steps")
@@ -44,12 +72,15 @@ def main() -> None:
             policy = gdsckpt.LossyPolicy({"*": args.rel}, bitcomp=bitcomp)
             path = Path(where) / f"{label}.gdsckpt"
             gdsckpt.save(moments, path, codec="ans", lossy=policy)
+            spent.clear()
             profile = cProfile.Profile()
             started = time.perf_counter()
             profile.enable()
             report = gdsckpt.save(moments, path, codec="ans", lossy=policy)
             profile.disable()
             print(f"== {label}: {time.perf_counter() - started:.3f} s, ratio {report.ratio:.2f}, {report.chains}")
+            for name, (seconds, calls) in sorted(spent.items(), key=lambda item: -item[1][0]):
+                print(f"   {name:40} {seconds:8.3f} s {calls:6d} calls")
             pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
 
 
