@@ -37,6 +37,16 @@ modified, and no rounded copy of it is held: a pass for its largest magnitude an
 every element's error come first, ``CHUNK_ELEMENTS`` at a time, so memory stays bounded whatever
 the array's size).
 
+On the GPU engine with a GPU-only codec (ANS, the GPU default), the grid-rounded float32 and
+float16 arrays are stored as nvCOMP Bitcomp lossy streams (``nvcomp.bitcomp-lossy/1``, with
+``delta`` = ``step``): Bitcomp's quantizer is this grid, and its coder of the quantized integers
+beats byte planes + ANS on the rounded floats by about 2x and Zstd by 12-20% (AdamW moments on
+the H200: 6.64x against 3.39x at 1e-2, 4.13x against 2.36x at 1e-3; runs 15 and 17). Every
+stream is decoded again before it is written and must give the rounded values bit for bit,
+except that zeros come back +0.0; a chunk that fails takes the codec's own path. Such files need
+a GPU to load (as ANS files do); ``LossyPolicy(..., bitcomp=False)`` keeps the codec's streams,
+and a portable codec (``codec="zstd"``) is never replaced.
+
 A lossy array's index record carries an informative ``lossy`` member (``{"mode": "grid",
 "rel_bound": ..., "abs_bound": ..., "max_error": ...}``, docs/format.md section 6.5); decoding is
 unchanged (the stored bytes are the rounded values), so every reader loads these files. Loading
