@@ -42,7 +42,7 @@ import os
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -109,6 +109,23 @@ extern "C" __global__ void zero_tails(unsigned char** starts, const int* lengths
 _kernels: dict[int, Any] = {}
 _allocator_installed = False
 _allocator_lock = threading.Lock()
+
+
+class _LossyEntry(NamedTuple):
+    """A chunk on its way through ``GpuEngine._encode_bitcomp_lossy``."""
+
+    chunk: ChunkPlan
+    future: Future[EncodedChunk]
+    slot: int
+    data: Any
+    """The rounded values (CuPy uint8)."""
+    out_offset: int
+    """Where the slot's output area starts in the staging ring."""
+    form: tuple[str, float]
+    """(nvCOMP data type, delta)."""
+    check_offset: int | None
+    """Where in the ring the check decodes (the slot's free input area), or None: the
+    verification buffer."""
 
 
 def _same_values(cupy: Any, expected: Any, decoded: Any, itemsize: int) -> Any:
@@ -429,41 +446,51 @@ class GpuEngine(Engine):
         entries = []
         for _kind, chunk, future in jobs:
             slot, slot_in, _slot_out, out_offset = self._slot()
-            data = self._gather(chunk, None if self._on_device(chunk) else slot_in)
-            entries.append((chunk, future, slot, data, out_offset, self._bitcomp_form(chunk)))
-        groups: dict[tuple[str, float], list[int]] = {}
-        for i, entry in enumerate(entries):
-            groups.setdefault(entry[5], []).append(i)
-        sizes = [0] * len(entries)
+            direct = self._on_device(chunk)  # then the input area stays free: the check decodes there
+            data = self._gather(chunk, None if direct else slot_in)
+            entries.append(_LossyEntry(chunk, future, slot, data, out_offset, self._bitcomp_form(chunk),  # type: ignore[arg-type]
+                                       out_offset - self.chunk_bytes if direct else None))
+        groups: dict[tuple[str, float], list[_LossyEntry]] = {}
+        for entry in entries:
+            groups.setdefault(entry.form, []).append(entry)
+        sizes: dict[int, int] = {}
+        checks: dict[int, Any] = {}
         for (data_type, delta), members in groups.items():
-            got = self._codec("bitcomp", data_type, delta).encode_into(
-                [entries[i][3] for i in members], self._staging, [entries[i][4] for i in members], self._out_bytes)
-            for i, size in zip(members, got):
-                sizes[i] = size
-        # Decode each stream again (one verification buffer, reused in stream order) and compare.
-        checks = []
-        for (chunk, _future, _slot, data, out_offset, (data_type, delta)), size in zip(entries, sizes):
-            try:
-                decoded = self._codec("bitcomp", data_type, delta).decode_into(
-                    [self._staging[out_offset:out_offset + size]], self._verify, [0], [chunk.raw])[0]
-            except (ValueError, RuntimeError):
-                decoded = -1
-            itemsize = self.sources[chunk.parts[0].array].itemsize
-            checks.append(_same_values(cupy, data, self._verify[:chunk.raw], itemsize)
-                          if decoded == chunk.raw else cupy.zeros((), dtype=cupy.bool_))
-        passed = cupy.stack(checks).get()  # one synchronization for the batch
+            codec = self._codec("bitcomp", data_type, delta)
+            got = codec.encode_into([e.data for e in members], self._staging, [e.out_offset for e in members],
+                                    self._out_bytes)
+            sizes.update((e.chunk.number, size) for e, size in zip(members, got))
+            # Decode every stream again and compare: in one call into the free input areas, or
+            # (input gathered there from host memory) one by one into the verification buffer.
+            in_place = [e for e in members if e.check_offset is not None]
+            calls = [(in_place, self._staging, [e.check_offset for e in in_place])] if in_place else []
+            calls += [([e], self._verify, [0]) for e in members if e.check_offset is None]
+            for targets, buffer, offsets in calls:
+                streams = [self._staging[e.out_offset:e.out_offset + sizes[e.chunk.number]] for e in targets]
+                raws = [e.chunk.raw for e in targets]
+                try:
+                    decoded = codec.decode_into(streams, buffer, offsets, raws)
+                except (ValueError, RuntimeError):
+                    decoded = [-1] * len(targets)
+                for entry, offset, raw, length in zip(targets, offsets, raws, decoded):
+                    itemsize = self.sources[entry.chunk.parts[0].array].itemsize
+                    checks[entry.chunk.number] = (
+                        _same_values(cupy, entry.data, buffer[offset:offset + raw], itemsize) if length == raw
+                        else cupy.zeros((), dtype=cupy.bool_))
+        passed = cupy.stack([checks[e.chunk.number] for e in entries]).get()  # one synchronization
         results, fallback = [], []
-        for (chunk, future, slot, _data, out_offset, (data_type, delta)), size, ok in zip(entries, sizes, passed):
+        for entry, ok in zip(entries, passed):
+            chunk, size = entry.chunk, sizes[entry.chunk.number]
             if ok and size < chunk.raw:
-                chain = Chain.of(self._codec("bitcomp", data_type, delta).stage())
-                results.append((future, self._staging[out_offset:out_offset + align_up(size)], size, chunk.raw,
-                                chain, slot))
+                chain = Chain.of(self._codec("bitcomp", *entry.form).stage())
+                results.append((entry.future, self._staging[entry.out_offset:entry.out_offset + align_up(size)],
+                                size, chunk.raw, chain, entry.slot))
             else:
                 if not ok:
                     _log.info("chunk %d: Bitcomp's lossy stream did not decode to the rounded values; "
                               "stored with codec %s", chunk.number, self.codec)
-                self._release(slot)
-                fallback.append(("encode", chunk, future))
+                self._release(entry.slot)
+                fallback.append(("encode", chunk, entry.future))
         return results, fallback
 
     def _encode_codec(self, jobs: list[Any]) -> list[Any]:

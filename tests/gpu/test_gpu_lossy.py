@@ -136,6 +136,21 @@ def test_grid_arrays_go_to_bitcomp_lossy_and_load_as_the_grid(tmp_path, dtype):
     assert bit_equal(state["m"].cpu(), original), "the caller's tensor is unchanged"
 
 
+def test_bitcomp_lossy_takes_device_and_host_sources_in_one_save(tmp_path):
+    """Device chunks are checked in one decode call into their slots' input areas; chunks
+    gathered from host memory (a CPU tensor on the GPU engine) one by one in the verification
+    buffer. Both kinds in one save, in the same batches, load as the grid."""
+    original = _special_values(torch.float32, 3 << 20, seed=6)
+    state = {"device": original.cuda(), "host": original.clone()}
+    config = gdsckpt.Config(engine="gpu", gpu_chunk_bytes=1 << 20)
+    report = gdsckpt.save(state, tmp_path / "m.gdsckpt", codec="ans", lossy={"*": 1e-2}, config=config)
+    assert report.engine == "gpu" and report.chains == {BITCOMP_LOSSY: 24}, report.chains
+    grid = lossy.grid_quantize(original, 1e-2).values
+    with pytest.warns(lossy.LossyWarning):
+        back = gdsckpt.load(tmp_path / "m.gdsckpt", device="cuda")
+    assert same_values(back["device"].cpu(), grid) and same_values(back["host"].cpu(), grid)
+
+
 def test_bitcomp_lossy_is_not_used_for_bf16_portable_codecs_or_when_switched_off(tmp_path):
     g = torch.Generator().manual_seed(3)
     state = {"w": (torch.randn(1 << 20, generator=g) * 1e-3).cuda(),
