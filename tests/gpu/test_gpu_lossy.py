@@ -193,3 +193,25 @@ def test_a_changed_bitcomp_stage_parameter_is_corrupt(tmp_path, h):
     with pytest.raises(gdsckpt.CorruptCheckpointError, match="delta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", lossy.LossyWarning)
         gdsckpt.load(path, device="cuda")
+
+
+def test_a_delta_on_a_bitcomp_lossy_base_loads_as_its_grid(tmp_path):
+    """The base stores its grid as Bitcomp lossy streams (zeros decode as +0.0); a lossy delta on
+    it stores the XOR of its own rounded values with those decoded ones, so it loads as its grid
+    bit for bit, -0.0 included (delta chunks are never Bitcomp's: XORs are no grid)."""
+    original = _special_values(torch.float32, 2 << 20, seed=8)
+    config = gdsckpt.Config(gpu_chunk_bytes=1 << 20)
+    first = gdsckpt.save({"m": original.cuda()}, tmp_path / "0.gdsckpt", codec="ans", lossy={"m": 1e-2},
+                         config=config)
+    assert first.chains == {BITCOMP_LOSSY: 8}, first.chains
+    moved = original.clone()
+    moved[10:] += torch.randn(moved.numel() - 10, generator=torch.Generator().manual_seed(9)) * 1e-5
+    second = gdsckpt.save({"m": moved.cuda()}, tmp_path / "1.gdsckpt", codec="ans", lossy={"m": 1e-2},
+                          base=tmp_path / "0.gdsckpt", config=config)
+    assert second.delta_tensors == 1 and BITCOMP_LOSSY not in second.chains, second.chains
+    with pytest.warns(lossy.LossyWarning):
+        back = gdsckpt.load(tmp_path / "1.gdsckpt", device="cuda")
+    assert bit_equal(back["m"].cpu(), lossy.grid_quantize(moved, 1e-2).values)
+    with pytest.warns(lossy.LossyWarning):
+        base = gdsckpt.load(tmp_path / "0.gdsckpt", device="cuda")
+    assert same_values(base["m"].cpu(), lossy.grid_quantize(original, 1e-2).values)
