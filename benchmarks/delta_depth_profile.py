@@ -72,7 +72,7 @@ def main() -> None:
             started = time.perf_counter()
             report = gdsckpt.save(state, path, base=previous, max_chain=args.links + 1)
             seconds = time.perf_counter() - started
-            print(f"== link {link} (chain depth {max(link - 1, 0) if previous else 0} below it): {seconds:.2f} s, "
+            print(f"== link {link} (its base is a delta {max(link - 1, 0)} deep): {seconds:.2f} s, "
                   f"{report.stored_bytes / 2**20:.0f} MiB, {report.delta_tensors} delta arrays")
             for name, (total, calls) in sorted(spent.items(), key=lambda item: -item[1][0]):
                 print(f"   {name:36} {total:8.3f} s {calls:6d} calls")
