@@ -66,7 +66,9 @@ class SaveReport:
     chains: dict[str, int] = field(default_factory=dict)
     """How many chunks used each codec chain, e.g. ``{"byteplanes/1+zstd/1": 12, "none/1": 1}``."""
     auto: dict[str, Any] = field(default_factory=dict)
-    """For ``codec="auto"`` on the GPU: the storage speed and sampled ratios the choice used."""
+    """For ``codec="auto"`` on the GPU: ``storage_gbps`` and ``sampled_ratios`` the choice used,
+    ``chose``, and ``left_out`` (candidate -> why the staging budget ruled it out; with a single
+    candidate left nothing is measured and ``storage_gbps`` is None)."""
     base: str | None = None
     """The base checkpoint of a delta save (as the index records it), None for a full one."""
     delta_tensors: int = 0
@@ -466,15 +468,20 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: Path,
         if codec == "auto":
             import cupy
 
-            from .pipeline.autotune import choose_codec, sample_ratios, storage_gbps
+            from .pipeline.autotune import choose_codec, runnable_candidates, sample_ratios, storage_gbps
 
             _check_target(path)
-            with cupy.cuda.Device(device or 0):
-                stream = cupy.cuda.Stream(non_blocking=True)
-            speed = storage_gbps(path.parent, config.storage_gbps)
-            ratios = sample_ratios([a.source for a in flat.arrays], device or 0, stream)
-            codec = choose_codec(speed, ratios)
-            auto = {"storage_gbps": speed, "sampled_ratios": ratios, "chose": codec}
+            candidates, left_out = runnable_candidates(config.max_staging_bytes, config.gpu_chunk_bytes)
+            if len(candidates) == 1:  # nothing to compare: no storage probe, no sample
+                codec = candidates[0]
+                auto = {"storage_gbps": None, "sampled_ratios": {}, "chose": codec, "left_out": left_out}
+            else:
+                with cupy.cuda.Device(device or 0):
+                    stream = cupy.cuda.Stream(non_blocking=True)
+                speed = storage_gbps(path.parent, config.storage_gbps)
+                ratios = sample_ratios([a.source for a in flat.arrays], device or 0, stream, candidates)
+                codec = choose_codec(speed, ratios)
+                auto = {"storage_gbps": speed, "sampled_ratios": ratios, "chose": codec, "left_out": left_out}
         engine = GpuEngine([a.source for a in flat.arrays], codec=codec, byte_planes=config.byte_planes, device_id=device or 0,
                            chunk_bytes=config.gpu_chunk_bytes, max_staging_bytes=config.max_staging_bytes,
                            timeout=config.timeout)

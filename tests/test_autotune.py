@@ -49,3 +49,21 @@ def test_storage_speed_override_skips_measurement(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(autotune, "measure_storage_gbps", lambda *a: pytest.fail("measured"))
     assert autotune.storage_gbps(tmp_path, 12.5) == 12.5
+
+
+def test_zstd_is_left_out_where_its_scratch_leaves_no_batch():
+    """nvCOMP's Zstd needs ~1.1 GiB of scratch for 16 MiB chunks: inside the default 1 GiB budget
+    it would compress a chunk or two per call (0.05-0.07 GB/s on the H200), so auto must not pick
+    it however well it compresses; with room for a batch it competes again."""
+    from gdsckpt import Config
+
+    default = Config()
+    candidates, left_out = autotune.runnable_candidates(default.max_staging_bytes, default.gpu_chunk_bytes)
+    assert candidates == ["ans"] and set(left_out) == {"zstd"}
+    assert "max_staging_bytes" in left_out["zstd"]
+    roomy, left_out = autotune.runnable_candidates(4 << 30, 16 << 20)
+    assert roomy == ["ans", "zstd"] and left_out == {}
+    slots = autotune.batch_slots(4 << 30, 16 << 20)
+    assert slots["zstd"] >= autotune.MIN_BATCH_SLOTS and slots["ans"] > slots["zstd"]
+    # ANS is never left out, even where nothing fits (the engine then runs its minimum ring).
+    assert autotune.runnable_candidates(64 << 20, 16 << 20)[0] == ["ans"]

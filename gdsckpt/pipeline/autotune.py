@@ -16,6 +16,14 @@ numbers measured where it runs instead of the rule's fixed thresholds:
 
 On this project's H200 host (storage ~2 GB/s) the comparison picks whichever codec compresses
 the state more; on a 25-50 GB/s NVMe array it picks ANS, which Zstd (8-14 GB/s) cannot keep up with.
+
+The codec speeds hold only when the engine can batch: a candidate whose nvCOMP scratch leaves the
+staging budget (``Config.max_staging_bytes``) fewer than ``MIN_BATCH_SLOTS`` ring slots is left
+out before anything is sampled (``runnable_candidates``). nvCOMP's Zstd holds ~1.1 GiB of
+scratch for 16 MiB chunks, so inside the default 1 GiB budget it compresses one or two chunks per
+call and saves at 0.05-0.07 GB/s (the `gdsckpt bench` run 13 and a 0.94 GB state in run 21 on the
+H200, where ``auto`` had picked it by its ratio: 13.9 s for a save ANS makes in 0.5 s). With one
+candidate left there is nothing to compare: no storage probe, no sample.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from ..io import posix
 CODEC_GBPS = {"ans": 160.0, "zstd": 8.0}
 """nvCOMP compression throughput on the H200 (GB/s of input), lower end of measured ranges."""
 CANDIDATES = ("ans", "zstd")
+MIN_BATCH_SLOTS = 8
+"""Ring slots a candidate's compression batches need for its ``CODEC_GBPS`` to hold."""
 PROBE_BYTES = 256 << 20
 SAMPLE_BYTES_PER_ARRAY = 2 << 20
 SAMPLE_ARRAYS = 4
@@ -63,6 +73,32 @@ def choose_codec(storage_gbps: float, ratios: dict[str, float],
     if not ratios:
         raise ValueError("no candidate codecs to choose from")
     return max(ratios, key=lambda name: (min(speeds[name], storage_gbps * ratios[name]), ratios[name]))
+
+
+def batch_slots(max_staging_bytes: int, chunk_bytes: int) -> dict[str, int]:
+    """Each candidate -> the staging ring slots left beside its nvCOMP scratch within
+    ``max_staging_bytes`` for ``chunk_bytes`` chunks (as the GPU engine sizes its ring; a slot
+    holds a chunk and its stream, about two chunks)."""
+    from .gpu_engine import ENCODE_SCRATCH, STAGING_RING_SHARE, _scratch
+
+    slots = {}
+    for name in CANDIDATES:
+        fixed, per_chunk = _scratch(ENCODE_SCRATCH, [name], chunk_bytes)
+        slots[name] = max(0, (int(max_staging_bytes * STAGING_RING_SHARE) - fixed) // (2 * chunk_bytes + per_chunk))
+    return slots
+
+
+def runnable_candidates(max_staging_bytes: int, chunk_bytes: int) -> tuple[list[str], dict[str, str]]:
+    """The candidates ``auto`` may choose under this staging budget, and why each other one was
+    left out (module docstring); ANS, whose scratch is 32 MiB, is always kept."""
+    keep, left_out = [], {}
+    for name, slots in batch_slots(max_staging_bytes, chunk_bytes).items():
+        if slots >= MIN_BATCH_SLOTS or name == "ans":
+            keep.append(name)
+        else:
+            left_out[name] = (f"its nvCOMP scratch leaves {slots} staging slots of {MIN_BATCH_SLOTS} needed within "
+                              f"max_staging_bytes={max_staging_bytes} (raise it to let auto consider {name})")
+    return keep, left_out
 
 
 def _cache_file() -> Path:
@@ -125,8 +161,9 @@ def storage_gbps(directory: Path, override: float | None = None) -> float:
     return speed
 
 
-def sample_ratios(sources: list[Any], device_id: int, stream: Any) -> dict[str, float]:
-    """Compression ratio of each candidate on a sample of the largest arrays (GPU).
+def sample_ratios(sources: list[Any], device_id: int, stream: Any,
+                  candidates: tuple[str, ...] | list[str] = CANDIDATES) -> dict[str, float]:
+    """Compression ratio of each of ``candidates`` on a sample of the largest arrays (GPU).
 
     The samples live in a private CuPy memory pool that is emptied before returning: the save's
     staging ring is allocated next, and sample memory left cached in the default pool would sit
@@ -136,19 +173,20 @@ def sample_ratios(sources: list[Any], device_id: int, stream: Any) -> dict[str, 
     pool = cupy.cuda.MemoryPool()
     try:
         with cupy.cuda.Device(device_id), cupy.cuda.using_allocator(pool.malloc):
-            return _sample_ratios(sources, device_id, stream)
+            return _sample_ratios(sources, device_id, stream, candidates)
     finally:
         pool.free_all_blocks()
 
 
-def _sample_ratios(sources: list[Any], device_id: int, stream: Any) -> dict[str, float]:
+def _sample_ratios(sources: list[Any], device_id: int, stream: Any,
+                   candidates: tuple[str, ...] | list[str]) -> dict[str, float]:
     import cupy
 
     from ..codecs.nvcomp import DeviceCodec
 
     largest = sorted((s for s in sources if s is not None and s.nbytes), key=lambda s: -s.nbytes)[:SAMPLE_ARRAYS]
     if not largest:
-        return {name: 1.0 for name in CANDIDATES}
+        return {name: 1.0 for name in candidates}
     samples = []
     for source in largest:
         take = min(source.nbytes, SAMPLE_BYTES_PER_ARRAY) // max(source.itemsize, 1) * max(source.itemsize, 1)
@@ -156,7 +194,7 @@ def _sample_ratios(sources: list[Any], device_id: int, stream: Any) -> dict[str,
     raw = sum(s.nbytes for s, _ in samples)
     ratios = {}
     with cupy.cuda.Device(device_id), stream:
-        for name in CANDIDATES:
+        for name in candidates:
             stored = 0
             for data, width in samples:
                 typed = {2: "<f2", 4: "<f4"}.get(width) if name == "ans" else None
