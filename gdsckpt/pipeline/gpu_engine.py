@@ -21,9 +21,11 @@ checkpoint's size.
 Lossy arrays: where ``save(lossy=...)`` rounded a float32 / float16 array to its grid and the
 save runs a GPU-only codec, its chunks go to nvCOMP Bitcomp's lossy mode instead
 (``nvcomp.bitcomp-lossy/1`` with ``delta`` = the grid's step), each stream decoded again at once
-into a verification buffer and compared with the rounded values (zeros of either sign count as
-equal, everything else bit for bit); a chunk that fails, or does not shrink, takes the codec's
-path like any other. The check is what makes the lossy record's ``max_error`` hold for what a
+and compared with the rounded values (zeros of either sign count as equal, everything else bit
+for bit): device chunks of one step in one nvCOMP call into their slots' free input areas (nvCOMP
+costs ~5 ms per call through Python, run 19), chunks gathered from host memory one by one into a
+verification buffer. A chunk that fails, or does not shrink, takes the codec's path like any
+other. The check is what makes the lossy record's ``max_error`` hold for what a
 reader gets, whatever Bitcomp's quantizer does at the edges (integer overflow, outliers).
 
 Host sources: an array in host memory (a pinned snapshot of CUDA tensors taken by
