@@ -91,13 +91,15 @@ def same(a, b) -> bool:
 
 def deltas(args: argparse.Namespace, interval: int, directory: Path) -> dict:
     model, optimizer = training(args.width, args.depth, args.warmup)
-    rows, previous = [], None
+    rows, previous, first = [], None, None
     for i in range(args.count if interval < 1000 else args.count_1000):
         train_steps(model, optimizer, interval, seed=1 + i, batch=BATCH, length=LENGTH)
         state = state_of(model, optimizer)
         full_path, delta_path = directory / f"full-{i}.gdsckpt", directory / f"delta-{i}.gdsckpt"
         full, full_s = timed_save(state, full_path, codec=args.codec)
-        delta, delta_s = timed_save(state, delta_path, codec=args.codec, base=previous, max_chain=1 << 10)
+        base = previous if args.delta_base == "previous" else first  # a chain, or a star on the first
+        delta, delta_s = timed_save(state, delta_path, codec=args.codec, base=base, max_chain=1 << 10)
+        first = first or delta_path
         row = {"checkpoint": i, "full_bytes": full.stored_bytes, "full_save_s": full_s,
                "delta_bytes": delta.stored_bytes, "delta_save_s": delta_s, "delta_tensors": delta.delta_tensors,
                "full_groups": group_bytes(full_path), "delta_groups": group_bytes(delta_path)}
@@ -202,6 +204,8 @@ def main() -> None:
     parser.add_argument("--lossy-bounds", default="1e-2,1e-3")
     parser.add_argument("--resume", type=int, default=100)
     parser.add_argument("--skip", default="", help="parts to skip: deltas,lossy")
+    parser.add_argument("--delta-base", choices=("previous", "full"), default="previous",
+                        help="deltas on the previous checkpoint (a chain) or all on the first, full one (a star)")
     parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     parser.add_argument("--dir", type=Path, default=Path("/root/gdsckpt-delta-bench"))
     parser.add_argument("--out", type=Path, default=Path("delta-bench.json"))
@@ -214,7 +218,7 @@ def main() -> None:
     results: dict = {"benchmark": "delta_bench", "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                      "gpu": torch.cuda.get_device_name(0) if DEVICE.startswith("cuda") else None, "torch": torch.__version__, "python": platform.python_version(),
                      "gdsckpt": gdsckpt.__version__, "width": args.width, "depth": args.depth, "codec": args.codec,
-                     "count": args.count, "deltas": {}, "errors": {}}
+                     "count": args.count, "delta_base": args.delta_base, "deltas": {}, "errors": {}}
     skip = set(args.skip.split(","))
     if "deltas" not in skip:
         for interval in (int(x) for x in args.intervals.split(",") if x):

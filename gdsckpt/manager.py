@@ -28,6 +28,14 @@ steps, when there is no complete checkpoint yet, or when that one's chain of del
 ``max_chain`` deep: then it writes a full one. ``should_save(step)`` says whether a step is due
 (a multiple of ``delta_every`` or of ``full_every``), for loops that ask every step.
 
+``delta_base="full"`` bases every delta on the newest complete *full* checkpoint instead (a star
+rather than a chain): a delta save then reads one base file, whatever how many deltas came
+before it, and a load reads two, where a chain makes the d-th delta's save and load resolve d
+files (on the H200: 0.44 s at depth 0 to 6.3 s at depth 9 for a 0.94 GB state, run 11). The
+price is size: a delta is as far from its base as the last full checkpoint is old, and farther
+weights XOR less well, so pair it with ``full_every``. Measured on the CPU host in
+``benchmarks/results/cpu-delta-star-20261203.json`` (docs/performance.md).
+
 Contract of ``restore_latest``
 -------------------------------
 What is saved: ``save``/``save_async`` take a dict, by convention ``{"model":
@@ -82,6 +90,10 @@ from .io.posix import TEMP_MARKER, fsync_directory, remove_stale_temporaries, te
 from .pipeline.load import open_file
 from .state import decode_scalar, escape_key
 
+DELTA_BASES = ("previous", "full")
+"""What a ``CheckpointManager`` delta is based on: the newest checkpoint (a chain) or the newest
+full one (a star)."""
+
 PathLike = str | os.PathLike[str]
 
 POINTER = "latest"
@@ -111,14 +123,16 @@ class CheckpointManager:
     ``keep_last``: how many of the newest checkpoints to keep (None: all). ``prefix``: the file
     name prefix. ``config``: the ``Config`` of every save and load. ``max_inflight``: background
     saves at once (``save_async``); each manager has its own snapshot pool (``pool_stats()``).
-    ``delta_every`` / ``full_every`` (steps) and ``max_chain``: delta checkpoints (module
+    ``delta_every`` / ``full_every`` (steps), ``max_chain`` and ``delta_base`` (``"previous"``,
+    a chain; ``"full"``, every delta on the newest full checkpoint): delta checkpoints (module
     docstring). ``lossy``: a ``gdsckpt.lossy.LossyPolicy`` (or dict) every save applies; off by
     default.
     """
 
     def __init__(self, directory: PathLike, *, keep_last: int | None = 3, prefix: str = "step",
                  config: Config | None = None, max_inflight: int = 1, delta_every: int | None = None,
-                 full_every: int | None = None, max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None):
+                 full_every: int | None = None, max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None,
+                 delta_base: str = "previous"):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                       or keep_last < 1):
             raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
@@ -129,6 +143,8 @@ class CheckpointManager:
                 raise ValueError(f"{name} must be an int >= 1 (steps) or None, got {value!r}")
         if isinstance(max_chain, bool) or not isinstance(max_chain, int) or max_chain < 0:
             raise ValueError(f"max_chain must be an int >= 0, got {max_chain!r}")
+        if delta_base not in DELTA_BASES:
+            raise ValueError(f"delta_base must be one of {DELTA_BASES}, got {delta_base!r}")
         if not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or prefix == POINTER:
             raise ValueError(f"prefix {prefix!r} must be a plain file name part (no '/', not starting "
                              f"with '.', not {POINTER!r})")
@@ -141,6 +157,7 @@ class CheckpointManager:
         self.delta_every = delta_every
         self.full_every = full_every
         self.max_chain = max_chain
+        self.delta_base = delta_base
         self.lossy = lossy
         self._pattern = re.compile(rf"^{re.escape(prefix)}-(\d{{10,}})\.gdsckpt$")
         self._saver = AsyncSaver()
@@ -193,22 +210,32 @@ class CheckpointManager:
         return any(every is not None and step % every == 0 for every in (self.delta_every, self.full_every))
 
     def _base_for(self, step: int) -> Path | None:
-        """The base of a delta at ``step``: the newest complete checkpoint below it, or None for a
-        full save (deltas off, a ``full_every`` step, or no usable checkpoint yet)."""
+        """The base of a delta at ``step``: the newest complete checkpoint below it (with
+        ``delta_base="full"``: the newest complete full one), or None for a full save (deltas
+        off, a ``full_every`` step, or no usable checkpoint yet)."""
         if self.delta_every is None or (self.full_every is not None and step % self.full_every == 0):
             return None
         with self._lock:
             pointed = self._pointer_step
-        candidates = [pointed] if pointed is not None and pointed < step else []
+        candidates = [pointed] if pointed is not None and pointed < step and self.delta_base == "previous" else []
         if not candidates:
             candidates = [s for s in sorted(self._files(), reverse=True) if s < step]
         for candidate in candidates:
             path = self.path(candidate)
-            if _problem(path, config=self.config) is None:
+            if (self.delta_base == "previous" or self._is_full(path)) and _problem(path, config=self.config) is None:
                 with self._lock:  # from now until the save ends, pruning keeps it
                     self._bases_in_use[candidate] += 1
                 return path
         return None
+
+    def _is_full(self, path: Path) -> bool:
+        """Whether the checkpoint at ``path`` is a full one (no base); False if unreadable."""
+        try:
+            return _api.inspect(path, config=self.config).base is None
+        except Exception as err:  # a damaged file is no base; anything else is raised
+            if not _is_damage(err):
+                raise
+            return False
 
     def save(self, step: int, state: dict[Any, Any], *, codec: str = "auto") -> _api.SaveReport:
         """Save ``state`` as checkpoint ``step`` now (a delta when due, see the module

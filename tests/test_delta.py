@@ -273,6 +273,33 @@ def test_manager_schedule_pruning_and_restore(tmp_path):
     assert step == 80 and all(bit_equal(model[k], states[80]["model"][k]) for k in model)
 
 
+def test_manager_star_bases_every_delta_on_the_newest_full(tmp_path):
+    """``delta_base="full"``: each delta's base is the newest complete full checkpoint (depth 1,
+    one base file to read), pruning keeps that full while kept deltas need it, ``save_async``
+    follows the same rule, and a damaged newest full makes the next save a full one."""
+    manager = gdsckpt.CheckpointManager(tmp_path, keep_last=2, delta_every=10, full_every=40, delta_base="full")
+    state = _state()
+    states = {}
+    for step in range(0, 70, 10):
+        state = _step(state, step)
+        states[step] = state
+        if step == 60:
+            manager.save_async(step, state).wait(timeout=120)
+        else:
+            manager.save(step, state)
+    bases = {step: gdsckpt.inspect(manager.path(step)).base for step in manager.steps()}
+    # kept: the 2 newest (50, 60, deltas on 40) and their base 40 (full, a multiple of 40)
+    assert sorted(bases) == [40, 50, 60] and bases[40] is None
+    assert all(bases[s]["path"] == manager.path(40).name and bases[s]["depth"] == 1 for s in (50, 60))
+    for step in bases:
+        assert _equal(gdsckpt.load(manager.path(step)), states[step])
+    manager.path(40).write_bytes(b"garbage")  # the only full one: the next save must be full
+    report = manager.save(70, _step(state, 70))
+    assert report.base is None and report.delta_tensors == 0
+    with pytest.raises(ValueError, match="delta_base"):
+        gdsckpt.CheckpointManager(tmp_path / "x", delta_every=1, delta_base="newest")
+
+
 def test_manager_skips_a_delta_whose_base_was_lost(tmp_path):
     manager = gdsckpt.CheckpointManager(tmp_path, keep_last=None, delta_every=1, full_every=2)
     state = _state()
