@@ -228,14 +228,20 @@ class CheckpointManager:
                 return path
         return None
 
-    def _is_full(self, path: Path) -> bool:
-        """Whether the checkpoint at ``path`` is a full one (no base); False if unreadable."""
+    def _recorded_base(self, path: Path) -> tuple[bool, dict[str, Any] | None]:
+        """(readable, the index's ``base`` member) of the checkpoint at ``path``; a damaged file
+        reads as (False, None), anything else wrong is raised."""
         try:
-            return _api.inspect(path, config=self.config).base is None
-        except Exception as err:  # a damaged file is no base; anything else is raised
+            return True, _api.inspect(path, config=self.config).base
+        except Exception as err:
             if not _is_damage(err):
                 raise
-            return False
+            return False, None
+
+    def _is_full(self, path: Path) -> bool:
+        """Whether the checkpoint at ``path`` is a readable full one (no base)."""
+        readable, base = self._recorded_base(path)
+        return readable and base is None
 
     def save(self, step: int, state: dict[Any, Any], *, codec: str = "auto") -> _api.SaveReport:
         """Save ``state`` as checkpoint ``step`` now (a delta when due, see the module
@@ -356,12 +362,7 @@ class CheckpointManager:
         pending = [step for step in steps if step in files]
         while pending:
             path = files[pending.pop()]
-            try:
-                base = _api.inspect(path, config=self.config).base
-            except Exception as err:  # an unreadable file needs nothing; it is not kept for itself
-                if not _is_damage(err):
-                    raise
-                continue
+            _readable, base = self._recorded_base(path)  # an unreadable file needs nothing
             if base is None:
                 continue
             base_path = base_path_of(str(path), base)

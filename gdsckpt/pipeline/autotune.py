@@ -76,16 +76,13 @@ def choose_codec(storage_gbps: float, ratios: dict[str, float],
 
 
 def batch_slots(max_staging_bytes: int, chunk_bytes: int) -> dict[str, int]:
-    """Each candidate -> the staging ring slots left beside its nvCOMP scratch within
-    ``max_staging_bytes`` for ``chunk_bytes`` chunks (as the GPU engine sizes its ring; a slot
-    holds a chunk and its stream, about two chunks)."""
-    from .gpu_engine import ENCODE_SCRATCH, STAGING_RING_SHARE, _scratch
+    """Each candidate -> the staging ring slots the GPU engine would give it beside its nvCOMP
+    scratch within ``max_staging_bytes`` for ``chunk_bytes`` chunks (``gpu_engine.ring_slots``,
+    at least its minimum of 2; a slot holds a chunk and its stream, about two chunks)."""
+    from .gpu_engine import ENCODE_SCRATCH, _scratch, ring_slots
 
-    slots = {}
-    for name in CANDIDATES:
-        fixed, per_chunk = _scratch(ENCODE_SCRATCH, [name], chunk_bytes)
-        slots[name] = max(0, (int(max_staging_bytes * STAGING_RING_SHARE) - fixed) // (2 * chunk_bytes + per_chunk))
-    return slots
+    return {name: ring_slots(max_staging_bytes, 2 * chunk_bytes, _scratch(ENCODE_SCRATCH, [name], chunk_bytes))
+            for name in CANDIDATES}
 
 
 def runnable_candidates(max_staging_bytes: int, chunk_bytes: int) -> tuple[list[str], dict[str, str]]:

@@ -417,9 +417,12 @@ class GpuEngine(Engine):
             if chunk.raw > self.chunk_bytes:
                 raise ValueError(f"chunk of {chunk.raw} bytes exceeds the staging slot")
         with self.stream:
-            lossy = [job for job in jobs if self._bitcomp_form(job[1]) is not None]
+            lossy: list[Any] = []
+            plain: list[Any] = []
+            for job in jobs:
+                (plain if self._bitcomp_form(job[1]) is None else lossy).append(job)
             results, fallback = self._encode_bitcomp_lossy(lossy) if lossy else ([], [])
-            results += self._encode_codec([job for job in jobs if self._bitcomp_form(job[1]) is None] + fallback)
+            results += self._encode_codec(plain + fallback)
             payloads = [padded[:stored] for _future, padded, stored, _raw, _chain, _slot in results]
             tails = [(p.data.ptr + p.nbytes, r[1].nbytes - p.nbytes) for p, r in zip(payloads, results)
                      if r[1].nbytes > p.nbytes]
