@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 
 import gdsckpt
-from delta_bench import state_of, training  # benchmarks/ is on sys.path
+from call_timer import print_spent, spent, timed  # benchmarks/ is on sys.path
+from delta_bench import state_of, training
 from gdsckpt import api
 from gdsckpt.codecs.nvcomp import DeviceCodec
 from gdsckpt.demo import train_steps
@@ -33,25 +34,6 @@ TIMED = [(api.Checkpoint, "_read_many"), (api, "_open_base"), (gpu_engine.GpuEng
          (gpu_engine.GpuEngine, "reserve_reads"), (gpu_engine.GpuEngine, "close"), (api, "run_restore"),
          (kvikio_io.KvikioReader, "__init__"), (DeviceCodec, "__init__"), (DeviceCodec, "decode_into"),
          (DeviceCodec, "encode_into")]
-spent: dict[str, list[float]] = {}
-
-
-def timed(owner: object, name: str) -> None:
-    """Wrap ``owner.name`` to add each call's wall time to ``spent``."""
-    original = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            entry = spent.setdefault(f"{getattr(owner, '__name__', owner)}.{name}", [0.0, 0])
-            entry[0] += time.perf_counter() - started
-            entry[1] += 1
-
-    setattr(owner, name, wrapper)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=1024)
@@ -74,8 +56,7 @@ def main() -> None:
             seconds = time.perf_counter() - started
             print(f"== link {link} (its base is a delta {max(link - 1, 0)} deep): {seconds:.2f} s, "
                   f"{report.stored_bytes / 2**20:.0f} MiB, {report.delta_tensors} delta arrays")
-            for name, (total, calls) in sorted(spent.items(), key=lambda item: -item[1][0]):
-                print(f"   {name:36} {total:8.3f} s {calls:6d} calls")
+            print_spent()
             previous = path
             del state
             torch.cuda.empty_cache()

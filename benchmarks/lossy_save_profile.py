@@ -25,6 +25,7 @@ import torch
 
 import gdsckpt
 from async_bench import build_training  # benchmarks/ is on sys.path
+from call_timer import print_spent, spent, timed
 from gdsckpt.codecs import gpu_crc
 from gdsckpt.codecs.nvcomp import DeviceCodec
 from gdsckpt.lossy import RoundedSource, plan_rounding
@@ -33,25 +34,6 @@ from gdsckpt.pipeline.gpu_engine import GpuEngine
 TIMED = [(GpuEngine, "_encode_bitcomp_lossy"), (GpuEngine, "_encode_codec"), (GpuEngine, "_planes_smaller"),
          (DeviceCodec, "__init__"), (DeviceCodec, "encode_into"), (DeviceCodec, "decode_into"),
          (RoundedSource, "device_bytes"), (gpu_crc, "crc32c_batch")]
-spent: dict[str, list[float]] = {}
-
-
-def timed(owner: object, name: str) -> None:
-    """Wrap ``owner.name`` to add each call's wall time to ``spent``."""
-    original = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            entry = spent.setdefault(f"{getattr(owner, '__name__', owner)}.{name}", [0.0, 0])
-            entry[0] += time.perf_counter() - started
-            entry[1] += 1
-
-    setattr(owner, name, wrapper)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=1024)
@@ -79,8 +61,7 @@ def main() -> None:
             report = gdsckpt.save(moments, path, codec="ans", lossy=policy)
             profile.disable()
             print(f"== {label}: {time.perf_counter() - started:.3f} s, ratio {report.ratio:.2f}, {report.chains}")
-            for name, (seconds, calls) in sorted(spent.items(), key=lambda item: -item[1][0]):
-                print(f"   {name:40} {seconds:8.3f} s {calls:6d} calls")
+            print_spent()
             pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
 
 
