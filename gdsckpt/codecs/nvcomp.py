@@ -65,6 +65,11 @@ def bitcomp_lossy_params(stage: dict[str, Any]) -> tuple[str, float]:
     return data_type, float(delta)
 
 
+_UNCLOSED: list[tuple[Any, Any]] = []
+"""nvCOMP codecs (with their streams) whose wrapper was collected without ``close``: kept, never
+destroyed by the garbage collector (see ``DeviceCodec.__del__``)."""
+
+
 class DeviceCodec:
     """One nvCOMP codec bound to a CUDA stream and device. Not thread-safe (nvCOMP's rule: one
     Codec per thread); the GPU engine uses it from its worker thread only.
@@ -97,10 +102,29 @@ class DeviceCodec:
         self._nvcomp = nvcomp
         self._codec = nvcomp.Codec(**options)
 
+    def close(self) -> None:
+        """Destroy the nvCOMP codec now, after the work queued on its stream. Its owner calls this
+        when done: the wrapper may outlive that moment (a traceback kept with a failed future holds
+        it in a reference cycle), and a codec left to the garbage collector is destroyed on
+        whichever thread the collection happens to run, in the middle of another engine's work."""
+        codec = self.__dict__.pop("_codec", None)
+        if codec is not None:
+            try:
+                self.stream.synchronize()
+            except Exception:  # noqa: BLE001 - a failed device: the error that failed it is raised elsewhere
+                pass
+            del codec
+
     def __del__(self) -> None:
-        # nvCOMP's Codec holds the raw stream handle: it must be destroyed while the CuPy stream
-        # that owns the handle is still alive. Attribute teardown order would not guarantee that.
-        self.__dict__.pop("_codec", None)
+        # Reached with the nvCOMP codec still open only when the owner never called ``close``
+        # and, in practice, when the wrapper sat in a reference cycle: the collector then runs
+        # this on whatever thread triggered it, and destroying the codec there crashed the
+        # process (SIGSEGV in a GPU worker thread, seen in the GPU test suite). Keeping such a
+        # codec for the life of the process costs its small host and device state; every engine
+        # closes its codecs, so only a caller that forgot ``close`` pays it.
+        codec = self.__dict__.pop("_codec", None)
+        if codec is not None:
+            _UNCLOSED.append((codec, self.stream))
 
     def stage(self) -> dict[str, Any]:
         """The JSON stage naming this bitstream in a chain."""

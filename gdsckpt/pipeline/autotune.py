@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import CheckpointError
 from ..format import align_up
 from ..io import posix
 
@@ -140,8 +141,10 @@ def storage_gbps(directory: Path, override: float | None = None) -> float:
     key = str(os.stat(directory).st_dev)
     cache = _cache_file()
     try:
-        known = json.loads(cache.read_text())
-    except (OSError, ValueError):
+        known = json.loads(posix.read_small_file(cache, 1 << 20))
+    except (OSError, ValueError, CheckpointError):  # a cache that is not a small file is remeasured
+        known = {}
+    if not isinstance(known, dict):
         known = {}
     entry = known.get(key)
     if isinstance(entry, dict) and isinstance(entry.get("gbps"), (int, float)) and entry["gbps"] > 0:
@@ -204,11 +207,13 @@ def _sample_ratios(sources: list[Any], device_id: int, stream: Any,
                     stored += min(min(len(HOST_SAMPLED[name](cupy.asnumpy(v))) for v in variants), data.nbytes)
                     continue
                 codec = DeviceCodec(name, stream=stream, device_id=device_id, data_type=typed)
-                bound = codec.max_compressed_bytes(data)
-                out = cupy.empty(bound * len(variants), dtype=cupy.uint8)
-                sizes = codec.encode_into(variants, out, [i * bound for i in range(len(variants))], bound)
+                try:
+                    bound = codec.max_compressed_bytes(data)
+                    out = cupy.empty(bound * len(variants), dtype=cupy.uint8)
+                    sizes = codec.encode_into(variants, out, [i * bound for i in range(len(variants))], bound)
+                finally:
+                    codec.close()
                 stored += min(min(sizes), data.nbytes)
-                del codec
             ratios[name] = raw / max(stored, 1)
         stream.synchronize()
     return ratios

@@ -42,6 +42,7 @@ import atexit
 import logging
 import os
 import queue
+import re
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, NamedTuple
@@ -140,6 +141,20 @@ def _same_values(cupy: Any, expected: Any, decoded: Any, itemsize: int) -> Any:
     return cupy.all((a == b) | (((a | b) & magnitude) == 0))
 
 
+NVCOMP_UNDECODABLE = re.compile(r"nvcompErrorCannotDecompress|nvcompErrorBadChecksum|cannot decompress",
+                                re.IGNORECASE)
+"""How nvCOMP's Python API names the statuses that prove a stream undecodable
+(``nvcompErrorCannotDecompress``, 12: corrupt or truncated input; ``nvcompErrorBadChecksum``, 13).
+None of the errors measured with nvCOMP 6.0 named one (see ``_decode_on_stream``); an error that
+does not is not taken for damage."""
+
+
+def reports_undecodable(err: BaseException) -> bool:
+    """Whether an nvCOMP error reports a stream it cannot decode (proof of damage), as opposed to
+    running out of memory, a CUDA or device fault, or anything else it raises ``RuntimeError`` for."""
+    return bool(NVCOMP_UNDECODABLE.search(str(err)))
+
+
 def _decoder_key(stage: dict[str, Any]) -> tuple[str, str | None, float | None]:
     """(bitstream name, data type, delta) that picks the decoder of a chain's codec stage, its
     parameters checked (``ValueError``): they come from the file and key a dict."""
@@ -216,35 +231,42 @@ class GpuEngine(Engine):
         # Bitcomp lossy replaces only GPU-only codecs: a portable codec was chosen to be portable.
         self._lossy_bitcomp = codec not in PORTABLE_CODECS and any(
             self._bitcomp_type(source) is not None for source in sources)
-        with cupy.cuda.Device(device_id):
-            self.stream = cupy.cuda.Stream(non_blocking=True)
-            self._out_bytes = chunk_bytes
-            self._trial_out = TRIAL_BYTES
-            if sources and codec != "none":
-                with self.stream:
-                    probe = cupy.empty(chunk_bytes, dtype=cupy.uint8)
-                    bound = self._codec(codec, None).max_compressed_bytes(probe)
-                    trial_bound = self._codec(codec, None).max_compressed_bytes(probe[:TRIAL_BYTES])
-                    if self._lossy_bitcomp:
-                        bound = max(bound, *(self._codec("bitcomp", data_type, 1.0).max_compressed_bytes(probe)
-                                             for data_type in BITCOMP_LOSSY_TYPES.values()))
-                    del probe
-                self._out_bytes = align_up(max(bound, chunk_bytes))
-                self._trial_out = align_up(max(trial_bound, TRIAL_BYTES))
-            self._slot_bytes = chunk_bytes + self._out_bytes
-            # The ring and nvCOMP's scratch share 90% of the budget (see ENCODE_SCRATCH); the
-            # Bitcomp lossy check's decode buffer (one chunk) comes out of the fixed part.
-            fixed, per_chunk = _scratch(ENCODE_SCRATCH, [codec] + ["bitcomp"] * self._lossy_bitcomp, chunk_bytes)
-            slots = ring_slots(max_staging_bytes, self._slot_bytes,
-                               (fixed + chunk_bytes * self._lossy_bitcomp, per_chunk))
-            self.max_pending = slots
-            self.staging_bytes = slots * self._slot_bytes if sources else 0
-            self._staging: Any = None if not sources else cupy.empty(self.staging_bytes, dtype=cupy.uint8)
-            self._scratch: Any = None
-            trials = codec not in ("none", "ans") or any(_rounded(source) for source in sources)
-            if sources and codec != "none" and byte_planes == "auto" and trials:
-                self._scratch = cupy.empty(TRIAL_BYTES + 2 * self._trial_out, dtype=cupy.uint8)
-            self._verify: Any = cupy.empty(chunk_bytes, dtype=cupy.uint8) if self._lossy_bitcomp else None
+        try:
+            with cupy.cuda.Device(device_id):
+                self.stream = cupy.cuda.Stream(non_blocking=True)
+                self._out_bytes = chunk_bytes
+                self._trial_out = TRIAL_BYTES
+                if sources and codec != "none":
+                    with self.stream:
+                        probe = cupy.empty(chunk_bytes, dtype=cupy.uint8)
+                        bound = self._codec(codec, None).max_compressed_bytes(probe)
+                        trial_bound = self._codec(codec, None).max_compressed_bytes(probe[:TRIAL_BYTES])
+                        if self._lossy_bitcomp:
+                            bound = max(bound, *(
+                                self._codec("bitcomp", data_type, 1.0).max_compressed_bytes(probe)
+                                for data_type in BITCOMP_LOSSY_TYPES.values()))
+                        del probe
+                    self._out_bytes = align_up(max(bound, chunk_bytes))
+                    self._trial_out = align_up(max(trial_bound, TRIAL_BYTES))
+                self._slot_bytes = chunk_bytes + self._out_bytes
+                # The ring and nvCOMP's scratch share 90% of the budget (see ENCODE_SCRATCH); the
+                # Bitcomp lossy check's decode buffer (one chunk) comes out of the fixed part.
+                fixed, per_chunk = _scratch(ENCODE_SCRATCH, [codec] + ["bitcomp"] * self._lossy_bitcomp,
+                                            chunk_bytes)
+                slots = ring_slots(max_staging_bytes, self._slot_bytes,
+                                   (fixed + chunk_bytes * self._lossy_bitcomp, per_chunk))
+                self.max_pending = slots
+                self.staging_bytes = slots * self._slot_bytes if sources else 0
+                self._staging: Any = None if not sources else cupy.empty(self.staging_bytes, dtype=cupy.uint8)
+                self._scratch: Any = None
+                trials = codec not in ("none", "ans") or any(_rounded(source) for source in sources)
+                if sources and codec != "none" and byte_planes == "auto" and trials:
+                    self._scratch = cupy.empty(TRIAL_BYTES + 2 * self._trial_out, dtype=cupy.uint8)
+                self._verify: Any = cupy.empty(chunk_bytes, dtype=cupy.uint8) if self._lossy_bitcomp else None
+        except BaseException:
+            if hasattr(self, "stream"):
+                self._close_codecs()  # made for the bounds; destroyed here, not by the collector
+            raise
         self.max_staging_bytes = max_staging_bytes
         self._free_slots: queue.Queue[int] = queue.Queue()
         for slot in range(slots if sources else 0):
@@ -290,6 +312,14 @@ class GpuEngine(Engine):
                     for job_ in jobs:
                         if not job_[-1].done():
                             job_[-1].set_exception(err)
+
+    def _close_codecs(self) -> None:
+        """Destroy every nvCOMP codec now, on this thread, not when the collector finds them."""
+        codecs = list(self._codecs.values())
+        self._codecs.clear()
+        with self.cupy.cuda.Device(self.device_id):
+            for codec in codecs:
+                codec.close()
 
     def _codec(self, user_name: str, data_type: str | None, delta: float | None = None) -> DeviceCodec:
         key = (user_name, data_type, delta)
@@ -663,6 +693,15 @@ class GpuEngine(Engine):
                 got = self._codec(user, data_type, delta).decode_into([live[i][1] for i in members], buffer,
                                                                       offsets, raw_sizes)
             except (ValueError, RuntimeError) as err:
+                # nvCOMP raises RuntimeError for everything. Measured with nvCOMP 6.0:
+                # Zstd short of scratch memory says "Could not determine the decompressed size",
+                # a garbled Zstd / GDeflate / Snappy stream gives "an illegal memory access" and
+                # leaves the CUDA context unusable. Neither proves the file damaged (its CRC
+                # matched): only a ValueError (a stream claiming more bytes than its chunk) or a
+                # status naming an undecodable stream does. Anything else reaches every future of
+                # the batch as itself, so that a restore stops instead of skipping the file.
+                if not isinstance(err, ValueError) and not reports_undecodable(err):
+                    raise
                 for i in members:
                     live[i][0][-1].set_exception(CorruptCheckpointError(f"chunk does not decode ({err})"))
                 continue
@@ -701,6 +740,9 @@ class GpuEngine(Engine):
         if self._worker is not None:
             self._jobs.put(None)
             self._worker.join(timeout=self.timeout)
-        self._codecs.clear()  # nvCOMP codecs go before the stream they run on
+        if self._worker is None or not self._worker.is_alive():
+            self._close_codecs()  # nvCOMP codecs go before the stream they run on
+        else:  # a worker still running may be inside a codec: leave them to it
+            self._codecs.clear()
         self._staging = None
 

@@ -93,6 +93,7 @@ def test_nvcomp_raw_streams_interoperate_with_cpu_libraries(codec):
     decoded = cupy.zeros(data.nbytes, dtype=cupy.uint8)
     (got,) = gpu.decode_into([cupy.asarray(from_cpu)], decoded, [0], [data.nbytes])
     stream.synchronize()
+    gpu.close()
     assert got == data.nbytes and decoded.get().tobytes() == data.tobytes()
 
 
