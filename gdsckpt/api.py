@@ -27,14 +27,16 @@ from .errors import (
     BaseCheckpointError, CheckpointError, CodecUnavailableError, CorruptCheckpointError, StateMismatchError,
 )
 from .format import Index, TensorRecord, dtype_spec
+from .format.layout import TRAILER_SIZE, unpack_trailer
 from .io import PosixReader, PosixWriter, StorageReader, StorageWriter
 from .lossy import LossyPolicy, LossyWarning, apply_policy
 from .pipeline.engine import HostEngine
-from .pipeline.load import OpenedFile, open_file, run_restore, run_verify
+from .pipeline.load import OpenedFile, open_file, overlapping, run_restore, run_verify
 from .pipeline.plan import plan_chunks
 from .pipeline.save import SaveResult, run_save
 from .state import (
-    CupyTarget, FlatArray, FlatState, JaxTarget, NumpyTarget, Selection, TorchTarget, decode_scalar, escape_key,
+    CupyTarget, FlatArray, FlatState, JaxTarget, KeyPaths, NumpyTarget, Selection, TorchTarget, decode_scalar,
+    escape_key,
     _torch_dtype_name, flatten, join_key, unflatten, walk_tree,
 )
 
@@ -189,7 +191,8 @@ def _check_target(path: PathLike) -> None:
 
 def _writer(path: PathLike, config: Config) -> StorageWriter:
     _check_target(path)
-    return PosixWriter(path, threads=config.io_threads, o_direct=config.o_direct, fsync=config.fsync)
+    return PosixWriter(path, threads=config.io_threads, o_direct=config.o_direct, fsync=config.fsync,
+                       timeout=config.timeout)
 
 
 def _reader(path: PathLike, config: Config, gpu: bool = False) -> StorageReader:
@@ -199,7 +202,7 @@ def _reader(path: PathLike, config: Config, gpu: bool = False) -> StorageReader:
         from .io.kvikio import KvikioReader
 
         return KvikioReader(path, threads=config.kvikio_threads, task_size=config.kvikio_task_size)
-    return PosixReader(path, threads=config.io_threads)
+    return PosixReader(path, threads=config.io_threads, timeout=config.timeout)
 
 
 def _restore_engine(config: Config, gpu_device: int | None) -> Any:
@@ -214,7 +217,7 @@ def _restore_engine(config: Config, gpu_device: int | None) -> Any:
 
 def _host_engine(config: Config, sources: list[Any] | None = None, codec: str = "none") -> HostEngine:
     return HostEngine(sources or [], codec=codec, byte_planes=config.byte_planes,
-                      threads=config.effective_codec_threads, level=config.level)
+                      threads=config.effective_codec_threads, level=config.level, timeout=config.timeout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +231,7 @@ Progress = Callable[[int, int], None]
 def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
          config: Config | None = None, progress: Progress | None = None, base: PathLike | None = None,
          max_chain: int = DEFAULT_MAX_CHAIN,
-         lossy: LossyPolicy | dict[str, float] | None = None) -> SaveReport:
+         lossy: LossyPolicy | dict[str, float] | None = None, force: bool = False) -> SaveReport:
     """Save ``state`` (nested dicts/lists/tuples of tensors, arrays and plain values) to ``path``.
 
     The file appears at ``path`` atomically and durably (fsync of file and directory) when this
@@ -248,12 +251,20 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
     already a delta ``max_chain`` deep, a full checkpoint is written instead (see
     ``SaveReport.base``). ``base`` must not be ``path`` itself.
 
+    Replacing a checkpoint that deltas use as their base would leave them unloadable for good:
+    when ``path`` exists and a delta checkpoint in its directory names it as its base (and still
+    matches its content), ``BaseCheckpointError`` lists those deltas and nothing is written;
+    ``gdsckpt rebase`` them first, save elsewhere, or pass ``force=True``. Deltas in other
+    directories are not searched for.
+
     ``lossy`` (default None: every array bit-exact): a ``gdsckpt.lossy.LossyPolicy`` or a dict of
     key pattern -> relative error bound, e.g. ``{"*.exp_avg_sq": 1e-2}``; matching float16 /
     bfloat16 / float32 / float64 torch and NumPy arrays are stored rounded to within
     ``rel * max(|finite x|)`` of their values (NaN and inf kept), see ``gdsckpt.lossy``;
     ``SaveReport.lossy`` lists them and loading them warns (``LossyWarning``).
     """
+    if not force:
+        _refuse_replacing_base(path, config)
     return _save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config, progress=progress,
                  base=base, max_chain=max_chain, lossy=lossy)
 
@@ -360,7 +371,8 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
     Memory stays bounded: arrays are read and written in windows, never whole. Replacing
     ``path`` changes its content identity, so deltas written against it would no longer load:
     when other checkpoints in its directory name it as their base, an in-place rebase raises
-    ``BaseCheckpointError`` listing them, unless ``force=True``. A full checkpoint is copied as
+    ``BaseCheckpointError`` listing them, unless ``force=True``; so does an existing ``output``
+    that deltas use as their base. A full checkpoint is copied as
     it is (re-encoded with ``codec``).
     """
     cfg = _config(config)
@@ -373,6 +385,8 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
                 f"{str(path)!r} is the base of {', '.join(repr(str(d)) for d in dependents)}: rebasing it in "
                 f"place would make them unloadable; rebase those first, write to another output, or pass "
                 f"force=True")
+    elif not force:
+        _refuse_replacing_base(output, cfg)  # an existing output may be another delta's base
     with Checkpoint(path, cfg) as checkpoint:
         index = checkpoint._opened.index
         reader = checkpoint._base_reader()
@@ -387,21 +401,63 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
                      flat=FlatState(index.tree, arrays))
 
 
+def _refuse_replacing_base(path: PathLike, config: Config | None) -> None:
+    """Raise ``BaseCheckpointError`` when ``path`` exists and delta checkpoints in its directory
+    depend on it as it is (``_dependents``): replacing it would make them unloadable. Costs
+    nothing when ``path`` does not exist; else it reads the index of each file beside it."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        return
+    dependents = _dependents(Path(path), _config(config))
+    if dependents:
+        raise BaseCheckpointError(
+            f"{str(path)!r} is the base of {', '.join(repr(str(d)) for d in dependents)}: replacing it "
+            f"would make them unloadable; rebase those first (gdsckpt rebase), write to another path, "
+            f"or pass force=True (--force)")
+
+
 def _dependents(path: Path, config: Config) -> list[Path]:
-    """Checkpoint files beside ``path`` whose index names ``path`` as their base."""
+    """Checkpoint files beside ``path`` whose index names ``path`` as their base and records its
+    present content identity: the deltas that load now and would not once ``path`` changes.
+
+    Only ``path``'s directory is searched (where ``CheckpointManager`` and most runs keep their
+    deltas): a delta in another directory (naming ``path`` by an absolute path, or from a parent
+    directory by a relative one) is not found."""
+    try:
+        with _reader(path, config) as reader:
+            opened = _open_checked(reader)
+    except (CheckpointError, OSError):
+        return []  # not a readable checkpoint: no delta can load against it as it is
+    identity = (opened.index_sha256, opened.trailer.file_length)
     found = []
     for entry in sorted(path.parent.iterdir()):
         if entry.name.startswith(".") or not entry.is_file() or os.path.samefile(entry, path):
+            continue
+        # A delta written against ``path`` as it is records its index digest: files whose index
+        # lacks it are passed over unparsed (parsing every index of a directory costs ~5 ms each).
+        if not _index_mentions(entry, opened.index_sha256.encode(), config):
             continue
         try:
             base = inspect(entry, config=config).base
         except (CheckpointError, OSError):
             continue  # not a checkpoint, or unreadable: not a dependent we can know of
-        if base is not None:
+        if base is not None and (base["index_sha256"], base["file_length"]) == identity:
             candidate = base_path_of(str(entry), base)
             if candidate.exists() and os.path.samefile(candidate, path):
                 found.append(entry)
     return found
+
+
+def _index_mentions(path: Path, text: bytes, config: Config) -> bool:
+    """Whether ``path`` is a checkpoint whose index bytes contain ``text``: reads its trailer and
+    index, parses neither (False for a file that is not a readable checkpoint)."""
+    try:
+        with _reader(path, config) as reader:
+            size = reader.size
+            trailer = unpack_trailer(reader.read(size - TRAILER_SIZE, TRAILER_SIZE) if size >= TRAILER_SIZE
+                                     else b"", size)
+            return text in reader.read(trailer.index_offset, trailer.index_length)
+    except (CheckpointError, OSError):
+        return False
 
 
 class _WindowSource:
@@ -546,14 +602,20 @@ def _new_target(record: TensorRecord, device: str | None) -> Any:
                               f"restored here: {err}") from err
 
 
+def _requires_grad(record: TensorRecord) -> bool | None:
+    """A torch record's ``parameter`` member: the Parameter's ``requires_grad``, or None for a
+    plain tensor. ``CorruptCheckpointError`` for a dtype that cannot require grad."""
+    parameter = record.extra.get("parameter")
+    requires_grad = bool(parameter.get("requires_grad")) if isinstance(parameter, dict) else None
+    if requires_grad and not (record.dtype.startswith(("float", "bfloat", "complex"))):
+        raise CorruptCheckpointError(f"a {record.dtype} tensor cannot be a Parameter that requires "
+                                     f"grad", key=record.key)
+    return requires_grad
+
+
 def _make_target(record: TensorRecord, device: str | None) -> Any:
     if record.kind == "torch":
-        parameter = record.extra.get("parameter")
-        requires_grad = bool(parameter.get("requires_grad")) if isinstance(parameter, dict) else None
-        if requires_grad and not (record.dtype.startswith(("float", "bfloat", "complex"))):
-            raise CorruptCheckpointError(f"a {record.dtype} tensor cannot be a Parameter that requires "
-                                         f"grad", key=record.key)
-        return TorchTarget(record.shape, record.dtype, device or "cpu", parameter=requires_grad)
+        return TorchTarget(record.shape, record.dtype, device or "cpu", parameter=_requires_grad(record))
     if record.kind == "numpy":
         return NumpyTarget(record.shape, record.dtype, scalar=bool(record.extra.get("scalar")))
     if record.kind == "cupy":
@@ -661,14 +723,15 @@ def _warn_lossy(index: Index, ids: Iterable[int]) -> None:
 def _alias_object(shared: Any, record: TensorRecord, source: TensorRecord) -> Any:
     """What an alias entry comes back as: the shared object itself, or, where the two entries were
     of different types (a Parameter and a plain tensor of the same view), that type over the same
-    memory."""
-    parameter = record.extra.get("parameter")
-    if record.kind != "torch" or parameter == source.extra.get("parameter"):
+    memory. The index guarantees that both records are of one kind (``parse_index``); an alias's
+    ``parameter`` member obeys the rules of a data record's."""
+    if record.kind != "torch" or record.extra.get("parameter") == source.extra.get("parameter"):
         return shared
     import torch
 
-    if isinstance(parameter, dict):
-        return torch.nn.Parameter(shared.detach(), requires_grad=bool(parameter.get("requires_grad")))
+    requires_grad = _requires_grad(record)
+    if requires_grad is not None:
+        return torch.nn.Parameter(shared.detach(), requires_grad=requires_grad)
     return shared.detach()
 
 
@@ -780,12 +843,19 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
     ``StateMismatchError`` listing every difference before anything is written. With
     ``strict=False``, checkpoint entries that ``target`` does not hold are ignored.
     ``progress``: see ``Progress``.
+
+    Tensors of ``target`` that share memory (tied weights, views of one storage) are filled as
+    ``load_state_dict`` fills them: key by key in ``target``'s order (a module's ``state_dict``
+    order), so wherever two keys' memory overlaps, the later key's array is what it holds, for
+    every byte. A key whose tensor a later key's covers exactly (same memory, shape, dtype and
+    strides) is checked for shape and dtype but its array is not read.
     """
     cfg = _config(config)
     existing: dict[str, Any] = {}
     optimizers: list[tuple[list[Any], Any]] = []
-    plain_slots: list[tuple[Any, Any, str]] = []
-    _collect_targets(target, [], existing, optimizers, plain_slots)
+    plain_slots: list[tuple[Any, Any, int]] = []
+    paths = KeyPaths()  # plain values are matched by path identity: no key string per value
+    _collect_targets(target, [], existing, optimizers, plain_slots, paths, KeyPaths.ROOT)
 
     devices = {str(t.device) for t in existing.values()}
     gpu_device = _gpu_device(cfg, devices.pop() if len(devices) == 1 else None)
@@ -793,7 +863,8 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
         opened = _open_checked(reader)
         index = opened.index
         by_key = {record.key: i for i, record in enumerate(index.tensors)}
-        plain_values = _plain_values(index.tree)
+        optimizer_nodes = {paths.of(prefix): join_key(prefix) for prefix, _ in optimizers}
+        plain_values, found = _plain_values(index.tree, paths, set(optimizer_nodes))
         problems = []
         for key, tensor in existing.items():
             if key not in by_key:
@@ -805,36 +876,29 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
                 problems.append(f"{key!r}: target {dtype}{list(tensor.shape)} != checkpoint "
                                 f"{record.dtype}{list(record.shape)}")
         optimizer_prefixes = [join_key(prefix) for prefix, _ in optimizers]
-        for _container, _slot, key in plain_slots:
-            if key not in plain_values:
-                problems.append(f"{key!r}: in target, missing from checkpoint")
+        for _container, _slot, node in plain_slots:
+            if node not in plain_values:
+                problems.append(f"{paths.key(node)!r}: in target, missing from checkpoint")
         if strict:
             for key in by_key:
                 if key not in existing and not any(_under(key, p) for p in optimizer_prefixes):
                     problems.append(f"{key!r}: in checkpoint, missing from target")
-            slot_keys = {key for _container, _slot, key in plain_slots}
-            for key in plain_values:
-                if key not in slot_keys and not any(_under(key, p) for p in optimizer_prefixes):
-                    problems.append(f"{key!r}: in checkpoint, missing from target")
+            slot_nodes = {node for _container, _slot, node in plain_slots}
+            for node in plain_values:  # optimizer state is left out of plain_values
+                if node not in slot_nodes:
+                    problems.append(f"{paths.key(node)!r}: in checkpoint, missing from target")
         optimizer_ids = [i for i, record in enumerate(index.tensors)
                          if any(_under(record.key, p) for p in optimizer_prefixes)]
-        for prefix in optimizer_prefixes:
-            if not _has_path(index.tree, prefix):
+        for node, prefix in optimizer_nodes.items():
+            if node not in found:
                 problems.append(f"{prefix!r}: optimizer state missing from checkpoint")
         if problems:
             raise StateMismatchError("checkpoint does not match target:\n  " + "\n  ".join(problems))
 
         wanted = {by_key[key]: tensor for key, tensor in existing.items()}
-
-        def make_target(i: int, record: TensorRecord) -> Any:
-            tensor = wanted.get(i)
-            if tensor is not None:
-                return TorchTarget(record.shape, record.dtype, str(tensor.device), existing=tensor)
-            return _new_target(record, None)
-
         try:
-            arrays = _restore_arrays(reader, opened, list(wanted) + optimizer_ids, cfg, make_target, gpu_device,
-                                     progress)
+            arrays = _restore_in_target_order(reader, opened, wanted, optimizer_ids, cfg, gpu_device,
+                                              progress)
         finally:
             opened.close_base()
         _warn_lossy(index, arrays)
@@ -844,7 +908,7 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
     with torch.no_grad():
         for i, tensor in wanted.items():
             if arrays[i] is not tensor:  # an alias whose data landed in another tensor
-                tensor.copy_(arrays[i])
+                tensor.copy_(torch.as_tensor(arrays[i]))  # or in a NumPy array: a numpy entry's alias
     for prefix, optimizer in optimizers:
         selection = Selection([join_key(prefix)] if prefix else None)
         subtree = unflatten(index.tree, arrays, selection)
@@ -855,9 +919,113 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
         except (ValueError, KeyError, RuntimeError) as err:
             raise StateMismatchError(f"optimizer at {join_key(prefix)!r} rejected the checkpoint's "
                                      f"state: {err}") from err
-    for container, slot, key in plain_slots:
-        container[slot] = plain_values[key]
+    for container, slot, node in plain_slots:
+        container[slot] = plain_values[node]
     return target
+
+
+def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: dict[int, Any],
+                             optimizer_ids: list[int], config: Config, gpu_device: int | None,
+                             progress: Progress | None) -> dict[int, Any]:
+    """Restore ``wanted`` (checkpoint id -> existing tensor, in the target's key order) in place,
+    and ``optimizer_ids`` into new arrays; return id -> finished object as ``_restore_arrays`` does.
+
+    Tensors that share memory are filled as ``load_state_dict`` fills them, key by key, the last
+    key winning: a tensor overwritten whole by a later key's exact alias is not restored at all,
+    and the others are restored in phases, one ``_restore_arrays`` after another, each phase
+    holding no two tensors that overlap (nor two destinations of one stored array). Without
+    shared memory, everything is one phase."""
+    index = opened.index
+
+    def stored_array(i: int) -> int:
+        return index.tensors[i].alias if index.tensors[i].alias is not None else i
+
+    shared = overlapping({i: span for i, tensor in wanted.items() if (span := _memory_span(tensor))})
+    # Per phase: stored array id -> the tensor restored from it (None: a new array). As before,
+    # a tensor that shares no memory is its stored array's destination when its key holds that
+    # array, and the other keys of that array copy from it at the end; these arrays get no other
+    # destination in the first phase, whose tensors later phases may overwrite.
+    ids_of_phase: list[list[int]] = [list(optimizer_ids) + [i for i in wanted if i not in shared]]
+    phases: list[dict[int, Any]] = [{i: wanted[i] for i in ids_of_phase[0]
+                                     if i in wanted and i == stored_array(i)}]
+    for i in ids_of_phase[0]:
+        phases[0].setdefault(stored_array(i), None)
+    if shared:
+        last_over_layout: dict[tuple[Any, ...], int] = {}  # exact aliases: the last key overwrites the rest
+        for i, tensor in wanted.items():
+            if i in shared:
+                layout = (str(tensor.device), tensor.data_ptr(), tensor.dtype, tuple(tensor.shape),
+                          tensor.stride())
+                last_over_layout[layout] = i
+        kept = set(last_over_layout.values())
+        survivors = [i for i in wanted if i in kept]
+        phase_of: dict[int, int] = {}
+        for i, earlier in zip(survivors, _earlier_overlaps(survivors, wanted)):
+            phase = max((phase_of[j] + 1 for j in earlier), default=0)
+            while phase < len(phases) and stored_array(i) in phases[phase]:
+                phase += 1  # one destination per stored array in each phase
+            if phase == len(phases):
+                phases.append({})
+                ids_of_phase.append([])
+            phase_of[i] = phase
+            phases[phase][stored_array(i)] = wanted[i]
+            ids_of_phase[phase].append(i)
+
+    arrays: dict[int, Any] = {}
+    finished_bytes = 0  # raw bytes of the phases done, so that ``progress`` keeps counting up
+    for destinations, ids in zip(phases, ids_of_phase):
+        if not ids:
+            continue
+        phase_total = [0]
+
+        def make_target(i: int, record: TensorRecord, destinations: dict[int, Any] = destinations) -> Any:
+            tensor = destinations.get(i)
+            if tensor is not None:
+                return TorchTarget(record.shape, record.dtype, str(tensor.device), existing=tensor)
+            return _new_target(record, None)
+
+        def phase_progress(done: int, total: int, before: int = finished_bytes,
+                           phase_total: list[int] = phase_total) -> None:
+            assert progress is not None
+            phase_total[0] = total
+            progress(before + done, before + total)
+
+        restored = _restore_arrays(reader, opened, ids, config, make_target, gpu_device,
+                                   phase_progress if progress is not None else None)
+        arrays.update((i, restored[i]) for i in ids)  # not the stored arrays of other phases' keys
+        finished_bytes += phase_total[0]
+    for i in shared:  # restored in place (or overwritten whole by a later key): nothing to copy
+        arrays[i] = wanted[i]
+    return arrays
+
+
+def _memory_span(tensor: Any) -> tuple[int, int, int] | None:
+    """``(device index, first byte address, end address)`` of the memory ``tensor`` covers (the
+    CPU is device -1): for a non-contiguous view, from its first element to its last (what lies
+    between counts as its); None when it has no elements."""
+    start = tensor.data_ptr()
+    if tensor.is_contiguous():  # the common case, kept cheap: load_into checks every tensor
+        return (tensor.get_device(), start, start + tensor.nbytes) if tensor.nbytes else None
+    if tensor.numel() == 0:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.get_device(), start, start + (last + 1) * tensor.element_size()
+
+
+def _earlier_overlaps(ids: list[int], tensors: dict[int, Any]) -> list[list[int]]:
+    """For each of ``ids`` (in order), the earlier ones whose memory span overlaps its own: a sweep
+    over the spans sorted by start, so the cost grows with the overlapping pairs, not all pairs."""
+    position = {i: n for n, i in enumerate(ids)}
+    earlier: list[list[int]] = [[] for _ in ids]
+    spans = sorted((span, i) for i in ids if (span := _memory_span(tensors[i])) is not None)
+    active: list[tuple[int, int, int]] = []  # (device, end, id) of the spans still open
+    for (space, start, stop), i in spans:
+        active = [entry for entry in active if entry[0] == space and entry[1] > start]
+        for _space, _end, j in active:
+            first, second = sorted((i, j), key=position.__getitem__)
+            earlier[position[second]].append(first)
+        active.append((space, stop, i))
+    return earlier
 
 
 def _under(key: str, prefix: str) -> bool:
@@ -865,7 +1033,11 @@ def _under(key: str, prefix: str) -> bool:
 
 
 def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any],
-                     optimizers: list[tuple[list[Any], Any]], plain_slots: list[tuple[Any, Any, str]]) -> None:
+                     optimizers: list[tuple[list[Any], Any]], plain_slots: list[tuple[Any, Any, int]],
+                     paths: KeyPaths, node: int) -> None:
+    """Walk a ``load_into`` target: its tensors by key string into ``existing``, its optimizers with
+    their paths, and its plain values as (container, slot, ``paths`` identity) into ``plain_slots``;
+    ``node`` is the identity of ``path``."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.nn.Module):
         for name, tensor in obj.state_dict(keep_vars=True).items():
@@ -880,20 +1052,23 @@ def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any],
     if isinstance(obj, dict):
         for key, value in obj.items():
             if _is_plain(value):
-                plain_slots.append((obj, key, join_key(path + [key])))
+                plain_slots.append((obj, key, paths.child(node, key)))
             else:
-                _collect_targets(value, path + [key], existing, optimizers, plain_slots)
+                _collect_targets(value, path + [key], existing, optimizers, plain_slots, paths,
+                                 paths.child(node, key))
         return
     if isinstance(obj, list):
         for i, value in enumerate(obj):
             if _is_plain(value):
-                plain_slots.append((obj, i, join_key(path + [i])))
+                plain_slots.append((obj, i, paths.child(node, i)))
             else:
-                _collect_targets(value, path + [i], existing, optimizers, plain_slots)
+                _collect_targets(value, path + [i], existing, optimizers, plain_slots, paths,
+                                 paths.child(node, i))
         return
     if isinstance(obj, tuple):
         for i, value in enumerate(obj):
-            _collect_targets(value, path + [i], existing, optimizers, plain_slots)
+            _collect_targets(value, path + [i], existing, optimizers, plain_slots, paths,
+                             paths.child(node, i))
         return
     if _is_plain(obj):
         return
@@ -905,14 +1080,24 @@ def _is_plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def _plain_values(tree: Any) -> dict[str, Any]:
-    """Key string -> value of every plain (non-container, non-array) value in a tree."""
-    return {join_key(path): decode_scalar(node) for node, path in walk_tree(tree)
-            if node["t"] not in ("list", "tuple", "dict", "tensor")}
-
-
-def _has_path(tree: Any, key: str) -> bool:
-    return key == "" or any(path and join_key(path) == key for _node, path in walk_tree(tree))
+def _plain_values(tree: Any, paths: KeyPaths, skip: set[int]) -> tuple[dict[int, Any], set[int]]:
+    """``paths`` identity -> value of every plain (non-container, non-array) value in a tree,
+    leaving out the subtrees at the identities in ``skip`` (optimizer state); and which of
+    ``skip`` the tree holds."""
+    values: dict[int, Any] = {}
+    found: set[int] = set()
+    stack: list[tuple[dict[str, Any], int]] = [(tree, KeyPaths.ROOT)]
+    while stack:
+        node, identity = stack.pop()
+        if identity in skip:
+            found.add(identity)
+        elif node["t"] in ("list", "tuple"):
+            stack.extend((child, paths.child(identity, i)) for i, child in enumerate(node["items"]))
+        elif node["t"] == "dict":
+            stack.extend((child, paths.child(identity, decode_scalar(key))) for key, child in node["items"])
+        elif node["t"] != "tensor":
+            values[identity] = decode_scalar(node)
+    return values, found
 
 
 # ---------------------------------------------------------------------------------------------

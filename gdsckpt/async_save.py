@@ -502,14 +502,14 @@ class AsyncSaver:
              config: Config | None = None, max_inflight: int = 1,
              after: Callable[[_api.SaveReport], None] | None = None,
              finally_: Callable[[], None] | None = None, base: PathLike | None = None,
-             max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None) -> SaveHandle:
+             max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None, force: bool = False) -> SaveHandle:
         """``save_async`` on this saver. ``after(report)`` runs in the background thread once the
         file is complete (its error counts as the save's); ``finally_()`` runs there at the end,
         and in the caller if the save never starts."""
         try:
             return self._save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config,
                               max_inflight=max_inflight, after=after, finally_=finally_,
-                              delta={"base": base, "max_chain": max_chain, "lossy": lossy})
+                              delta={"base": base, "max_chain": max_chain, "lossy": lossy}, force=force)
         except BaseException:
             if finally_ is not None:
                 finally_()
@@ -517,12 +517,14 @@ class AsyncSaver:
 
     def _save(self, state: Any, path: PathLike, *, codec: str, chunk_bytes: int | str | None,
               config: Config | None, max_inflight: int, after: Callable[[_api.SaveReport], None] | None,
-              finally_: Callable[[], None] | None, delta: dict[str, Any]) -> SaveHandle:
+              finally_: Callable[[], None] | None, delta: dict[str, Any], force: bool = False) -> SaveHandle:
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
         _take_errors(orphans_only=True)
         cfg = config if config is not None else Config.from_env()
         _check_target(path)  # a bad directory fails here, not in the background
+        if not force:
+            _api._refuse_replacing_base(path, cfg)  # so does replacing a delta's base
         started = time.perf_counter()
         devices, cuda_bytes = _survey(state)  # a state gdsckpt.save would reject fails here
         validated = time.perf_counter()
@@ -675,10 +677,11 @@ _default_saver = AsyncSaver()
 
 def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
                config: Config | None = None, max_inflight: int = 1, base: PathLike | None = None,
-               max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None) -> SaveHandle:
+               max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None, force: bool = False) -> SaveHandle:
     """Start saving ``state`` to ``path`` in the background; return once a snapshot exists.
 
-    Arguments as for ``gdsckpt.save`` (``base``: write a delta against that checkpoint; ``lossy``:
+    Arguments as for ``gdsckpt.save`` (``base``: write a delta against that checkpoint; ``force``:
+    replace a checkpoint that deltas use as their base, else refused here; ``lossy``:
     round the snapshot's selected arrays, in the background). When this returns, every tensor and array of ``state`` has
     been copied into reused snapshot buffers (CUDA tensors on their GPU when they fit
     ``config.snapshot_gpu_bytes``, else into pinned host memory), so the caller may update them
@@ -692,7 +695,8 @@ def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: 
     (``pool_stats()``).
 
     Raises, in the caller: ``TypeError`` / ``ValueError`` for a state ``gdsckpt.save`` would reject,
-    ``FileNotFoundError`` / ``IsADirectoryError`` for a bad path, and the error of an earlier
+    ``FileNotFoundError`` / ``IsADirectoryError`` for a bad path, ``BaseCheckpointError`` for a
+    ``path`` that deltas use as their base (see ``gdsckpt.save``), and the error of an earlier
     background save whose handle was dropped without ``wait()`` (this save is then not started).
 
     The index records the device each tensor was on (``cuda:N`` for CUDA tensors), as
@@ -701,7 +705,8 @@ def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: 
     Returns a ``SaveHandle``: ``wait(timeout=None) -> SaveReport``, ``done()``, ``exception()``.
     """
     return _default_saver.save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config,
-                               max_inflight=max_inflight, base=base, max_chain=max_chain, lossy=lossy)
+                               max_inflight=max_inflight, base=base, max_chain=max_chain, lossy=lossy,
+                               force=force)
 
 
 def wait_all(timeout: float | None = None) -> None:

@@ -35,8 +35,9 @@ What survives each direction, bit for bit (NaN payloads and -0.0 included):
 The destination appears atomically: everything is written to a temporary file beside it, which is
 fsynced (``Config.fsync``) and renamed into place, so a failure at any point leaves no partial
 file and an existing destination untouched. An existing destination is refused unless
-``overwrite=True``; without it the final step is a hard link, which also refuses a destination
-created during the conversion. A conversion holds the whole state in host memory.
+``overwrite=True`` (and ``force=True`` where deltas beside it use it as their base); without it
+the final step is a hard link, which also refuses a destination created during the conversion.
+A conversion holds the whole state in host memory.
 """
 
 from __future__ import annotations
@@ -57,13 +58,15 @@ import numpy as np
 
 from .api import SaveReport
 from .api import _config as _resolve_config
+from .api import _refuse_replacing_base
 from .api import load as _load_gdsckpt
 from .api import save as _save_gdsckpt
 from .codecs import known_codec_names
 from .config import Config
-from .errors import CheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
+from .format.index import _validate_tree
 from .io.posix import fsync_directory, remove_stale_temporaries, temporary_path
-from .state import _numpy_dtype_name, decode_scalar, flatten, torch_dtype, unflatten, walk_tree
+from .state import _numpy_dtype_name, decode_scalar, flatten, join_key, torch_dtype, unflatten, walk_tree
 
 logger = logging.getLogger("gdsckpt")
 
@@ -80,7 +83,6 @@ STRUCTURE_KEY = "gdsckpt.structure"
 """The safetensors metadata entry that records the structure a flattened state came from."""
 
 _STRUCTURE_VERSION = 1
-_SCALAR_NODES = ("none", "bool", "int", "float", "str")
 
 
 class ConvertError(CheckpointError):
@@ -152,17 +154,20 @@ def check_codec(codec: str, dst_format: str) -> None:
 
 def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config | None = None,
             src_format: str | None = None, dst_format: str | None = None, overwrite: bool = False,
-            progress: Progress | None = None) -> ConvertReport:
+            progress: Progress | None = None, force: bool = False) -> ConvertReport:
     """Convert the checkpoint ``src`` into ``dst``, bit-exact (see the module docstring for what
     each format keeps).
 
     ``src_format`` / ``dst_format`` (``"pt"``, ``"safetensors"``, ``"gdsckpt"``) override the
     format told from the extension. ``codec`` and ``config`` apply to reading and writing gdsckpt
     files (``config.fsync`` to every destination). An existing ``dst`` raises ``FileExistsError``
-    unless ``overwrite``. ``progress(done_bytes, total_bytes)`` is called as a gdsckpt source is
-    read and as the destination is written (see ``_Phases``). Raises ``ValueError`` for bad arguments, ``UnsafePickleError`` for a pickle that is
-    not plain tensor data, ``ConvertError`` (a ``CheckpointError``) for content the destination
-    cannot hold or a source that is not of its format; ``dst`` is then left as it was.
+    unless ``overwrite``; one that delta checkpoints beside it use as their base raises
+    ``BaseCheckpointError`` (replacing it would make them unloadable) unless ``force`` too.
+    ``progress(done_bytes, total_bytes)`` is called as a gdsckpt source is read and as the
+    destination is written (see ``_Phases``). Raises ``ValueError`` for bad arguments,
+    ``UnsafePickleError`` for a pickle that is not plain tensor data, ``ConvertError`` (a
+    ``CheckpointError``) for content the destination cannot hold or a source that is not of its
+    format; ``dst`` is then left as it was.
     """
     started = time.perf_counter()
     src_path, dst_path = Path(src), Path(dst)
@@ -171,6 +176,8 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
     check_codec(codec, dst_kind)
     cfg = _resolve_config(config)
     _check_paths(src_path, dst_path, overwrite)
+    if overwrite and not force:
+        _refuse_replacing_base(dst_path, cfg)
 
     phases = _Phases(progress)
     state, metadata = _READERS[src_kind](src_path, cfg, phases.reading)
@@ -215,6 +222,8 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
         raise FileNotFoundError(f"source {str(src)!r} does not exist")
     if src.is_dir():
         raise IsADirectoryError(f"source {str(src)!r} is a directory; give a file")
+    if not src.is_file():  # a FIFO would stall the reader, a device be read without end
+        raise ConvertError(f"source {str(src)!r} is not a regular file (a FIFO, a device or a socket)")
     if dst.is_dir():
         raise IsADirectoryError(f"destination {str(dst)!r} is a directory; give a file path")
     if not dst.parent.is_dir():
@@ -508,26 +517,88 @@ def _rebuild(text: str, tensors: dict[str, Any], path: Path) -> Any:
 
     try:
         doc = json.loads(text)
-        if not isinstance(doc, dict) or doc.get("version") != _STRUCTURE_VERSION:
-            raise ValueError(f"version {doc.get('version') if isinstance(doc, dict) else None!r} is "
-                             f"not {_STRUCTURE_VERSION}")
-        entries = doc["tensors"]
-        if not isinstance(entries, list):
-            raise TypeError("'tensors' is not a list")
-        _check_tree(doc["tree"], len(entries))
-        named = [entry["name"] for entry in entries]
-        missing = [name for name in named if name not in tensors]
-        extra = sorted(set(tensors) - set(named))
-        if missing or extra:
-            raise ValueError(f"it names tensors the file lacks ({missing[:5]}) or leaves out tensors "
-                             f"the file holds ({extra[:5]})")
+        entries = _check_document(doc, tensors)
         arrays: dict[int, Any] = {}
         for i, entry in enumerate(entries):
             arrays[i] = _rebuilt_tensor(entries, i, tensors[entry["name"]], arrays, torch)
         return unflatten(doc["tree"], arrays)
+    except CorruptCheckpointError as err:  # from the index's tree validation: not about an index
+        raise ConvertError(f"{str(path)!r}: its {STRUCTURE_KEY} metadata is malformed "
+                           f"({err.reason.removeprefix('invalid index: ')})") from err
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as err:
         raise ConvertError(f"{str(path)!r}: its {STRUCTURE_KEY} metadata is malformed or does not "
                            f"match its tensors ({type(err).__name__}: {err})") from err
+
+
+_DOCUMENT_FIELDS = {"version", "tree", "tensors"}
+_ENTRY_FIELDS = {"name", "alias", "parameter"}
+
+
+def _check_document(doc: Any, tensors: dict[str, Any]) -> list[dict[str, Any]]:
+    """Raise unless ``doc`` is exactly what ``_flatten_for_safetensors`` writes, over ``tensors``:
+    its tree is checked as a gdsckpt index's is (node kinds, scalar encodings, depth, each entry
+    referenced once), each tensor of the file is named by one entry. Returns the entries."""
+    if not isinstance(doc, dict) or set(doc) != _DOCUMENT_FIELDS:
+        raise ValueError(f"the document must be an object with exactly the fields {sorted(_DOCUMENT_FIELDS)}")
+    version = doc["version"]
+    if type(version) is not int or version != _STRUCTURE_VERSION:  # True == 1, but is no version
+        raise ValueError(f"version {version!r:.40} is not {_STRUCTURE_VERSION}")
+    entries = doc["tensors"]
+    if not isinstance(entries, list):
+        raise TypeError("'tensors' is not a list")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or "name" not in entry or not set(entry) <= _ENTRY_FIELDS:
+            raise ValueError(f"entry {i} must be an object with a 'name' and at most the fields "
+                             f"{sorted(_ENTRY_FIELDS)}: {entry!r:.80}")
+        if not isinstance(entry["name"], str):
+            raise TypeError(f"entry {i} has the name {entry['name']!r:.80}, not a string")
+        alias = entry.get("alias")
+        if "alias" in entry and not (type(alias) is int and 0 <= alias < i):
+            raise ValueError(f"entry {i} ties to {alias!r:.40}, not to an earlier entry")
+        parameter = entry.get("parameter")
+        if "parameter" in entry and not (isinstance(parameter, dict) and set(parameter) == {"requires_grad"}
+                                         and isinstance(parameter["requires_grad"], bool)):
+            raise ValueError(f"entry {i} has the parameter {parameter!r:.80}, not "
+                             f"{{\"requires_grad\": true or false}}")
+    named = [entry["name"] for entry in entries]
+    if len(set(named)) != len(named):
+        twice = sorted(name for name in set(named) if named.count(name) > 1)
+        raise ValueError(f"entries name the same tensor twice ({twice[:5]})")
+    missing = [name for name in named if name not in tensors]
+    extra = sorted(set(tensors) - set(named))
+    if missing or extra:
+        raise ValueError(f"it names tensors the file lacks ({missing[:5]}) or leaves out tensors "
+                         f"the file holds ({extra[:5]})")
+    _validate_tree(doc["tree"], len(entries))
+    for node, key_path in walk_tree(doc["tree"]):
+        where = join_key(key_path)
+        if node["t"] == "str" and not _is_unicode_text(node["v"]):
+            raise ValueError(f"a string at {where!r:.80} is not valid Unicode text")
+        if node["t"] != "dict":
+            continue
+        if node.get("cls", "OrderedDict") != "OrderedDict" or ("meta" in node and "cls" not in node):
+            raise ValueError(f"the dict at {where!r:.80} has the class {node.get('cls')!r:.40} or a meta "
+                             f"without one: only an OrderedDict has either")
+        if "meta" in node and node["meta"]["t"] != "dict":
+            raise ValueError(f"the OrderedDict at {where!r:.80} has a {node['meta']['t']!r:.40} as its meta")
+        for key, _child in node["items"]:
+            if key["t"] == "str" and not _is_unicode_text(key["v"]):
+                raise ValueError(f"a dict key at {where!r:.80} is not valid Unicode text")
+        keys = [decode_scalar(key) for key, _child in node["items"]]
+        # by == (as a dict holds them: True == 1, 0.0 == -0.0) and by repr (NaN != NaN): a key
+        # given twice would silently drop a value
+        if len(set(keys)) != len(keys) or len(set(map(repr, keys))) != len(keys):
+            raise ValueError(f"the dict at {where!r:.80} repeats a key")
+    return entries
+
+
+def _is_unicode_text(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (JSON can spell lone surrogates, which the writer refuses)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _rebuilt_tensor(entries: list[dict[str, Any]], i: int, tensor: Any, done: dict[int, Any], torch: Any) -> Any:
@@ -551,7 +622,10 @@ def _rebuilt_tensor(entries: list[dict[str, Any]], i: int, tensor: Any, done: di
             logger.warning("convert: %r was tied to %r but the file holds different bytes for it; "
                            "it is restored as a separate tensor", entry["name"], entries[alias]["name"])
     if isinstance(parameter, dict):
-        return torch.nn.Parameter(tensor, requires_grad=bool(parameter.get("requires_grad")))
+        if parameter["requires_grad"] and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise ValueError(f"entry {i} is a {tensor.dtype} Parameter that requires grad, which only "
+                             f"floating-point and complex tensors can")
+        return torch.nn.Parameter(tensor, requires_grad=parameter["requires_grad"])
     return tensor
 
 
@@ -561,33 +635,6 @@ def _same_bits(a: Any, b: Any, torch: Any) -> bool:
     if a.numel() == 0:
         return True
     return bool(torch.equal(a.detach().reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
-
-
-def _check_tree(tree: Any, count: int) -> None:
-    """Raise ``ValueError`` unless ``tree`` is a well-formed structure tree whose tensor nodes
-    are exactly the ids ``0 .. count-1``, each once."""
-    ids: list[int] = []
-    pending = [tree]
-    while pending:
-        for node, _path in walk_tree(pending.pop()):
-            kind = node["t"]
-            if kind == "tensor":
-                if not isinstance(node["id"], int) or isinstance(node["id"], bool):
-                    raise ValueError(f"tensor id {node['id']!r} is not an integer")
-                ids.append(node["id"])
-            elif kind == "dict":
-                for key, _child in node["items"]:
-                    if key["t"] not in _SCALAR_NODES:
-                        raise ValueError(f"a dict key is a {key['t']!r} node")
-                    decode_scalar(key)
-                if "meta" in node:
-                    pending.append(node["meta"])
-            elif kind in _SCALAR_NODES:
-                decode_scalar(node)
-            elif kind not in ("list", "tuple"):
-                raise ValueError(f"unknown node type {kind!r}")
-    if sorted(ids) != list(range(count)):
-        raise ValueError(f"the tree's tensor ids are not 0..{count - 1}, each once")
 
 
 # ---------------------------------------------------------------------------------------------

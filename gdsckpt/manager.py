@@ -61,11 +61,18 @@ Returns ``(step, extra)``: ``extra`` is a dict of the checkpoint's top-level ent
 not restored in place, loaded (tensors on the CPU); with no targets at all it is the whole
 checkpoint. Returns ``None`` when there is no usable checkpoint (a fresh start).
 
-A checkpoint that fails while loading (a damaged chunk, or an I/O error reading one) is skipped
-with a warning and the next older one is restored; it overwrites whatever the failed one wrote.
-Errors that are not damage are raised and nothing else is tried: a target that does not match
+A checkpoint is passed over only on proof that it is unusable: a checksum or structural check
+failed (``CorruptCheckpointError``, ``UnsupportedFormatError``), its delta base is missing,
+changed or damaged (``BaseCheckpointError``), or its file vanished (``FileNotFoundError``: a
+concurrent prune). It is skipped with a warning and the next older one is restored; that one
+overwrites whatever the failed one wrote. Every other error is raised and nothing else is tried,
+since the newest checkpoint may well be intact and restarting from an older one loses progress:
+running out of memory (``MemoryError``; CuPy's and torch's out-of-memory errors on the GPU), I/O
+errors (``OSError``, and the ``CheckpointError`` "I/O error reading chunk N" the reader raises
+for one), device faults, ``KeyboardInterrupt``, a target that does not match
 (``StateMismatchError``), a codec or array library this machine lacks (``CodecUnavailableError``
-and other ``CheckpointError``), since an older checkpoint would fail the same way.
+and other ``CheckpointError``). The targets may then hold part of that checkpoint; nothing on
+disk is changed.
 """
 
 from __future__ import annotations
@@ -83,10 +90,10 @@ from .async_save import AsyncSaver, SaveHandle
 from .config import Config
 from .delta import DEFAULT_MAX_CHAIN, base_path_of
 from .errors import (
-    BaseCheckpointError, CheckpointError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError,
+    BaseCheckpointError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError,
 )
 from .io import PosixReader
-from .io.posix import TEMP_MARKER, fsync_directory, remove_stale_temporaries, temporary_path
+from .io.posix import fsync_directory, read_small_file, remove_if_stale, temporary_path, temporary_target
 from .pipeline.load import open_file
 from .state import decode_scalar, escape_key
 
@@ -98,23 +105,26 @@ PathLike = str | os.PathLike[str]
 
 POINTER = "latest"
 
-_DAMAGE = (CorruptCheckpointError, UnsupportedFormatError, BaseCheckpointError, OSError)
-"""What makes ``restore_latest`` pass over a checkpoint: the file is damaged, not a checkpoint,
-or unreadable, or it is a delta whose base is missing, changed or damaged. Anything else (a
-target that does not match, a codec or array library this machine lacks) is raised: an older checkpoint would not do better, and silently restarting from
-an old state is worse than an error."""
+MAX_POINTER_BYTES = 4096
+"""``latest`` holds one file name (at most 255 bytes); a larger pointer is ignored unread."""
+
+_DAMAGE = (CorruptCheckpointError, UnsupportedFormatError, BaseCheckpointError, FileNotFoundError)
+"""What makes ``restore_latest`` pass over a checkpoint: proof that the file is damaged or not a
+checkpoint (a checksum or structural check failed), a delta whose base is missing, changed or
+damaged, or a file that vanished (a concurrent prune). Anything else is raised (module
+docstring): an I/O error, running out of memory or an interruption says nothing about the file,
+which may be intact, and silently restarting from an old state is worse than an error."""
 
 
 def _is_damage(err: BaseException) -> bool:
-    """Whether ``err`` is one of ``_DAMAGE``, or the ``CheckpointError`` the reader raises for an
-    ``OSError`` while reading a chunk ("I/O error reading chunk N (tensor ...)"): that file is
-    unreadable too."""
-    return isinstance(err, _DAMAGE) or (isinstance(err, CheckpointError)
-                                        and isinstance(err.__cause__, OSError))
+    """Whether ``err`` proves the checkpoint unusable (one of ``_DAMAGE``). An ``OSError`` other
+    than ``FileNotFoundError``, and the ``CheckpointError`` the reader raises for one ("I/O error
+    reading chunk N"), are not: the next read may well succeed."""
+    return isinstance(err, _DAMAGE)
 
 
 class SkippedCheckpointWarning(UserWarning):
-    """``restore_latest`` passed over a checkpoint file (incomplete, damaged or unreadable)."""
+    """``restore_latest`` passed over a checkpoint file (incomplete, damaged, or vanished)."""
 
 
 class CheckpointManager:
@@ -176,29 +186,35 @@ class CheckpointManager:
         return self.directory / f"{self.prefix}-{_check_step(step):010d}.gdsckpt"
 
     def _files(self) -> dict[int, Path]:
-        """Step -> path of every file named like a checkpoint of this prefix."""
+        """Step -> path of every regular file (or symlink to one) named like a checkpoint of this
+        prefix. Anything else so named (a FIFO, a directory, a device) is no checkpoint and is left
+        alone: opening a FIFO would block, and pruning must not remove what no save wrote."""
         found: dict[int, Path] = {}
         try:
-            entries = list(self.directory.iterdir())
+            with os.scandir(self.directory) as entries:
+                for entry in entries:
+                    match = self._pattern.match(entry.name)
+                    if match and _is_regular(entry):
+                        found[int(match.group(1))] = Path(entry.path)
         except FileNotFoundError:
-            return found
-        for entry in entries:
-            match = self._pattern.match(entry.name)
-            if match:
-                found[int(match.group(1))] = entry
+            pass
         return found
 
     def _remove_stale_temporaries(self) -> None:
-        """Remove temporary files that dead processes left behind (checkpoints and pointer)."""
-        targets = {POINTER}
+        """Remove temporary files that dead processes left behind (checkpoints and pointer),
+        including those whose long target name ``temporary_prefix`` shortened."""
+        ours = f"{self.prefix}-"
         for entry in self.directory.iterdir():
-            name = entry.name
-            if name.startswith(".") and TEMP_MARKER in name:
-                target = name[1:name.index(TEMP_MARKER)]
-                if self._pattern.match(target) or target == POINTER:
-                    targets.add(target)
-        for target in targets:
-            remove_stale_temporaries(self.directory / target)
+            parsed = temporary_target(entry.name)
+            if parsed is None:
+                continue
+            target, shortened = parsed
+            if shortened:
+                belongs = target.startswith(ours) or ours.startswith(target)
+            else:
+                belongs = bool(self._pattern.match(target)) or target == POINTER
+            if belongs:
+                remove_if_stale(entry)
 
     # -----------------------------------------------------------------------------------------
     # saving
@@ -250,8 +266,10 @@ class CheckpointManager:
         base = None
         try:
             base = self._base_for(step)
+            # force: a run restarted from an older step writes over the abandoned run's files by
+            # design (``latest`` then names the new one), deltas of that run based on them included.
             report = _api.save(state, path, codec=codec, config=self.config, base=base, max_chain=self.max_chain,
-                               lossy=self.lossy)
+                               lossy=self.lossy, force=True)
             self._completed(step)
         finally:
             self._end(step, base)
@@ -270,7 +288,7 @@ class CheckpointManager:
         return self._saver.save(state, path, codec=codec, config=self.config, max_inflight=self.max_inflight,
                                 after=lambda _report: self._completed(step),
                                 finally_=lambda: self._end(step, base), base=base, max_chain=self.max_chain,
-                                lossy=self.lossy)
+                                lossy=self.lossy, force=True)  # force: as in save
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for this manager's background saves; raise the first error no handle reported."""
@@ -313,7 +331,13 @@ class CheckpointManager:
             if self._pointer_step is None or step >= self._pointer_step:
                 self._write_pointer(self.path(step).name)
                 self._pointer_step = step
-            self._prune(completed=step)
+            try:
+                self._prune(completed=step)
+            except Exception as err:  # noqa: BLE001 - the save itself is complete and published
+                # Pruning only ever deletes; when it cannot tell which files to keep (an I/O error
+                # reading one, memory short), deleting nothing is safe and the next save tries again.
+                warnings.warn(f"checkpoint step {step} is saved, but pruning {str(self.directory)!r} "
+                              f"was skipped: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
 
     def _write_pointer(self, name: str) -> None:
         fsync = self.config.fsync if self.config is not None else Config.from_env().fsync
@@ -394,11 +418,11 @@ class CheckpointManager:
         of ours)."""
         pointer = self.directory / POINTER
         try:
-            text = pointer.read_text(encoding="utf-8").strip()
             mtime = pointer.stat().st_mtime_ns
+            text = read_small_file(pointer, MAX_POINTER_BYTES).decode("utf-8").strip()
         except FileNotFoundError:
             return None
-        except (OSError, UnicodeDecodeError) as err:
+        except (OSError, UnicodeDecodeError, CorruptCheckpointError, UnsupportedFormatError) as err:
             if warn:
                 warnings.warn(f"ignoring unreadable pointer {str(pointer)!r}: {err}",
                               SkippedCheckpointWarning, stacklevel=3)
@@ -485,6 +509,13 @@ class CheckpointManager:
         return _api.load(path, keys=[escape_key(key) for key in rest], config=self.config)
 
 
+def _is_regular(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_file()  # follows a symlink; False for FIFOs, devices, sockets, directories
+    except OSError:
+        return False
+
+
 def _mtime_ns(path: Path) -> int:
     try:
         return path.stat().st_mtime_ns
@@ -500,7 +531,9 @@ def _check_step(step: int) -> int:
 
 def _problem(path: Path, *, verify: bool = False, config: Config | None = None) -> str | None:
     """Why ``path`` is not a usable checkpoint, or None: ``gdsckpt.open``'s checks of header,
-    trailer and index (or, with ``verify``, ``gdsckpt.verify`` of every chunk)."""
+    trailer and index (or, with ``verify``, ``gdsckpt.verify`` of every chunk). Only damage
+    (``_is_damage``) is a reason; any other error (an I/O error, running out of memory) is
+    raised."""
     try:
         if verify:
             _api.verify(path, config=config)

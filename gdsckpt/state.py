@@ -15,10 +15,12 @@ strides and dtype, e.g. tied embedding weights) are stored once and come back as
 object, as ``torch.save`` does. Partially overlapping views are stored as independent copies and
 come back as separate tensors.
 
-Anything else raises ``TypeError`` naming its key path, and so does a container that contains
-itself (a reference cycle) or a state nested deeper than 256 containers; an ``int`` of more than
-4300 decimal digits (the format's limit) raises ``ValueError``. Loading never unpickles anything:
-the structure is JSON.
+Anything else raises ``TypeError`` naming its key path, and so do NumPy subclasses
+(``MaskedArray``, ``matrix``, ``recarray``, ...: they would come back as plain arrays without
+their mask or semantics; ``np.memmap``, whose elements are all it holds, is saved and comes back
+as an ``ndarray``), a container that contains itself (a reference cycle) or a state nested deeper
+than 256 containers; an ``int`` of more than 4300 decimal digits (the format's limit) raises
+``ValueError``. Loading never unpickles anything: the structure is JSON.
 
 What is not kept: subclasses of ``dict`` (other than ``OrderedDict``), ``int``, ``float`` and
 ``str`` (``defaultdict``, ``IntEnum``, ``numpy.str_``) come back as the base type; a container
@@ -241,6 +243,11 @@ class _Target:
         contiguous host memory (the restore then writes through ``write_host``)."""
         return None
 
+    def host_span(self) -> tuple[int, int] | None:
+        """Addresses ``[first, end)`` of the host memory ``host_view`` hands out (None where it
+        hands out none): a restore reads into no memory that another of its targets writes."""
+        return None
+
 
 class TorchTarget(_Target):
     """A torch tensor to fill: a new one, or an existing one (``load_into``) written in place."""
@@ -272,6 +279,12 @@ class TorchTarget(_Target):
 
     def host_view(self, start: int, stop: int) -> np.ndarray | None:
         return self._host[start:stop] if self._host is not None else None
+
+    def host_span(self) -> tuple[int, int] | None:
+        if self._host is None:
+            return None
+        start = self.tensor.data_ptr()
+        return start, start + self.nbytes
 
     def write_device(self, start: int, data: Any) -> None:
         import cupy
@@ -317,6 +330,10 @@ class NumpyTarget(_Target):
 
     def host_view(self, start: int, stop: int) -> np.ndarray | None:
         return self._flat[start:stop]
+
+    def host_span(self) -> tuple[int, int] | None:
+        start = self._flat.ctypes.data
+        return start, start + self.nbytes
 
     def finish(self) -> Any:
         return self.array[()] if self.scalar else self.array
@@ -583,6 +600,16 @@ class _Flattener:
 
     def _numpy(self, obj: Any, path: list[Any]) -> dict[str, Any]:
         scalar = isinstance(obj, np.generic)
+        # A subclass would come back as a plain ndarray (or scalar) without what it adds: a
+        # MaskedArray its mask, np.matrix its 2-D semantics. A memmap's elements are all it holds.
+        if type(obj) is not (obj.dtype.type if scalar else np.ndarray) and type(obj) is not np.memmap:
+            remedy = (f"pass {obj.dtype.type.__module__}.{obj.dtype.type.__name__}(value)" if scalar else
+                      "pass np.asarray(value), or save its parts (e.g. a MaskedArray's .data and .mask) as "
+                      "separate entries")
+            plain = obj.dtype.type.__name__ if scalar else "ndarray"
+            raise TypeError(f"NumPy {'scalar' if scalar else 'array'} subclass {type(obj).__module__}."
+                            f"{type(obj).__qualname__} at {join_key(path)!r:.200} is not supported: it would "
+                            f"load as a plain {plain} without what the subclass adds; {remedy}")
         array = np.asarray(obj)
         name = self._check_dtype(_numpy_dtype_name(array.dtype.newbyteorder("=")), array.dtype, path)
         view_key = None
@@ -629,20 +656,44 @@ class Selection:
         self.matched: set[str] = set()
 
     def covers(self, key: str) -> bool:
-        """True if ``key`` is requested or lies under a requested key."""
+        """True if ``key`` is requested or lies under a requested key; marks every requested key
+        that covers it as matched (``"a"`` and ``"a/b"`` may both be asked for)."""
         if self.keys is None:
             return True
-        for wanted in self.keys:
-            if wanted == "" or key == wanted or key.startswith(wanted + "/"):
-                self.matched.add(wanted)
-                return True
-        return False
+        covering = [wanted for wanted in self.keys
+                    if wanted == "" or key == wanted or key.startswith(wanted + "/")]
+        self.matched.update(covering)
+        return bool(covering)
 
-    def leads_to(self, key: str) -> bool:
-        """True if some requested key lies under ``key``."""
-        if self.keys is None:
-            return True
-        return key == "" or any(wanted.startswith(key + "/") for wanted in self.keys)
+    def start(self) -> tuple[bool, list[tuple[str, int]]]:
+        """``(inside, cursors)`` of the root, for walking the tree with ``step`` instead of
+        joining every node's key string: a key path string is as long as all its components
+        together, so building one per node costs (depth x key length) per leaf."""
+        assert self.keys is not None
+        inside = "" in self.keys
+        if inside:
+            self.matched.add("")
+        return inside, [(wanted, 0) for wanted in self.keys if wanted]
+
+    def step(self, cursors: list[tuple[str, int]], component: Any) -> tuple[bool, list[tuple[str, int]]]:
+        """For the child at ``component`` of a node with ``cursors``: whether a requested key
+        names the child exactly (marked as matched), and the child's cursors. A cursor
+        ``(wanted, start)`` says that ``wanted[:start]`` is the node's key plus its ``/``: the
+        next component must begin at ``start``; comparing in place keeps the cost per child
+        at the length of its own component."""
+        part = escape_key(component)
+        reached = False
+        following = []
+        for wanted, start in cursors:
+            if not wanted.startswith(part, start):
+                continue
+            end = start + len(part)
+            if end == len(wanted):
+                self.matched.add(wanted)
+                reached = True
+            elif wanted[end] == "/":
+                following.append((wanted, end + 1))
+        return reached, following
 
 
 _MISSING = object()
@@ -654,49 +705,149 @@ def unflatten(tree: Any, arrays: dict[int, Any], selection: Selection | None = N
     With a ``selection``, dict entries outside it are left out and list/tuple slots outside it
     become None, so every selected value keeps its position in the structure.
     """
-    selection = selection or Selection(None)
-    value = _build(tree, [], selection, arrays, depth=0)
+    if selection is None or selection.keys is None:
+        value = _build(tree, None, None, True, arrays)
+    else:
+        inside, cursors = selection.start()
+        value = _build(tree, selection, cursors, inside, arrays)
     return None if value is _MISSING else value
 
 
-def _build(node: dict[str, Any], path: list[Any], selection: Selection, arrays: dict[int, Any],
-           depth: int) -> Any:
-    key = join_key(path)
-    inside = selection.covers(key)
-    if not inside and not selection.leads_to(key):
+def _build(node: dict[str, Any], selection: Selection | None, cursors: list[tuple[str, int]] | None,
+           inside: bool, arrays: dict[int, Any]) -> Any:
+    """One node of ``unflatten``: ``inside`` the selection, or on the way to the requested keys
+    that ``cursors`` still follow (None without a selection); ``_MISSING`` when neither. One
+    Python frame per level: the format allows trees hundreds of levels deep."""
+    if not inside and not cursors:
         return _MISSING
     kind = node["t"]
     if kind == "tensor":
         return arrays[node["id"]] if inside else _MISSING
     if kind in ("list", "tuple"):
-        items = [_build(child, path + [i], selection, arrays, depth + 1) for i, child in enumerate(node["items"])]
-        items = [None if item is _MISSING else item for item in items]
+        items = []
+        for i, child in enumerate(node["items"]):
+            child_cursors, child_inside = _descend(selection, cursors, inside, i)
+            item = _build(child, selection, child_cursors, child_inside, arrays)
+            items.append(None if item is _MISSING else item)
         return items if kind == "list" else tuple(items)
     if kind == "dict":
         ordered = node.get("cls") == "OrderedDict"
         result: dict[Any, Any] = collections.OrderedDict() if ordered else {}
         for key_node, child in node["items"]:
             dict_key = decode_scalar(key_node)
-            value = _build(child, path + [dict_key], selection, arrays, depth + 1)
+            child_cursors, child_inside = _descend(selection, cursors, inside, dict_key)
+            value = _build(child, selection, child_cursors, child_inside, arrays)
             if value is not _MISSING:
                 result[dict_key] = value
         if ordered and "meta" in node:
-            result._metadata = _build(node["meta"], path + ["_metadata"], Selection(None), arrays,  # type: ignore[attr-defined]
-                                      depth + 1)
+            result._metadata = _build(node["meta"], None, None, True, arrays)  # type: ignore[attr-defined]
         return result
     return decode_scalar(node) if inside else _MISSING
 
 
+def _descend(selection: Selection | None, cursors: list[tuple[str, int]] | None, inside: bool,
+             component: Any) -> tuple[list[tuple[str, int]] | None, bool]:
+    """(cursors, inside) of the child at ``component``; the cursors advance only while some
+    remain (requested keys below an already selected node are still marked as matched)."""
+    if selection is None or not cursors:
+        return None, inside
+    reached, following = selection.step(cursors, component)
+    return following, inside or reached
+
+
 def walk_tree(tree: Any) -> Iterator[tuple[dict[str, Any], list[Any]]]:
-    """Every node of a structure tree with its key path (container keys from the root)."""
-    stack: list[tuple[dict[str, Any], list[Any]]] = [(tree, [])]
+    """Every node of a structure tree with its key path (container keys from the root), parents
+    before children. One path list is kept for the open containers and copied per node yielded:
+    a path per *pending* node would hold depth x breadth entries at once."""
+    yield tree, []
+    path: list[Any] = []
+    stack = [_children(tree)]
     while stack:
-        node, path = stack.pop()
-        yield node, path
-        if node["t"] in ("list", "tuple"):
-            stack.extend((child, path + [i]) for i, child in enumerate(node["items"]))
-        elif node["t"] == "dict":
-            stack.extend((child, path + [decode_scalar(k)]) for k, child in node["items"])
+        entry = next(stack[-1], None)
+        if entry is None:
+            stack.pop()
+            if path:
+                path.pop()
+            continue
+        key, child = entry
+        yield child, path + [key]
+        if child["t"] in ("list", "tuple", "dict"):
+            path.append(key)
+            stack.append(_children(child))
+
+
+def _children(node: dict[str, Any]) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """(key, child) of each child of a structure node; none for a leaf."""
+    if node["t"] in ("list", "tuple"):
+        return enumerate(node["items"])
+    if node["t"] == "dict":
+        return ((decode_scalar(key), child) for key, child in node["items"])
+    return iter(())
+
+
+class KeyPaths:
+    """Small integer identities of key paths, interned component by component: a path's identity
+    is found from its parent's in the time of its last component, and holds no copy of the
+    prefix, so matching every plain value of a target against a checkpoint costs time and memory
+    linear in their size whatever the depth or key lengths. Paths compare by their escaped
+    components (``join_key``'s spelling)."""
+
+    ROOT = 0
+    SHOWN = 200
+    """Characters of a key string shown in a message."""
+
+    def __init__(self) -> None:
+        self._links: list[tuple[int, str]] = [(-1, "")]
+        self._ids: dict[tuple[int, str], int] = {}
+        self._summaries: dict[int, tuple[str, str, int]] = {}
+
+    def child(self, parent: int, component: Any) -> int:
+        """The identity of ``component`` below the path ``parent``."""
+        link = (parent, escape_key(component))
+        node = self._ids.get(link)
+        if node is None:
+            node = self._ids[link] = len(self._links)
+            self._links.append(link)
+        return node
+
+    def of(self, path: Iterable[Any]) -> int:
+        """The identity of a path of container keys."""
+        node = self.ROOT
+        for component in path:
+            node = self.child(node, component)
+        return node
+
+    def key(self, node: int) -> str:
+        """The key string of ``node`` (as ``join_key``) for a message: beyond ``SHOWN``
+        characters, its start and end around ``...``. Built from its parent's summary, which is
+        kept: the cost per key is bounded whatever the depth and the key lengths."""
+        if node == self.ROOT:
+            return ""
+        parent, part = self._links[node]
+        head, tail, length = self._extend(self._summary(parent), part, parent == self.ROOT)
+        return head if length <= self.SHOWN else f"{head[:self.SHOWN // 2]}...{tail}"
+
+    def _summary(self, node: int) -> tuple[str, str, int]:
+        """(first ``SHOWN`` characters, last ``SHOWN // 2`` characters, length) of the key string
+        of a container's path, kept for its other children."""
+        chain = []
+        while node != self.ROOT and node not in self._summaries:
+            chain.append(node)
+            node = self._links[node][0]
+        summary = self._summaries.get(node, ("", "", 0))
+        for node in reversed(chain):
+            parent, part = self._links[node]
+            summary = self._summaries[node] = self._extend(summary, part, parent == self.ROOT)
+        return summary
+
+    def _extend(self, summary: tuple[str, str, int], part: str, first: bool) -> tuple[str, str, int]:
+        """The summary of a path from its parent's and its last escaped component."""
+        head, tail, length = summary
+        separator = "" if first else "/"
+        if length < self.SHOWN:
+            head = (head + separator + part[:self.SHOWN])[:self.SHOWN]
+        tail = (tail + separator + part[-(self.SHOWN // 2):])[-(self.SHOWN // 2):]
+        return head, tail, length + len(separator) + len(part)
 
 
 def element_count(shape: Iterable[int]) -> int:

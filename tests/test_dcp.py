@@ -214,9 +214,14 @@ def test_resharded_ranks_read_only_their_rows(chain: Any) -> None:
 def test_layout_of_a_multi_rank_checkpoint(chain: Any) -> None:
     root, _reports = chain
     names = sorted(os.listdir(root / "n4"))
-    assert names == [".metadata", "__0_0.gdsckpt", "__1_0.gdsckpt", "__2_0.gdsckpt", "__3_0.gdsckpt"]
+    assert names == [".metadata", ".metadata.json", "__0_0.gdsckpt", "__1_0.gdsckpt", "__2_0.gdsckpt",
+                     "__3_0.gdsckpt"]
     with open(root / "n4" / ".metadata", "rb") as f:
         metadata = pickle.load(f)
+    # the JSON form the reader uses holds the same sharded metadata as the pickle
+    from_json = GdsStorageReader(root / "n4").read_metadata()
+    from_json.storage_meta.load_id = None
+    assert from_json == metadata
     infos = metadata.storage_data
     assert infos and all(isinstance(info, GdsStorageInfo) for info in infos.values())
     # each DTensor shard lives in its own rank's file, under the key of its MetadataIndex
@@ -227,7 +232,7 @@ def test_layout_of_a_multi_rank_checkpoint(chain: Any) -> None:
         assert info.key == item_key(index)
         with gdsckpt.open(root / "n4" / info.relative_path) as ckpt:
             assert info.key in ckpt
-    for name in names[1:]:
+    for name in names[2:]:
         gdsckpt.verify(root / "n4" / name)
 
 
@@ -242,6 +247,7 @@ def test_failing_rank_raises_everywhere_and_leaves_no_metadata(chain: Any) -> No
             assert outcome.startswith("CheckpointException"), outcome
             assert "injected failure on rank 1" in outcome, outcome
         assert not (root / where / ".metadata").exists()
+        assert not (root / where / ".metadata.json").exists()
     with pytest.raises(CheckpointException), pytest.warns(UserWarning, match=DISABLED):
         dcp.load({"rep": {"w": torch.zeros(6, 5)}}, storage_reader=GdsStorageReader(root / "fresh"))
 
@@ -265,7 +271,7 @@ def test_single_process_round_trip(tmp_path: Path) -> None:
     state = plain_state()
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.save(state, storage_writer=GdsStorageWriter(tmp_path, codec="zstd", **small_options()))
-    assert sorted(os.listdir(tmp_path)) == [".metadata", "__0_0.gdsckpt"]
+    assert sorted(os.listdir(tmp_path)) == [".metadata", ".metadata.json", "__0_0.gdsckpt"]
     target = empty_like(state)
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.load(target, storage_reader=GdsStorageReader(tmp_path))
@@ -336,9 +342,13 @@ def test_reader_rejects_a_filesystemwriter_checkpoint(tmp_path: Path) -> None:
     state = plain_state()
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, sync_files=False))
-    with pytest.raises(CheckpointException, match="not written by GdsStorageWriter"), \
+    # its .metadata is a pickle only: read only when trusted, and then its storage data is foreign
+    with pytest.raises(CheckpointException, match="trust_pickle=True"), \
             pytest.warns(UserWarning, match=DISABLED):
         dcp.load(empty_like(state), storage_reader=GdsStorageReader(tmp_path))
+    with pytest.raises(CheckpointException, match="not written by GdsStorageWriter"), \
+            pytest.warns(UserWarning, match=DISABLED):
+        dcp.load(empty_like(state), storage_reader=GdsStorageReader(tmp_path, trust_pickle=True))
 
 
 def test_missing_metadata_is_not_a_checkpoint(tmp_path: Path) -> None:
@@ -384,7 +394,7 @@ def test_rank_local_metadata_without_collectives(tmp_path: Path) -> None:
     state = plain_state()
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.save(state, storage_writer=GdsStorageWriter(tmp_path, **small_options()), use_collectives=False)
-    assert sorted(os.listdir(tmp_path)) == ["__0.metadata", "__0_0.gdsckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["__0.metadata", "__0.metadata.json", "__0_0.gdsckpt"]
     target = empty_like(state)
     with pytest.warns(UserWarning, match=DISABLED):  # DCP falls back to __<rank>.metadata
         dcp.load(target, storage_reader=GdsStorageReader(tmp_path))

@@ -158,7 +158,7 @@ def test_missing_or_changed_base_is_a_clear_error(tmp_path):
     with pytest.raises(gdsckpt.BaseCheckpointError, match="missing"):
         gdsckpt.load(b)
     os.rename(moved, a)
-    gdsckpt.save(_step(state, 2), a)  # another checkpoint under the base's name
+    gdsckpt.save(_step(state, 2), a, force=True)  # another checkpoint under the base's name
     with pytest.raises(gdsckpt.BaseCheckpointError, match="changed"):
         gdsckpt.load(b)
     with pytest.raises(gdsckpt.BaseCheckpointError, match="changed"):

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "docs" / "api.md"
 SECTIONS = [
     ("gdsckpt", None),
-    ("gdsckpt.dcp", ["GdsStorageWriter", "GdsStorageReader", "GdsStorageInfo", "item_key"]),
+    ("gdsckpt.dcp", ["GdsStorageWriter", "GdsStorageReader", "GdsStorageInfo", "PickleOnlyMetadataWarning",
+                     "item_key"]),
     ("gdsckpt.lossy", ["LossyPolicy", "grid_quantize", "GridResult", "compare_modes", "sensitivity",
                        "Sensitivity"]),
 ]

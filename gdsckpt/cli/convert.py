@@ -2,7 +2,8 @@
 
 Formats come from the extensions (``.pt``/``.pth``/``.bin``, ``.safetensors``, ``.gdsckpt``) or
 from ``--from`` / ``--to``. Exit codes: 0 converted, 1 the conversion failed (unreadable or unsafe
-source, content the destination cannot hold, existing destination without ``--overwrite``), 2 bad
+source, content the destination cannot hold, existing destination without ``--overwrite``, a
+destination that deltas use as their base without ``--force``), 2 bad
 arguments. What each format keeps is described in ``gdsckpt.convert``.
 """
 
@@ -33,6 +34,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--codec", default="auto",
                         help="codec of a gdsckpt DST: auto, zstd, lz4, deflate, none, ... (default: auto)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--force", action="store_true",
+                        help="with --overwrite: replace DST even where delta checkpoints use it as "
+                             "their base (they become unloadable)")
     parser.set_defaults(run=run_convert)
 
 
@@ -50,7 +54,7 @@ def run_convert(args: argparse.Namespace) -> int:
         try:
             report = convert(args.src, args.dst, codec=args.codec, config=getattr(args, "config", None),
                              src_format=args.src_format, dst_format=args.dst_format,
-                             overwrite=args.overwrite, progress=progress)
+                             overwrite=args.overwrite, progress=progress, force=args.force)
         except (CheckpointError, OSError, ValueError, TypeError) as err:
             _error(str(err))
             return 1

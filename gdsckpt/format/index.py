@@ -33,6 +33,13 @@ XOR_BASE = "xorbase/1"
 """The transform of a delta chunk (format 1.1): its raw bytes are the XOR of the arrays' element
 bytes with those of the same arrays in the base checkpoint (docs/format.md §9.5)."""
 MAX_BASE_DEPTH = 1 << 10
+MAX_CHAIN_STAGES = 8
+"""A chain has at most this many stages (docs/format.md §6.3). Each transform is a full pass over
+a chunk's decoded bytes, so an unbounded chain let a 174 KiB file keep a reader busy for minutes;
+writers emit at most 3 stages (xorbase/1, byteplanes/1, a codec)."""
+BYTE_PLANES = "byteplanes/1"
+PLANE_WIDTHS = (2, 4, 8)
+"""The ``width`` values of a byteplanes/1 stage (§9.2)."""
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 TENSOR_KINDS = ("torch", "numpy", "cupy", "jax")
 _CODEC_NAME = re.compile(r"[a-z0-9_.\-]+/[0-9]+")
@@ -194,6 +201,7 @@ def parse_index(data: bytes, *, index_offset: int) -> Index:
     writer = doc.get("writer", "")
     base = _parse_base(doc["base"]) if "base" in doc else None
     _check_delta_chunks(chains, chunks, tensors, base)
+    _check_plane_widths(chains, chunks)
     return Index(chains=chains, chunks=chunks, tensors=tensors, tree=tree,
                  writer=writer if isinstance(writer, str) else "", minor=version[1], user=user, base=base)
 
@@ -232,6 +240,17 @@ def _check_delta_chunks(chains: list[list[dict[str, Any]]], chunks: list[ChunkRe
             raise _fail("a tensor's chunks must all be delta chunks or none", key=record.key)
 
 
+def _check_plane_widths(chains: list[list[dict[str, Any]]], chunks: list[ChunkRecord]) -> None:
+    """A chunk whose chain has byteplanes/1 decodes to a multiple of its width (§9.2): checked at
+    open, so that no decoder (the GPU's reshapes included) meets one that is not."""
+    widths = [next((stage["width"] for stage in chain if stage["name"] == BYTE_PLANES), 1)
+              for chain in chains]
+    for number, chunk in enumerate(chunks):
+        if chunk.raw % widths[chunk.chain]:
+            raise _fail(f"chain {chunk.chain}: {BYTE_PLANES} width {widths[chunk.chain]} does not divide the "
+                        f"chunk's {chunk.raw} decoded bytes", chunk=number)
+
+
 def _parse_chains(raw: Any) -> list[list[dict[str, Any]]]:
     if not isinstance(raw, list):
         raise _fail("chains must be a list")
@@ -239,10 +258,24 @@ def _parse_chains(raw: Any) -> list[list[dict[str, Any]]]:
     for i, chain in enumerate(raw):
         if not isinstance(chain, list) or not chain:
             raise _fail(f"chain {i} must be a non-empty list of stages")
+        if len(chain) > MAX_CHAIN_STAGES:  # before anything else: each stage costs a pass per chunk
+            raise _fail(f"chain {i} has {len(chain)} stages, more than {MAX_CHAIN_STAGES}")
         for stage in chain:
             if not isinstance(stage, dict) or not isinstance(stage.get("name"), str) \
                     or not _CODEC_NAME.fullmatch(stage["name"]):
                 raise _fail(f"chain {i} has a stage without a valid versioned name: {stage!r:.80}")
+        names = [stage["name"] for stage in chain]
+        if len(set(names)) != len(names):
+            raise _fail(f"chain {i} names a stage twice: {'+'.join(names)!r:.200}")
+        for position, stage in enumerate(chain):
+            if stage["name"] != BYTE_PLANES:
+                continue
+            width = stage.get("width")
+            if position == len(chain) - 1:
+                raise _fail(f"chain {i}: {BYTE_PLANES} is a transform and must be followed by a codec")
+            if not isinstance(width, int) or isinstance(width, bool) or width not in PLANE_WIDTHS:
+                raise _fail(f"chain {i}: {BYTE_PLANES} width must be one of {PLANE_WIDTHS}, "
+                            f"got {width!r:.40}")
         chains.append(chain)
     return chains
 
@@ -314,10 +347,14 @@ def _parse_tensors(raw: Any, chunks: list[ChunkRecord]) -> list[TensorRecord]:
             if "segments" in entry:
                 raise _fail("a tensor has either segments or an alias, not both", key=key)
             target = _int(entry["alias"], f"tensor {key!r} alias", 0, max(i, 1))
-            if target >= i or tensors[target].alias is not None \
-                    or (tensors[target].dtype, tensors[target].shape) != (dtype, shape):
-                raise _fail(f"alias {target} must name an earlier tensor of the same dtype and shape",
+            if target >= i or tensors[target].alias is not None:
+                raise _fail(f"alias {target} must name an earlier tensor record that is not an alias",
                             key=key)
+            # the same kind too: a reader restores an alias as its target's object (§6.7)
+            source = tensors[target]
+            if (source.kind, source.dtype, source.shape) != (kind, dtype, shape):
+                raise _fail(f"alias {target} names a {source.kind} {source.dtype}{list(source.shape)} "
+                            f"array but this record is a {kind} {dtype}{list(shape)} one", key=key)
             record.alias = target
         else:
             record.segments = _parse_segments(entry.get("segments"), chunks, key, nbytes, i, coverage)

@@ -4,7 +4,14 @@ Atomicity: a save writes to a temporary file in the target's directory, fsyncs i
 over the target (``os.replace``, atomic on POSIX) and fsyncs the directory, so the target path
 always holds either the previous complete checkpoint or the new complete one. A crash leaves at
 most a temporary file named ``.<target>.gdsckpt-tmp-*``, which readers never open and the next
-save to the same target removes (``remove_stale_temporaries``).
+save to the same target removes (``remove_stale_temporaries``). Where that name would exceed the
+file system's NAME_MAX (a legal target name of 230-255 bytes), the target part is shortened and a
+digest of the full name keeps it distinct (``temporary_prefix``).
+
+Only regular files are read: ``open_regular`` opens without blocking (a FIFO named like a
+checkpoint would otherwise stall the reader until some process writes to it) and refuses anything
+that is not a regular file, and ``read_small_file`` reads a pointer or metadata file with a size
+cap (``latest`` symlinked to ``/dev/zero`` or to a huge file is refused, not read whole).
 
 O_DIRECT: used where the filesystem accepts it (not tmpfs) and the buffer, offset and length are
 4 KiB aligned, which the pipeline guarantees for chunk payloads. It skips the page cache, which on
@@ -14,44 +21,138 @@ the measured hosts nearly doubles durable write throughput (1.9 vs 1.0 GB/s).
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import secrets
-from concurrent.futures import Future, ThreadPoolExecutor
+import stat
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..format.layout import ALIGNMENT
 from .base import StorageReader, StorageWriter
+from .pools import DRAIN_TIMEOUT, Lane
 
 TEMP_MARKER = ".gdsckpt-tmp-"
 
 
+NAME_MAX = 255
+"""Longest file name (bytes) the supported file systems (ext4, xfs, tmpfs, Lustre, GPFS) take."""
+
+_SUFFIX_ROOM = 24
+"""Bytes a temporary name needs after its prefix: the writer's pid (up to 10 digits), "-", 8 hex."""
+
+_DIGEST_CHARS = 16
+
+
+def temporary_prefix(target: Path) -> str:
+    """What every temporary name of ``target`` starts with: ``.<target name>.gdsckpt-tmp-``, or,
+    where that leaves no room for the pid and random suffix within ``NAME_MAX``,
+    ``.<head of the name>~<digest of the whole name>.gdsckpt-tmp-``, so a long target name still
+    gets a temporary of its own that the next save recognizes."""
+    prefix = f".{target.name}{TEMP_MARKER}"
+    if len(os.fsencode(prefix)) + _SUFFIX_ROOM <= NAME_MAX:
+        return prefix
+    digest = hashlib.sha256(os.fsencode(target.name)).hexdigest()[:_DIGEST_CHARS]
+    head = target.name
+    room = NAME_MAX - _SUFFIX_ROOM - len(os.fsencode(f".~{digest}{TEMP_MARKER}"))
+    while len(os.fsencode(head)) > room:  # by characters, so a multi-byte one is never split
+        head = head[:-1]
+    return f".{head}~{digest}{TEMP_MARKER}"
+
+
 def temporary_path(target: Path) -> Path:
-    """A fresh temporary path beside ``target`` (same directory, so the rename is atomic)."""
-    return target.with_name(f".{target.name}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
+    """A fresh temporary path beside ``target`` (same directory, so the rename is atomic), its
+    name within ``NAME_MAX``."""
+    return target.with_name(f"{temporary_prefix(target)}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def temporary_target(name: str) -> tuple[str, bool] | None:
+    """For the name of a temporary file: (the target name it was made for, False), or (the head
+    of that name, True) where ``temporary_prefix`` shortened it; None for any other name."""
+    if not name.startswith(".") or TEMP_MARKER not in name:
+        return None
+    shown = name[1:name.index(TEMP_MARKER)]
+    head, tilde, digest = shown.rpartition("~")
+    if tilde and len(digest) == _DIGEST_CHARS and all(c in "0123456789abcdef" for c in digest):
+        return head, True
+    return shown, False
 
 
 def remove_stale_temporaries(target: Path) -> list[Path]:
     """Remove temporaries of earlier saves to ``target`` whose writing process no longer exists."""
-    removed = []
-    prefix = f".{target.name}{TEMP_MARKER}"
+    prefix = temporary_prefix(target)
     try:
         candidates = [p for p in target.parent.iterdir() if p.name.startswith(prefix)]
     except OSError:
-        return removed
-    for path in candidates:
-        pid_text = path.name[len(prefix):].split("-", 1)[0]
-        if pid_text.isdigit() and _process_alive(int(pid_text)):
-            continue
-        try:
-            path.unlink()
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
+        return []
+    return [path for path in candidates if remove_if_stale(path)]
+
+
+def remove_if_stale(path: Path) -> bool:
+    """Remove the temporary file ``path`` if the process that wrote it no longer exists (its pid
+    follows the marker in the name); whether it was removed. Never opens it."""
+    pid_text = path.name[path.name.index(TEMP_MARKER) + len(TEMP_MARKER):].split("-", 1)[0]
+    if pid_text.isdigit() and _process_alive(int(pid_text)):
+        return False
+    try:
+        path.unlink()
+    except OSError:
+        return False
+    return True
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY) -> int:
+    """Open ``path`` (``flags``: read-only by default) and return the descriptor, only if it is a
+    regular file (a symlink to one is). Opening never blocks: a FIFO is opened with ``O_NONBLOCK``,
+    found not to be a regular file and closed. Raises ``UnsupportedFormatError`` (a checkpoint
+    error: the path holds no checkpoint) for anything else, ``OSError`` as ``os.open`` does."""
+    fd = os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+            raise UnsupportedFormatError(
+                f"{str(path)!r} is {kind}, not a regular file: it holds no checkpoint"
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _same_file(fd_a: int, fd_b: int) -> bool:
+    a, b = os.fstat(fd_a), os.fstat(fd_b)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def read_small_file(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The whole content of the regular file ``path`` (``open_regular``), which must hold at most
+    ``limit`` bytes; ``CorruptCheckpointError`` if it holds more (at most ``limit + 1`` bytes are
+    read, whatever the file's size)."""
+    fd = open_regular(path)
+    try:
+        parts = []
+        left = limit + 1
+        while left > 0 and (part := os.read(fd, left)):
+            parts.append(part)
+            left -= len(part)
+    finally:
+        os.close(fd)
+    data = b"".join(parts)
+    if len(data) > limit:
+        raise CorruptCheckpointError(
+            f"{str(path)!r} holds more than the {limit} bytes a reader accepts there"
+        )
+    return data
 
 
 def _process_alive(pid: int) -> bool:
@@ -108,12 +209,17 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
 
 
 class PosixWriter(StorageWriter):
-    """Writes a checkpoint to ``target`` through a temporary file and an atomic rename."""
+    """Writes a checkpoint to ``target`` through a temporary file and an atomic rename, at most
+    ``threads`` writes at once on the process's shared I/O threads. ``timeout``: seconds
+    ``commit`` and ``abort`` wait for writes still running."""
 
     def __init__(self, target: str | os.PathLike[str], *, threads: int = 8, o_direct: bool | str = "auto",
-                 fsync: bool = True):
+                 fsync: bool = True, timeout: float = DRAIN_TIMEOUT):
         self.target = Path(target)
         self.fsync = fsync
+        self.timeout = timeout
+        # Before any file is touched: failing to start an I/O thread leaves the directory as it was.
+        self._lane = Lane("io", threads)
         remove_stale_temporaries(self.target)
         self.temp = temporary_path(self.target)
         self._fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -126,7 +232,6 @@ class PosixWriter(StorageWriter):
                     self.abort()
                     raise
         self.name = "posix+odirect" if self._direct_fd is not None else "posix"
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="gdsckpt-write")
         self._closed = False
         self.keep_temporary = False
         """When True, ``commit`` makes the temporary file durable and leaves the rename over the
@@ -136,7 +241,7 @@ class PosixWriter(StorageWriter):
         fd = self._fd
         if self._direct_fd is not None and isinstance(data, np.ndarray) and _is_aligned(data, offset):
             fd = self._direct_fd
-        return self._pool.submit(self._write, fd, data, offset)
+        return self._lane.submit(self._write, fd, data, offset)
 
     def _write(self, fd: int, data: Any, offset: int) -> None:
         try:
@@ -152,7 +257,8 @@ class PosixWriter(StorageWriter):
         os.ftruncate(self._fd, offset + len(data))
 
     def commit(self) -> None:
-        self._pool.shutdown(wait=True)
+        if not self._lane.close(self.timeout):
+            raise TimeoutError(f"writes to {str(self.temp)!r} still running after {self.timeout} s")
         if self.fsync:
             os.fsync(self._fd)
         self._close_fds()
@@ -166,8 +272,10 @@ class PosixWriter(StorageWriter):
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._close_fds()
+        if self._lane.close(self.timeout):
+            self._close_fds()
+        # else a write still running keeps its descriptor: closing it could let the number be
+        # reused by another file while the write goes on.
         try:
             self.temp.unlink()
         except OSError:
@@ -185,23 +293,32 @@ class PosixWriter(StorageWriter):
 
 
 class PosixReader(StorageReader):
-    """Positional reads from a thread pool into caller-provided host arrays."""
+    """Positional reads into caller-provided host arrays, at most ``threads`` at once on the
+    process's shared I/O threads. ``timeout``: seconds ``close`` waits for reads still running."""
 
     name = "posix"
 
-    def __init__(self, path: str | os.PathLike[str], *, threads: int = 8, o_direct: bool | str = False):
+    def __init__(self, path: str | os.PathLike[str], *, threads: int = 8, o_direct: bool | str = False,
+                 timeout: float = DRAIN_TIMEOUT):
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.timeout = timeout
+        self._lane = Lane("io", threads)  # first: a thread that cannot start leaves no open file
+        self._fd = open_regular(self.path)
         self.size = os.fstat(self._fd).st_size
         self._direct_fd: int | None = None
         if o_direct and hasattr(os, "O_DIRECT"):
             try:
-                self._direct_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+                self._direct_fd = open_regular(self.path, os.O_RDONLY | os.O_DIRECT)
             except OSError:
                 if o_direct is True:
                     self.close()
                     raise
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="gdsckpt-read")
+            except UnsupportedFormatError:  # replaced by a non-file since the first open
+                pass
+            if self._direct_fd is not None and not _same_file(self._fd, self._direct_fd):
+                # A save renamed a new file over the path between the two opens: read one file only.
+                os.close(self._direct_fd)
+                self._direct_fd = None
 
     def read(self, offset: int, length: int) -> bytes:
         out = np.empty(length, dtype=np.uint8)
@@ -210,7 +327,7 @@ class PosixReader(StorageReader):
 
     def submit_read(self, offset: int, out: np.ndarray) -> Future[np.ndarray]:
         fd = self._direct_fd if self._direct_fd is not None and _is_aligned(out, offset) else self._fd
-        return self._pool.submit(self._read_into, fd, offset, out)
+        return self._lane.submit(self._read_into, fd, offset, out)
 
     def _read_into(self, fd: int, offset: int, out: np.ndarray) -> np.ndarray:
         view = memoryview(out).cast("B")
@@ -226,7 +343,10 @@ class PosixReader(StorageReader):
         return out
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if not self._lane.close(self.timeout):
+            # A read still running keeps its descriptor (closing it could let the number be
+            # reused by another file) and may still fill its buffer, maybe the caller's tensor.
+            raise TimeoutError(f"reads of {str(self.path)!r} still running {self.timeout} s after close")
         for fd in (self._direct_fd, self._fd):
             if fd is not None and fd >= 0:
                 try:

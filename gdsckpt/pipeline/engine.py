@@ -9,12 +9,15 @@ returns ``EncodedChunk`` payloads in a buffer kind the storage writer it is pair
 
 from __future__ import annotations
 
+import re
 import threading
+import zlib
 from abc import ABC, abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import lz4.block
 import numpy as np
 import zstandard
 
@@ -24,6 +27,7 @@ from ..errors import CorruptCheckpointError
 from ..format import align_up, checksum
 from ..format.index import ChunkRecord
 from ..io.base import aligned_empty
+from ..io.pools import DRAIN_TIMEOUT, Lane
 from .plan import ArraySource, ChunkPlan
 
 NONE_CHAIN = Chain.of({"name": "none/1"})
@@ -126,18 +130,21 @@ class _PlanesZstd(ZstdCodec):
 
 
 class HostEngine(Engine):
-    """Runs chains on a CPU thread pool (zstd, LZ4 and zlib release the GIL while they work)."""
+    """Runs chains on the process's shared codec threads, at most ``threads`` chunks at once
+    (zstd, LZ4 and zlib release the GIL while they work). ``timeout``: seconds any wait of the
+    engine's own may take (a chunk's wait for its group's byte-planes decision, ``close``)."""
 
     name = "cpu"
 
     def __init__(self, sources: list[ArraySource], *, codec: str, byte_planes: str, threads: int,
-                 level: int | None = None):
+                 level: int | None = None, timeout: float = DRAIN_TIMEOUT):
         self.sources = sources
         self.codec = make_host_codec(codec, level)
         # byte-planed chunks at the default zstd level get the compressor tuned for them
         self._planes_codec = _PlanesZstd() if codec == "zstd" and level is None else self.codec
         self.byte_planes = byte_planes
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="gdsckpt-codec")
+        self.timeout = timeout
+        self._lane = Lane("codec", threads)
         self._decisions: dict[int, Future[bool]] = {}
         self._decisions_lock = threading.Lock()
         self._codecs: dict[str, Codec] = {}
@@ -145,7 +152,7 @@ class HostEngine(Engine):
     # -- save ------------------------------------------------------------------------------
     def submit_encode(self, chunk: ChunkPlan) -> Future[EncodedChunk]:
         decision, owner = self._decision_for(chunk)
-        return self._pool.submit(self._encode, chunk, decision, owner)
+        return self._lane.submit(self._encode, chunk, decision, owner)
 
     def _decision_for(self, chunk: ChunkPlan) -> tuple[Future[bool], bool]:
         """The shared future deciding byte planes for the chunk's group; True if this chunk owns it."""
@@ -185,9 +192,9 @@ class HostEngine(Engine):
             except BaseException as err:
                 decision.set_exception(err)
                 raise
-        # The owner of a group is submitted before the group's other chunks and the pool is FIFO,
-        # so this wait never blocks on a task that has not started.
-        use_planes = decision.result()
+        # The owner of a group is submitted before the group's other chunks and the lane starts
+        # tasks in order, so this wait never blocks on a task that has not started.
+        use_planes = decision.result(timeout=self.timeout)
         if use_planes:
             encoded = self._planes_codec.encode(BYTE_PLANES.forward(raw, params))
         else:
@@ -207,7 +214,7 @@ class HostEngine(Engine):
     # -- restore ---------------------------------------------------------------------------
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
                       deliver: Callable[[Any], None]) -> Future[None]:
-        return self._pool.submit(self._decode, record, chain, stored, deliver)
+        return self._lane.submit(self._decode, record, chain, stored, deliver)
 
     def _codec(self, name: str) -> Codec:
         codec = self._codecs.get(name)
@@ -220,12 +227,39 @@ class HostEngine(Engine):
         deliver(decode_host_chunk(record, chain, stored, self._codec))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        # Chunks not started are cancelled; running ones read sources and write targets the
+        # caller owns again once this returns, so they are waited for (bounded).
+        if not self._lane.close(self.timeout):
+            raise TimeoutError(f"codec tasks still running {self.timeout} s after the engine was closed")
+
+
+CORRUPT_STREAM_ERRORS: tuple[type[Exception], ...] = (
+    zstandard.ZstdError,
+    lz4.block.LZ4BlockError,
+    zlib.error,
+)
+"""What the codec libraries raise for a stream they cannot decode (python-zstandard also for an
+allocation failure inside zstd, which ``_is_allocation_failure`` tells apart)."""
+_ALLOCATION_FAILURE = re.compile(r"memory allocation|not enough memory|insufficient memory|^Error -4 ")
+"""How an allocation failure reads in those errors: zstd's ``memory_allocation`` error ("Allocation
+error : not enough memory"), zlib's ``Z_MEM_ERROR`` (-4, "insufficient memory")."""
+
+
+def _is_allocation_failure(err: BaseException) -> bool:
+    """Whether a codec library's error reports that memory ran out rather than a corrupt stream."""
+    return bool(_ALLOCATION_FAILURE.search(str(err)))
 
 
 def decode_host_chunk(record: ChunkRecord, chain: list[dict[str, Any]], stored: np.ndarray,
                       codec_for: Callable[[str], Codec]) -> np.ndarray:
-    """Verify and decode one chunk on the host; returns its raw bytes as a uint8 array."""
+    """Verify and decode one chunk on the host; returns its raw bytes as a uint8 array.
+
+    Raises ``CorruptCheckpointError`` only on proof of damage: a checksum mismatch, a stream the
+    codec library rejects as corrupt, a size or stage parameter that does not fit the chunk.
+    Running out of memory (``MemoryError``), interruption and every other error propagate as
+    themselves, so that ``CheckpointManager.restore_latest`` stops instead of passing over an
+    intact checkpoint.
+    """
     body = stored[: record.stored]
     if checksum(body) != record.crc:
         raise CorruptCheckpointError("chunk checksum mismatch")
@@ -237,12 +271,16 @@ def decode_host_chunk(record: ChunkRecord, chain: list[dict[str, Any]], stored: 
                 data = planes_inverse(data, stage.get("width"))
             else:
                 data = transform(stage["name"]).inverse(data, stage)
-    except (ValueError, RuntimeError, MemoryError) as err:
+    except ValueError as err:
+        # The codecs and transforms raise ValueError for a stream or a stage parameter that does
+        # not fit the chunk (a wrong size, a width that does not divide it): proof of damage.
         raise CorruptCheckpointError(f"chunk does not decode ({err})") from err
-    except Exception as err:  # each library raises its own error type for a corrupt stream
-        if type(err).__module__.split(".")[0] in ("zstandard", "lz4", "zlib"):
-            raise CorruptCheckpointError(f"chunk does not decode ({err})") from err
-        raise
+    except CORRUPT_STREAM_ERRORS as err:
+        if _is_allocation_failure(err):
+            raise MemoryError(f"out of memory decoding a chunk ({err})") from err
+        raise CorruptCheckpointError(f"chunk does not decode ({err})") from err
+    # Anything else (MemoryError, KeyboardInterrupt, OSError, RuntimeError, ...) is not proof that
+    # the file is damaged and propagates as itself: a restore must stop, not skip a good file.
     if data.nbytes != record.raw:
         raise CorruptCheckpointError(f"chunk decoded to {data.nbytes} bytes, expected {record.raw}")
     return data

@@ -10,6 +10,8 @@ to the destination arrays. Only the chunks that hold the wanted arrays are read.
 Direct reads: on the CPU engine, a chunk stored as ``none/1`` whose raw bytes all go to one
 contiguous range of host memory (``target.host_view``) is read straight into that memory; the
 engine then checks its CRC-32C there (``none/1`` decodes without copying) and nothing is copied.
+A target whose host memory overlaps another target's gets no direct reads: another read could
+write that memory between the read and the check of its CRC.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 import hashlib
-from typing import Any, Callable
+from operator import itemgetter
+from typing import Any, Callable, NoReturn
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import (
@@ -125,19 +128,56 @@ def _direct_destinations(index: Index, engine: Engine, targets: dict[int, ArrayT
     read buffers)."""
     if engine.name != "cpu":
         return {}
-    direct: dict[int, Any] = {}
+    candidates: list[tuple[int, Delivery]] = []
     for chunk, wanted in deliveries.items():
         record = index.chunks[chunk]
         if len(wanted) != 1 or index.chains[record.chain] != NONE_CHAIN or record.stored != record.raw:
             continue
-        array_id, raw_offset, length, position = wanted[0]
-        if raw_offset != 0 or length != record.raw or length == 0:
+        if wanted[0][1] == 0 and wanted[0][2] == record.raw != 0:
+            candidates.append((chunk, wanted[0]))
+    shared = _targets_sharing_memory(targets) if candidates else set()
+    direct: dict[int, Any] = {}
+    for chunk, (array_id, _raw_offset, length, position) in candidates:
+        if array_id in shared:
             continue
         host_view = getattr(targets[array_id], "host_view", None)
         view = host_view(position, position + length) if host_view is not None else None
         if view is not None and view.nbytes == length:
             direct[chunk] = view
     return direct
+
+
+def _targets_sharing_memory(targets: dict[int, ArrayTarget]) -> set[int]:
+    """Ids of the targets whose host memory (``host_span``) overlaps another's. The targets
+    without one offer no host view either (a delta's ``XorTarget``, ``CupyTarget``); the memory
+    they write is their own, as ``load_into`` never restores tensors sharing memory together."""
+    if len(targets) < 2:
+        return set()
+    spans: dict[int, tuple[int, int, int]] = {}
+    for array_id, target in targets.items():
+        host_span = getattr(target, "host_span", None)
+        span = host_span() if host_span is not None else None
+        if span is not None:
+            spans[array_id] = (-1, *span)  # host memory: one address space
+    return overlapping(spans)
+
+
+def overlapping(spans: dict[Any, tuple[int, int, int]]) -> set[Any]:
+    """The keys whose span ``(memory space, first byte address, end address)`` overlaps another
+    key's span in the same space (spans that merely touch do not overlap); O(n log n).
+
+    Sorted by start, a span overlaps an earlier one exactly when it starts before the furthest
+    end reached so far, and then it overlaps the span that reached it too."""
+    found: set[Any] = set()
+    furthest: tuple[Any, int, int] | None = None  # (key, space, end) of the furthest-reaching span
+    for key, (space, start, stop) in sorted(spans.items(), key=itemgetter(1)):
+        if start >= stop:
+            continue
+        if furthest is not None and furthest[1] == space and start < furthest[2]:
+            found.update((key, furthest[0]))
+        if furthest is None or furthest[1] != space or stop > furthest[2]:
+            furthest = (key, space, stop)
+    return found
 
 
 def _already_in_place(raw: Any) -> None:
@@ -184,12 +224,20 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
                                    f"{chunk_owner(index, chunk)!r}): {err}")
         return err
 
+    def reraise(chunk: int, err: BaseException) -> NoReturn:
+        """Raise ``named(chunk, err)``; an error passed through unchanged (MemoryError,
+        KeyboardInterrupt, ...) is raised as it was, not as its own cause."""
+        renamed = named(chunk, err)
+        if renamed is err:
+            raise err
+        raise renamed from err
+
     def start_decode() -> None:
         chunk, future, buffer = reads.popleft()
         try:
             future.result(timeout=timeout)
         except BaseException as err:
-            raise named(chunk, err) from err
+            reraise(chunk, err)
         record = index.chunks[chunk]
         decodes.append((chunk, engine.submit_decode(record, index.chains[record.chain], buffer,
                                                     make_deliver(chunk)), _cost(record)))
@@ -201,7 +249,7 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             try:
                 future.result(timeout=timeout)
             except BaseException as err:
-                raise named(chunk, err) from err
+                reraise(chunk, err)
             inflight -= cost
             raw_done += index.chunks[chunk].raw
             if progress is not None:

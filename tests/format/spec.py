@@ -301,6 +301,18 @@ def violations(doc: Any, index_offset: int) -> list[str]:
                                               and re.fullmatch(r"[a-z0-9_.\-]+/[0-9]+", s["name"])
                                               for s in c) for c in chains):
         return problems + ["chains"]
+    plane_widths = []  # per chain: the byteplanes/1 width a chunk's raw length is a multiple of
+    for chain in chains:
+        names = [stage["name"] for stage in chain]
+        if len(chain) > 8 or len(set(names)) != len(names):
+            return problems + ["chain length or repeated stage"]
+        width = 1
+        for position, stage in enumerate(chain):
+            if stage["name"] == "byteplanes/1":
+                width = stage.get("width")
+                if position == len(chain) - 1 or not _is_int(width) or width not in (2, 4, 8):
+                    return problems + ["byteplanes stage"]
+        plane_widths.append(width)
     chunks = doc.get("chunks")
     if not isinstance(chunks, list):
         return problems + ["chunks"]
@@ -315,6 +327,8 @@ def violations(doc: Any, index_offset: int) -> list[str]:
             problems.append("chunk raw length")
         if not 0 <= crc < 1 << 32 or not 0 <= chain < len(chains):
             problems.append("chunk crc/chain")
+        elif raw % plane_widths[chain]:
+            problems.append("chunk raw length vs byte planes")
         previous_end = offset + stored
     if problems:
         return problems
@@ -342,6 +356,7 @@ def violations(doc: Any, index_offset: int) -> list[str]:
             target = record["alias"]
             if "segments" in record or not _is_int(target) or not 0 <= target < i \
                     or "alias" in tensors[target] or tensors[target]["dtype"] != record["dtype"] \
+                    or tensors[target]["kind"] != record["kind"] \
                     or tensors[target]["shape"] != shape:
                 return ["alias"]
             continue

@@ -59,6 +59,8 @@ def test_limits_match_library() -> None:
     assert index.MAX_EXPANSION == 65536 and "`raw <= 65536 * max(stored, 1)`" in DOC
     assert index.MAX_TENSOR_BYTES == 2 ** 60 and "<= 2^60" in DOC
     assert index.MAX_TREE_DEPTH == 512 and "no node's depth may exceed **512**" in DOC
+    assert index.MAX_CHAIN_STAGES == 8 and "A chain has at most **8** stages" in DOC
+    assert index.PLANE_WIDTHS == (2, 4, 8) and "one of 2, 4 or 8" in _section("### 9.2 `byteplanes/1`")
     assert layout.MAX_INDEX_BYTES == 2 ** 30 and "`index_length <= 2^30` (1 GiB)" in DOC
     assert index.TENSOR_KINDS == ("torch", "numpy", "cupy", "jax")
     assert index._CODEC_NAME.pattern == r"[a-z0-9_.\-]+/[0-9]+" and "`[a-z0-9_.\\-]+/[0-9]+`" in DOC

@@ -11,8 +11,9 @@ the stages and errnos it lacks, plus short and zero-byte writes.
 
 Loading: EIO reading a chunk, EIO reading the index, a file truncated while it is being loaded
 and short reads: a ``CheckpointError`` naming the chunk and the tensor (or an ``OSError`` with its
-errno, for the index), no state returned; short reads load bit-exact; ``restore_latest`` passes
-over a checkpoint with an unreadable chunk and restores the previous one.
+errno, for the index), no state returned; short reads load bit-exact; ``restore_latest`` raises
+the error for a checkpoint with an unreadable chunk (an I/O error is no proof of damage: the next
+read may succeed) and restores nothing older.
 
 Faults replace ``os.<function>`` (``gdsckpt.io.posix`` and ``gdsckpt.manager`` call the ``os``
 module) with a wrapper that fails only the calls a predicate selects; every other call runs.
@@ -32,7 +33,7 @@ from typing import Any
 import pytest
 
 import gdsckpt
-from gdsckpt import CheckpointManager, SkippedCheckpointWarning
+from gdsckpt import CheckpointManager
 from gdsckpt.format.layout import TRAILER_MAGIC, unpack_trailer
 from gdsckpt.io.posix import TEMP_MARKER
 from gdsckpt.pipeline.load import chunk_owner
@@ -349,22 +350,28 @@ def test_short_reads_load_bit_exact(ckpt_path: Path, saved: Any, monkeypatch: py
 
 
 @pytest.mark.parametrize("verify", [False, True])
-def test_restore_latest_passes_over_a_checkpoint_with_an_unreadable_chunk(
+def test_restore_latest_stops_on_a_checkpoint_with_an_unreadable_chunk(
         verify: bool, tmp_path: Path, config: gdsckpt.Config, monkeypatch: pytest.MonkeyPatch,
         h: Any) -> None:
-    """EIO reading a chunk of the newest checkpoint: ``restore_latest`` warns and restores the
-    previous one, as it does for a damaged chunk (an unreadable file is damage, manager.py)."""
+    """EIO reading a chunk of the newest checkpoint: ``restore_latest`` raises the
+    ``CheckpointError`` naming the chunk (its cause the ``OSError``), restores nothing older,
+    warns nothing and changes nothing on disk (an I/O error is no proof of damage, manager.py);
+    once the disk reads again, the newest step restores."""
     manager = CheckpointManager(tmp_path, keep_last=2, config=config)
     for step in (1, 2):
         manager.save(step, state_for(step, ELEMENTS))
     index = h.read_index(manager.path(2))
     chunk = len(index.chunks) // 2
     bad = _reads_at(index.chunks[chunk].offset, inode=manager.path(2).stat().st_ino)
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
     with monkeypatch.context() as m:
         fault = Fault("preadv", bad, errno.EIO).install(m)
-        with pytest.warns(SkippedCheckpointWarning, match=rf"step-0000000002.*chunk {chunk}.*Errno 5"):
-            step, everything = manager.restore_latest(verify=verify)  # type: ignore[misc]
-    assert fault.raised >= 1 and step == 1
-    h.assert_same(state_for(1, ELEMENTS), everything)
+        with pytest.raises(gdsckpt.CheckpointError, match=rf"chunk {chunk}.*Errno 5") as caught:
+            manager.restore_latest(verify=verify)  # a SkippedCheckpointWarning would fail the test
+    assert fault.raised >= 1 and isinstance(caught.value.__cause__, OSError)
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
+    step, everything = manager.restore_latest(verify=verify)  # type: ignore[misc]
+    assert step == 2
+    h.assert_same(state_for(2, ELEMENTS), everything)
     record_figure(f"restore_latest(verify={verify}) with EIO on the newest checkpoint",
-                  "SkippedCheckpointWarning naming the chunk, the previous step restored bit-exact")
+                  "the CheckpointError naming the chunk raised, nothing older restored")

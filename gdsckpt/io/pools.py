@@ -1,0 +1,200 @@
+"""Process-wide worker threads, started once and reused by every save, load and verify.
+
+Why not a ``ThreadPoolExecutor`` per operation: starting threads in every save fails under a
+tight address-space limit (``RLIMIT_AS``, ``ulimit -v``), and can hang. CPython's
+``Thread.start`` waits without a bound for the new thread to say it runs; a thread whose stack
+glibc hands out from its cache of exited threads' stacks, but which cannot map its first Python
+frame, dies of a ``MemoryError`` before it says so, and ``start`` never returns (Python 3.11: the
+second save of a process limited to the address space it had after the first blocked forever).
+So each pool starts its threads through ``_thread.start_new_thread`` with a handshake bounded by
+``START_TIMEOUT``, and keeps them for the life of the process.
+
+Each user (an engine, a writer, a reader) takes a ``Lane`` of a pool: a FIFO queue of its own
+with at most ``threads`` of its tasks running at once, the bound its own executor used to give
+it. A pool holds at least as many threads as its busy lanes together may run, so a lane never
+waits for a thread held by another: a delta save's codec task restores its base through lanes
+of the same pools and waits for them. Pools grow when busy lanes need more threads and never
+shrink; a child process made by ``fork`` starts with none (the parent's threads do not exist in
+it) and lanes made before the fork move to the child's pools on their next submit.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import queue
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable
+
+START_TIMEOUT = 30.0
+"""Seconds a new worker thread may take to report that it runs before the operation that needed
+it fails with ``RuntimeError`` (a healthy thread reports within a millisecond)."""
+DRAIN_TIMEOUT = 600.0
+"""Default seconds ``Lane.close`` waits for its running tasks (``Config.timeout``'s default)."""
+
+
+class WorkerPool:
+    """Daemon threads that run whatever ``Lane``s hand them; see the module docstring."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._reserved = 0
+
+    def reserve(self, threads: int) -> None:
+        """Make room for a busy lane of ``threads`` tasks, starting threads until every busy
+        lane's tasks can run at once. Raises ``RuntimeError`` (nothing reserved) if a thread
+        cannot be started."""
+        with self._lock:
+            self._reserved += threads
+            try:
+                while self._threads < self._reserved:
+                    self._start_worker()
+                    self._threads += 1
+            except BaseException:
+                self._reserved -= threads
+                raise
+
+    def release(self, threads: int) -> None:
+        """Give back a lane's reservation when it goes idle; the threads stay for the next."""
+        with self._lock:
+            self._reserved -= threads
+
+    def put(self, task: Callable[[], None]) -> None:
+        """Queue ``task`` for the next idle worker (callers stay within their reservation)."""
+        self._tasks.put(task)
+
+    def _start_worker(self) -> None:
+        started = threading.Event()
+        abandoned = threading.Event()
+
+        def run() -> None:
+            started.set()
+            if not abandoned.is_set():  # one that starts after the caller gave up on it just ends
+                self._work()
+
+        name = f"gdsckpt-{self.name} worker {self._threads + 1}"
+        try:
+            _thread.start_new_thread(run, ())
+        except (RuntimeError, MemoryError) as err:
+            raise RuntimeError(f"cannot start {name} ({err}); the process may be short of address "
+                               f"space (ulimit -v) or of threads (ulimit -u)") from err
+        if not started.wait(START_TIMEOUT):
+            abandoned.set()
+            raise RuntimeError(f"{name} did not start within {START_TIMEOUT} s; the process may be "
+                               f"short of address space (ulimit -v) for a thread's stack")
+
+    def _work(self) -> None:
+        while True:
+            # An idle worker waits for work as long as the process lives: this wait holds up no
+            # operation (each lane's caller bounds its own waits on its futures).
+            task = self._tasks.get()
+            try:
+                task()
+            except BaseException:  # noqa: BLE001, S110
+                # A lane delivers its tasks' errors through their futures; this only keeps the
+                # worker (which the pool counts on) alive should that bookkeeping itself fail.
+                pass
+
+
+_POOLS: dict[str, WorkerPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(name: str) -> WorkerPool:
+    """The process's pool called ``name`` (``"codec"``, ``"io"``), created on first use."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = WorkerPool(name)
+        return pool
+
+
+def _forget_pools_after_fork() -> None:
+    # The child has only the forking thread: the parent's workers, and any lock one of its
+    # threads held at the fork, must not be waited for there.
+    global _POOLS_LOCK
+    _POOLS_LOCK = threading.Lock()
+    _POOLS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pools_after_fork)
+
+
+class Lane:
+    """Runs its tasks on the shared pool ``pool_name`` in submission order, at most ``threads``
+    at once. ``submit`` never waits for a task; ``close`` cancels what has not started and
+    waits, bounded, for what has.
+
+    While it has tasks, a lane reserves ``threads`` threads of its pool (the first ``submit`` of
+    a burst may start them and raise ``RuntimeError``); an idle lane holds none, so an open but
+    idle reader costs no thread."""
+
+    def __init__(self, pool_name: str, threads: int):
+        self.pool_name = pool_name
+        self.threads = max(1, threads)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._running = 0
+        self._pool: WorkerPool | None = None
+        """The pool reserved from while tasks run; None while idle."""
+        self._pid = os.getpid()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` on the pool; its result or exception arrives through the future."""
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"submit to a closed {self.pool_name} lane")
+            if self._pid != os.getpid():
+                # Made before a fork: the tasks counted here belong to the parent's threads.
+                self._pid, self._pool, self._running = os.getpid(), None, 0
+                self._pending.clear()
+            if self._pool is None:
+                pool = shared_pool(self.pool_name)
+                pool.reserve(self.threads)
+                self._pool = pool
+            start_now = self._running < self.threads
+            if start_now:
+                self._running += 1
+            else:
+                self._pending.append((future, fn, args))
+            pool = self._pool
+        if start_now:
+            pool.put(lambda: self._run(future, fn, args))
+        return future
+
+    def _run(self, future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        # One worker runs the lane's next pending task when it finishes one, so the lane's tasks
+        # start in submission order (a codec task may wait for an earlier one's decision).
+        while True:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as err:  # noqa: BLE001 - delivered through the future
+                    future.set_exception(err)
+            with self._lock:
+                if not self._pending:
+                    self._running -= 1
+                    if self._running == 0 and self._pool is not None:
+                        self._pool.release(self.threads)
+                        self._pool = None
+                        self._idle.notify_all()
+                    return
+                future, fn, args = self._pending.popleft()
+
+    def close(self, timeout: float | None = DRAIN_TIMEOUT) -> bool:
+        """Cancel the tasks not started and wait up to ``timeout`` s for the running ones; True
+        when none runs any more."""
+        with self._lock:
+            self._closed = True
+            for future, _fn, _args in self._pending:
+                future.cancel()
+            self._pending.clear()
+            return self._idle.wait_for(lambda: self._running == 0, timeout)
