@@ -12,7 +12,7 @@ timeout 120 python3 benchmarks/gpu_probe.py > "$OUT/probe.json" 2> "$OUT/probe.e
 tail -c 3000 "$OUT/probe.json"; tail -5 "$OUT/probe.err"
 # The whole GPU suite in one process, then (only if that process crashed) each test in its own
 # process, so one native crash cannot hide the other results.
-timeout 420 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="--strict-markers" \
+timeout 420 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="--strict-markers -ra" \
   --timeout 120 > "$OUT/gpu-tests.log" 2>&1; rc=$?
 tail -25 "$OUT/gpu-tests.log"
 if [ $rc -gt 1 ]; then
