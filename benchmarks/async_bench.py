@@ -1,28 +1,30 @@
-"""Async-save benchmark (issue 4): how long a training loop is blocked per checkpoint, one run.
+"""Async-save benchmark: how long a training loop is blocked per checkpoint, and what checkpointing
+in the background costs its throughput, one run.
 
-Two parts, on one training state built as benchmarks/gpu_bench.py builds it (a gdsckpt.demo.TinyGPT
-trained ``--steps-before`` AdamW steps on random tokens; bf16 weights + fp32 master weights +
-exp_avg + exp_avg_sq):
+One training state (``benchlib.build_training``: a ``gdsckpt.demo.TinyGPT`` trained
+``--steps-before`` AdamW steps on random tokens; bf16 weights + fp32 master weights + exp_avg +
+exp_avg_sq), two parts:
 
 1. Blocked time. ``--rounds`` checkpoints of the same live state per method: ``torch.save`` (the
-   whole call, fsync of the file included), ``torch.distributed.checkpoint.async_save`` (the call
-   returning its future; with a new ``FileSystemWriter`` each time, and with one writer that caches
-   its staged copy in pinned memory), ``gdsckpt.save_async`` (the call returning its handle; default
-   ``Config`` and ``Config(snapshot_gpu_bytes=...)``, a device-memory snapshot; each also with
-   ``async_worker="process"``, the save in a worker process; ``prepare`` first). CUDA is
+   whole call, fsync included), ``torch.distributed.checkpoint.async_save`` (the call returning its
+   future; a new ``FileSystemWriter`` each time, and on CUDA one writer caching a pinned staged
+   copy), ``CheckpointManager.save_async`` (the call returning its handle) per gdsckpt variant:
+   the default ``Config``, ``snapshot_gpu_bytes`` large enough for a device-memory snapshot, each
+   with ``async_worker="process"`` too, and any ``--variant``; ``prepare`` first. CUDA is
    synchronized before each timer starts; each round is waited for (with a timeout) outside the
-   blocked time, and its completion time (call to durable on disk) is recorded too. Medians.
-2. Training throughput. ``--train-steps`` steps of ``gdsckpt.demo.train_steps`` without
-   checkpoints, then with a checkpoint every ``--every`` steps (``CheckpointManager.save_async``
-   of the live model + optimizer ``state_dict``; DCP ``async_save`` for comparison), then without
-   again; steps/s of each against the mean of the two runs without. Each method's checkpointing is
-   warmed up once (snapshot buffers allocated) before its timed loop.
+   blocked time and its completion (call to durable) recorded; each gdsckpt variant's file is
+   loaded back once and compared bit for bit. Medians.
+2. Training throughput. ``--train-steps`` steps without checkpoints, then with a checkpoint every
+   ``--every`` steps (``CheckpointManager.save_async`` of the live model + optimizer
+   ``state_dict``; DCP ``async_save`` for comparison), then without again; steps/s of each against
+   the mean of the two runs without. Each method is warmed up once before its timed loop.
 
-A method that fails is recorded in ``errors`` and the others go on; every wait has a timeout
-(``--timeout``). Writes JSON (host, date, versions, every figure, ``targets``) and prints a table.
+``limits``: blocked time against 1/3 of DCP async_save's and 2% of torch.save's, throughput against
+0.97 of the loop without checkpoints. A method that fails is recorded in ``errors`` and the others
+go on; every wait has a timeout (``--timeout``).
 
-    python3 benchmarks/async_bench.py --width 2560 --depth 8 --dir /root/gdsckpt-async-bench \\
-        --out async-bench.json
+    python3 benchmarks/async_bench.py --width 2560 --depth 8 --dir /root/async-bench --out async-bench.json
+    python3 benchmarks/async_bench.py --training-only --variant preset:@configs/async-training.toml
 """
 
 from __future__ import annotations
@@ -31,122 +33,37 @@ import argparse
 import concurrent.futures
 import dataclasses
 import faulthandler
-import json
 import os
-import platform
 import re
 import shutil
 import signal
 import statistics
 import sys
 import time
-import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+import benchlib
 import torch
-from gpu_bench import tensors  # benchmarks/ is on sys.path when this runs as a script
 
 import gdsckpt
-from gdsckpt.config import _coerce
-from gdsckpt.demo import TinyGPT, _durable_torch_save, train_steps
 
-TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError)
-BATCH, LENGTH, VOCAB, HEADS = 4, 128, 8192, 16  # as benchmarks/gpu_bench.py
+TIMEOUTS = ("TimeoutError",)
+median = benchlib.median
 
-# targets of issue 4
+# the limits each figure is reported next to
 BLOCKED_VS_DCP = 1 / 3
 BLOCKED_VS_TORCH_SAVE = 0.02
 THROUGHPUT_RATIO = 0.97
 
 
-# ---------------------------------------------------------------------------------------------
-# state
-
-def build_training(width: int, depth: int, steps: int, device: torch.device
-                   ) -> tuple[TinyGPT, torch.optim.Optimizer]:
-    """The model and AdamW optimizer of benchmarks/gpu_bench.py after ``steps`` steps."""
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=VOCAB, width=width, depth=depth, heads=HEADS, context=LENGTH).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    train_steps(model, optimizer, steps, seed=0, batch=BATCH, length=LENGTH)
-    sync(device)
-    return model, optimizer
-
-
-def mixed_precision_state(model: TinyGPT, optimizer: torch.optim.Optimizer) -> dict:
-    """gpu_bench.py's state layout, on the live tensors: bf16 weights (copies), fp32 master weights
-    (the parameters themselves), exp_avg and exp_avg_sq."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {"model": {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()},
-            "master": {n: p.detach() for n, p in model.named_parameters()},
-            "optimizer": {names[id(p)]: {k: v for k, v in s.items() if k != "step"}
-                          for p, s in optimizer.state.items()}}
-
-
-def live_state(model: TinyGPT, optimizer: torch.optim.Optimizer, step: int) -> dict:
-    """What a training loop checkpoints (README): the model's and optimizer's state_dict."""
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-
-
-def nbytes(state: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors(state) if isinstance(t, torch.Tensor))
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def sync(device: Any) -> None:
+    benchlib.sync(device.type)
 
 
 def remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-class Recorder:
-    """Runs each method with ``attempt``: a failure goes to ``errors`` (method -> message) and the
-    others go on; after each method the JSON so far is written to ``out`` (a run cut short by an
-    outer time limit keeps what it measured) and a progress line is printed."""
-
-    def __init__(self, results: dict, out: Path, skip: frozenset[str] = frozenset()):
-        self.results, self.out, self.skip = results, out, skip
-        self.errors: dict[str, str] = results.setdefault("errors", {})
-        self.seconds: dict[str, float] = results.setdefault("phase_seconds", {})
-        self.timed_out = False
-        self.started = time.perf_counter()
-
-    def attempt(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
-        if name in self.skip:
-            self.results.setdefault("skipped", {})[name] = "--skip"
-            return None
-        started = time.perf_counter()
-        try:
-            return fn(*args)
-        except Exception as err:  # noqa: BLE001 - one method failing must not lose the others
-            frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
-            where = f" (at {Path(frame.filename).name}:{frame.lineno})" if frame else ""
-            self.errors[name] = f"{type(err).__name__}: {err}{where}"
-            self.timed_out |= isinstance(err, TIMEOUTS)
-            return None
-        finally:
-            self.seconds[name] = time.perf_counter() - started
-            status = "failed" if name in self.errors else "done"
-            print(f"[{time.perf_counter() - self.started:7.1f} s] {name} {status} "
-                  f"({self.seconds[name]:.1f} s)", flush=True)
-            self.write()
-
-    def write(self) -> None:
-        self.out.write_text(json.dumps(self.results, indent=1, default=str))
+    benchlib.remove(path)
 
 
 def future_of(pending: Any) -> concurrent.futures.Future:
@@ -161,7 +78,7 @@ def wait_future(pending: Any, timeout: float) -> None:
 # ---------------------------------------------------------------------------------------------
 # part 1: blocked time per checkpoint
 
-def blocked_rounds(rounds: int, device: torch.device, start: Callable[[int], Any],
+def blocked_rounds(rounds: int, device: Any, start: Callable[[int], Any],
                    finish: Callable[[Any], dict | None], cleanup: Callable[[int], None]) -> dict:
     """``start(round)`` is the timed call; ``finish(pending)`` waits for completion (untimed as
     blocked) and may return extra figures; ``cleanup(round)`` deletes the round's files."""
@@ -186,8 +103,8 @@ def blocked_rounds(rounds: int, device: torch.device, start: Callable[[int], Any
     return out
 
 
-def bench_blocked(state: dict, directory: Path, args: argparse.Namespace, device: torch.device,
-                  configs: dict[str, Any], recorder: Recorder, skipped: dict) -> dict:
+def bench_blocked(state: dict, directory: Path, args: argparse.Namespace, device: Any,
+                  configs: dict[str, Any], report: benchlib.Report) -> dict:
     import torch.distributed.checkpoint as dcp
 
     results: dict[str, Any] = {}
@@ -197,30 +114,30 @@ def bench_blocked(state: dict, directory: Path, args: argparse.Namespace, device
         return directory / f"{method}-{index}{suffix}"
 
     def gdsckpt_method(name: str, config: Any) -> None:
-        def finish(handle: gdsckpt.SaveHandle) -> dict:
-            report = handle.wait(timeout=timeout)
-            return {"snapshot_seconds": handle.snapshot_seconds, "snapshot_bytes": handle.snapshot_bytes,
-                    "ratio": report.ratio, "codec": report.codec, "backend": report.backend}
+        # A manager per variant: its own snapshot pool and worker, prepared before the first
+        # checkpoint as a training loop would (buffers allocated, a worker process started).
+        manager = gdsckpt.CheckpointManager(directory / name, keep_last=1, config=config)
 
-        try:
-            started = time.perf_counter()
-            # As a training loop would (the docs say so): buffers allocated and, with
-            # async_worker="process", the worker started before the first checkpoint.
-            gdsckpt.async_save.prepare(state, config=config)
-            prepared = time.perf_counter() - started
-            results[name] = blocked_rounds(
-                args.rounds, device,
-                lambda i: gdsckpt.save_async(state, path(name, i, ".gdsckpt"), config=config),
-                finish, lambda i: remove(path(name, i, ".gdsckpt")))
-            results[name]["pool"] = dataclasses.asdict(gdsckpt.async_save.pool_stats())
-            results[name]["prepare_s"] = prepared
-        finally:
-            gdsckpt.async_save.clear_pool()
-            gdsckpt.async_save._default_saver.close_worker()
+        def finish(handle: gdsckpt.SaveHandle) -> dict:
+            saved = handle.wait(timeout=timeout)
+            if name not in report["checks"]:  # the state does not change between rounds
+                report.check(name, benchlib.differences(state, gdsckpt.load(saved.path, device=device.type)))
+            return {"snapshot_seconds": handle.snapshot_seconds, "snapshot_bytes": handle.snapshot_bytes,
+                    "ratio": saved.ratio, "codec": saved.codec, "backend": saved.backend}
+
+        started = time.perf_counter()
+        manager.prepare(state)
+        prepared = time.perf_counter() - started
+        results[name] = blocked_rounds(args.rounds, device, lambda i: manager.save_async(i, state), finish,
+                                       lambda i: None)
+        results[name]["pool"] = dataclasses.asdict(manager.pool_stats())
+        results[name]["prepare_s"] = prepared
+        manager.wait(timeout=timeout)
+        shutil.rmtree(directory / name, ignore_errors=True)
 
     for suffix, config in configs.items():
         name = f"gdsckpt_save_async{suffix}"
-        recorder.attempt(name, gdsckpt_method, name, config)
+        report.attempt(name, gdsckpt_method, name, config)
 
     def dcp_default() -> None:
         results["dcp_async_save"] = blocked_rounds(
@@ -238,15 +155,15 @@ def bench_blocked(state: dict, directory: Path, args: argparse.Namespace, device
             lambda pending: wait_future(pending, timeout),
             lambda i: remove(path("dcp-pinned", i)))
 
-    recorder.attempt("dcp_async_save", dcp_default)
+    report.attempt("dcp_async_save", dcp_default)
     if device.type == "cuda":
-        recorder.attempt("dcp_async_save_pinned", dcp_pinned)
+        report.attempt("dcp_async_save_pinned", dcp_pinned)
     else:
-        skipped["dcp_async_save_pinned"] = "pinned staging needs CUDA"
+        report["skipped"]["dcp_async_save_pinned"] = "pinned staging needs CUDA"
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    recorder.attempt("torch_save", lambda: results.__setitem__("torch_save", blocked_rounds(
-        args.rounds, device, lambda i: _durable_torch_save(state, path("torch", i, ".pt")),
+    report.attempt("torch_save", lambda: results.__setitem__("torch_save", blocked_rounds(
+        args.rounds, device, lambda i: benchlib.durable_torch_save(state, path("torch", i, ".pt")),
         lambda _pending: None, lambda i: remove(path("torch", i, ".pt")))))
     return results
 
@@ -254,7 +171,7 @@ def bench_blocked(state: dict, directory: Path, args: argparse.Namespace, device
 # ---------------------------------------------------------------------------------------------
 # part 2: training throughput
 
-def train_loop(model: TinyGPT, optimizer: torch.optim.Optimizer, total: int, every: int, device: torch.device,
+def train_loop(model: Any, optimizer: Any, total: int, every: int, device: Any,
                checkpoint: Callable[[int], None] | None = None) -> dict:
     """``total`` steps in runs of ``every`` (``train_steps``), ``checkpoint(step)`` after each run."""
     blocked = []
@@ -263,7 +180,7 @@ def train_loop(model: TinyGPT, optimizer: torch.optim.Optimizer, total: int, eve
     started = time.perf_counter()
     while step < total:
         count = min(every, total - step)
-        train_steps(model, optimizer, count, seed=1000 + step, batch=BATCH, length=LENGTH)
+        benchlib.train(model, optimizer, count, seed=1000 + step)
         step += count
         if checkpoint is not None and step % every == 0:
             call = time.perf_counter()
@@ -275,8 +192,8 @@ def train_loop(model: TinyGPT, optimizer: torch.optim.Optimizer, total: int, eve
             "blocked_s": blocked, "blocked_median_s": median(blocked)}
 
 
-def bench_training(model: TinyGPT, optimizer: torch.optim.Optimizer, directory: Path,
-                   args: argparse.Namespace, device: torch.device, configs: dict[str, Any], recorder: Recorder
+def bench_training(model: Any, optimizer: Any, directory: Path,
+                   args: argparse.Namespace, device: Any, configs: dict[str, Any], report: benchlib.Report
                    ) -> dict:
     import torch.distributed.checkpoint as dcp
 
@@ -291,10 +208,10 @@ def bench_training(model: TinyGPT, optimizer: torch.optim.Optimizer, directory: 
         manager = gdsckpt.CheckpointManager(where, keep_last=2, config=config)
         try:
             started = time.perf_counter()
-            manager.save_async(0, live_state(model, optimizer, 0)).wait(timeout=timeout)
+            manager.save_async(0, benchlib.live_state(model, optimizer, 0)).wait(timeout=timeout)
             warmup = time.perf_counter() - started
             handles: list[gdsckpt.SaveHandle] = []
-            run = loop(lambda step: handles.append(manager.save_async(step, live_state(model, optimizer, step))))
+            run = loop(lambda step: handles.append(manager.save_async(step, benchlib.live_state(model, optimizer, step))))
             started = time.perf_counter()
             manager.wait(timeout=timeout)
             run["final_wait_s"] = time.perf_counter() - started
@@ -307,7 +224,6 @@ def bench_training(model: TinyGPT, optimizer: torch.optim.Optimizer, directory: 
             run["steps_saved"] = manager.steps()
             results[name] = run
         finally:
-            manager._saver.close_worker()
             shutil.rmtree(where, ignore_errors=True)
 
     def with_dcp() -> None:
@@ -319,7 +235,7 @@ def bench_training(model: TinyGPT, optimizer: torch.optim.Optimizer, directory: 
             if pending:  # one save in flight at a time, as gdsckpt's max_inflight=1
                 pending[-1].result(timeout=timeout)
             paths.append(where / f"step-{step:010d}")
-            future = future_of(dcp.async_save(live_state(model, optimizer, step), checkpoint_id=str(paths[-1])))
+            future = future_of(dcp.async_save(benchlib.live_state(model, optimizer, step), checkpoint_id=str(paths[-1])))
             if len(paths) > 2:  # keep_last=2: drop the oldest once this one is complete, in the background
                 future.add_done_callback(lambda _f, old=paths[-3]: shutil.rmtree(old, ignore_errors=True))
             pending.append(future)
@@ -340,12 +256,12 @@ def bench_training(model: TinyGPT, optimizer: torch.optim.Optimizer, directory: 
         finally:
             shutil.rmtree(where, ignore_errors=True)
 
-    recorder.attempt("train_none", lambda: results.__setitem__("none", loop()))
+    report.attempt("train_none", lambda: results.__setitem__("none", loop()))
     for suffix, config in configs.items():
         name = f"gdsckpt_manager{suffix}"
-        recorder.attempt(f"train_{name}", with_manager, name, config)
-    recorder.attempt("train_dcp_async_save", with_dcp)
-    recorder.attempt("train_none_again", lambda: results.__setitem__("none_again", loop()))
+        report.attempt(f"train_{name}", with_manager, name, config)
+    report.attempt("train_dcp_async_save", with_dcp)
+    report.attempt("train_none_again", lambda: results.__setitem__("none_again", loop()))
     baselines = [results[k]["steps_per_s"] for k in ("none", "none_again") if k in results]
     if baselines:
         results["baseline_steps_per_s"] = statistics.mean(baselines)
@@ -374,7 +290,7 @@ def compare(ours: dict[str, float], reference: float | None, limit: float, *, lo
             "met_default_config": defaults[0] if defaults else None}
 
 
-def targets(results: dict) -> dict:
+def targets(results: dict, device: str, logical: int) -> dict:
     blocked = results["blocked"]
     ours = {k: v["median_s"] for k, v in blocked.items() if k.startswith("gdsckpt")}
     dcp = blocked.get("dcp_async_save", {}).get("median_s")
@@ -394,8 +310,8 @@ def targets(results: dict) -> dict:
         **compare(steps, training.get("baseline_steps_per_s"), THROUGHPUT_RATIO, lower_is_better=False),
         "reference_method": "none (mean of the runs before and after)", "every": training["every"],
         "dcp_async_save_ratio": training.get("dcp_async_save", {}).get("ratio_to_baseline")}
-    out["conditions"] = {"device_cuda": results["device"] == "cuda",
-                         "state_ge_8GiB": results["logical_bytes"] >= 8 << 30, "every_is_100": training["every"] == 100}
+    out["conditions"] = {"device_cuda": device == "cuda",
+                         "state_ge_8GiB": logical >= 8 << 30, "every_is_100": training["every"] == 100}
     return out
 
 
@@ -404,10 +320,11 @@ def fmt(value: float | None, spec: str) -> str:
     return f"{'-':>{width}}" if value is None else format(value, spec)
 
 
-def print_table(results: dict) -> None:
-    gib = results.get("logical_bytes", 0) / 2**30
-    print(f"state {gib:.2f} GiB on {results['device']} ({results['gpu'] or 'no GPU'}), "
-          f"{results['rounds']} rounds, medians")
+def print_table(report: benchlib.Report) -> None:
+    results = report["results"]
+    gib = report["state"].get("logical_bytes", 0) / 2**30
+    print(f"state {gib:.2f} GiB on {report['device']} ({report['host']['gpu'] or 'no GPU'}), "
+          f"{report['args']['rounds']} rounds, medians")
     print(f"  {'method':34}{'blocked s':>11}{'to GPU idle':>12}{'complete s':>12}{'snapshot s':>12}")
     for name, row in results.get("blocked", {}).items():
         print(f"  {name:34}{fmt(row['median_s'], '11.4f')}{fmt(median(row['blocked_until_gpu_idle_s']), '12.4f')}"
@@ -420,25 +337,69 @@ def print_table(results: dict) -> None:
             print(f"  {name:34}{fmt(row['steps_per_s'], '11.3f')}{fmt(row.get('ratio_to_baseline'), '9.4f')}"
                   f"{row['checkpoints']:>7}{fmt(row['blocked_median_s'], '11.4f')}"
                   f"{fmt(row.get('final_wait_s'), '14.3f')}")
-    for name, target in results.get("targets", {}).items():
+    for name, target in report["limits"].items():
         if isinstance(target, dict) and "variants" in target:
             ratios = ", ".join(f"{k} {v['ratio']:.4f}" for k, v in target["variants"].items())
             print(f"target {name} (limit {target['limit']:.4f}): met={target['met']} "
                   f"(default config: {target['met_default_config']}); {ratios}")
-    for name, reason in results["skipped"].items():
-        print(f"skipped {name}: {reason}")
-    for name, error in results["errors"].items():
-        print(f"error {name}: {error[:300]}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=2560, help="2560 x depth 8: the 8.76 GiB state of issue 4")
+def configs_of(args: argparse.Namespace, report: benchlib.Report, logical: int) -> dict[str, Any]:
+    """gdsckpt variants: "" the default Config (from the environment; only the timeout is ours),
+    "_gpu_snapshot" a device-memory snapshot budget large enough for the whole state, "_process"
+    the same with the save in a worker process, and each ``--variant``."""
+    snapshot_bytes = args.snapshot_gpu_bytes or 2 * logical
+    configs = {}
+    for worker in args.workers:
+        suffix = "" if worker == "thread" else f"_{worker}"
+        base = gdsckpt.Config.from_env().replace(timeout=args.timeout)
+        try:
+            configs[suffix] = base if worker == "thread" else base.replace(async_worker=worker)
+            configs[f"{suffix}_gpu_snapshot"] = configs[suffix].replace(snapshot_gpu_bytes=snapshot_bytes)
+        except (TypeError, ValueError) as err:
+            report["skipped"][f"gdsckpt{suffix}"] = f"Config does not take this variant: {err}"
+    for spec in args.variant:
+        name, _, fields = spec.partition(":")
+        try:
+            configs[f"_{name}"] = benchlib.config_variant(fields).replace(timeout=args.timeout)
+        except (TypeError, ValueError, OSError) as err:
+            report["skipped"][f"gdsckpt_{name}"] = f"variant {spec!r}: {err}"
+    return configs
+
+
+def run(args: argparse.Namespace, device: Any, directory: Path, report: benchlib.Report) -> None:
+    built = report.attempt("build", benchlib.build_training, args.width, args.depth, args.steps_before, device.type)
+    if built is None:
+        return
+    model, optimizer = built
+    state = benchlib.mixed_precision_state(model, optimizer, copy=False)
+    logical = benchlib.logical_bytes(state)
+    report["state"] = benchlib.describe_state(state, width=args.width, depth=args.depth, steps=args.steps_before,
+                                              train_checkpoint_bytes=benchlib.logical_bytes(
+                                                  benchlib.live_state(model, optimizer, 0)))
+    benchlib.warm_up(directory, device.type)
+    configs = configs_of(args, report, logical)
+    report["results"]["configs"] = {f"gdsckpt{s}": benchlib.config_dict(c) for s, c in configs.items()}
+    if args.training_only:
+        report["results"]["blocked"] = {}
+        report["skipped"]["blocked"] = "--training-only"
+    else:
+        report["results"]["blocked"] = bench_blocked(state, directory, args, device, configs, report)
+    del state  # the bf16 copies; the training loop checkpoints model + optimizer state_dicts
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    report["results"]["training"] = bench_training(model, optimizer, directory, args, device, configs, report)
+    report["limits"] = targets(report["results"], device.type, logical)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--width", type=int, default=2560, help="2560 x depth 8: an 8.76 GiB state")
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--steps-before", type=int, default=50, help="training steps before the benchmark")
     parser.add_argument("--dir", default="/tmp/gdsckpt-async-bench")
     parser.add_argument("--out", default="async-bench.json")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if benchlib.cuda_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=3, help="checkpoints per method (blocked time)")
     parser.add_argument("--every", type=int, default=100, help="checkpoint every K training steps")
     parser.add_argument("--train-steps", type=int, default=300, help="steps per timed training loop")
@@ -447,105 +408,32 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any single wait may take")
     parser.add_argument("--workers", default="thread,process",
                         help="Config.async_worker values of the gdsckpt variants (thread: in the training process)")
-    parser.add_argument("--skip", default="", help="phases to leave out, as named in the progress lines "
-                        "(e.g. dcp_async_save_pinned,train_gdsckpt_manager_gpu_snapshot)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
-                        help="an extra gdsckpt variant ``_NAME``: the default Config with these fields, "
-                        "written as their GDSCKPT_* environment variables take them, or NAME:@FILE.toml, "
-                        "a config file (repeatable; e.g. cpu_process:engine=cpu,async_worker=process or "
-                        "preset:@configs/async-training.toml)")
-    parser.add_argument("--training-only", action="store_true",
-                        help="leave out part 1 (blocked time of single checkpoints)")
+                        help="an extra gdsckpt variant _NAME: the default Config with these fields (written as "
+                        "their GDSCKPT_* variables take them), or NAME:@FILE.toml (repeatable)")
+    parser.add_argument("--training-only", action="store_true", help="leave out part 1 (blocked time)")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck run shows where it is
     args.workers = [w for w in args.workers.split(",") if w]
     device = torch.device(args.device)
-    created = not Path(args.dir).exists()
-    directory = Path(args.dir) / f"run-{os.getpid()}"
-    directory.mkdir(parents=True)
-    results: dict[str, Any] = {
-        "benchmark": "async_bench", "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "device": device.type, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "python": platform.python_version(), "torch": torch.__version__, "gdsckpt": gdsckpt.__version__,
-        "cpu_count": os.cpu_count(), "width": args.width, "depth": args.depth, "steps_before": args.steps_before,
-        "rounds": args.rounds, "every": args.every, "train_steps": args.train_steps, "timeout": args.timeout,
-        "errors": {}, "skipped": {}}
-    recorder = Recorder(results, Path(args.out), frozenset(x for x in args.skip.split(",") if x))
-    try:
-        with warnings.catch_warnings():
-            # DCP without a process group warns "torch.distributed is disabled, unavailable or
-            # uninitialized, assuming the intent is to save in a single process": that is the intent.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            recorder.attempt("run", lambda: run(args, device, directory, results, recorder))
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-        if created:
-            try:
-                Path(args.dir).rmdir()
-            except OSError:
-                pass
-    recorder.write()
-    print_table(results)
-    print(f"wrote {args.out}", flush=True)
-    if recorder.timed_out:  # a save may still be running: do not wait for it at interpreter exit
+    report_of: list[benchlib.Report] = []
+
+    def whole(report: benchlib.Report, directory: Path) -> None:
+        report_of.append(report)
+        run(args, device, directory, report)
+
+    status = benchlib.run_benchmark("async_bench", args, whole, print_table)
+    report = report_of[0] if report_of else None
+    if report is None:
+        return status
+    if any(error.startswith(TIMEOUTS) for error in report["errors"].values()):
+        # a save may still be running: do not wait for it at interpreter exit
         print("a wait timed out; exiting without waiting for background saves", flush=True)
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(3)
-    if "run" in results["errors"]:
-        sys.exit(2)
-
-
-def run(args: argparse.Namespace, device: torch.device, directory: Path, results: dict, recorder: Recorder) -> None:
-    skipped = results["skipped"]
-    built = recorder.attempt("build", lambda: build_training(args.width, args.depth, args.steps_before, device))
-    if built is None:
-        raise RuntimeError("could not build the training state (errors['build'])")
-    model, optimizer = built
-    state = mixed_precision_state(model, optimizer)
-    results["logical_bytes"] = nbytes(state)
-    results["train_checkpoint_bytes"] = nbytes(live_state(model, optimizer, 0))
-    if device.type == "cuda":
-        from gdsckpt.pipeline.autotune import storage_gbps
-
-        # cached before timing, as in steady use (gdsckpt's codec="auto" on the GPU reads it)
-        results["storage_gbps_probe"] = recorder.attempt("storage_gbps", lambda: storage_gbps(directory))
-    snapshot_bytes = args.snapshot_gpu_bytes or 2 * results["logical_bytes"]
-    results["snapshot_gpu_bytes"] = snapshot_bytes
-    # gdsckpt variants: "" the default Config (from the environment; only the timeout is ours),
-    # "_gpu_snapshot" a device-memory snapshot budget large enough for the whole state
-    # "_process": the same with async_worker="process" (the save in a worker process)
-    configs = {}
-    for worker in args.workers:
-        suffix = "" if worker == "thread" else f"_{worker}"
-        base = gdsckpt.Config.from_env().replace(timeout=args.timeout)
-        try:
-            configs[suffix] = base if worker == "thread" else base.replace(async_worker=worker)
-            configs[f"{suffix}_gpu_snapshot"] = configs[suffix].replace(snapshot_gpu_bytes=snapshot_bytes)
-        except (TypeError, ValueError) as err:  # a gdsckpt without the field yet
-            skipped[f"gdsckpt{suffix}"] = f"Config does not take this variant: {err}"
-    for spec in args.variant:
-        name, _, fields = spec.partition(":")
-        base = gdsckpt.Config.from_env().replace(timeout=args.timeout)
-        try:
-            if fields.startswith("@"):  # a config file (a preset), applied over the environment
-                configs[f"_{name}"] = gdsckpt.Config.from_toml(fields[1:]).replace(timeout=args.timeout)
-                continue
-            changes = dict(field.split("=", 1) for field in fields.split(",") if field)
-            configs[f"_{name}"] = base.replace(**{k: _coerce(k, v) for k, v in changes.items()})
-        except (TypeError, ValueError) as err:
-            skipped[f"gdsckpt_{name}"] = f"variant {spec!r}: {err}"
-    results["configs"] = {f"gdsckpt{suffix}": dataclasses.asdict(c) for suffix, c in configs.items()}
-    if args.training_only:
-        results["blocked"] = {}
-        skipped["blocked"] = "--training-only"
-    else:
-        results["blocked"] = bench_blocked(state, directory, args, device, configs, recorder, skipped)
-    del state  # the bf16 copies; the training loop checkpoints model + optimizer state_dicts
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    results["training"] = bench_training(model, optimizer, directory, args, device, configs, recorder)
-    results["targets"] = targets(results)
+    return 2 if "run" in report["errors"] else status
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,22 +1,19 @@
-#!/usr/bin/env python3
 """DCP benchmark: torch.distributed.checkpoint save / load through gdsckpt's storage layer
 (``GdsStorageWriter`` / ``GdsStorageReader``) against DCP's own ``FileSystemWriter`` /
 ``FileSystemReader``, plain and with DCP's zstd extension, on one training state.
 
-The state is gpu_bench.py's (``build_state``: a ``gdsckpt.demo.TinyGPT`` trained ``--steps``
-AdamW steps; bf16 weights + fp32 master weights + exp_avg + exp_avg_sq), built on the GPU with
-``--device cuda``; with ``--device cpu`` the same layout is built on the CPU from
-``gdsckpt.demo.training_state``. Every method gets the same flat dict (gpu_bench's
-``flat_dict``, keys joined with "."), so the logical bytes are the same for all:
+The state is ``benchlib.build_state`` (a ``gdsckpt.demo.TinyGPT`` trained ``--steps`` AdamW
+steps; bf16 weights + fp32 master weights + exp_avg + exp_avg_sq) on ``--device``, flattened to
+one dict with keys joined by "." (DCP's own separator), so the logical bytes are the same for all:
 
 - ``gdsckpt_dcp[<codec>]``: ``dcp.save`` with ``GdsStorageWriter(codec=<codec>)`` (one per
   ``--codecs`` entry), ``dcp.load`` with ``GdsStorageReader``,
-- ``dcp_fs`` / ``dcp_fs_zstd``: gpu_bench's ``dcp_save`` (``FileSystemWriter(sync_files=True)``,
+- ``dcp_fs`` / ``dcp_fs_zstd``: ``dcp.save`` with ``FileSystemWriter(sync_files=True)``,
   without / with ``_extensions=[ZStandard()]``), ``dcp.load`` with ``FileSystemReader``.
 
 Writes are durable (the writers fsync inside the timing: ``sync_files=True``; gdsckpt fsyncs
 file and directory); reads are cold (every file of the checkpoint is fsynced and dropped from
-the page cache with posix_fadvise(DONTNEED) before the load, as gpu_bench.py does). Every load
+the page cache with posix_fadvise(DONTNEED) before the load). Every load
 goes into fresh zero tensors on the state's device and is compared bit for bit with the source.
 GB/s is logical tensor bytes (10**9) over wall seconds; ratio is logical bytes over the bytes of
 every file of the checkpoint directory.
@@ -25,8 +22,9 @@ First in this process, without a process group; then, for each ``--ranks`` entry
 spawned ranks (NCCL, rank r on cuda:r; gloo on the CPU) holding the same state sharded
 ``Shard(0)`` as DTensors: the aggregate GB/s is the global logical bytes over rank 0's time from
 the barrier before to the barrier after. N above the GPU count is recorded as skipped. One
-method's failure is recorded in ``errors`` and the run goes on. JSON goes to ``--out``; a short
-table is printed last.
+method's failure is recorded in ``errors`` and the run goes on. ``limits``: each gdsckpt layer's
+speeds as multiples of DCP's FileSystemWriter/Reader in the same run. JSON (benchlib's schema)
+goes to ``--out``; a short table is printed last.
 
     python3 benchmarks/dcp_bench.py --width 2560 --depth 8 --dir /root/dcp-bench --out dcp.json --ranks 1,2
     python3 benchmarks/dcp_bench.py --device cpu --width 64 --depth 1 --steps 1 --out dcp.json
@@ -42,59 +40,29 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-for _path in (BENCH.parent, BENCH):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
+import benchlib
 import torch
 import torch.distributed.checkpoint as dcp
-from cpu_bench import host_info
-from gpu_bench import build_state as gpu_state
-from gpu_bench import dcp_save as fs_save
-from gpu_bench import drop_cache, flat_dict
-from spawn_ranks import spawn_ranks
 
-import gdsckpt
 from gdsckpt.dcp import GdsStorageReader, GdsStorageWriter
-from gdsckpt.demo import bit_equal, training_state
-
-# Without a process group DCP warns on every call that it assumes a single process: it does here.
-warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
 
 PG_TIMEOUT = datetime.timedelta(seconds=120)
-VERSIONS = ("torch", "numpy", "zstandard", "lz4", "crc32c", "cupy-cuda13x", "cupy-cuda12x", "nvidia-nvcomp-cu13",
-            "nvidia-nvcomp-cu12", "kvikio-cu13", "kvikio-cu12")
 
 
 # ---------------------------------------------------------------------------------------------
 # state, timing, files
 
-def build_state(width: int, depth: int, steps: int, device: str) -> dict[str, Any]:
-    """gpu_bench's state on the current CUDA device; on the CPU the same layout (bf16 weights,
-    fp32 master weights, AdamW's exp_avg / exp_avg_sq) of a ``demo.training_state`` model."""
-    if device == "cuda":
-        return gpu_state(width, depth, steps)
-    model, optimizer = training_state(width=width, depth=depth, steps=steps, device=device, vocab=8192)
-    names = {id(p): n for n, p in model.named_parameters()}
-    params = dict(model.named_parameters())
-    return {"model": {n: p.detach().to(torch.bfloat16) for n, p in params.items()},
-            "master": {n: p.detach().clone() for n, p in params.items()},
-            "optimizer": {names[id(p)]: {k: v for k, v in s.items() if k != "step"}
-                          for p, s in optimizer.state.items()}}
-
-
 def dotted(state: dict[str, Any]) -> dict[str, Any]:
-    """gpu_bench's ``flat_dict`` with DCP's own separator, ``model.blocks.0.qkv.weight``: an FQN
-    holding "/" or "~" is escaped twice by ``GdsStorageWriter`` (its ``item_key``, then
-    ``gdsckpt.save``'s own key escaping), so ``GdsStorageReader`` does not find it."""
-    return {key.replace("/", "."): value for key, value in flat_dict(state).items()}
+    """The state as one flat dict with DCP's own separator, ``model.blocks.0.qkv.weight``."""
+    return benchlib.flatten(state, sep=".")[0]
+
+
+def build_state(width: int, depth: int, steps: int, device: str) -> dict[str, Any]:
+    return dotted(benchlib.build_state(width, depth, steps, device))
 
 
 def logical_bytes(flat: dict[str, Any]) -> int:
@@ -117,40 +85,18 @@ def release_gpu_memory() -> None:
         cupy.get_default_pinned_memory_pool().free_all_blocks()
 
 
-def _local(t: Any) -> Any:
-    return t.to_local() if hasattr(t, "to_local") else t
+def stored_codecs(path: Path) -> list[dict[str, Any]]:
+    """The codec chains of each gdsckpt file a checkpoint directory holds (one per rank file), so
+    the JSON says which engine wrote: nvcomp chains come from the GPU engine."""
+    import gdsckpt
 
-
-def files_of(path: Path) -> list[Path]:
-    return sorted(p for p in path.rglob("*") if p.is_file())
-
-
-def mismatches(loaded: dict[str, Any], source: dict[str, Any]) -> list[str]:
-    return [k for k, v in source.items() if not bit_equal(_local(loaded[k]), _local(v))]
-
-
-class EngineLog:
-    """Records the engine, backend and codec chains of each ``gdsckpt.save`` that
-    ``GdsStorageWriter`` runs (one per rank file), so the JSON says whether the GPU engine wrote."""
-
-    def __init__(self) -> None:
-        self.entries: list[dict[str, Any]] = []
-
-    def __enter__(self) -> None:
-        from gdsckpt import api
-
-        self._api, self._original = api, api.save
-
-        def spy(*args: Any, **kwargs: Any) -> Any:
-            report = self._original(*args, **kwargs)
-            self.entries.append({"file": Path(report.path).name, "engine": report.engine,
-                                 "backend": report.backend, "codec": report.codec, "chains": report.chains})
-            return report
-
-        api.save = spy
-
-    def __exit__(self, *exc: object) -> None:
-        self._api.save = self._original
+    found = []
+    for file in benchlib.files_of(path):
+        try:
+            found.append({"file": file.name, "codecs": gdsckpt.inspect(file).codecs})
+        except Exception:  # noqa: BLE001 - DCP's own metadata file is not a gdsckpt file
+            continue
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +114,12 @@ def gds_method(codec: str) -> tuple[Callable[[dict, Path], None], Callable[[dict
 
 def fs_method(zstd: bool) -> tuple[Callable[[dict, Path], None], Callable[[dict, Path], None]]:
     def save(flat: dict[str, Any], path: Path) -> None:
-        fs_save(flat, path, zstd=zstd)  # flat_dict of a flat dict is the same dict
+        kwargs: dict[str, Any] = {}
+        if zstd:
+            from torch.distributed.checkpoint._extension import ZStandard  # torch's, not gdsckpt's
+
+            kwargs["_extensions"] = [ZStandard()]
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True, **kwargs))
 
     def load(template: dict[str, Any], path: Path) -> None:
         dcp.load(template, storage_reader=dcp.FileSystemReader(str(path)))
@@ -194,7 +145,6 @@ def run_method(name: str, save: Callable, load: Callable, flat: dict[str, Any], 
     compare bit for bit, delete the files. ``barrier`` brackets each timed step (multi-rank);
     a failing step is recorded in ``errors`` under ``prefix/name/step``."""
     row: dict[str, Any] = {}
-    log = EngineLog()
 
     def timed(step: str, fn: Callable[[], None]) -> float | None:
         barrier()
@@ -213,26 +163,23 @@ def run_method(name: str, save: Callable, load: Callable, flat: dict[str, Any], 
         barrier()
         return seconds
 
-    with log:
-        seconds = timed("save", lambda: save(flat, path))
-    row["engines"] = log.entries
+    seconds = timed("save", lambda: save(flat, path))
     if seconds is not None:
         row["save_seconds"], row["save_gbps"] = seconds, logical / seconds / 1e9
         if coordinator:
-            files = files_of(path)
-            row["files"] = len(files)
-            row["disk_bytes"] = sum(f.stat().st_size for f in files)
+            row["files"] = len(benchlib.files_of(path))
+            row["disk_bytes"] = benchlib.disk_bytes(path)
             row["ratio"] = logical / row["disk_bytes"] if row["disk_bytes"] else None
-            for file in files:
-                drop_cache(file)
+            row["stored_codecs"] = stored_codecs(path)
+            benchlib.make_cold(path)
         template = {k: torch.zeros_like(v) for k, v in flat.items()}
         seconds = timed("load", lambda: load(template, path))
         if seconds is not None:
             row["load_seconds"], row["load_gbps"] = seconds, logical / seconds / 1e9
-            bad = mismatches(template, flat)
+            bad = benchlib.differences((flat, {}), (template, {}))
             row["bit_exact"] = not bad
             if bad:
-                errors[f"{prefix}/{name}/bit_exact"] = f"{len(bad)} tensors differ, e.g. {bad[:3]}"
+                errors[f"{prefix}/{name}/bit_exact"] = f"{len(bad)} differences, e.g. {bad[:3]}"
         del template
     barrier()
     if coordinator:
@@ -259,7 +206,7 @@ def _rank_main(rank: int, world: int, args: dict[str, Any], run_dir: str) -> Non
     report: dict[str, Any] = {"methods": {}, "errors": {}}
     try:
         mesh = DeviceMesh(device, torch.arange(world))
-        full = dotted(build_state(args["width"], args["depth"], args["steps"], device))
+        full = build_state(args["width"], args["depth"], args["steps"], device)
         report["logical_bytes"] = logical = logical_bytes(full)
         flat = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}  # rank 0's values
         del full
@@ -281,7 +228,7 @@ def run_ranks(world: int, args: argparse.Namespace, run_dir: Path, errors: dict[
     """Spawn ``world`` ranks, wait at most ``--timeout`` seconds, and merge their reports."""
     shared = {"device": args.device, "width": args.width, "depth": args.depth, "steps": args.steps,
               "codecs": args.codecs}
-    ending = spawn_ranks(_rank_main, (world, shared, str(run_dir)), world, args.timeout)
+    ending = benchlib.spawn_ranks(_rank_main, (world, shared, str(run_dir)), world, args.timeout)
     if ending is not None:
         errors[f"ranks{world}"] = ending
     reports = []
@@ -292,8 +239,7 @@ def run_ranks(world: int, args: argparse.Namespace, run_dir: Path, errors: dict[
         errors.update(report["errors"])
     out: dict[str, Any] = {"world": world, "backend": "nccl" if args.device == "cuda" else "gloo",
                            "logical_bytes": reports[0].get("logical_bytes"), "methods": reports[0]["methods"]}
-    for name, row in out["methods"].items():  # every rank's engines, every rank's verdict
-        row["engines"] = [e for report in reports for e in report["methods"].get(name, {}).get("engines", [])]
+    for name, row in out["methods"].items():  # every rank's verdict
         verdicts = [report["methods"].get(name, {}).get("bit_exact") for report in reports]
         if "bit_exact" in row:
             row["bit_exact"] = all(v is True for v in verdicts)
@@ -303,18 +249,8 @@ def run_ranks(world: int, args: argparse.Namespace, run_dir: Path, errors: dict[
 # ---------------------------------------------------------------------------------------------
 # main
 
-def versions() -> dict[str, str]:
-    found = {"gdsckpt": gdsckpt.__version__}
-    for name in VERSIONS:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
-
-
 def print_table(results: dict[str, Any]) -> None:
-    print(f"{'run':10}{'method':24}{'save GB/s':>10}{'load GB/s':>10}{'ratio':>8}  bit-exact  engine")
+    print(f"{'run':10}{'method':24}{'save GB/s':>10}{'load GB/s':>10}{'ratio':>8}  bit-exact")
 
     def fmt(value: Any, width: int, digits: int = 3) -> str:
         return f"{value:{width}.{digits}f}" if isinstance(value, (int, float)) else f"{'-':>{width}}"
@@ -323,19 +259,65 @@ def print_table(results: dict[str, Any]) -> None:
                                               for n, r in results["ranks"].items()]
     for label, rows in runs:
         for name, row in rows.items():
-            engines = sorted({e["engine"] for e in row.get("engines", [])}) or ["-"]
             print(f"{label:10}{name:24}{fmt(row.get('save_gbps'), 10)}{fmt(row.get('load_gbps'), 10)}"
-                  f"{fmt(row.get('ratio'), 8)}  {row.get('bit_exact', '-')!s:9}  {','.join(engines)}")
+                  f"{fmt(row.get('ratio'), 8)}  {row.get('bit_exact', '-')!s:9}")
     for n, r in results["ranks"].items():
         if "skipped" in r:
             print(f"ranks={n}: skipped ({r['skipped']})")
-    for key, error in results["errors"].items():
-        print(f"error {key}: {error[:200]}")
+
+
+def limits(results: dict[str, Any]) -> dict[str, Any]:
+    """Each gdsckpt storage layer against DCP's own FileSystemWriter/Reader of the same run."""
+    out = {}
+    for label, rows in [("single", results["single"])] + [(f"ranks{n}", r.get("methods", {}))
+                                                          for n, r in results["ranks"].items()]:
+        reference = rows.get("dcp_fs", {})
+        for name, row in rows.items():
+            if name.startswith("gdsckpt") and reference.get("save_gbps") and row.get("save_gbps"):
+                out[f"{label}/{name}"] = {
+                    "ratio": row.get("ratio"), "save_x_dcp_fs": row["save_gbps"] / reference["save_gbps"],
+                    "load_x_dcp_fs": (row["load_gbps"] / reference["load_gbps"]
+                                      if row.get("load_gbps") and reference.get("load_gbps") else None)}
+    return out
+
+
+def run(args: argparse.Namespace, report: benchlib.Report, run_dir: Path) -> None:
+    results: dict[str, Any] = {"single": {}, "ranks": {}}
+    report["results"] = results
+    errors = report["errors"]
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    results["gpu_count"] = gpus
+    flat = build_state(args.width, args.depth, args.steps, args.device)
+    # codec="auto" on the GPU measures the storage once per filesystem and caches it (spawned
+    # ranks read the cache too): done here, outside the timing
+    benchlib.warm_up(run_dir, args.device)
+    logical = benchlib.logical_bytes(flat)
+    report["state"] = benchlib.describe_state(flat, width=args.width, depth=args.depth, steps=args.steps)
+    for name, (save, load) in methods(args.codecs).items():
+        results["single"][name] = run_method(name, save, load, flat, run_dir / f"single-{name}", logical,
+                                             args.device, errors, "single")
+        report.write()  # after every step: a run cut short by a time limit keeps its figures
+    del flat
+    release_gpu_memory()
+    for world in [int(n) for n in args.ranks.split(",") if n.strip()]:
+        if args.device == "cuda" and world > gpus:
+            results["ranks"][str(world)] = {"skipped": f"only {gpus} GPU{'s' if gpus != 1 else ''}"}
+            report["skipped"][f"ranks{world}"] = results["ranks"][str(world)]["skipped"]
+            continue
+        results["ranks"][str(world)] = run_ranks(world, args, run_dir, errors)
+        report.write()
+    for label, rows in [("single", results["single"])] + [(f"ranks{n}", r.get("methods", {}))
+                                                          for n, r in results["ranks"].items()]:
+        for name, row in rows.items():
+            if "bit_exact" in row:
+                report["checks"][f"{label}/{name}"] = row["bit_exact"]
+    report["limits"] = limits(results)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--device", choices=("cuda", "cpu"),
+                        default="cuda" if benchlib.cuda_available() else "cpu")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--steps", type=int, default=50)
@@ -346,52 +328,8 @@ def main() -> int:
     parser.add_argument("--out", default="dcp-bench.json")
     args = parser.parse_args()
     args.codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    ranks = [int(n) for n in args.ranks.split(",") if n.strip()]
-    Path(args.dir).mkdir(parents=True, exist_ok=True)
-    run_dir = Path(tempfile.mkdtemp(prefix="dcp-bench-", dir=args.dir))
-    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-    results: dict[str, Any] = {
-        "benchmark": "dcp_bench", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": host_info(run_dir), "versions": versions(), "device": args.device,
-        "gpu": torch.cuda.get_device_name(0) if gpus else None, "gpu_count": gpus, "width": args.width,
-        "depth": args.depth, "steps": args.steps, "codecs": args.codecs, "single": {}, "ranks": {}, "errors": {},
-    }
-    errors = results["errors"]
-
-    def dump() -> None:  # after every step: a run cut short by a time limit still leaves its figures
-        Path(args.out).write_text(json.dumps(results, indent=1))
-
-    try:
-        flat = dotted(build_state(args.width, args.depth, args.steps, args.device))
-        if args.device == "cuda" and "auto" in args.codecs:
-            from gdsckpt.pipeline.autotune import storage_gbps
-
-            # codec="auto" on the GPU measures the storage once per filesystem and caches it in a
-            # file (spawned ranks read it too): measured here, outside the timing, as gpu_bench does
-            results["storage_gbps_probe"] = storage_gbps(run_dir)
-        results["logical_bytes"] = logical = logical_bytes(flat)
-        results["tensors"] = len(flat)
-        for name, (save, load) in methods(args.codecs).items():
-            results["single"][name] = run_method(name, save, load, flat, run_dir / f"single-{name}", logical,
-                                                 args.device, errors, "single")
-            dump()
-        del flat
-        release_gpu_memory()
-        for world in ranks:
-            if args.device == "cuda" and world > gpus:
-                results["ranks"][str(world)] = {"skipped": f"only {gpus} GPU{'s' if gpus != 1 else ''}"}
-                continue
-            results["ranks"][str(world)] = run_ranks(world, args, run_dir, errors)
-            dump()
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        dump()
-    print(f"state: {results.get('logical_bytes', 0) / 1e9:.3f} GB in {results.get('tensors')} tensors on "
-          f"{args.device}; wrote {args.out}")
-    print_table(results)
-    return 0
+    return benchlib.run_benchmark("dcp_bench", args, lambda report, run_dir: run(args, report, run_dir),
+                                  lambda report: print_table(report["results"]))
 
 
 if __name__ == "__main__":

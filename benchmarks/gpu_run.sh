@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-host session: install the carried wheels, probe the stack, run the GPU test suite, and
-# (with BENCH_SIZE set) the GPU benchmark. Logs and JSON land in $OUT (or ./gpu-out).
+# (with BENCH_WIDTH set) the save/load benchmark on the GPU. Logs and JSON land in $OUT (or ./gpu-out).
 # Usage on the GPU host (repo root, .whl carried):  bash benchmarks/gpu_run.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -22,6 +22,6 @@ if [ $rc -gt 1 ]; then
   done
 fi
 if [ -n "${BENCH_WIDTH:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --width "$BENCH_WIDTH" --depth "${BENCH_DEPTH:-8}" \
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/save_load_bench.py --device cuda --width "$BENCH_WIDTH" --depth "${BENCH_DEPTH:-8}" \
     --dir /root/gdsckpt-bench --out "$OUT/gpu-bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu-bench.log" | tail -30
 fi

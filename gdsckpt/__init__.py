@@ -4,21 +4,20 @@
 GPU packages are imported when a state or a call needs them.
 """
 
-__version__ = "0.1.0"
-
+from .version import __version__
 from .api import (  # noqa: E402
     Checkpoint, CheckpointInfo, SaveReport, TensorInfo, VerifyReport, inspect, load, load_into, open,
     rebase, save, verify,
 )
-from .async_save import SaveHandle, save_async, wait_all  # noqa: E402
+from .background.async_save import SaveHandle, save_async, wait_all  # noqa: E402
 from .config import Config  # noqa: E402
-from .convert import ConvertError, ConvertReport, UnsafePickleError, convert  # noqa: E402
+from .integrations.convert import ConvertError, ConvertReport, UnsafePickleError, convert  # noqa: E402
 from .errors import (  # noqa: E402
     BaseCheckpointError, CheckpointError, CodecUnavailableError, CorruptCheckpointError, SaveWorkerError,
     StateMismatchError, UnsupportedFormatError,
 )
-from .lossy import LossyPolicy, LossyWarning  # noqa: E402
-from .manager import CheckpointManager, SkippedCheckpointWarning  # noqa: E402
+from .state.lossy import LossyPolicy, LossyWarning  # noqa: E402
+from .api.manager import CheckpointManager, SkippedCheckpointWarning  # noqa: E402
 
 __all__ = [
     "BaseCheckpointError", "Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointManager", "CodecUnavailableError",

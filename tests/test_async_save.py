@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt import async_save
+from gdsckpt.background import async_save
 from gdsckpt.io import posix
 
 TEMP_GLOB = ".*.gdsckpt-tmp-*"

@@ -1,5 +1,5 @@
 """``save_async`` with ``Config(async_worker="process")``: the background save runs in a worker
-process that maps the snapshot's buffers (``gdsckpt.worker``). Real processes, real files: the
+process that maps the snapshot's buffers (``gdsckpt.background.worker``). Real processes, real files: the
 snapshot is taken at call time, buffers and the worker are reused, the worker's errors and its
 death surface on ``wait()``, the training process alone renames the file (so its death never
 leaves a checkpoint written from freed memory), and the caller's script is not re-run."""
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt import async_save
-from gdsckpt.async_save import AsyncSaver
+from gdsckpt.background import async_save
+from gdsckpt.background.async_save import AsyncSaver
 
 TEMP_GLOB = ".*.gdsckpt-tmp-*"
 PROCESS = gdsckpt.Config(async_worker="process", chunk_bytes=65536, max_inflight_bytes=1 << 20, timeout=120)
@@ -140,7 +140,7 @@ def test_a_killed_worker_fails_that_save_and_is_replaced(tmp_path: Path, saver: 
 _PARENT_DIES = """
 import os, signal, sys, time
 import torch, gdsckpt
-from gdsckpt.async_save import AsyncSaver
+from gdsckpt.background.async_save import AsyncSaver
 from gdsckpt.io import posix
 
 path = sys.argv[1]
@@ -258,7 +258,7 @@ _CTRL_C = """
 import os, signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell running the tests in the background ignores SIGINT
 import torch, gdsckpt
-from gdsckpt.async_save import AsyncSaver
+from gdsckpt.background.async_save import AsyncSaver
 
 path = sys.argv[1]
 config = gdsckpt.Config(async_worker="process", timeout=120)

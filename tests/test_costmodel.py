@@ -1,4 +1,4 @@
-"""The checkpoint cost model (``gdsckpt.costmodel``) and ``gdsckpt plan`` (``gdsckpt.cli.plan``).
+"""The checkpoint cost model (``gdsckpt.tools.costmodel``) and ``gdsckpt plan`` (``gdsckpt.cli.plan``).
 
 Expected figures are worked out by hand in the comments next to them, from the model's formulas
 (stall = bytes / speed; GPU-hours a month = stall x checkpoints a month x GPUs / 3600), not from
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt import costmodel
+from gdsckpt.tools import costmodel
 from gdsckpt.cli import plan as plan_cli
-from gdsckpt.costmodel import Job, ModelSpec
+from gdsckpt.tools.costmodel import Job, ModelSpec
 
 GB = 1e9
 

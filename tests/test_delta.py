@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gdsckpt  # noqa: E402
-from gdsckpt import delta as delta_module  # noqa: E402
+from gdsckpt.state import delta as delta_module  # noqa: E402
 from gdsckpt.demo import bit_equal  # noqa: E402
 
 

@@ -280,6 +280,16 @@ def test_arguments_are_checked(tmp_path: Path) -> None:
     assert not (tmp_path / "x.ckpt").exists()
 
 
+def _forget_plugin_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drop the plugin module and its public alias so the next import runs them again."""
+    import gdsckpt.integrations
+
+    for name in ("gdsckpt.lightning", "gdsckpt.integrations.lightning"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delattr(gdsckpt, "lightning", raising=False)
+    monkeypatch.delattr(gdsckpt.integrations, "lightning", raising=False)
+
+
 def test_pytorch_lightning_namespace_accepts_the_plugin(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     pl = pytest.importorskip("pytorch_lightning")
@@ -293,8 +303,7 @@ def test_pytorch_lightning_namespace_accepts_the_plugin(tmp_path: Path,
 
     for name in ("lightning", "lightning.fabric.plugins"):
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.delitem(sys.modules, "gdsckpt.lightning")
-    monkeypatch.setattr(gdsckpt, "lightning", sys.modules.get("gdsckpt.lightning"), raising=False)
+    _forget_plugin_modules(monkeypatch)
     fabric_only = importlib.import_module("gdsckpt.lightning")
     assert fabric_only.GdsCheckpointIO.__bases__ == (CheckpointIO,)
     assert GdsCheckpointIO.__bases__ != (CheckpointIO,)
@@ -304,7 +313,7 @@ def test_import_without_lightning_says_how_to_install(monkeypatch: pytest.Monkey
     # None in sys.modules makes `import name` fail as it does when the package is not installed.
     for name in ("lightning", "lightning.fabric.plugins", "lightning_fabric", "lightning_fabric.plugins"):
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.delitem(sys.modules, "gdsckpt.lightning")
+    _forget_plugin_modules(monkeypatch)
     with pytest.raises(ImportError, match="pip install lightning"):
         importlib.import_module("gdsckpt.lightning")
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gdsckpt
-from gdsckpt import lossy
+from gdsckpt.state import lossy
 from gdsckpt.cli.main import main as cli_main
 from gdsckpt.demo import TinyGPT, bit_equal, training_state
 

@@ -1,4 +1,4 @@
-"""``gdsckpt bench`` and ``gdsckpt.storagebench`` on the CPU: a tiny real run against two
+"""``gdsckpt bench`` and ``gdsckpt.tools.storagebench`` on the CPU: a tiny real run against two
 directories (JSON, table, plots, presets, cleanup), the recommendation rule, refusals and exit
 codes, and cleanup when the run is interrupted. No timing is asserted beyond "positive"."""
 
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import gdsckpt
-from gdsckpt import storagebench as sb
+from gdsckpt.tools import storagebench as sb
 from gdsckpt.cli import bench
 from gdsckpt.config import parse_size
 

@@ -1,6 +1,6 @@
 """``gdsckpt bench``: the storage-throughput benchmark, for the storage a checkpoint will live on.
 
-Argument parsing and printing over ``gdsckpt.storagebench`` (which measures). Exit codes: 0 every
+Argument parsing and printing over ``gdsckpt.tools.storagebench`` (which measures). Exit codes: 0 every
 configuration ran and loaded bit-exact; 1 a configuration failed or a target is missing or not
 writable; 2 bad arguments (a target without room for ``--size`` included); 130 interrupted (every
 file the benchmark wrote is removed first).
@@ -20,7 +20,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from .. import storagebench as sb
+from ..tools import storagebench as sb
 from ..codecs import known_codec_names
 from ..config import Config, parse_size
 

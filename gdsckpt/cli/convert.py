@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..convert import FORMATS, ConvertReport, check_codec, convert, detect_format
+from ..integrations.convert import FORMATS, ConvertReport, check_codec, convert, detect_format
 from ..errors import CheckpointError
 
 

@@ -16,7 +16,7 @@ import sys
 from typing import Any, Sequence
 
 from ..config import Config, resolve_config
-from ..costmodel import group_of
+from ..tools.costmodel import group_of
 from ..errors import CheckpointError
 from .progress import byte_progress, progress_bar
 
@@ -25,14 +25,14 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = ("bench", "convert", "plan")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ..demo import run_demo
+    from ..tools.demo import run_demo
 
     figures = run_demo(width=args.width, depth=args.depth, directory=args.dir, device=args.device)
     return 0 if figures["bit_exact"] else 1
 
 
 def group_totals(tensors: Any) -> dict[str, dict[str, Any]]:
-    """Per group (``gdsckpt.costmodel.group_of``): arrays, logical bytes, stored bytes and ratio."""
+    """Per group (``gdsckpt.tools.costmodel.group_of``): arrays, logical bytes, stored bytes and ratio."""
     groups: dict[str, dict[str, Any]] = {}
     for t in tensors:
         if t.alias_of is not None:

@@ -1,5 +1,5 @@
 """``gdsckpt plan``: the GPU time, money and storage a training job spends on checkpoints a month,
-without gdsckpt, with ``gdsckpt.save`` and with ``save_async`` (model: ``gdsckpt.costmodel``).
+without gdsckpt, with ``gdsckpt.save`` and with ``save_async`` (model: ``gdsckpt.tools.costmodel``).
 
 The checkpoint is described by a model size (``--params`` with dtypes and optimizer), with the
 per-part ratios gdsckpt measured on an H200, or taken from a real checkpoint (``--from PATH``:
@@ -16,7 +16,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from .. import costmodel
+from ..tools import costmodel
 from ..config import Config
 from ..errors import CheckpointError
 

@@ -235,7 +235,7 @@ class PosixWriter(StorageWriter):
         self._closed = False
         self.keep_temporary = False
         """When True, ``commit`` makes the temporary file durable and leaves the rename over the
-        target to the caller (``gdsckpt.worker``: the process that owns the snapshot commits)."""
+        target to the caller (``gdsckpt.background.worker``: the process that owns the snapshot commits)."""
 
     def submit_write(self, offset: int, data: Any) -> Future[None]:
         fd = self._fd

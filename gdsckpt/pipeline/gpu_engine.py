@@ -718,7 +718,7 @@ class GpuEngine(Engine):
                 continue
             for stage in reversed(chain[:-1]):
                 if stage["name"] == XOR_BASE:
-                    continue  # applied per array as the bytes are delivered (gdsckpt.delta)
+                    continue  # applied per array as the bytes are delivered (gdsckpt.state.delta)
                 if stage["name"] != BYTE_PLANES.name:
                     raise UnsupportedFormatError(f"transform {stage['name']!r} is not known here")
                 width = int(stage["width"])

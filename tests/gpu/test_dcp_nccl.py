@@ -35,11 +35,11 @@ from gdsckpt.demo import bit_equal
 
 
 def _load_spawn_ranks() -> Any:
-    """``benchmarks/spawn_ranks.py``'s ``spawn_ranks`` (spawn with a deadline), which
+    """``benchmarks/benchlib.py``'s ``spawn_ranks`` (spawn with a deadline), which
     ``benchmarks/dcp_bench.py`` uses too; ``benchmarks`` is not a package."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "spawn_ranks.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "benchlib.py"
     spec = importlib.util.spec_from_file_location("gdsckpt_bench_spawn_ranks", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

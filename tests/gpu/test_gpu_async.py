@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
 
 import gdsckpt  # noqa: E402
-from gdsckpt import async_save  # noqa: E402
+from gdsckpt.background import async_save  # noqa: E402
 from gdsckpt.demo import bit_equal, train_steps, training_state  # noqa: E402
 
 SNAPSHOT_MODES = {

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
 
 import gdsckpt  # noqa: E402
-from gdsckpt.async_save import AsyncSaver  # noqa: E402
+from gdsckpt.background.async_save import AsyncSaver  # noqa: E402
 from gdsckpt.demo import bit_equal  # noqa: E402
 
 

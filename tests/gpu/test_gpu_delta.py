@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
 
 import gdsckpt  # noqa: E402
-from gdsckpt import delta as delta_module  # noqa: E402
+from gdsckpt.state import delta as delta_module  # noqa: E402
 from gdsckpt.demo import bit_equal  # noqa: E402
 
 

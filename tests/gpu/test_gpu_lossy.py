@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
 
 import gdsckpt  # noqa: E402
-from gdsckpt import lossy  # noqa: E402
+from gdsckpt.state import lossy  # noqa: E402
 from gdsckpt.demo import bit_equal  # noqa: E402
 from gdsckpt.pipeline import gpu_engine  # noqa: E402
 

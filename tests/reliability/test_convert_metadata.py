@@ -27,7 +27,7 @@ import torch
 
 import gdsckpt
 from gdsckpt.cli.main import main
-from gdsckpt.convert import STRUCTURE_KEY, ConvertError, convert
+from gdsckpt.integrations.convert import STRUCTURE_KEY, ConvertError, convert
 from gdsckpt.demo import bit_equal
 
 safetensors = pytest.importorskip("safetensors")

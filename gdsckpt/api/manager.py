@@ -1,0 +1,551 @@
+"""``CheckpointManager``: numbered checkpoints in one directory, a ``latest`` pointer, pruning, and
+restore-on-restart.
+
+Layout of ``directory`` (one manager, one prefix per directory)::
+
+    step-0000000100.gdsckpt     checkpoints, "<prefix>-<step:010d>.gdsckpt"
+    step-0000000200.gdsckpt
+    latest                      text: the file name of the newest completed checkpoint
+
+Guarantees
+----------
+- A checkpoint file appears under its final name only complete (``gdsckpt.save`` writes a
+  temporary file and renames it), so a crash at any moment leaves every ``<prefix>-*.gdsckpt``
+  complete; temporaries of dead processes are removed when a manager opens the directory.
+- ``latest`` is replaced atomically (temporary file, fsync, ``os.replace``, fsync of the
+  directory; the fsyncs follow ``config.fsync`` like the checkpoint's own) after each completed
+  save, and only ever moves to a higher step than this manager last wrote to it (saves that
+  finish out of order never move it back).
+- Pruning runs only after a save completed and keeps: the ``keep_last`` highest readable steps,
+  the step ``latest`` names, every step being written, and every base a kept delta checkpoint
+  needs, transitively. Everything else with this prefix goes.
+
+Delta checkpoints
+-----------------
+With ``delta_every`` (in steps) set, ``save(step, ...)`` writes a delta against the newest
+complete checkpoint (``gdsckpt.save(..., base=...)``), except at multiples of ``full_every``
+steps, when there is no complete checkpoint yet, or when that one's chain of deltas is already
+``max_chain`` deep: then it writes a full one. ``should_save(step)`` says whether a step is due
+(a multiple of ``delta_every`` or of ``full_every``), for loops that ask every step.
+
+``delta_base="full"`` bases every delta on the newest complete *full* checkpoint instead (a star
+rather than a chain): a delta save then reads one base file, whatever how many deltas came
+before it, and a load reads two, where a chain makes the d-th delta's save and load resolve d
+files (on the H200: 0.44 s at depth 0 to 6.3 s at depth 9 for a 0.94 GB state, run 11). The
+price is size: a delta is as far from its base as the last full checkpoint is old, and farther
+weights XOR less well, so pair it with ``full_every``. Measured on the CPU host in
+``benchmarks/results/cpu-2026-12-03/cpu-delta-star-20261203.json`` (docs/performance.md).
+
+Contract of ``restore_latest``
+-------------------------------
+What is saved: ``save``/``save_async`` take a dict, by convention ``{"model":
+model.state_dict(), "optimizer": optimizer.state_dict(), ...extra}``, where extra entries (a
+data-loader position, ``torch.get_rng_state()``, an epoch counter, ...) are further top-level
+keys. The step is the file name's; the manager adds nothing to the state.
+
+Which checkpoint: the newest complete one. That is the one ``latest`` names, provided its file
+passes the cheap check (header, trailer and index, as ``gdsckpt.open`` reads them; with
+``verify=True``, ``gdsckpt.verify`` of every chunk); else the highest step that passes. A
+``SkippedCheckpointWarning`` names each file passed over and why. One refinement: a checkpoint
+with a higher step than ``latest`` names whose file was written after ``latest`` was (the process
+died between that save's rename and its pointer update) is newer, and is tried first; ``latest``
+still wins over higher-numbered files of an abandoned run (a run restarted from an older step).
+
+How: in place, with ``gdsckpt.load_into`` (``strict=False``): ``model`` into the checkpoint's
+top-level key ``"model"``, ``optimizer`` into ``"optimizer"``, and every key of ``state`` (a dict
+of tensors, modules, optimizers, nested dicts and plain values) into the same key; top-level
+plain values of ``state`` are replaced. A target key the checkpoint lacks, or a shape / dtype
+that differs, raises ``StateMismatchError``.
+
+Returns ``(step, extra)``: ``extra`` is a dict of the checkpoint's top-level entries that were
+not restored in place, loaded (tensors on the CPU); with no targets at all it is the whole
+checkpoint. Returns ``None`` when there is no usable checkpoint (a fresh start).
+
+A checkpoint is passed over only on proof that it is unusable: a checksum or structural check
+failed (``CorruptCheckpointError``, ``UnsupportedFormatError``), its delta base is missing,
+changed or damaged (``BaseCheckpointError``), or its file vanished (``FileNotFoundError``: a
+concurrent prune). It is skipped with a warning and the next older one is restored; that one
+overwrites whatever the failed one wrote. Every other error is raised and nothing else is tried,
+since the newest checkpoint may well be intact and restarting from an older one loses progress:
+running out of memory (``MemoryError``; CuPy's and torch's out-of-memory errors on the GPU), I/O
+errors (``OSError``, and the ``CheckpointError`` "I/O error reading chunk N" the reader raises
+for one), device faults, ``KeyboardInterrupt``, a target that does not match
+(``StateMismatchError``), a codec or array library this machine lacks (``CodecUnavailableError``
+and other ``CheckpointError``). The targets may then hold part of that checkpoint; nothing on
+disk is changed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from .. import api as _api
+from ..background.async_save import AsyncSaver, SaveHandle
+from ..config import Config
+from ..state.delta import DEFAULT_MAX_CHAIN, base_path_of
+from ..errors import (
+    BaseCheckpointError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError,
+)
+from ..io import PosixReader
+from ..io.posix import fsync_directory, read_small_file, remove_if_stale, temporary_path, temporary_target
+from ..pipeline.load import open_file
+from ..state import decode_scalar, escape_key
+
+DELTA_BASES = ("previous", "full")
+"""What a ``CheckpointManager`` delta is based on: the newest checkpoint (a chain) or the newest
+full one (a star)."""
+
+PathLike = str | os.PathLike[str]
+
+POINTER = "latest"
+
+MAX_POINTER_BYTES = 4096
+"""``latest`` holds one file name (at most 255 bytes); a larger pointer is ignored unread."""
+
+_DAMAGE = (CorruptCheckpointError, UnsupportedFormatError, BaseCheckpointError, FileNotFoundError)
+"""What makes ``restore_latest`` pass over a checkpoint: proof that the file is damaged or not a
+checkpoint (a checksum or structural check failed), a delta whose base is missing, changed or
+damaged, or a file that vanished (a concurrent prune). Anything else is raised (module
+docstring): an I/O error, running out of memory or an interruption says nothing about the file,
+which may be intact, and silently restarting from an old state is worse than an error."""
+
+
+def _is_damage(err: BaseException) -> bool:
+    """Whether ``err`` proves the checkpoint unusable (one of ``_DAMAGE``). An ``OSError`` other
+    than ``FileNotFoundError``, and the ``CheckpointError`` the reader raises for one ("I/O error
+    reading chunk N"), are not: the next read may well succeed."""
+    return isinstance(err, _DAMAGE)
+
+
+class SkippedCheckpointWarning(UserWarning):
+    """``restore_latest`` passed over a checkpoint file (incomplete, damaged, or vanished)."""
+
+
+class CheckpointManager:
+    """Numbered checkpoints of one training run in ``directory`` (created if missing).
+
+    ``keep_last``: how many of the newest checkpoints to keep (None: all). ``prefix``: the file
+    name prefix. ``config``: the ``Config`` of every save and load. ``max_inflight``: background
+    saves at once (``save_async``); each manager has its own snapshot pool (``pool_stats()``).
+    ``delta_every`` / ``full_every`` (steps), ``max_chain`` and ``delta_base`` (``"previous"``,
+    a chain; ``"full"``, every delta on the newest full checkpoint): delta checkpoints (module
+    docstring). ``lossy``: a ``gdsckpt.lossy.LossyPolicy`` (or dict) every save applies; off by
+    default.
+    """
+
+    def __init__(self, directory: PathLike, *, keep_last: int | None = 3, prefix: str = "step",
+                 config: Config | None = None, max_inflight: int = 1, delta_every: int | None = None,
+                 full_every: int | None = None, max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None,
+                 delta_base: str = "previous"):
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
+                                      or keep_last < 1):
+            raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
+            raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+        for name, value in (("delta_every", delta_every), ("full_every", full_every)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 (steps) or None, got {value!r}")
+        if isinstance(max_chain, bool) or not isinstance(max_chain, int) or max_chain < 0:
+            raise ValueError(f"max_chain must be an int >= 0, got {max_chain!r}")
+        if delta_base not in DELTA_BASES:
+            raise ValueError(f"delta_base must be one of {DELTA_BASES}, got {delta_base!r}")
+        if not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or prefix == POINTER:
+            raise ValueError(f"prefix {prefix!r} must be a plain file name part (no '/', not starting "
+                             f"with '.', not {POINTER!r})")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.keep_last = keep_last
+        self.prefix = prefix
+        self.config = config
+        self.max_inflight = max_inflight
+        self.delta_every = delta_every
+        self.full_every = full_every
+        self.max_chain = max_chain
+        self.delta_base = delta_base
+        self.lossy = lossy
+        self._pattern = re.compile(rf"^{re.escape(prefix)}-(\d{{10,}})\.gdsckpt$")
+        self._saver = AsyncSaver()
+        self._lock = threading.Lock()
+        self._writing: Counter[int] = Counter()
+        self._bases_in_use: Counter[int] = Counter()
+        """Steps that saves still being written use as their base: never pruned under them."""
+        self._pointer_step: int | None = None
+        self._remove_stale_temporaries()
+
+    # -----------------------------------------------------------------------------------------
+    # names
+
+    def path(self, step: int) -> Path:
+        """The file of checkpoint ``step``."""
+        return self.directory / f"{self.prefix}-{_check_step(step):010d}.gdsckpt"
+
+    def _files(self) -> dict[int, Path]:
+        """Step -> path of every regular file (or symlink to one) named like a checkpoint of this
+        prefix. Anything else so named (a FIFO, a directory, a device) is no checkpoint and is left
+        alone: opening a FIFO would block, and pruning must not remove what no save wrote."""
+        found: dict[int, Path] = {}
+        try:
+            with os.scandir(self.directory) as entries:
+                for entry in entries:
+                    match = self._pattern.match(entry.name)
+                    if match and _is_regular(entry):
+                        found[int(match.group(1))] = Path(entry.path)
+        except FileNotFoundError:
+            pass
+        return found
+
+    def _remove_stale_temporaries(self) -> None:
+        """Remove temporary files that dead processes left behind (checkpoints and pointer),
+        including those whose long target name ``temporary_prefix`` shortened."""
+        ours = f"{self.prefix}-"
+        for entry in self.directory.iterdir():
+            parsed = temporary_target(entry.name)
+            if parsed is None:
+                continue
+            target, shortened = parsed
+            if shortened:
+                belongs = target.startswith(ours) or ours.startswith(target)
+            else:
+                belongs = bool(self._pattern.match(target)) or target == POINTER
+            if belongs:
+                remove_if_stale(entry)
+
+    # -----------------------------------------------------------------------------------------
+    # saving
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is due for a checkpoint: a multiple of ``delta_every`` or of
+        ``full_every`` (False when neither is set)."""
+        _check_step(step)
+        return any(every is not None and step % every == 0 for every in (self.delta_every, self.full_every))
+
+    def _base_for(self, step: int) -> Path | None:
+        """The base of a delta at ``step``: the newest complete checkpoint below it (with
+        ``delta_base="full"``: the newest complete full one), or None for a full save (deltas
+        off, a ``full_every`` step, or no usable checkpoint yet)."""
+        if self.delta_every is None or (self.full_every is not None and step % self.full_every == 0):
+            return None
+        with self._lock:
+            pointed = self._pointer_step
+        candidates = [pointed] if pointed is not None and pointed < step and self.delta_base == "previous" else []
+        if not candidates:
+            candidates = [s for s in sorted(self._files(), reverse=True) if s < step]
+        for candidate in candidates:
+            path = self.path(candidate)
+            if (self.delta_base == "previous" or self._is_full(path)) and _problem(path, config=self.config) is None:
+                with self._lock:  # from now until the save ends, pruning keeps it
+                    self._bases_in_use[candidate] += 1
+                return path
+        return None
+
+    def _recorded_base(self, path: Path) -> tuple[bool, dict[str, Any] | None]:
+        """(readable, the index's ``base`` member) of the checkpoint at ``path``; a damaged file
+        reads as (False, None), anything else wrong is raised."""
+        try:
+            return True, _api.inspect(path, config=self.config).base
+        except Exception as err:
+            if not _is_damage(err):
+                raise
+            return False, None
+
+    def _is_full(self, path: Path) -> bool:
+        """Whether the checkpoint at ``path`` is a readable full one (no base)."""
+        readable, base = self._recorded_base(path)
+        return readable and base is None
+
+    def save(self, step: int, state: dict[Any, Any], *, codec: str = "auto") -> _api.SaveReport:
+        """Save ``state`` as checkpoint ``step`` now (a delta when due, see the module
+        docstring); then move ``latest`` and prune."""
+        path = self._begin(step, state)
+        base = None
+        try:
+            base = self._base_for(step)
+            # force: a run restarted from an older step writes over the abandoned run's files by
+            # design (``latest`` then names the new one), deltas of that run based on them included.
+            report = _api.save(state, path, codec=codec, config=self.config, base=base, max_chain=self.max_chain,
+                               lossy=self.lossy, force=True)
+            self._completed(step)
+        finally:
+            self._end(step, base)
+        return report
+
+    def save_async(self, step: int, state: dict[Any, Any], *, codec: str = "auto") -> SaveHandle:
+        """``gdsckpt.save_async`` of ``state`` as checkpoint ``step``: returns once the snapshot is
+        taken; ``latest`` moves and pruning runs in the background once the file is complete
+        (before the handle reports done)."""
+        path = self._begin(step, state)
+        try:
+            base = self._base_for(step)
+        except BaseException:
+            self._end(step)
+            raise
+        return self._saver.save(state, path, codec=codec, config=self.config, max_inflight=self.max_inflight,
+                                after=lambda _report: self._completed(step),
+                                finally_=lambda: self._end(step, base), base=base, max_chain=self.max_chain,
+                                lossy=self.lossy, force=True)  # force: as in save
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for this manager's background saves; raise the first error no handle reported."""
+        self._saver.wait_all(timeout)
+
+    def pool_stats(self) -> Any:
+        """Statistics of this manager's snapshot pool (``gdsckpt.async_save.PoolStats``)."""
+        return self._saver.pool.stats()
+
+    def prepare(self, state: dict[Any, Any]) -> int:
+        """Allocate the snapshot buffers ``save_async`` of a state like ``state`` will use, before
+        the training loop (``gdsckpt.async_save.AsyncSaver.prepare``); returns the bytes held."""
+        return self._saver.prepare(state, config=self.config, max_inflight=self.max_inflight)
+
+    def _begin(self, step: int, state: Any) -> Path:
+        if not isinstance(state, dict):
+            raise TypeError(f"CheckpointManager saves a dict state (e.g. {{'model': ..., 'optimizer': "
+                            f"...}}), got {type(state).__qualname__}")
+        path = self.path(step)
+        with self._lock:
+            self._writing[step] += 1
+        return path
+
+    def _end(self, step: int, base: Path | None = None) -> None:
+        with self._lock:
+            self._writing[step] -= 1
+            if self._writing[step] <= 0:
+                del self._writing[step]
+            match = self._pattern.match(base.name) if base is not None else None
+            if match:
+                used = int(match.group(1))
+                self._bases_in_use[used] -= 1
+                if self._bases_in_use[used] <= 0:
+                    del self._bases_in_use[used]
+
+    def _completed(self, step: int) -> None:
+        """Checkpoint ``step`` is complete: point ``latest`` at it (unless a higher step of this
+        manager already is), then prune."""
+        with self._lock:
+            if self._pointer_step is None or step >= self._pointer_step:
+                self._write_pointer(self.path(step).name)
+                self._pointer_step = step
+            try:
+                self._prune(completed=step)
+            except Exception as err:  # noqa: BLE001 - the save itself is complete and published
+                # Pruning only ever deletes; when it cannot tell which files to keep (an I/O error
+                # reading one, memory short), deleting nothing is safe and the next save tries again.
+                warnings.warn(f"checkpoint step {step} is saved, but pruning {str(self.directory)!r} "
+                              f"was skipped: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
+
+    def _write_pointer(self, name: str) -> None:
+        fsync = self.config.fsync if self.config is not None else Config.from_env().fsync
+        target = self.directory / POINTER
+        temp = temporary_path(target)
+        try:
+            with open(temp, "w", encoding="utf-8") as handle:
+                handle.write(name + "\n")
+                handle.flush()
+                if fsync:
+                    os.fsync(handle.fileno())
+            os.replace(temp, target)
+        except BaseException:
+            try:
+                temp.unlink()
+            except OSError:
+                pass
+            raise
+        if fsync:
+            fsync_directory(self.directory)
+
+    def _prune(self, completed: int) -> None:
+        if self.keep_last is None:
+            return
+        files = self._files()
+        # Steps with a save still running (``completed``'s own save is done writing).
+        busy = {step for step, count in self._writing.items() if count > (step == completed)}
+        keep = set(busy)
+        if self._pointer_step is not None:
+            keep.add(self._pointer_step)
+        readable = [step for step in sorted(files, reverse=True)
+                    if step not in busy and _problem(files[step], config=self.config) is None]
+        keep.update(readable[:self.keep_last])
+        keep.update(self._bases_in_use)
+        keep |= self._bases_of(keep, files)
+        for step, path in files.items():
+            if step not in keep:
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+
+    def _bases_of(self, steps: set[int], files: dict[int, Path]) -> set[int]:
+        """Steps of the checkpoints that the delta checkpoints among ``steps`` need, transitively."""
+        needed: set[int] = set()
+        pending = [step for step in steps if step in files]
+        while pending:
+            path = files[pending.pop()]
+            _readable, base = self._recorded_base(path)  # an unreadable file needs nothing
+            if base is None:
+                continue
+            base_path = base_path_of(str(path), base)
+            match = self._pattern.match(base_path.name)
+            if match and base_path.parent.resolve() == self.directory.resolve():
+                step = int(match.group(1))
+                if step not in needed and step in files:
+                    needed.add(step)
+                    pending.append(step)
+        return needed
+
+    # -----------------------------------------------------------------------------------------
+    # finding and restoring
+
+    def steps(self) -> list[int]:
+        """Steps of the readable checkpoints (header, trailer and index check out), ascending."""
+        files = self._files()
+        return [step for step in sorted(files) if _problem(files[step], config=self.config) is None]
+
+    def latest_step(self) -> int | None:
+        """The step ``restore_latest`` would pick first (without warnings or a full verify)."""
+        for step, path, _source in self._candidates(warn=False):
+            if _problem(path, config=self.config) is None:
+                return step
+        return None
+
+    def _pointer(self, warn: bool) -> tuple[int, int] | None:
+        """(step ``latest`` names, its mtime in ns), or None (missing, or not naming a checkpoint
+        of ours)."""
+        pointer = self.directory / POINTER
+        try:
+            mtime = pointer.stat().st_mtime_ns
+            text = read_small_file(pointer, MAX_POINTER_BYTES).decode("utf-8").strip()
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError, CorruptCheckpointError, UnsupportedFormatError) as err:
+            if warn:
+                warnings.warn(f"ignoring unreadable pointer {str(pointer)!r}: {err}",
+                              SkippedCheckpointWarning, stacklevel=3)
+            return None
+        match = self._pattern.match(text)
+        if not match:
+            if warn:
+                warnings.warn(f"ignoring pointer {str(pointer)!r}: {text[:80]!r} is not a "
+                              f"{self.prefix}-<step>.gdsckpt name", SkippedCheckpointWarning, stacklevel=3)
+            return None
+        return int(match.group(1)), mtime
+
+    def _candidates(self, warn: bool) -> list[tuple[int, Path, str]]:
+        """(step, path, source) in the order restore tries them.
+
+        First checkpoints with a higher step than ``latest`` names that were written after
+        ``latest`` was (a crash between a save's rename and its pointer update leaves one), then the
+        one ``latest`` names, then every other checkpoint by step, descending.
+        """
+        files = self._files()
+        order: list[tuple[int, Path, str]] = []
+        pointer = self._pointer(warn)
+        if pointer is not None:
+            pointed, pointer_mtime = pointer
+            for step in sorted(files, reverse=True):
+                if step > pointed and _mtime_ns(files[step]) > pointer_mtime:
+                    order.append((step, files[step], "completed after latest was written"))
+            order.append((pointed, self.path(pointed), "named by latest"))
+        listed = {step for step, _path, _source in order}
+        order.extend((step, files[step], "scan") for step in sorted(files, reverse=True)
+                     if step not in listed)
+        return order
+
+    def restore_latest(self, model: Any = None, optimizer: Any = None, state: dict[Any, Any] | None = None, *,
+                       verify: bool = False) -> tuple[int, dict[Any, Any]] | None:
+        """Restore the newest complete checkpoint in place; see the module docstring for the
+        contract. ``verify=True`` reads and checks every chunk of a candidate first
+        (``gdsckpt.verify``) instead of header, trailer and index only.
+
+        Returns ``(step, extra)`` or ``None`` when there is no readable checkpoint.
+        """
+        if state is not None and not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__qualname__}")
+        for step, path, source in self._candidates(warn=True):
+            problem = _problem(path, verify=verify, config=self.config)
+            if problem is not None:
+                warnings.warn(f"skipping checkpoint {str(path)!r}"
+                              f"{f' ({source})' if source != 'scan' else ''}: {problem}",
+                              SkippedCheckpointWarning, stacklevel=2)
+                continue
+            try:
+                extra = self._load(path, model, optimizer, state)
+            except Exception as err:
+                if not _is_damage(err):
+                    raise
+                warnings.warn(f"skipping checkpoint {str(path)!r}: failed while loading: {err}",
+                              SkippedCheckpointWarning, stacklevel=2)
+                continue
+            return step, extra
+        return None
+
+    def _load(self, path: Path, model: Any, optimizer: Any, state: dict[Any, Any] | None) -> dict[Any, Any]:
+        with PosixReader(path, threads=1) as reader:
+            tree = open_file(reader).index.tree
+        if tree.get("t") != "dict":
+            raise StateMismatchError(f"checkpoint {str(path)!r} does not hold a dict at its top level")
+        top_keys = [decode_scalar(key) for key, _child in tree["items"]]
+        target: dict[Any, Any] = dict(state) if state is not None else {}
+        if model is not None:
+            target["model"] = model
+        if optimizer is not None:
+            target["optimizer"] = optimizer
+        if target:
+            _api.load_into(target, path, strict=False, config=self.config)
+            if state is not None:
+                for key, value in state.items():  # load_into replaced top-level plain values in ``target``
+                    if value is None or isinstance(value, (bool, int, float, str)):
+                        state[key] = target[key]
+        rest = [key for key in top_keys if key not in target]
+        if not rest:
+            return {}
+        if not target:
+            return _api.load(path, config=self.config)
+        return _api.load(path, keys=[escape_key(key) for key in rest], config=self.config)
+
+
+def _is_regular(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_file()  # follows a symlink; False for FIFOs, devices, sockets, directories
+    except OSError:
+        return False
+
+
+def _mtime_ns(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return -1
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return step
+
+
+def _problem(path: Path, *, verify: bool = False, config: Config | None = None) -> str | None:
+    """Why ``path`` is not a usable checkpoint, or None: ``gdsckpt.open``'s checks of header,
+    trailer and index (or, with ``verify``, ``gdsckpt.verify`` of every chunk). Only damage
+    (``_is_damage``) is a reason; any other error (an I/O error, running out of memory) is
+    raised."""
+    try:
+        if verify:
+            _api.verify(path, config=config)
+        else:
+            _api.open(path, config=config).close()
+    except FileNotFoundError:
+        return "file is missing"
+    except Exception as err:
+        if not _is_damage(err):
+            raise
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+__all__ = ["CheckpointManager", "SkippedCheckpointWarning"]

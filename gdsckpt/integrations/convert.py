@@ -1,0 +1,707 @@
+"""Convert checkpoints between torch pickles, safetensors and gdsckpt, bit-exact.
+
+Formats, told from the file extension unless given explicitly (``src_format`` / ``dst_format``):
+
+- ``pt`` (``.pt``, ``.pth``, ``.bin``): a ``torch.save`` file. Read **only** with
+  ``torch.load(weights_only=True)``, which rebuilds tensors and plain containers and refuses any
+  other object, so a pickle that would run code when loaded is rejected (``UnsafePickleError``)
+  before anything in it runs. Written with ``torch.save``.
+- ``safetensors`` (``.safetensors``): a flat dict of named tensors plus string metadata.
+- ``gdsckpt`` (``.gdsckpt``): through ``gdsckpt.load`` / ``gdsckpt.save`` (``codec`` applies here
+  only; converting gdsckpt to gdsckpt recompresses with another codec).
+
+What survives each direction, bit for bit (NaN payloads and -0.0 included):
+
+- Every tensor's dtype, shape and element bytes. Non-contiguous tensors are written contiguous;
+  their values are unchanged.
+- A nested state (dicts, ``OrderedDict`` with its ``_metadata``, lists, tuples, ints, floats,
+  bools, strings, None; ``nn.Parameter`` with its ``requires_grad``) survives pt <-> gdsckpt as
+  is. Written as safetensors it is flattened: each tensor is named by its key path joined with
+  ``.`` (``{"model": {"fc.weight": w}}`` -> ``model.fc.weight``), and the whole structure (plain
+  values included) is recorded as JSON in the metadata entry ``gdsckpt.structure``, from which a
+  conversion back to pt or gdsckpt rebuilds the original. Other safetensors readers see the flat
+  tensors; the file also carries ``"format": "pt"``, which Hugging Face loaders expect. Two key
+  paths that would join to the same name, or content no format can hold (a ``torch.Size``, a
+  set, a dtype safetensors lacks), are refused with an error naming the key.
+- Tensors that share memory: safetensors refuses them, so every entry whose bytes overlap
+  another's is written as its own copy (``ConvertReport.cloned`` counts them). Entries that were
+  the same view (tied weights) are recorded as such in ``gdsckpt.structure`` and come back as one
+  shared tensor, as from ``torch.load``; gdsckpt itself stores a tie once (see ``state.py``).
+- A safetensors source's own metadata is kept when the destination is safetensors and dropped
+  (logged) otherwise: pt and gdsckpt files have no place for it.
+- Arrays that a gdsckpt file holds as NumPy (or JAX) arrays become CPU torch tensors of the same
+  dtype and bytes in a pt or safetensors file; CUDA tensors are read to the CPU.
+
+The destination appears atomically: everything is written to a temporary file beside it, which is
+fsynced (``Config.fsync``) and renamed into place, so a failure at any point leaves no partial
+file and an existing destination untouched. An existing destination is refused unless
+``overwrite=True`` (and ``force=True`` where deltas beside it use it as their base); without it
+the final step is a hard link, which also refuses a destination created during the conversion.
+A conversion holds the whole state in host memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..api import SaveReport
+from ..api import _config as _resolve_config
+from ..api import _refuse_replacing_base
+from ..api import load as _load_gdsckpt
+from ..api import save as _save_gdsckpt
+from ..codecs import known_codec_names
+from ..config import Config
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..format.index import _validate_tree
+from ..io.posix import fsync_directory, remove_stale_temporaries, temporary_path
+from ..state import _numpy_dtype_name, decode_scalar, flatten, join_key, torch_dtype, unflatten, walk_tree
+
+logger = logging.getLogger("gdsckpt")
+
+PathLike = str | os.PathLike[str]
+Progress = Callable[[int, int], None]
+
+FORMATS = ("pt", "safetensors", "gdsckpt")
+"""The format names ``convert`` and ``--from`` / ``--to`` accept."""
+
+EXTENSIONS = {".pt": "pt", ".pth": "pt", ".bin": "pt", ".safetensors": "safetensors", ".gdsckpt": "gdsckpt"}
+"""File extension (lower case) -> format."""
+
+STRUCTURE_KEY = "gdsckpt.structure"
+"""The safetensors metadata entry that records the structure a flattened state came from."""
+
+_STRUCTURE_VERSION = 1
+
+
+class ConvertError(CheckpointError):
+    """A conversion failed: the source cannot be read as its format, or its content cannot be
+    written in the destination format. The message names the file and, where one is to blame,
+    the key."""
+
+
+class UnsafePickleError(ConvertError):
+    """A torch pickle holds objects other than tensors and plain containers (it could run code
+    when unpickled); ``convert`` reads pickles only with ``torch.load(weights_only=True)``."""
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    """What a conversion did."""
+
+    src: str
+    dst: str
+    src_format: str
+    dst_format: str
+    tensors: int
+    """Tensor (array) entries in the state; one tensor held at two keys counts twice."""
+    logical_bytes: int
+    """Element bytes of the distinct tensors."""
+    src_bytes: int
+    dst_bytes: int
+    seconds: float
+    codec: str | None = None
+    """The codec a gdsckpt destination was written with; None for other formats."""
+    cloned: int = 0
+    """safetensors destination: entries written as copies because they shared memory with another."""
+    save_report: SaveReport | None = field(default=None, repr=False)
+    """The ``SaveReport`` of a gdsckpt destination."""
+
+
+# ---------------------------------------------------------------------------------------------
+# arguments
+
+def detect_format(path: PathLike, override: str | None = None) -> str:
+    """The format of ``path``: ``override`` when given, else told from the extension.
+
+    Raises ``ValueError`` for an unknown ``override`` or extension, listing the valid ones.
+    """
+    if override is not None:
+        if override not in FORMATS:
+            raise ValueError(f"unknown format {override!r} (expected one of: {', '.join(FORMATS)})")
+        return override
+    suffix = Path(path).suffix.lower()
+    if suffix not in EXTENSIONS:
+        raise ValueError(f"cannot tell the format of {str(path)!r} from its extension "
+                         f"(known: {', '.join(EXTENSIONS)}); name it with --from/--to "
+                         f"({', '.join(FORMATS)})")
+    return EXTENSIONS[suffix]
+
+
+def check_codec(codec: str, dst_format: str) -> None:
+    """Raise ``ValueError`` unless ``codec`` is a known codec name usable for ``dst_format``
+    (only a gdsckpt destination takes a codec other than ``"auto"``)."""
+    names = known_codec_names()
+    if codec not in names:
+        raise ValueError(f"unknown codec {codec!r} (expected one of: {', '.join(names)})")
+    if codec != "auto" and dst_format != "gdsckpt":
+        raise ValueError(f"a codec applies only to a gdsckpt destination, not to {dst_format}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the conversion
+
+def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config | None = None,
+            src_format: str | None = None, dst_format: str | None = None, overwrite: bool = False,
+            progress: Progress | None = None, force: bool = False) -> ConvertReport:
+    """Convert the checkpoint ``src`` into ``dst``, bit-exact (see the module docstring for what
+    each format keeps).
+
+    ``src_format`` / ``dst_format`` (``"pt"``, ``"safetensors"``, ``"gdsckpt"``) override the
+    format told from the extension. ``codec`` and ``config`` apply to reading and writing gdsckpt
+    files (``config.fsync`` to every destination). An existing ``dst`` raises ``FileExistsError``
+    unless ``overwrite``; one that delta checkpoints beside it use as their base raises
+    ``BaseCheckpointError`` (replacing it would make them unloadable) unless ``force`` too.
+    ``progress(done_bytes, total_bytes)`` is called as a gdsckpt source is read and as the
+    destination is written (see ``_Phases``). Raises ``ValueError`` for bad arguments,
+    ``UnsafePickleError`` for a pickle that is not plain tensor data, ``ConvertError`` (a
+    ``CheckpointError``) for content the destination cannot hold or a source that is not of its
+    format; ``dst`` is then left as it was.
+    """
+    started = time.perf_counter()
+    src_path, dst_path = Path(src), Path(dst)
+    src_kind = detect_format(src_path, src_format)
+    dst_kind = detect_format(dst_path, dst_format)
+    check_codec(codec, dst_kind)
+    cfg = _resolve_config(config)
+    _check_paths(src_path, dst_path, overwrite)
+    if overwrite and not force:
+        _refuse_replacing_base(dst_path, cfg)
+
+    phases = _Phases(progress)
+    state, metadata = _READERS[src_kind](src_path, cfg, phases.reading)
+    if src_kind == "gdsckpt" and dst_kind != "gdsckpt":
+        state = _torch_state(state)
+    dropped = sorted(set(metadata) - {"format"})  # "format" is the safetensors convention, re-added
+    if dropped and dst_kind != "safetensors":
+        logger.info("convert: the metadata of %s (%s) has no place in a %s file and is dropped",
+                    src_path, ", ".join(dropped), dst_kind)
+    tensors, logical = _tensor_stats(state)
+
+    remove_stale_temporaries(dst_path)
+    temp = temporary_path(dst_path)
+    save_report: SaveReport | None = None
+    cloned = 0
+    try:
+        phases.writing(0, logical)
+        if dst_kind == "gdsckpt":
+            save_report = _write_gdsckpt(state, temp, codec, cfg, src_path, phases.writing)
+        elif dst_kind == "pt":
+            _write_pt(state, temp, cfg)
+        else:
+            cloned = _write_safetensors(state, temp, metadata, cfg, src_path)
+        phases.writing(logical, logical)
+        _publish(temp, dst_path, overwrite=overwrite, fsync=cfg.fsync)
+    finally:
+        try:
+            temp.unlink()
+        except FileNotFoundError:
+            pass
+    return ConvertReport(
+        src=str(src_path), dst=str(dst_path), src_format=src_kind, dst_format=dst_kind, tensors=tensors,
+        logical_bytes=logical, src_bytes=src_path.stat().st_size, dst_bytes=dst_path.stat().st_size,
+        seconds=time.perf_counter() - started, codec=save_report.codec if save_report else None,
+        cloned=cloned, save_report=save_report,
+    )
+
+
+def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
+    """Fail before any work on a missing source, an unusable destination or one that exists."""
+    if not src.exists():
+        raise FileNotFoundError(f"source {str(src)!r} does not exist")
+    if src.is_dir():
+        raise IsADirectoryError(f"source {str(src)!r} is a directory; give a file")
+    if not src.is_file():  # a FIFO would stall the reader, a device be read without end
+        raise ConvertError(f"source {str(src)!r} is not a regular file (a FIFO, a device or a socket)")
+    if dst.is_dir():
+        raise IsADirectoryError(f"destination {str(dst)!r} is a directory; give a file path")
+    if not dst.parent.is_dir():
+        raise FileNotFoundError(f"directory {str(dst.parent)!r} of destination {str(dst)!r} does not exist")
+    if os.path.lexists(dst) and not overwrite:
+        raise FileExistsError(f"destination {str(dst)!r} exists; pass overwrite=True (--overwrite) "
+                              f"to replace it")
+
+
+def _publish(temp: Path, dst: Path, *, overwrite: bool, fsync: bool) -> None:
+    """Move the finished ``temp`` to ``dst`` in one atomic step."""
+    if overwrite:
+        os.replace(temp, dst)
+    else:
+        try:
+            # A hard link, unlike a rename, fails on an existing name: a destination created
+            # while we converted is not clobbered either.
+            os.link(temp, dst)
+        except FileExistsError:
+            raise FileExistsError(f"destination {str(dst)!r} appeared during the conversion; "
+                                  f"pass overwrite=True (--overwrite) to replace it") from None
+        except OSError:
+            # A filesystem without hard links: the check-then-rename is the best left.
+            if os.path.lexists(dst):
+                raise FileExistsError(f"destination {str(dst)!r} exists; pass overwrite=True "
+                                      f"(--overwrite) to replace it") from None
+            os.replace(temp, dst)
+    if fsync:
+        fsync_directory(dst.parent)
+
+
+class _Phases:
+    """One ``progress(done, total)`` over reading the source and writing the destination.
+
+    Only a gdsckpt source reports its reading; the writing then moves as many bytes again, so
+    the reading counts against twice its total until the writing reports its own."""
+
+    def __init__(self, progress: Progress | None):
+        self.progress = progress
+        self.read_total = 0
+
+    def reading(self, done: int, total: int) -> None:
+        """Progress of the read phase."""
+        self.read_total = total
+        if self.progress is not None:
+            self.progress(done, 2 * total)
+
+    def writing(self, done: int, total: int) -> None:
+        """Progress of the write phase."""
+        if self.progress is not None:
+            self.progress(self.read_total + done, self.read_total + total)
+
+
+def _call_with_progress(function: Callable[..., Any], *args: Any, progress: Progress | None,
+                        **kwargs: Any) -> Any:
+    """Call ``function``, passing ``progress`` on only where its signature takes it (older
+    versions of ``gdsckpt.save`` / ``load`` do not)."""
+    if progress is not None and "progress" in inspect.signature(function).parameters:
+        kwargs["progress"] = progress
+    return function(*args, **kwargs)
+
+
+def _import_torch(why: str) -> Any:
+    try:
+        import torch
+    except ImportError as err:
+        raise ConvertError(f"{why} needs torch (pip install torch): {err}") from err
+    return torch
+
+
+def _import_safetensors(why: str) -> Any:
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError as err:
+        raise ConvertError(f"{why} needs the safetensors package (pip install safetensors): {err}") from err
+    return safetensors
+
+
+# ---------------------------------------------------------------------------------------------
+# readers: path -> (state, safetensors metadata other than ours)
+
+def _read_pt(path: Path, config: Config, progress: Progress) -> tuple[Any, dict[str, str]]:
+    import pickle
+
+    torch = _import_torch(f"reading the torch pickle {str(path)!r}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        text = str(err)
+        if "weights only" in text.lower() or "WeightsUnpickler" in text:
+            raise UnsafePickleError(
+                f"refused {str(path)!r}: it holds objects other than tensors and plain containers "
+                f"({_weights_only_reason(text)}); convert reads torch pickles only with "
+                f"torch.load(weights_only=True) and never runs code from a checkpoint") from None
+        raise ConvertError(f"cannot read {str(path)!r} as a torch pickle: {text}") from err
+    except (OSError, MemoryError):
+        raise
+    except Exception as err:  # torch reports a malformed file as any of many exception types
+        raise ConvertError(f"cannot read {str(path)!r} as a torch pickle "
+                           f"({type(err).__name__}: {err})") from err
+    return state, {}
+
+
+def _weights_only_reason(message: str) -> str:
+    """What torch's weights-only refusal says was refused, without its advice to load with
+    ``weights_only=False`` or to allowlist globals (either would trust the file)."""
+    marker = "WeightsUnpickler error:"
+    text = message.split(marker, 1)[1] if marker in message else message
+    reasons = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("Weights only load failed", "Check the documentation", "Please file",
+                                         "(1)", "(2)", "In PyTorch")):
+            reasons.append(line.split(" Please use ", 1)[0])
+    return " ".join(reasons) or "torch's weights-only unpickler refused it"
+
+
+def _read_safetensors(path: Path, config: Config, progress: Progress) -> tuple[Any, dict[str, str]]:
+    safetensors = _import_safetensors(f"reading {str(path)!r}")
+    try:
+        with safetensors.safe_open(str(path), framework="pt", device="cpu") as handle:
+            metadata = dict(handle.metadata() or {})
+            names = handle.keys()
+            tensors = {name: _own_storage_if_empty(handle.get_tensor(name)) for name in names}
+    except (OSError, MemoryError):
+        raise
+    except Exception as err:  # SafetensorError and the errors of a malformed header
+        raise ConvertError(f"cannot read {str(path)!r} as safetensors ({type(err).__name__}: {err})") from err
+    structure = metadata.pop(STRUCTURE_KEY, None)
+    if structure is None:
+        return tensors, metadata
+    return _rebuild(structure, tensors, path), metadata
+
+
+def _own_storage_if_empty(tensor: Any) -> Any:
+    """``tensor``, or for a zero-size one a copy: safetensors hands out zero-size tensors whose
+    storage points at a neighbour's bytes, which ``torch.save`` refuses as one memory viewed with
+    two dtypes."""
+    return tensor.clone() if tensor.numel() == 0 else tensor
+
+
+def _read_gdsckpt(path: Path, config: Config, progress: Progress) -> tuple[Any, dict[str, str]]:
+    try:
+        return _call_with_progress(_load_gdsckpt, path, device="cpu", config=config, progress=progress), {}
+    except CheckpointError as err:  # e.g. corrupt: say which file (the original is the cause)
+        raise ConvertError(f"cannot read {str(path)!r} as gdsckpt: {err}") from err
+
+
+_READERS: dict[str, Callable[[Path, Config, Progress], tuple[Any, dict[str, str]]]] = {
+    "pt": _read_pt, "safetensors": _read_safetensors, "gdsckpt": _read_gdsckpt,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# writers
+
+def _write_pt(state: Any, temp: Path, config: Config) -> None:
+    torch = _import_torch("writing a torch pickle")
+    with open(temp, "xb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        if config.fsync:
+            os.fsync(handle.fileno())
+
+
+def _write_gdsckpt(state: Any, temp: Path, codec: str, config: Config, src: Path,
+                   progress: Progress | None) -> SaveReport:
+    try:
+        return _call_with_progress(_save_gdsckpt, state, temp, codec=codec, config=config, progress=progress)
+    except (TypeError, ValueError) as err:  # content gdsckpt cannot hold, named by key path
+        raise ConvertError(f"{str(src)!r} cannot be written as gdsckpt: {err}") from err
+
+
+def _write_safetensors(state: Any, temp: Path, metadata: dict[str, str], config: Config, src: Path) -> int:
+    """Write ``state`` flattened, with its structure in the metadata; returns how many entries
+    were copied because they shared memory with another."""
+    safetensors = _import_safetensors("writing safetensors")
+    tensors, structure, cloned = _flatten_for_safetensors(state, src)
+    header = {"format": "pt", **metadata, STRUCTURE_KEY: json.dumps(structure, separators=(",", ":"))}
+    # safetensors creates its file private (0600); created here first, the file takes the mode
+    # the user's umask gives, as torch.save's and gdsckpt's do, and keeps it after safetensors.
+    with open(temp, "xb") as handle:
+        mode = os.fstat(handle.fileno()).st_mode & 0o777
+    try:
+        safetensors.torch.save_file(tensors, str(temp), metadata=header)
+        os.chmod(temp, mode)
+    except (OSError, MemoryError):
+        raise
+    except Exception as err:
+        raise ConvertError(f"safetensors refused the content of {str(src)!r} "
+                           f"({type(err).__name__}: {err})") from err
+    if config.fsync:
+        fd = os.open(temp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return cloned
+
+
+def _flatten_for_safetensors(state: Any, src: Path) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """The named tensors of ``state``, the structure document that rebuilds it, and how many
+    entries were cloned off shared memory."""
+    import torch
+
+    try:
+        flat = flatten(state)
+    except (TypeError, ValueError) as err:
+        raise ConvertError(f"{str(src)!r} cannot be written as safetensors: {err}") from err
+    paths = {node["id"]: path for node, path in walk_tree(flat.tree) if node["t"] == "tensor"}
+    supported: dict[Any, bool] = {}
+    names: dict[str, str] = {}
+    entries: list[dict[str, Any]] = []
+    tensors: dict[str, Any] = {}
+    for i, array in enumerate(flat.arrays):
+        if array.kind != "torch":
+            raise ConvertError(f"{array.key!r} of {str(src)!r} is a {array.kind} array; only torch "
+                               f"tensors can be written as safetensors")
+        name = ".".join(str(part) for part in paths[i])
+        if name in names:
+            raise ConvertError(f"{array.key!r} and {names[name]!r} of {str(src)!r} both flatten to the "
+                               f"safetensors name {name!r}; rename one of them")
+        names[name] = array.key
+        source = flat.arrays[array.alias].source if array.alias is not None else array.source
+        tensor = source.tensor
+        if tensor.dtype not in supported:
+            supported[tensor.dtype] = _safetensors_holds(tensor)
+        if not supported[tensor.dtype]:
+            raise ConvertError(f"{array.key!r} of {str(src)!r} has dtype {array.dtype}, which this "
+                               f"safetensors version cannot hold")
+        entry: dict[str, Any] = {"name": name}
+        if array.alias is not None:
+            entry["alias"] = array.alias
+        if "parameter" in array.extra:
+            entry["parameter"] = array.extra["parameter"]
+        entries.append(entry)
+        if tensor.numel() == 0:
+            tensor = tensor.clone()  # a zero-size view still counts as sharing its base's memory
+        elif not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        tensors[name] = tensor
+    cloned = _unshare(tensors, torch)
+    if cloned:
+        logger.info("convert: %d tensor(s) of %s share memory with another and are written as copies",
+                    cloned, src)
+    return tensors, {"version": _STRUCTURE_VERSION, "tree": flat.tree, "tensors": entries}, cloned
+
+
+def _safetensors_holds(tensor: Any) -> bool:
+    """Whether the installed safetensors can write ``tensor``'s dtype (probed with a zero-size
+    view of it: the supported set grows with versions)."""
+    import safetensors
+    import safetensors.torch
+
+    try:
+        safetensors.torch.save({"probe": tensor.as_strided((0,), (1,))})
+    except (KeyError, ValueError, TypeError, RuntimeError, safetensors.SafetensorError):
+        return False  # its dtype tables lack this dtype
+    return True
+
+
+def _unshare(tensors: dict[str, Any], torch: Any) -> int:
+    """Clone, in place in ``tensors``, every entry whose bytes overlap an earlier one's, so that no
+    two entries share memory (which safetensors refuses); returns how many were cloned."""
+    by_storage: dict[tuple[str, int], list[tuple[int, int, str]]] = collections.defaultdict(list)
+    for name, tensor in tensors.items():
+        if tensor.numel():
+            start = tensor.data_ptr()
+            by_storage[(str(tensor.device), tensor.untyped_storage().data_ptr())].append(
+                (start, start + tensor.numel() * tensor.element_size(), name))
+    cloned = 0
+    for ranges in by_storage.values():
+        end_so_far = -1
+        # Enclosing tensors first (start ascending, end descending): views of them get copied.
+        for start, end, name in sorted(ranges, key=lambda r: (r[0], -r[1], r[2])):
+            if start < end_so_far:
+                tensors[name] = tensors[name].clone(memory_format=torch.contiguous_format)
+                cloned += 1
+            else:
+                end_so_far = end
+    return cloned
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors structure -> state
+
+def _rebuild(text: str, tensors: dict[str, Any], path: Path) -> Any:
+    """The state a ``gdsckpt.structure`` document describes, over the file's tensors."""
+    import torch
+
+    try:
+        doc = json.loads(text)
+        entries = _check_document(doc, tensors)
+        arrays: dict[int, Any] = {}
+        for i, entry in enumerate(entries):
+            arrays[i] = _rebuilt_tensor(entries, i, tensors[entry["name"]], arrays, torch)
+        return unflatten(doc["tree"], arrays)
+    except CorruptCheckpointError as err:  # from the index's tree validation: not about an index
+        raise ConvertError(f"{str(path)!r}: its {STRUCTURE_KEY} metadata is malformed "
+                           f"({err.reason.removeprefix('invalid index: ')})") from err
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as err:
+        raise ConvertError(f"{str(path)!r}: its {STRUCTURE_KEY} metadata is malformed or does not "
+                           f"match its tensors ({type(err).__name__}: {err})") from err
+
+
+_DOCUMENT_FIELDS = {"version", "tree", "tensors"}
+_ENTRY_FIELDS = {"name", "alias", "parameter"}
+
+
+def _check_document(doc: Any, tensors: dict[str, Any]) -> list[dict[str, Any]]:
+    """Raise unless ``doc`` is exactly what ``_flatten_for_safetensors`` writes, over ``tensors``:
+    its tree is checked as a gdsckpt index's is (node kinds, scalar encodings, depth, each entry
+    referenced once), each tensor of the file is named by one entry. Returns the entries."""
+    if not isinstance(doc, dict) or set(doc) != _DOCUMENT_FIELDS:
+        raise ValueError(f"the document must be an object with exactly the fields {sorted(_DOCUMENT_FIELDS)}")
+    version = doc["version"]
+    if type(version) is not int or version != _STRUCTURE_VERSION:  # True == 1, but is no version
+        raise ValueError(f"version {version!r:.40} is not {_STRUCTURE_VERSION}")
+    entries = doc["tensors"]
+    if not isinstance(entries, list):
+        raise TypeError("'tensors' is not a list")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or "name" not in entry or not set(entry) <= _ENTRY_FIELDS:
+            raise ValueError(f"entry {i} must be an object with a 'name' and at most the fields "
+                             f"{sorted(_ENTRY_FIELDS)}: {entry!r:.80}")
+        if not isinstance(entry["name"], str):
+            raise TypeError(f"entry {i} has the name {entry['name']!r:.80}, not a string")
+        alias = entry.get("alias")
+        if "alias" in entry and not (type(alias) is int and 0 <= alias < i):
+            raise ValueError(f"entry {i} ties to {alias!r:.40}, not to an earlier entry")
+        parameter = entry.get("parameter")
+        if "parameter" in entry and not (isinstance(parameter, dict) and set(parameter) == {"requires_grad"}
+                                         and isinstance(parameter["requires_grad"], bool)):
+            raise ValueError(f"entry {i} has the parameter {parameter!r:.80}, not "
+                             f"{{\"requires_grad\": true or false}}")
+    named = [entry["name"] for entry in entries]
+    if len(set(named)) != len(named):
+        twice = sorted(name for name in set(named) if named.count(name) > 1)
+        raise ValueError(f"entries name the same tensor twice ({twice[:5]})")
+    missing = [name for name in named if name not in tensors]
+    extra = sorted(set(tensors) - set(named))
+    if missing or extra:
+        raise ValueError(f"it names tensors the file lacks ({missing[:5]}) or leaves out tensors "
+                         f"the file holds ({extra[:5]})")
+    _validate_tree(doc["tree"], len(entries))
+    for node, key_path in walk_tree(doc["tree"]):
+        where = join_key(key_path)
+        if node["t"] == "str" and not _is_unicode_text(node["v"]):
+            raise ValueError(f"a string at {where!r:.80} is not valid Unicode text")
+        if node["t"] != "dict":
+            continue
+        if node.get("cls", "OrderedDict") != "OrderedDict" or ("meta" in node and "cls" not in node):
+            raise ValueError(f"the dict at {where!r:.80} has the class {node.get('cls')!r:.40} or a meta "
+                             f"without one: only an OrderedDict has either")
+        if "meta" in node and node["meta"]["t"] != "dict":
+            raise ValueError(f"the OrderedDict at {where!r:.80} has a {node['meta']['t']!r:.40} as its meta")
+        for key, _child in node["items"]:
+            if key["t"] == "str" and not _is_unicode_text(key["v"]):
+                raise ValueError(f"a dict key at {where!r:.80} is not valid Unicode text")
+        keys = [decode_scalar(key) for key, _child in node["items"]]
+        # by == (as a dict holds them: True == 1, 0.0 == -0.0) and by repr (NaN != NaN): a key
+        # given twice would silently drop a value
+        if len(set(keys)) != len(keys) or len(set(map(repr, keys))) != len(keys):
+            raise ValueError(f"the dict at {where!r:.80} repeats a key")
+    return entries
+
+
+def _is_unicode_text(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (JSON can spell lone surrogates, which the writer refuses)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _rebuilt_tensor(entries: list[dict[str, Any]], i: int, tensor: Any, done: dict[int, Any], torch: Any) -> Any:
+    """Entry ``i`` of the structure document as the object it was: a Parameter where it was one,
+    and the very object of the entry it was tied to, where the file still holds equal bytes."""
+    entry = entries[i]
+    parameter = entry.get("parameter")
+    alias = entry.get("alias")
+    if alias is not None:
+        if not (isinstance(alias, int) and not isinstance(alias, bool) and 0 <= alias < i):
+            raise ValueError(f"entry {i} ties to {alias!r}, not to an earlier entry")
+        shared = done[alias]
+        if _same_bits(shared, tensor, torch):
+            same_type = isinstance(shared, torch.nn.Parameter) == isinstance(parameter, dict)
+            if same_type and (not isinstance(parameter, dict)
+                              or shared.requires_grad == bool(parameter.get("requires_grad"))):
+                return shared
+            tensor = shared.detach()  # the same memory, as the type this entry had
+        else:
+            # Another tool changed one of the two copies: keep what the file says.
+            logger.warning("convert: %r was tied to %r but the file holds different bytes for it; "
+                           "it is restored as a separate tensor", entry["name"], entries[alias]["name"])
+    if isinstance(parameter, dict):
+        if parameter["requires_grad"] and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise ValueError(f"entry {i} is a {tensor.dtype} Parameter that requires grad, which only "
+                             f"floating-point and complex tensors can")
+        return torch.nn.Parameter(tensor, requires_grad=parameter["requires_grad"])
+    return tensor
+
+
+def _same_bits(a: Any, b: Any, torch: Any) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return bool(torch.equal(a.detach().reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+# ---------------------------------------------------------------------------------------------
+# state helpers
+
+def _torch_state(state: Any) -> Any:
+    """``state`` with every NumPy / JAX array replaced by a CPU torch tensor of the same dtype and
+    bytes (pt and safetensors hold torch tensors only); one array held twice stays one tensor."""
+    torch = _import_torch("writing arrays as torch tensors")
+    memo: dict[int, Any] = {}
+
+    def convert_node(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) or obj is None:
+            return obj
+        if isinstance(obj, (bool, int, float, str)) and not isinstance(obj, np.generic):
+            return obj  # np.float64 is a float, but gdsckpt keeps it as an array: converted below
+        if isinstance(obj, dict):
+            result = type(obj)((key, convert_node(value)) for key, value in obj.items())
+            if hasattr(obj, "_metadata"):
+                result._metadata = obj._metadata  # type: ignore[attr-defined]
+            return result
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(convert_node(item) for item in obj)
+        if id(obj) not in memo:
+            memo[id(obj)] = (obj, _array_to_torch(obj, torch))  # keep obj alive: ids stay unique
+        return memo[id(obj)][1]
+
+    return convert_node(state)
+
+
+def _array_to_torch(array: Any, torch: Any) -> Any:
+    """A NumPy array or scalar (or anything ``np.asarray`` takes, e.g. a JAX array) as a CPU torch
+    tensor with the same bits, bfloat16 and float8 (ml_dtypes) included."""
+    host = np.asarray(array)
+    name = _numpy_dtype_name(host.dtype.newbyteorder("="))
+    if name is None:
+        raise ConvertError(f"an array of dtype {host.dtype} has no torch equivalent")
+    if host.dtype.byteorder == ">" or (host.dtype.byteorder == "=" and sys.byteorder == "big"):
+        host = host.astype(host.dtype.newbyteorder("<"))
+    flat = np.ascontiguousarray(host).reshape(-1)
+    if not flat.flags.writeable:
+        flat = flat.copy()  # torch.from_numpy warns about, and would share, read-only memory
+    return torch.from_numpy(flat.view(np.uint8)).view(torch_dtype(name)).reshape(host.shape)
+
+
+def _tensor_stats(state: Any) -> tuple[int, int]:
+    """(tensor entries, element bytes of the distinct tensors) of a state."""
+    torch = sys.modules.get("torch")
+    entries = 0
+    seen: dict[int, int] = {}
+    pending = [state]
+    while pending:
+        obj = pending.pop()
+        if isinstance(obj, dict):
+            pending.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            pending.extend(obj)
+        elif torch is not None and isinstance(obj, torch.Tensor):
+            entries += 1
+            seen[id(obj)] = obj.numel() * obj.element_size()
+        elif isinstance(obj, (np.ndarray, np.generic)):
+            entries += 1
+            seen[id(obj)] = int(obj.nbytes)
+    return entries, sum(seen.values())
+
+
+__all__ = [
+    "EXTENSIONS", "FORMATS", "STRUCTURE_KEY", "ConvertError", "ConvertReport", "UnsafePickleError",
+    "check_codec", "convert", "detect_format",
+]

@@ -1,0 +1,779 @@
+"""torch.distributed.checkpoint (DCP) storage layer: ``GdsStorageWriter`` and ``GdsStorageReader``.
+
+``torch.distributed.checkpoint.save`` / ``async_save`` / ``load`` work unchanged with them::
+
+    import torch.distributed.checkpoint as dcp
+    from gdsckpt.dcp import GdsStorageReader, GdsStorageWriter
+
+    dcp.save({"model": model.state_dict()}, storage_writer=GdsStorageWriter("ckpt/step-100"))
+    dcp.load(state, storage_reader=GdsStorageReader("ckpt/step-100"))
+
+A checkpoint is a directory. Each rank writes one gdsckpt file, ``__<rank>_0.gdsckpt``, through
+``gdsckpt.save`` (chunked, compressed, checksummed, atomic): a flat dict of that rank's write
+items, keyed ``"<fqn>@<chunk offsets>"`` (the ``MetadataIndex`` of the item). Tensors are stored
+as tensors; DCP's byte items (non-tensor state, which DCP itself serialises) are stored as raw
+``uint8`` tensors. Each ``WriteResult.storage_data`` is a ``GdsStorageInfo`` (file name, key,
+length). The coordinator writes DCP's ``Metadata`` last, twice, each through a temporary file,
+fsync, rename and directory fsync: first as JSON, ``.metadata.json`` (a strict schema of plain
+values, which a reader decodes without running code from the file; it records the SHA-256 of the
+``.metadata`` written with it), then as DCP's own pickle, ``.metadata``, the way
+``FileSystemWriter`` does (so torch's ``FileSystemReader`` and older gdsckpt versions read it).
+``.metadata`` is written last: a directory without it is not a checkpoint. Metadata that the JSON
+schema cannot express (a custom planner's ``planner_data``, a dtype outside the table) is written
+as the pickle only, with a ``PickleOnlyMetadataWarning``. If any rank fails, DCP raises on every
+rank and never calls ``finish``, and the coordinator removed a stale ``.metadata`` (then
+``.metadata.json``) before any rank wrote, so the directory is not a (mixed) checkpoint either.
+
+Loading reads ``.metadata.json`` (never the pickle, unless ``GdsStorageReader(trust_pickle=True)``),
+groups the read items by rank file, opens each file once with ``gdsckpt.open`` and reads only the
+keys it needs (gdsckpt reads only those arrays' chunks), then narrows each to the requested offsets
+and lengths (resharding: load at any world size) and copies it into the planner's tensor, or hands
+the bytes to ``planner.load_bytes``. DCP's planner deserialises those bytes with
+``torch.load(weights_only=False)``, which runs whatever code they name: without ``trust_pickle``
+the reader first loads them with torch's ``weights_only`` loader (an allow-list of plain types)
+and refuses, naming it, an item that loader refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import math
+import os
+import pickle
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from .. import api
+from ..config import Config
+from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
+from ..format.index import _reject_constant
+from ..io.posix import fsync_directory, read_small_file
+from ..state import _torch_dtype_name, escape_key, torch_dtype
+
+READ_BATCH_BYTES = 1 << 30
+"""Most stored bytes one restore of a rank file reads before delivering them (load side)."""
+METADATA_NAME = ".metadata"
+JSON_SUFFIX = ".json"
+"""``.metadata.json`` (``__<rank>.metadata.json`` beside rank-local metadata): the JSON form."""
+METADATA_JSON_FORMAT = "gdsckpt-dcp-metadata"
+METADATA_JSON_SCHEMA = 1
+MAX_METADATA_JSON_BYTES = 1 << 30
+"""A larger ``.metadata.json`` is refused unread (it takes about 300 bytes a tensor)."""
+MAX_TENSOR_DIMS = 1024
+"""Most dimensions a tensor in ``.metadata.json`` may have."""
+SUFFIX = ".gdsckpt"
+DCP_VERSION = "1.0.0"
+
+__all__ = ["GdsStorageInfo", "GdsStorageReader", "GdsStorageWriter", "PickleOnlyMetadataWarning",
+           "item_key"]
+
+
+class PickleOnlyMetadataWarning(UserWarning):
+    """A save wrote DCP's metadata as the pickle ``.metadata`` only: it holds a value the JSON
+    form cannot express. ``GdsStorageReader`` then needs ``trust_pickle=True`` to load it."""
+
+
+@dataclass(frozen=True)
+class GdsStorageInfo:
+    """Where one write item lives: the rank file (relative to the checkpoint directory), its key
+    in that file (as ``gdsckpt.open(...).get`` takes it) and its length in bytes."""
+
+    relative_path: str
+    key: str
+    length: int
+
+
+@dataclass(frozen=True)
+class _FilePrefix:
+    prefix: str
+
+
+def _item_name(index: MetadataIndex) -> str:
+    """``fqn@offsets`` (``"w@0,128"``; ``"step@"`` for an item without offsets): the write item's
+    top-level dict key in its rank file (``gdsckpt.save`` escapes it into a key path)."""
+    offsets = "" if index.offset is None else ",".join(str(int(o)) for o in index.offset)
+    return f"{index.fqn}@{offsets}"
+
+
+def item_key(index: MetadataIndex) -> str:
+    """The key of a write item in its rank file, as ``gdsckpt.open(...).get`` takes it: the item
+    name ``fqn@offsets`` escaped as a key path component (``/`` and ``~`` in an FQN)."""
+    return escape_key(_item_name(index))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fsync_directory(path)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP's Metadata as JSON (schema 1): plain values only, decoded and checked without unpickling
+
+_LAYOUTS = {name: getattr(torch, name) for name in
+            ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "jagged")
+            if hasattr(torch, name)}
+_MEMORY_FORMATS = {name: getattr(torch, name) for name in
+                   ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")}
+_MAX_ELEMENTS = 1 << 63
+
+
+class _Unexpressible(Exception):
+    """Metadata holds a value that schema 1 of the JSON form has no encoding for."""
+
+
+def _member_name(table: dict[str, Any], value: Any, what: str) -> str:
+    for name, member in table.items():
+        if member is value:
+            return name
+    raise _Unexpressible(f"{what} {value!r:.80}")
+
+
+def _dtype_name(dtype: Any, what: str) -> str:
+    name = _torch_dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
+    if name is None:
+        raise _Unexpressible(f"{what} {dtype!r:.80}")
+    return name
+
+
+def _encode_metadata_json(metadata: Metadata, pickled: bytes) -> bytes:
+    """The JSON form of ``metadata`` (schema 1), bound to ``pickled`` (the ``.metadata`` bytes
+    written with it) by length and SHA-256. Raises ``_Unexpressible`` naming the first value the
+    schema cannot hold, or when the JSON would not decode to a ``Metadata`` equal to ``metadata``."""
+    tensors: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        what = f"state_dict_metadata[{fqn!r:.80}]"
+        if type(md) is BytesStorageMetadata:
+            tensors[fqn] = {"type": "bytes"}
+        elif type(md) is TensorStorageMetadata and type(md.properties) is TensorProperties:
+            props = md.properties
+            tensors[fqn] = {
+                "type": "tensor", "dtype": _dtype_name(props.dtype, f"{what}.dtype"),
+                "layout": _member_name(_LAYOUTS, props.layout, f"{what}.layout"),
+                "requires_grad": props.requires_grad,
+                "memory_format": _member_name(_MEMORY_FORMATS, props.memory_format, f"{what}.memory_format"),
+                "pin_memory": props.pin_memory, "size": list(md.size),
+                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+            }
+        else:
+            raise _Unexpressible(f"{what}, a {type(md).__name__}")
+    planner = metadata.planner_data
+    if planner is not None:
+        if not isinstance(planner, dict) or not all(type(path) is tuple for path in planner.values()):
+            raise _Unexpressible(f"planner_data {planner!r:.80}")
+        planner = {fqn: list(path) for fqn, path in planner.items()}
+    if not isinstance(metadata.storage_data, dict):
+        raise _Unexpressible(f"storage_data, a {type(metadata.storage_data).__name__}")
+    storage = []
+    for index, info in metadata.storage_data.items():
+        if type(index) is not MetadataIndex or type(info) is not GdsStorageInfo:
+            raise _Unexpressible(f"storage_data entry {index!r:.80}: {info!r:.80}")
+        storage.append({"fqn": index.fqn, "offset": None if index.offset is None else list(index.offset),
+                        "index": index.index, "file": info.relative_path, "key": info.key,
+                        "length": info.length})
+    meta = metadata.storage_meta
+    if meta is not None:
+        meta = {"checkpoint_id": meta.checkpoint_id, "save_id": meta.save_id, "load_id": meta.load_id,
+                "modules": meta.modules}
+    doc = {"format": METADATA_JSON_FORMAT, "schema": METADATA_JSON_SCHEMA,
+           "pickle": {"bytes": len(pickled), "sha256": hashlib.sha256(pickled).hexdigest()},
+           "version": metadata.version, "state_dict_metadata": tensors, "planner_data": planner,
+           "storage_data": storage, "storage_meta": meta}
+    try:
+        data = json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+        decoded, _binding = _decode_metadata_json(data, "being written")
+    except (TypeError, ValueError, CheckpointError) as err:  # a value of a type the schema lacks
+        raise _Unexpressible(str(err)) from err
+    # A field of a type the schema does not keep (a list where DCP holds a tuple, a str subclass,
+    # an index hint) would decode to something else: such metadata is written as the pickle only.
+    hints = [index.index for index in metadata.storage_data]
+    if decoded != metadata or [index.index for index in decoded.storage_data] != hints:
+        raise _Unexpressible("a field whose type the JSON form does not keep")
+    return data
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r:.80}")
+        out[key] = value
+    return out
+
+
+class _MetadataJsonDecoder:
+    """Strict schema-1 validation of one ``.metadata.json``; every error names the field."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, message: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"invalid DCP metadata {self.where}: {message}")
+
+    def fields(self, value: Any, what: str, names: tuple[str, ...]) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(f"{what} must be an object, got {type(value).__name__}")
+        missing = [name for name in names if name not in value]
+        unknown = [name for name in value if name not in names]
+        if missing or unknown:
+            raise self.fail(f"{what}: missing fields {missing}, unknown fields {unknown!r:.200}")
+        return value
+
+    def integer(self, value: Any, what: str, optional: bool = False) -> int | None:
+        # bool is an int subclass in Python; the schema never stores a bool where an int is due
+        if optional and value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_ELEMENTS:
+            raise self.fail(f"{what} must be an integer in [0, 2**63), got {value!r:.80}")
+        return value
+
+    def text(self, value: Any, what: str, optional: bool = False) -> str | None:
+        if (optional and value is None) or isinstance(value, str):
+            return value
+        raise self.fail(f"{what} must be a string, got {type(value).__name__}")
+
+    def flag(self, value: Any, what: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(f"{what} must be true or false, got {value!r:.80}")
+        return value
+
+    def dims(self, value: Any, what: str) -> torch.Size:
+        if not isinstance(value, list) or len(value) > MAX_TENSOR_DIMS:
+            raise self.fail(f"{what} must be a list of at most {MAX_TENSOR_DIMS} integers, got {value!r:.80}")
+        return torch.Size([self.integer(d, what) for d in value])
+
+    def member(self, table: dict[str, Any], value: Any, what: str) -> Any:
+        if not isinstance(value, str) or value not in table:
+            raise self.fail(f"{what} {value!r:.80} is not one of {sorted(table)}")
+        return table[value]
+
+    def dtype(self, value: Any, what: str) -> torch.dtype:
+        try:
+            return torch_dtype(self.text(value, what))
+        except (KeyError, TypeError):
+            raise self.fail(f"{what} {value!r:.80} is not a dtype this torch has") from None
+
+    def tensor(self, entry: dict[str, Any], what: str) -> TensorStorageMetadata:
+        self.fields(entry, what, ("type", "dtype", "layout", "requires_grad", "memory_format", "pin_memory",
+                                  "size", "chunks"))
+        size = self.dims(entry["size"], f"{what}.size")
+        if math.prod(size) >= _MAX_ELEMENTS:
+            raise self.fail(f"{what}.size {list(size)} has 2**63 or more elements")
+        props = TensorProperties(dtype=self.dtype(entry["dtype"], f"{what}.dtype"),
+                                 layout=self.member(_LAYOUTS, entry["layout"], f"{what}.layout"),
+                                 requires_grad=self.flag(entry["requires_grad"], f"{what}.requires_grad"),
+                                 memory_format=self.member(_MEMORY_FORMATS, entry["memory_format"],
+                                                           f"{what}.memory_format"),
+                                 pin_memory=self.flag(entry["pin_memory"], f"{what}.pin_memory"))
+        if not isinstance(entry["chunks"], list):
+            raise self.fail(f"{what}.chunks must be a list")
+        chunks = []
+        for number, raw in enumerate(entry["chunks"]):
+            where = f"{what} chunk {number}"
+            self.fields(raw, where, ("offsets", "sizes"))
+            offsets = self.dims(raw["offsets"], f"{where} offsets")
+            sizes = self.dims(raw["sizes"], f"{where} sizes")
+            if len(offsets) != len(size) or len(sizes) != len(size) \
+                    or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+                raise self.fail(f"{where} (offsets {list(offsets)}, sizes {list(sizes)}) lies outside "
+                                f"size {list(size)}")
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
+        return TensorStorageMetadata(properties=props, size=size, chunks=chunks)
+
+    def decode(self, data: bytes) -> tuple[Metadata, dict[str, Any]]:
+        """The ``Metadata`` and the ``pickle`` binding (length and SHA-256 of its ``.metadata``)."""
+        try:
+            doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant,
+                             object_pairs_hook=_no_duplicate_keys)
+        except RecursionError:
+            raise self.fail("nesting too deep") from None
+        except (UnicodeDecodeError, ValueError) as err:
+            raise self.fail(f"not valid UTF-8 JSON ({err})") from err
+        if not isinstance(doc, dict) or doc.get("format") != METADATA_JSON_FORMAT:
+            raise self.fail(f"not a gdsckpt DCP metadata object (format must be {METADATA_JSON_FORMAT!r})")
+        if doc.get("schema") != METADATA_JSON_SCHEMA:
+            raise UnsupportedFormatError(f"DCP metadata {self.where} has schema {doc.get('schema')!r:.40}; "
+                                         f"this gdsckpt reads schema {METADATA_JSON_SCHEMA}: upgrade gdsckpt")
+        self.fields(doc, "the document", ("format", "schema", "pickle", "version", "state_dict_metadata",
+                                          "planner_data", "storage_data", "storage_meta"))
+        binding = self.fields(doc["pickle"], "pickle", ("bytes", "sha256"))
+        self.integer(binding["bytes"], "pickle.bytes")
+        digest = self.text(binding["sha256"], "pickle.sha256")
+        if len(digest) != 64 or digest.strip("0123456789abcdef"):
+            raise self.fail("pickle.sha256 must be 64 lower-case hex digits")
+        if not isinstance(doc["state_dict_metadata"], dict):
+            raise self.fail("state_dict_metadata must be an object")
+        entries: dict[str, Any] = {}
+        for fqn, entry in doc["state_dict_metadata"].items():
+            what = f"state_dict_metadata[{fqn!r:.80}]"
+            kind = entry.get("type") if isinstance(entry, dict) else None
+            if kind == "bytes":
+                self.fields(entry, what, ("type",))
+                entries[fqn] = BytesStorageMetadata()
+            elif kind == "tensor":
+                entries[fqn] = self.tensor(entry, what)
+            else:
+                raise self.fail(f"{what}.type {kind!r:.40} is not 'tensor' or 'bytes'")
+        planner = doc["planner_data"]
+        if planner is not None:
+            if not isinstance(planner, dict):
+                raise self.fail("planner_data must be an object or null")
+            for fqn, path in planner.items():
+                if not isinstance(path, list) or not all(isinstance(part, str) or (
+                        isinstance(part, int) and not isinstance(part, bool)) for part in path):
+                    raise self.fail(f"planner_data[{fqn!r:.80}] must be a list of strings and integers")
+            planner = {fqn: tuple(path) for fqn, path in planner.items()}
+        return Metadata(state_dict_metadata=entries, planner_data=planner,
+                        storage_data=self.storage_data(doc["storage_data"], entries),
+                        storage_meta=self.storage_meta(doc["storage_meta"]),
+                        version=self.text(doc["version"], "version", optional=True)), binding
+
+    def storage_data(self, raw: Any, entries: dict[str, Any]) -> dict[MetadataIndex, GdsStorageInfo]:
+        if not isinstance(raw, list):
+            raise self.fail("storage_data must be a list")
+        out: dict[MetadataIndex, GdsStorageInfo] = {}
+        for number, item in enumerate(raw):
+            what = f"storage_data[{number}]"
+            self.fields(item, what, ("fqn", "offset", "index", "file", "key", "length"))
+            fqn = self.text(item["fqn"], f"{what}.fqn")
+            if fqn not in entries:
+                raise self.fail(f"{what}.fqn {fqn!r:.80} is not in state_dict_metadata")
+            offset = None if item["offset"] is None else self.dims(item["offset"], f"{what}.offset")
+            index = MetadataIndex(fqn, offset, self.integer(item["index"], f"{what}.index", optional=True))
+            file = self.text(item["file"], f"{what}.file")
+            if Path(file).name != file or file in ("", ".", "..") or "\0" in file:
+                raise self.fail(f"{what}.file {file!r:.80} is not a file name inside the checkpoint")
+            if index in out:
+                raise self.fail(f"{what}: {fqn!r:.80} at offset {offset} is listed twice")
+            out[index] = GdsStorageInfo(file, self.text(item["key"], f"{what}.key"),
+                                        self.integer(item["length"], f"{what}.length"))
+        return out
+
+    def storage_meta(self, raw: Any) -> StorageMeta | None:
+        if raw is None:
+            return None
+        self.fields(raw, "storage_meta", ("checkpoint_id", "save_id", "load_id", "modules"))
+        modules = raw["modules"]
+        if not isinstance(modules, list):
+            raise self.fail("storage_meta.modules must be a list of strings")
+        ids = {name: self.text(raw[name], f"storage_meta.{name}", optional=True)
+               for name in ("checkpoint_id", "save_id", "load_id")}
+        return StorageMeta(**ids,
+                           modules=[self.text(m, "storage_meta.modules") for m in modules])
+
+
+def _decode_metadata_json(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
+    """Validate ``.metadata.json`` bytes strictly (schema 1) and rebuild DCP's ``Metadata``;
+    returns it with the ``pickle`` binding. Raises ``CorruptCheckpointError`` naming the field."""
+    return _MetadataJsonDecoder(where).decode(data)
+
+
+class _DirectoryCheckpoint:
+    """What writer and reader share of DCP's protocol: the checkpoint is the directory ``path``."""
+
+    path: Path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        if isinstance(checkpoint_id, Path):
+            return True
+        if "://" in str(checkpoint_id):
+            return False
+        return any(p.exists() and os.access(p, os.W_OK) for p in Path(checkpoint_id).parents)
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        return self.path
+
+
+class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
+    """A DCP ``StorageWriter`` that writes one compressed gdsckpt file per rank into ``path``.
+
+    ``codec`` and ``config`` are those of ``gdsckpt.save``; further keyword ``options`` override
+    fields of the configuration (``chunk_bytes=``, ``fsync=``, ``level=``, ...). ``fsync`` also
+    governs the metadata files. Existing rank files, ``.metadata`` and ``.metadata.json`` in
+    ``path`` are replaced. Metadata that ``.metadata.json`` cannot express is written to
+    ``.metadata`` only, with a ``PickleOnlyMetadataWarning``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, codec: str = "auto", config: Config | None = None,
+                 **options: Any) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.codec = codec
+        self.config = api._config(config, **options)
+        self.rank: int | None = None
+        self.use_collectives = True
+        self.is_coordinator = False
+        self.save_id = str(uuid.uuid4())
+
+    # -- protocol ------------------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.path.mkdir(parents=True, exist_ok=True)
+        if not self.use_collectives and self.rank is not None:
+            self._remove_metadata(self._metadata_path(self.rank))
+            plan = dataclasses.replace(plan, storage_data=_FilePrefix(f"__{self.rank}_"))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Runs on the coordinator after every rank planned and before any rank writes: a stale
+        # .metadata goes first, so that a save failing half-way leaves no committed checkpoint
+        # pointing into rank files it partly replaced.
+        self._remove_metadata(self._metadata_path())
+        return [dataclasses.replace(plan, storage_data=_FilePrefix(f"__{i}_"))
+                if plan.storage_data is None else plan for i, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix: _FilePrefix = plan.storage_data
+        file_name = f"{prefix.prefix}0{SUFFIX}"
+        state: dict[str, Any] = {}
+        results: list[WriteResult] = []
+        for item in plan.items:
+            name, key = _item_name(item.index), item_key(item.index)
+            if name in state:
+                raise ValueError(f"two write items map to the same key {key!r}")
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                if not isinstance(data, io.BytesIO):
+                    raise TypeError(f"byte item {item.index.fqn!r} resolved to {type(data).__name__}, "
+                                    f"not io.BytesIO")
+                value: Any = torch.from_numpy(np.frombuffer(data.getvalue(), dtype=np.uint8).copy())
+                length = value.numel()
+            else:
+                if not isinstance(data, torch.Tensor):
+                    raise TypeError(f"tensor item {item.index.fqn!r} resolved to {type(data).__name__}")
+                value = data.detach()
+                length = value.numel() * value.element_size()
+            state[name] = value  # escaped once, by gdsckpt.save: the stored key is ``key``
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=GdsStorageInfo(file_name, key, length)))
+        api.save(state, self.path / file_name, codec=self.codec, config=self.config)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = DCP_VERSION
+        storage_md: dict[MetadataIndex, Any] = {}
+        for rank_results in results:
+            storage_md.update({result.index: result.storage_data for result in rank_results})
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        rank = None if self.use_collectives else self.rank
+        final = self._metadata_path(rank)
+        pickled = pickle.dumps(metadata)  # DCP's own serialisation of Metadata (as FileSystemWriter)
+        json_path = final.with_name(final.name + JSON_SUFFIX)
+        try:
+            encoded: bytes | None = _encode_metadata_json(metadata, pickled)
+        except _Unexpressible as err:
+            encoded = None
+            warnings.warn(f"DCP metadata of {str(self.path)!r} is written as the pickle {final.name} only: "
+                          f"{err} has no JSON form; GdsStorageReader loads it only with trust_pickle=True",
+                          PickleOnlyMetadataWarning, stacklevel=2)
+        # The JSON goes first and .metadata last: .metadata marks the checkpoint complete, and the
+        # JSON names the .metadata it was written with (length and SHA-256).
+        if encoded is None:
+            self._remove_file(json_path)
+        else:
+            self._write_file(json_path, encoded)
+        self._write_file(final, pickled)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _metadata_path(self, rank: int | None = None) -> Path:
+        return self.path / (METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}")
+
+    def _remove_metadata(self, path: Path) -> None:
+        # .metadata first: without it the directory is no checkpoint, whatever JSON remains
+        self._remove_file(path)
+        self._remove_file(path.with_name(path.name + JSON_SUFFIX))
+
+    def _remove_file(self, path: Path) -> None:
+        if path.exists():
+            path.unlink()
+            if self.config.fsync:
+                _fsync_dir(self.path)
+
+    def _write_file(self, final: Path, data: bytes) -> None:
+        """Replace ``final`` with ``data`` atomically: temporary file, fsync, rename, directory fsync."""
+        tmp = final.with_name(f"{final.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            with tmp.open("wb") as f:
+                f.write(data)
+                f.flush()
+                if self.config.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if self.config.fsync:
+            _fsync_dir(self.path)
+
+
+class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
+    """A DCP ``StorageReader`` for checkpoints written by ``GdsStorageWriter``, at any world size.
+
+    It reads DCP's metadata from ``.metadata.json`` (strictly validated JSON, which runs no code
+    from the directory) and refuses DCP byte items that torch's ``weights_only`` loader refuses
+    (DCP's planner unpickles them). ``trust_pickle=True`` says the caller trusts the directory:
+    then the pickled ``.metadata`` is read where no ``.metadata.json`` describes it (checkpoints of
+    torch's ``FileSystemWriter``, of earlier gdsckpt versions, or saved with a
+    ``PickleOnlyMetadataWarning``) and byte items go to the planner unchecked; both can run code.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, config: Config | None = None,
+                 trust_pickle: bool = False) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.config = config
+        self.trust_pickle = trust_pickle
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self.load_id = str(uuid.uuid4())
+        self.rank: int | None = None
+        self.use_collectives = True
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+        pickle_path = self.path / name
+        if not pickle_path.is_file():
+            raise CheckpointError(f"{str(self.path)!r} is not a DCP checkpoint: no {name} (a save "
+                                  f"that did not finish leaves none)")
+        metadata = self._read_json_metadata(pickle_path.with_name(name + JSON_SUFFIX), pickle_path)
+        if metadata is None:
+            with pickle_path.open("rb") as f:
+                metadata = pickle.load(f)  # trusted by the caller: DCP's pickled Metadata
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _read_json_metadata(self, json_path: Path, pickle_path: Path) -> Metadata | None:
+        """The metadata from ``json_path`` if it describes ``pickle_path``; None where the caller
+        trusts the pickle and no JSON describes it; else a ``CheckpointError`` saying why."""
+        trust = "pass GdsStorageReader(..., trust_pickle=True) if you trust the directory"
+        try:
+            json_data = read_small_file(json_path, MAX_METADATA_JSON_BYTES)
+        except FileNotFoundError:
+            if self.trust_pickle:
+                return None
+            raise CheckpointError(
+                f"{str(self.path)!r} has only the pickled {pickle_path.name} (written by torch's "
+                f"FileSystemWriter, by an earlier gdsckpt, or with a PickleOnlyMetadataWarning), and "
+                f"unpickling runs any code the file names: {trust}") from None
+        metadata, binding = _decode_metadata_json(json_data, f"{str(json_path)!r}")
+        if not self._pickle_matches(pickle_path, binding):
+            if self.trust_pickle:
+                return None
+            raise CorruptCheckpointError(
+                f"{json_path.name} does not describe {pickle_path.name} (their recorded length or "
+                f"SHA-256 differ: another writer replaced {pickle_path.name}); to read "
+                f"{pickle_path.name}, {trust}")
+        return metadata
+
+    @staticmethod
+    def _pickle_matches(pickle_path: Path, binding: dict[str, Any]) -> bool:
+        """Whether ``pickle_path`` has the length and SHA-256 the JSON recorded (read, never
+        unpickled; the length is compared first, so a large foreign file is not read)."""
+        if pickle_path.stat().st_size != binding["bytes"]:
+            return False
+        digest = hashlib.sha256()
+        with pickle_path.open("rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+        return digest.hexdigest() == binding["sha256"]
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CorruptCheckpointError("DCP metadata has no storage_data")
+        self.storage_data = metadata.storage_data
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            info = self._info(item)
+            per_file.setdefault(info.relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            if Path(relative_path).name != relative_path:
+                raise CorruptCheckpointError(f"DCP metadata names a file outside the checkpoint: "
+                                             f"{relative_path!r}")
+            with api.open(self.path / relative_path, config=self.config) as ckpt:
+                # Several read items may take pieces of one stored item: each key is read once.
+                # Keys are read in batches (one parallel restore each, on the device their
+                # destination lives on) of at most READ_BATCH_BYTES, which bounds the memory
+                # held by stored items awaiting delivery.
+                by_key: dict[str, list[ReadItem]] = {}
+                for item in items:
+                    by_key.setdefault(self._info(item).key, []).append(item)
+                # A rank that needs only some rows of a stored item (resharding along dim 0, as
+                # FSDP2 / Shard(0) does) reads only the chunks holding them.
+                for key in list(by_key):
+                    window = self._row_window(by_key[key], ckpt.info(key).shape)
+                    if window is not None:
+                        self._read_rows(ckpt, key, window, by_key.pop(key), planner)
+                batch: list[str] = []
+                batch_bytes, batch_device = 0, None
+                for key, key_items in sorted(by_key.items(),
+                                             key=lambda kv: (self._device(kv[1][0], planner) or "", kv[0])):
+                    device = self._device(key_items[0], planner)
+                    nbytes = ckpt.info(key).nbytes
+                    if batch and (device != batch_device or batch_bytes + nbytes > READ_BATCH_BYTES):
+                        self._read_batch(ckpt, batch, batch_device, by_key, planner)
+                        batch, batch_bytes = [], 0
+                    batch.append(key)
+                    batch_bytes += nbytes
+                    batch_device = device
+                if batch:
+                    self._read_batch(ckpt, batch, batch_device, by_key, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @staticmethod
+    def _check_byte_item(item: ReadItem, data: bytes) -> None:
+        """Refuse a byte item that torch's ``weights_only`` loader refuses. DCP's planner loads
+        byte items with ``torch.load(weights_only=False)``, which runs whatever the bytes name;
+        the ``weights_only`` loader builds only allow-listed plain types and runs nothing else,
+        so what it accepts names nothing else to run."""
+        try:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any refusal: torch raises several types
+            lines = str(err).splitlines()
+            reason = next((line.strip() for line in lines if "WeightsUnpickler error" in line),
+                          lines[0] if lines else type(err).__name__)
+            raise CheckpointError(
+                f"byte item {item.storage_index.fqn!r} holds more than plain values "
+                f"({reason.split(' Please use')[0][:300]}); "
+                f"DCP's planner would unpickle it and run the code it names: allow its types with "
+                f"torch.serialization.add_safe_globals, or pass GdsStorageReader(..., trust_pickle=True) "
+                f"if you trust the directory") from None
+
+    def _info(self, item: ReadItem) -> GdsStorageInfo:
+        try:
+            info = self.storage_data[item.storage_index]
+        except KeyError:
+            raise CorruptCheckpointError(f"DCP metadata has no storage entry for "
+                                         f"{item.storage_index}") from None
+        if not isinstance(info, GdsStorageInfo):
+            raise CorruptCheckpointError(f"{item.storage_index} was not written by GdsStorageWriter "
+                                         f"(storage data {type(info).__name__})")
+        return info
+
+    @staticmethod
+    def _device(item: ReadItem, planner: LoadPlanner) -> str | None:
+        """Where a read item's destination lives: ``"cuda:N"`` restores (and decodes) there,
+        None in host memory."""
+        if item.type == LoadItemType.BYTE_IO:
+            return None
+        device = planner.resolve_tensor(item).device
+        return f"cuda:{device.index or 0}" if device.type == "cuda" else None
+
+    @staticmethod
+    def _row_window(items: list[ReadItem], shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """The rows ``[start, stop)`` of a stored item that ``items`` need, when they take whole
+        rows (full extent in every dimension after the first) and not all of them; else None."""
+        if not shape or any(item.type == LoadItemType.BYTE_IO for item in items):
+            return None
+        for item in items:
+            offsets, lengths = list(item.storage_offsets), list(item.lengths)
+            if len(offsets) != len(shape) or any(o != 0 or n != d for o, n, d in
+                                                  zip(offsets[1:], lengths[1:], shape[1:])):
+                return None
+        start = min(int(item.storage_offsets[0]) for item in items)
+        stop = max(int(item.storage_offsets[0]) + int(item.lengths[0]) for item in items)
+        return None if (start, stop) == (0, shape[0]) else (start, stop)
+
+    def _read_rows(self, ckpt: Any, key: str, window: tuple[int, int], items: list[ReadItem],
+                   planner: LoadPlanner) -> None:
+        start, stop = window
+        rows = ckpt.get_rows(key, start, stop, device=self._device(items[0], planner))
+        for item in items:
+            offsets = list(item.storage_offsets)
+            offsets[0] -= start  # relative to the rows read
+            self._deliver(dataclasses.replace(item, storage_offsets=torch.Size(offsets)), rows, planner)
+
+    def _read_batch(self, ckpt: Any, keys: list[str], device: str | None, by_key: dict[str, list[ReadItem]],
+                    planner: LoadPlanner) -> None:
+        stored = ckpt.get_many(keys, device=device)
+        for key in keys:
+            for item in by_key[key]:
+                self._deliver(item, stored[key], planner)
+            del stored[key]  # delivered: its memory may go
+
+    def _deliver(self, item: ReadItem, stored: Any, planner: LoadPlanner) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            data = stored.numpy().tobytes()
+            if not self.trust_pickle:
+                self._check_byte_item(item, data)
+            planner.load_bytes(item, io.BytesIO(data))
+            return
+        tensor = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CorruptCheckpointError(f"read item {item.storage_index}: target size "
+                                         f"{tuple(target.size())} "
+                                         f"!= stored piece {tuple(tensor.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+

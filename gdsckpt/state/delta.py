@@ -1,0 +1,222 @@
+"""Delta checkpoints: arrays stored as the XOR of their bytes with a base checkpoint's.
+
+Consecutive checkpoints of a training run differ little: the XOR of bf16 weights 10 AdamW steps
+apart is mostly zero bits in the sign, exponent and high mantissa bytes, and compressed 9x on the
+GPU host against 1.5x for the weights themselves. ``save(..., base=PATH)`` stores every array whose
+key, dtype and shape match an array of the base as that XOR (format 1.1: chunks whose chain begins
+with ``xorbase/1``, and an index member ``base`` naming the base file and its content identity,
+docs/format.md §6.8 and §9.5); ``load`` and every other read resolve the chain by themselves.
+
+Memory stays bounded by configuration, not by the size of the arrays: the XOR is applied per
+chunk as the save pipeline reads an array's bytes (``XorSource``) and as the restore pipeline
+writes them (``XorTarget``), against windows of the base read on demand (``BaseBytes``), never
+against a whole base array. A window is read through the base's own restore (its chunks only),
+so a base that is itself a delta resolves recursively; ``max_chain`` bounds that recursion at
+save time: a save whose base chain is already that deep writes a full checkpoint instead.
+
+Why XOR and not a difference of values: it is exact for every dtype (NaN payloads, -0.0,
+integers and bools included), costs one pass on either side, and unchanged bits come out as zero
+bytes, which byte planes and any entropy coder compress to almost nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import BaseCheckpointError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CHAIN = 8
+"""Deltas a load may have to resolve behind one checkpoint before a full one is written."""
+HOST_WINDOW_BYTES = 64 << 20
+DEVICE_WINDOW_BYTES = 64 << 20
+"""Bytes of a base read at a time (host / GPU memory). Each window is one restore of the base
+(engine, reads, decode): large enough to amortise that, small enough to stay a fixed cost. A
+``BaseReader`` caches about two windows, and each link of a chain has one (kept while the file
+that needs it is open, so that the next restore finds its cache): resolving a chain ``d`` deep
+holds up to ``2 * d`` windows, 1 GiB at the default ``max_chain`` of 8."""
+
+
+def base_link(delta_path: str | os.PathLike[str], base_path: str | os.PathLike[str], index_sha256: str,
+              file_length: int, base_depth: int) -> dict[str, Any]:
+    """The index's ``base`` member for a delta written at ``delta_path`` against ``base_path``.
+
+    The path is stored relative to the delta's directory when the base lies beside it or below,
+    so that a directory of checkpoints can be moved or copied as a whole; absolute otherwise."""
+    delta_dir = Path(os.path.abspath(delta_path)).parent
+    absolute = Path(os.path.abspath(base_path))
+    try:
+        stored = str(absolute.relative_to(delta_dir))
+    except ValueError:
+        stored = str(absolute)
+    return {"path": stored, "index_sha256": index_sha256, "file_length": file_length, "depth": base_depth + 1}
+
+
+def base_path_of(delta_path: str | None, link: dict[str, Any]) -> Path:
+    """Where the base named by ``link`` is, for a delta file at ``delta_path``."""
+    path = Path(link["path"])
+    if path.is_absolute():
+        return path
+    if delta_path is None:
+        raise BaseCheckpointError(f"the delta checkpoint names its base by the relative path "
+                                  f"{link['path']!r}, but it was not opened from a path")
+    return Path(os.path.abspath(delta_path)).parent / path
+
+
+def check_identity(base_path: Path, link: dict[str, Any], index_sha256: str, file_length: int) -> None:
+    """Raise ``BaseCheckpointError`` unless the opened base is the file the delta was written against."""
+    if index_sha256 != link["index_sha256"] or file_length != link["file_length"]:
+        raise BaseCheckpointError(
+            f"base checkpoint {str(base_path)!r} has changed since the delta was written against it "
+            f"(index SHA-256 {index_sha256[:16]}..., {file_length} bytes; expected "
+            f"{link['index_sha256'][:16]}..., {link['file_length']} bytes): restore the original base, "
+            f"or load an older full checkpoint")
+
+
+ReadMany = Callable[[list[tuple[str, int, int]], Any], list[Any]]
+"""([(key, start, stop), ...], device or None) -> the resolved bytes of each range of the base's
+arrays (distinct arrays), as flat uint8 arrays: NumPy for None, CuPy on that CUDA device
+otherwise; one restore of the base for the whole list."""
+
+
+class BaseReader:
+    """The resolved element bytes of a base checkpoint's arrays, fetched in batches and cached.
+
+    A request for an array smaller than a quarter window fetches it together with the small
+    arrays that follow it in the base's order, up to one window, in a single restore; a larger
+    array is read in windows at multiples of the window size. Without batching, a state of many
+    small arrays cost one restore (engine, reads, decode) per array and per link of a chain of
+    deltas: 7.6 s for the tenth delta of a 62 MiB state on the CPU host, against 0.1 s for a full
+    save. The cache keeps about two windows; thread-safe (the CPU engine asks from several
+    threads)."""
+
+    def __init__(self, read_many: ReadMany, sizes: dict[str, int]):
+        self._read_many = read_many
+        self._sizes = sizes
+        self._order = list(sizes)
+        self._position = {key: i for i, key in enumerate(self._order)}
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[Any, str, int, int], Any] = OrderedDict()
+        self._cached_bytes = 0
+
+    def view(self, key: str) -> BaseBytes:
+        """The bytes of one array (``key`` an array of the base)."""
+        return BaseBytes(self, key, self._sizes[key])
+
+    def read(self, key: str, start: int, stop: int, device: Any) -> Any:
+        """Bytes ``[start, stop)`` of array ``key`` (host for ``device`` None, else ``"cuda:N"``)."""
+        size = HOST_WINDOW_BYTES if device is None else DEVICE_WINDOW_BYTES
+        with self._lock:
+            for (kind, cached_key, low, high), data in self._cache.items():
+                if kind == device and cached_key == key and low <= start and stop <= high:
+                    self._cache.move_to_end((kind, cached_key, low, high))
+                    return data[start - low:stop - low]
+            nbytes = self._sizes[key]
+            if nbytes <= size // 4:
+                batch, total = [(key, 0, nbytes)], nbytes
+                for other in self._order[self._position[key] + 1:]:
+                    other_bytes = self._sizes[other]
+                    if other_bytes > size // 4 or total + other_bytes > size:
+                        break
+                    if other_bytes and not any(k == device and ck == other for k, ck, _l, _h in self._cache):
+                        batch.append((other, 0, other_bytes))
+                        total += other_bytes
+            else:
+                # Windows at multiples of their size: chunks decoded out of order, and the windows
+                # a base of a base is asked for, fall into the same few windows.
+                low = start // size * size
+                batch = [(key, low, min(nbytes, max(stop, low + size)))]
+            fetched = self._read_many(batch, device)
+            for (batch_key, low, high), data in zip(batch, fetched):
+                self._cache[(device, batch_key, low, high)] = data
+                self._cached_bytes += high - low
+            wanted = (device, key, batch[0][1], batch[0][2])
+            while self._cached_bytes > 2 * size and len(self._cache) > len(batch):
+                (_kind, _key, low, high), _data = self._cache.popitem(last=False)
+                self._cached_bytes -= high - low
+            data = self._cache[wanted]
+            return data[start - wanted[2]:stop - wanted[2]]
+
+
+class BaseBytes:
+    """The resolved element bytes of one array of a base checkpoint (through a ``BaseReader``)."""
+
+    def __init__(self, reader: BaseReader, key: str, nbytes: int):
+        self.reader = reader
+        self.key = key
+        self.nbytes = nbytes
+
+    def host(self, start: int, stop: int) -> np.ndarray:
+        """Bytes ``[start, stop)`` in host memory."""
+        return self.reader.read(self.key, start, stop, None)
+
+    def device(self, start: int, stop: int) -> Any:
+        """Bytes ``[start, stop)`` as a CuPy array on the current CUDA device."""
+        import cupy
+
+        return self.reader.read(self.key, start, stop, f"cuda:{cupy.cuda.runtime.getDevice()}")
+
+
+class XorSource:
+    """An ``ArraySource`` whose bytes are the XOR of ``source``'s with the base's (save side)."""
+
+    def __init__(self, source: Any, base: BaseBytes):
+        self.source = source
+        self.base = base
+        self.nbytes = source.nbytes
+        self.itemsize = source.itemsize
+        self.plane_width = source.plane_width
+        self.on_device = source.on_device
+
+    def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        """The XOR of bytes ``[start, stop)``, in a new host array."""
+        return np.bitwise_xor(self.source.host_bytes(start, stop), self.base.host(start, stop))
+
+    def device_bytes(self, start: int, stop: int) -> Any:
+        """The XOR of bytes ``[start, stop)``, in a new CuPy array on the source's device."""
+        import cupy
+
+        return cupy.bitwise_xor(self.source.device_bytes(start, stop), self.base.device(start, stop))
+
+    def __getattr__(self, name: str) -> Any:  # anything else the pipeline asks of a source
+        return getattr(self.source, name)
+
+
+class XorTarget:
+    """An ``ArrayTarget`` that XORs delivered bytes with the base's before writing (load side).
+
+    ``offset``: where the target's first byte lies in the array (a window restore). It offers no
+    ``host_view``, so the restore never reads file bytes straight into the destination."""
+
+    def __init__(self, target: Any, base: BaseBytes, offset: int = 0):
+        self.target = target
+        self.base = base
+        self.offset = offset
+        self.nbytes = target.nbytes
+        self.on_device = target.on_device
+
+    def write_host(self, start: int, data: np.ndarray) -> None:
+        """XOR host bytes destined for ``[start, start + len(data))`` and write them."""
+        position = self.offset + start
+        self.target.write_host(start, np.bitwise_xor(data, self.base.host(position, position + data.nbytes)))
+
+    def write_device(self, start: int, data: Any) -> None:
+        """XOR device bytes (on the current device and stream) and write them."""
+        import cupy
+
+        position = self.offset + start
+        with cupy.cuda.Device(data.device.id):
+            base = self.base.device(position, position + data.nbytes)
+            self.target.write_device(start, cupy.bitwise_xor(data, base))
+
+    def finish(self) -> Any:
+        """The finished destination."""
+        return self.target.finish()
