@@ -304,13 +304,20 @@ def test_file_truncated_during_load_names_the_chunk_and_tensor(reader: str, ckpt
     chunk read starts: ``CorruptCheckpointError`` naming that chunk and its tensor."""
     cut = len(saved.chunks) // 2
     record = saved.chunks[cut]
+    data_start = min(chunk.offset for chunk in saved.chunks)
+    data_end = max(chunk.offset + chunk.stored for chunk in saved.chunks)
     original = os.preadv
     truncated = []
+    cutting = threading.Lock()
 
     def preadv(fd: int, buffers: Any, position: int, *args: Any) -> int:
-        if position == saved.chunks[0].offset and not truncated:
-            os.truncate(ckpt_path, record.offset + record.stored // 2)
-            truncated.append(position)
+        # Chunks are read in parallel, in any order: every chunk read waits until the cut is made,
+        # so none of them can read chunk ``cut`` whole before the file loses its tail.
+        if data_start <= position < data_end:
+            with cutting:
+                if not truncated:
+                    os.truncate(ckpt_path, record.offset + record.stored // 2)
+                    truncated.append(position)
         return original(fd, buffers, position, *args)
 
     with monkeypatch.context() as m:
