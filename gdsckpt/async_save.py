@@ -5,5 +5,5 @@ The code lives in :mod:`gdsckpt.background.async_save`; this module re-exports i
 that ``gdsckpt.async_save.prepare(state)`` keeps working as the README and docs show it.
 """
 
-from .background.async_save import *  # noqa: F401,F403
+from .background.async_save import *
 from .background.async_save import __all__  # noqa: F401

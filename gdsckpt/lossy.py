@@ -4,5 +4,5 @@ The code lives in :mod:`gdsckpt.state.lossy`; this module re-exports its public 
 ``import gdsckpt.lossy`` keeps working as the README and docs show it.
 """
 
-from .state.lossy import *  # noqa: F401,F403
+from .state.lossy import *
 from .state.lossy import __all__  # noqa: F401
