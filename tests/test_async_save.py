@@ -236,7 +236,7 @@ def test_background_write_error_surfaces_on_wait(ckpt_path: Path, monkeypatch: p
     def no_space(fd: int, data: Any, offset: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(posix, "_pwrite_all", no_space)
+    monkeypatch.setattr(posix, "pwrite_all", no_space)
     handle = gdsckpt.save_async(_state(), ckpt_path, config=h.small_config(fsync=True))
     with pytest.raises(OSError) as caught:
         handle.wait(timeout=60)

@@ -316,21 +316,21 @@ def test_bitcomp_lossy_stage_parameters_are_checked(stage: dict[str, Any], probl
     file: anything but "<f4"/"<f2" and a finite positive number is refused (the GPU reader turns
     that into CorruptCheckpointError), and ill-typed parameters never reach a dict key."""
     from gdsckpt.codecs.nvcomp import bitcomp_lossy_params
-    from gdsckpt.pipeline.gpu_engine import _decoder_key
+    from gdsckpt.codecs.nvcomp import decoder_key
 
     stage = {"name": "nvcomp.bitcomp-lossy/1", **stage}
     with pytest.raises(ValueError, match=problem):
         bitcomp_lossy_params(stage)
     with pytest.raises(ValueError, match=problem):
-        _decoder_key(stage)
+        decoder_key(stage)
 
 
 def test_decoder_keys_of_valid_stages() -> None:
-    from gdsckpt.pipeline.gpu_engine import _decoder_key
+    from gdsckpt.codecs.nvcomp import decoder_key
 
-    assert _decoder_key({"name": "nvcomp.bitcomp-lossy/1", "data_type": "<f2", "delta": 1}) == \
+    assert decoder_key({"name": "nvcomp.bitcomp-lossy/1", "data_type": "<f2", "delta": 1}) == \
         ("nvcomp.bitcomp-lossy/1", "<f2", 1.0)
-    assert _decoder_key({"name": "nvcomp.ans/1", "data_type": "<f4"}) == ("nvcomp.ans/1", "<f4", None)
-    assert _decoder_key({"name": "zstd/1"}) == ("zstd/1", None, None)
+    assert decoder_key({"name": "nvcomp.ans/1", "data_type": "<f4"}) == ("nvcomp.ans/1", "<f4", None)
+    assert decoder_key({"name": "zstd/1"}) == ("zstd/1", None, None)
     with pytest.raises(ValueError, match="data_type"):
-        _decoder_key({"name": "nvcomp.ans/1", "data_type": {"x": 1}})
+        decoder_key({"name": "nvcomp.ans/1", "data_type": {"x": 1}})

@@ -109,7 +109,7 @@ def test_failed_save_prunes_nothing_and_keeps_latest(tmp_path: Path, config: gds
     def no_space(fd: int, data: Any, offset: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(posix, "_pwrite_all", no_space)
+    monkeypatch.setattr(posix, "pwrite_all", no_space)
     with pytest.raises(OSError) as caught:
         manager.save_async(2, _state(2)).wait(timeout=60)
     assert caught.value.errno == errno.ENOSPC

@@ -82,7 +82,8 @@ def test_restore_never_exceeds_the_engines_slots(tmp_path: Path, slots: int) -> 
 
 
 def test_staging_ring_leaves_room_for_nvcomps_measured_scratch() -> None:
-    from gdsckpt.pipeline.gpu_engine import DECODE_SCRATCH, ENCODE_SCRATCH, _scratch, ring_slots
+    from gdsckpt.pipeline.gpu import DECODE_SCRATCH, ENCODE_SCRATCH, ring_slots
+    from gdsckpt.pipeline.gpu import scratch_bytes as _scratch
 
     mib = 1 << 20
     slot = 32 * mib  # a 16 MiB chunk and its compressed bound

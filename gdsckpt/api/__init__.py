@@ -208,11 +208,9 @@ def _reader(path: PathLike, config: Config, gpu: bool = False) -> StorageReader:
 def _restore_engine(config: Config, gpu_device: int | None) -> Any:
     if gpu_device is None:
         return _host_engine(config)
-    from ..pipeline.gpu_engine import GpuEngine
+    from ..pipeline.gpu import GpuDecoder
 
-    return GpuEngine([], codec="none", byte_planes="never", device_id=gpu_device,
-                     chunk_bytes=config.chunk_bytes, max_staging_bytes=config.max_staging_bytes,
-                     timeout=config.timeout)
+    return GpuDecoder(device_id=gpu_device, max_staging_bytes=config.max_staging_bytes, timeout=config.timeout)
 
 
 def _host_engine(config: Config, sources: list[Any] | None = None, codec: str = "none") -> HostEngine:
@@ -513,7 +511,7 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: Path,
     device = _cuda_device_of(flat) if gpu_device is None else gpu_device
     if _use_gpu(config, device is not None):
         from ..io.kvikio import KvikioWriter
-        from ..pipeline.gpu_engine import GpuEngine
+        from ..pipeline.gpu import GpuEncoder
 
         if codec != "auto":
             versioned_name(codec)  # ValueError listing the valid names for an unknown one
@@ -538,9 +536,9 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: Path,
                 ratios = sample_ratios([a.source for a in flat.arrays], device or 0, stream, candidates)
                 codec = choose_codec(speed, ratios)
                 auto = {"storage_gbps": speed, "sampled_ratios": ratios, "chose": codec, "left_out": left_out}
-        engine = GpuEngine([a.source for a in flat.arrays], codec=codec, byte_planes=config.byte_planes, device_id=device or 0,
-                           chunk_bytes=config.gpu_chunk_bytes, max_staging_bytes=config.max_staging_bytes,
-                           timeout=config.timeout)
+        engine = GpuEncoder([a.source for a in flat.arrays], codec=codec, byte_planes=config.byte_planes, device_id=device or 0,
+                            chunk_bytes=config.gpu_chunk_bytes, max_staging_bytes=config.max_staging_bytes,
+                            timeout=config.timeout)
 
         def make_writer(path: PathLike, cfg: Config) -> StorageWriter:
             _check_target(path)

@@ -14,8 +14,9 @@ lazily, so this module and the CPU codecs work on a machine without a GPU or its
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -28,13 +29,12 @@ PORTABLE_CODECS = ("zstd", "lz4", "deflate", "none")
 class Codec(ABC):
     """A lossless compressor of one chunk of bytes on the host (numpy uint8 arrays).
 
-    ``name`` is the versioned bitstream name written to the index. GPU codecs subclass
-    ``gdsckpt.codecs.nvcomp.DeviceCodec`` instead, which adds a batched device interface.
+    ``name`` is the versioned bitstream name written to the index. GPU codecs are
+    ``gdsckpt.codecs.nvcomp.DeviceCodec`` (a batched device interface); whether a codec has either
+    implementation is its ``CodecSpec``'s business.
     """
 
     name: str
-    requires_gpu: bool = False
-    cpu_readable: bool = True
 
     @abstractmethod
     def encode(self, data: np.ndarray) -> Any:
@@ -83,39 +83,85 @@ class Chain:
         """The chain as it is written to the index."""
         return [dict(stage) for stage in self.stages]
 
-    @property
-    def codec_name(self) -> str:
-        """The versioned name of the final (compressing) stage."""
-        return str(dict(self.stages[-1])["name"])
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """One codec of the registry: its names and the implementations this package has of it.
+
+    Both engines and ``codec="auto"`` look codecs up here: the CPU engine builds ``host``, the GPU
+    engine builds an nvCOMP codec from ``nvcomp_algorithm``. ``requires_gpu`` and
+    ``cpu_readable`` follow from which implementations exist and are what the error messages of
+    ``host_codec`` and the GPU encoder's codec check are decided by."""
+
+    versioned: str
+    """The bitstream name written to the index (``"zstd/1"``, ``"nvcomp.ans/1"``)."""
+    user_name: str | None
+    """What ``codec=`` selects it by; None for a bitstream the writer picks itself
+    (``nvcomp.bitcomp-lossy/1`` for rounded arrays)."""
+    host: Callable[[], Codec] | None = None
+    """Factory of the CPU implementation, None when there is none."""
+    nvcomp_algorithm: str | None = None
+    """nvCOMP's algorithm name of the GPU implementation (RAW bitstream), None when there is none
+    (``none/1`` is handled by the GPU engine without a codec)."""
 
     @property
-    def transforms(self) -> list[dict[str, Any]]:
-        """The transform stages, in the order the writer applied them."""
-        return [dict(stage) for stage in self.stages[:-1]]
+    def cpu_readable(self) -> bool:
+        """Whether a machine without a GPU decodes this bitstream."""
+        return self.host is not None
+
+    @property
+    def requires_gpu(self) -> bool:
+        """Whether only the GPU (nvCOMP) encodes and decodes it."""
+        return self.host is None
 
 
-_CODECS: dict[str, Callable[[], Codec]] = {}
-_TRANSFORMS: dict[str, Transform] = {}
+_SPECS: dict[str, CodecSpec] = {}
+"""Versioned name -> spec."""
 _USER_NAMES: dict[str, str] = {}
-_GPU_ONLY: dict[str, str] = {}
-_GPU_ONLY_STREAMS: set[str] = set()
-"""GPU-only bitstreams no user selects as a codec (the writer chooses them, as
-``nvcomp.bitcomp-lossy/1`` for rounded arrays)."""
+"""User-facing name -> versioned name."""
+_TRANSFORMS: dict[str, Transform] = {}
 
 
-def register_codec(versioned_name: str, user_name: str, factory: Callable[[], Codec]) -> None:
-    """Make ``factory`` the host implementation of ``versioned_name`` (``user_name`` selects it)."""
-    _CODECS[versioned_name] = factory
-    _USER_NAMES[user_name] = versioned_name
+def register_codec(spec: CodecSpec) -> None:
+    """Add a codec to the registry (``codecs/__init__`` registers every codec of the package)."""
+    _SPECS[spec.versioned] = spec
+    if spec.user_name is not None:
+        _USER_NAMES[spec.user_name] = spec.versioned
 
 
-def register_gpu_only(user_name: str | None, versioned_name: str) -> None:
-    """Record a codec that only has a GPU implementation, for clear errors on CPU-only machines;
-    ``user_name`` None: a bitstream that is not a codec choice (``known_codec_names`` omits it)."""
-    if user_name is None:
-        _GPU_ONLY_STREAMS.add(versioned_name)
-    else:
-        _GPU_ONLY[user_name] = versioned_name
+def codec_spec(name: str) -> CodecSpec:
+    """The registered spec of a codec by user-facing or versioned name.
+
+    Raises ``UnsupportedFormatError`` for a versioned name this version of gdsckpt does not know,
+    and ``ValueError`` listing the valid choices for an unknown user-facing name."""
+    spec = _SPECS.get(_USER_NAMES.get(name, name))
+    if spec is not None:
+        return spec
+    if "/" in name:
+        raise UnsupportedFormatError(
+            f"codec {name!r} is not known to this version of gdsckpt "
+            f"(known: {', '.join(sorted(_SPECS))}); upgrade gdsckpt"
+        )
+    raise ValueError(f"unknown codec {name!r} (expected one of: {', '.join(known_codec_names())})")
+
+
+def registered_codecs() -> list[CodecSpec]:
+    """Every registered codec, in registration order."""
+    return list(_SPECS.values())
+
+
+def gpu_codec_names() -> list[str]:
+    """User-facing names of the codecs the GPU engine compresses with (those with an nvCOMP
+    implementation), in registration order."""
+    return [spec.user_name for spec in _SPECS.values()
+            if spec.user_name is not None and spec.nvcomp_algorithm is not None]
+
+
+def gpu_codec_by_versioned(name: str) -> CodecSpec | None:
+    """The spec of a bitstream the GPU decodes with nvCOMP, or None when it has no nvCOMP
+    implementation (``none/1``, or a name this version does not know)."""
+    spec = _SPECS.get(name)
+    return spec if spec is not None and spec.nvcomp_algorithm is not None else None
 
 
 def register_transform(transform: Transform) -> None:
@@ -125,43 +171,31 @@ def register_transform(transform: Transform) -> None:
 
 def known_codec_names() -> list[str]:
     """User-facing codec names this installation knows of (runnable here or not)."""
-    return sorted(set(_USER_NAMES) | set(_GPU_ONLY) | {"auto"})
+    return sorted(set(_USER_NAMES) | {"auto"})
 
 
 def versioned_name(user_name: str) -> str:
     """Map a user-facing codec name (``"zstd"``) to its versioned bitstream name (``"zstd/1"``)."""
     if user_name in _USER_NAMES:
         return _USER_NAMES[user_name]
-    if user_name in _GPU_ONLY:
-        return _GPU_ONLY[user_name]
     raise ValueError(f"unknown codec {user_name!r} (expected one of: {', '.join(known_codec_names())})")
 
 
 def host_codec(name: str) -> Codec:
     """The host implementation of a codec, by user-facing or versioned name.
 
-    Raises ``CodecUnavailableError`` naming the portable alternatives when the codec has no CPU
-    implementation (GPU-only bitstreams such as ``nvcomp.ans/1``), and ``UnsupportedFormatError``
-    for a versioned name this version of gdsckpt does not know.
+    Raises ``CodecUnavailableError`` naming the portable alternatives when the codec is not
+    ``cpu_readable`` (GPU-only bitstreams such as ``nvcomp.ans/1``), ``UnsupportedFormatError``
+    for a versioned name this version of gdsckpt does not know, and ``ValueError`` for an unknown
+    user-facing name.
     """
-    versioned = _USER_NAMES.get(name, name)
-    factory = _CODECS.get(versioned)
-    if factory is not None:
-        return factory()
-    gpu_only = _GPU_ONLY.get(name) or (versioned if versioned in {*_GPU_ONLY.values(), *_GPU_ONLY_STREAMS}
-                                       else None)
-    if gpu_only is not None:
+    spec = codec_spec(name)
+    if spec.host is None:
         raise CodecUnavailableError(
-            f"codec {name!r} ({gpu_only}) needs an NVIDIA GPU with nvCOMP and has no CPU decoder; "
+            f"codec {name!r} ({spec.versioned}) needs an NVIDIA GPU with nvCOMP and has no CPU decoder; "
             f"portable codecs that run anywhere: {', '.join(PORTABLE_CODECS)}"
         )
-    if "/" in name:
-        raise UnsupportedFormatError(
-            f"codec {name!r} is not known to this version of gdsckpt "
-            f"(known: {', '.join(sorted(_CODECS) + sorted({*_GPU_ONLY.values(), *_GPU_ONLY_STREAMS}))}); "
-            f"upgrade gdsckpt"
-        )
-    raise ValueError(f"unknown codec {name!r} (expected one of: {', '.join(known_codec_names())})")
+    return spec.host()
 
 
 def transform(name: str) -> Transform:

@@ -22,9 +22,22 @@ import numpy as np
 import zstandard
 
 from ..format.index import XOR_BASE
-from .base import Codec, Transform, register_codec, register_gpu_only, register_transform
+from .base import Codec, Transform, host_codec
 
 DEFAULT_ZSTD_LEVEL = 3
+"""zstd level of ``ZstdCodec()`` (the library's default)."""
+HOST_ZSTD_LEVEL = 1
+"""zstd level of the CPU engine when ``Config.level`` is None. Measured on trained-model state:
+after byte planes, level 1 compresses faster *and* smaller than level 3 (1.29 vs 1.27 on the mixed
+bf16/fp32 state; level 3's extra match search finds little in mantissa noise and costs more in
+literals than it saves)."""
+PLANES_ZSTD_HASH_LOG = 6
+"""Match-table size (log2 entries) of the zstd compressor for byte-planed chunks at the default
+level: zstd's smallest. Byte planes of floats are mostly Huffman-coded mantissa noise, in which a
+big match table only finds spurious short matches; measured on each part of a trained
+mixed-precision state (4 MiB chunks), level 1 with hash_log 6 instead of 14 compresses 1.3-1.9x
+faster and 0.5-3% smaller (bf16 weights 1.473 -> 1.513, fp32 master 1.191 -> 1.204), and on
+structured data (zeros, repeats, quantized values) no worse. The frames are ordinary zstd."""
 
 
 class ZstdCodec(Codec):
@@ -62,6 +75,25 @@ class ZstdCodec(Codec):
         if len(out) != raw_length:
             raise ValueError(f"zstd frame decoded to {len(out)} bytes, expected {raw_length}")
         return out
+
+
+class PlanesZstdCodec(ZstdCodec):
+    """``zstd/1`` frames for byte-planed chunks: level ``HOST_ZSTD_LEVEL`` with a small match
+    table (``PLANES_ZSTD_HASH_LOG``). Decoding is plain zstd, like every ``zstd/1`` frame."""
+
+    def __init__(self) -> None:
+        super().__init__(HOST_ZSTD_LEVEL)
+        self._params = zstandard.ZstdCompressionParameters.from_level(
+            HOST_ZSTD_LEVEL, hash_log=PLANES_ZSTD_HASH_LOG, write_content_size=1)
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        # Overrides ZstdCodec's per-thread compressor factory (not ``encode``), so everything
+        # that wraps ZstdCodec.encode also wraps this codec's encodes.
+        compressor = getattr(self._local, "compressor", None)
+        if compressor is None:
+            compressor = zstandard.ZstdCompressor(compression_params=self._params)
+            self._local.compressor = compressor
+        return compressor
 
 
 class Lz4Codec(Codec):
@@ -220,7 +252,7 @@ class XorBase(Transform):
 
     Identity at the chunk level: undoing it needs the base's bytes of the arrays the chunk's
     segments map to, which a chunk does not know; the restore pipeline applies the XOR as it
-    writes each array's bytes (``gdsckpt.delta.XorTarget``) and the save pipeline as it reads
+    writes each array's bytes (``gdsckpt.state.delta.XorTarget``) and the save pipeline as it reads
     them (``XorSource``). Registered so that decoding a delta chunk (``verify``) knows the name.
     """
 
@@ -232,14 +264,18 @@ class XorBase(Transform):
     def inverse(self, data: np.ndarray, params: dict[str, Any]) -> np.ndarray:
         return data
 
-register_codec("zstd/1", "zstd", ZstdCodec)
-register_codec("lz4/1", "lz4", Lz4Codec)
-register_codec("deflate/1", "deflate", DeflateCodec)
-register_codec("none/1", "none", NoneCodec)
-register_transform(BYTE_PLANES)
-register_transform(XorBase())
-for _user, _versioned in (("ans", "nvcomp.ans/1"), ("gdeflate", "nvcomp.gdeflate/1"),
-                          ("snappy", "nvcomp.snappy/1"), ("bitcomp", "nvcomp.bitcomp/1"),
-                          ("cascaded", "nvcomp.cascaded/1")):
-    register_gpu_only(_user, _versioned)
-register_gpu_only(None, "nvcomp.bitcomp-lossy/1")  # written for rounded arrays, never chosen by name
+
+def host_encoder(name: str, level: int | None) -> Codec:
+    """The CPU engine's compressor for a codec by user-facing name (from the registry), with the
+    configured compression level where it has one (zstd without one: ``HOST_ZSTD_LEVEL``)."""
+    if name == "zstd":
+        return ZstdCodec(HOST_ZSTD_LEVEL if level is None else level)
+    if name == "deflate" and level is not None:
+        return DeflateCodec(min(9, max(0, level)))
+    return host_codec(name)  # CodecUnavailableError for a GPU-only codec, naming the portable ones
+
+
+def host_planes_encoder(name: str, level: int | None) -> Codec:
+    """The CPU engine's compressor for byte-planed chunks: ``PlanesZstdCodec`` for zstd at the
+    default level, else the same as ``host_encoder``."""
+    return PlanesZstdCodec() if name == "zstd" and level is None else host_encoder(name, level)

@@ -41,7 +41,7 @@ def _library() -> Any:
     global _lib
     with _lock:
         if _lib is None:
-            import nvidia.libnvcomp as libnvcomp
+            from nvidia import libnvcomp
 
             directory = os.path.join(os.path.dirname(libnvcomp.__file__), "lib64")
             names = sorted(n for n in os.listdir(directory) if n.startswith("libnvcomp.so"))

@@ -9,9 +9,9 @@ ANS takes a ``data_type`` (``"<f2"`` for bf16/fp16, ``"<f4"``, ``"|u1"``), recor
 Bitcomp's lossy floating-point mode has a name of its own, ``nvcomp.bitcomp-lossy/1``, with its
 ``data_type`` and ``delta`` in the stage: its streams decode to the right values only with a
 decoder given the encoder's mode and delta (a lossless Bitcomp decoder returns other bytes
-without an error, run 15), so a reader that knows only ``nvcomp.bitcomp/1`` must fail on them
-instead of decoding them. No user selects it as a codec: the GPU engine writes it for arrays that
-``save(lossy=...)`` rounded to a grid (``gdsckpt.lossy``).
+without an error), so a reader that knows only ``nvcomp.bitcomp/1`` must fail on them
+instead of decoding them. No user selects it as a codec: the GPU encoder writes it for arrays that
+``save(lossy=...)`` rounded to a grid (``gdsckpt.state.lossy``).
 
 nvCOMP, CuPy and the driver are imported lazily: importing this module on a machine without them
 raises ImportError, which ``gpu_available()`` turns into False.
@@ -19,26 +19,65 @@ raises ImportError, which ``gpu_available()`` turns into False.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
+import re
+import threading
 from typing import Any
 
-GPU_ALGORITHMS = {
-    "ans": ("ANS", "nvcomp.ans/1"),
-    "zstd": ("Zstd", "zstd/1"),
-    "lz4": ("LZ4", "lz4/1"),
-    "deflate": ("Deflate", "deflate/1"),
-    "gdeflate": ("GDeflate", "nvcomp.gdeflate/1"),
-    "snappy": ("Snappy", "nvcomp.snappy/1"),
-    "bitcomp": ("Bitcomp", "nvcomp.bitcomp/1"),
-    "cascaded": ("Cascaded", "nvcomp.cascaded/1"),
-}
-"""User-facing name -> (nvCOMP algorithm, versioned bitstream name)."""
-BY_VERSIONED = {versioned: (user, algorithm) for user, (algorithm, versioned) in GPU_ALGORITHMS.items()}
+from ..errors import UnsupportedFormatError
+from .base import codec_spec, gpu_codec_by_versioned
+
 BITCOMP_LOSSY = "nvcomp.bitcomp-lossy/1"
 """Bitstream name of Bitcomp's lossy floating-point mode (``BITCOMP_LOSSY_FP_TO_SIGNED``)."""
 BITCOMP_LOSSY_TYPES = {"float32": "<f4", "float16": "<f2"}
 """Dtypes Bitcomp's lossy mode codes (nvCOMP 6.0 has no bfloat16 there) -> nvCOMP data type."""
 MAX_CHUNK_BYTES = 16 << 20
-"""The largest chunk every nvCOMP RAW algorithm accepts."""
+"""The largest chunk every nvCOMP RAW algorithm accepts (ANS, LZ4, Snappy, Bitcomp, Cascaded:
+16 MiB), hence the largest ``Config.gpu_chunk_bytes``."""
+NVCOMP_UNDECODABLE = re.compile(r"nvcompErrorCannotDecompress|nvcompErrorBadChecksum|cannot decompress",
+                                re.IGNORECASE)
+"""How nvCOMP's Python API names the statuses that prove a stream undecodable
+(``nvcompErrorCannotDecompress``, 12: corrupt or truncated input; ``nvcompErrorBadChecksum``, 13).
+None of the errors measured with nvCOMP 6.0 named one (a garbled Zstd stream reports "an illegal
+memory access", a decode short of scratch "Could not determine the decompressed size"); an error
+that does not name one is not taken for damage."""
+
+
+def reports_undecodable(err: BaseException) -> bool:
+    """Whether an nvCOMP error reports a stream it cannot decode (proof of damage), as opposed to
+    running out of memory, a CUDA or device fault, or anything else it raises ``RuntimeError`` for."""
+    return bool(NVCOMP_UNDECODABLE.search(str(err)))
+
+
+DecoderKey = tuple[str, "str | None", "float | None"]
+"""(versioned bitstream name, nvCOMP data type, Bitcomp lossy delta): what picks a device decoder."""
+
+
+def decoder_key(stage: dict[str, Any]) -> DecoderKey:
+    """(bitstream name, data type, delta) that picks the decoder of a chain's codec stage, its
+    parameters checked (``ValueError``): they come from the file and key a dict. Whether the
+    bitstream has a device decoder is ``device_decoder_name``'s question."""
+    name = stage["name"]
+    if name == BITCOMP_LOSSY:
+        return (name, *bitcomp_lossy_params(stage))
+    data_type = stage.get("data_type")
+    if data_type is not None and not isinstance(data_type, str):
+        raise ValueError(f"{name} stage has data_type {data_type!r}, expected a string")
+    return name, data_type, None
+
+
+def device_decoder_name(versioned: str) -> str:
+    """The user-facing name of the nvCOMP codec that decodes bitstream ``versioned``
+    (``"bitcomp"`` for ``nvcomp.bitcomp-lossy/1``); ``UnsupportedFormatError`` when no nvCOMP
+    codec of this version decodes it."""
+    if versioned == BITCOMP_LOSSY:
+        return "bitcomp"
+    spec = gpu_codec_by_versioned(versioned)
+    if spec is None or spec.user_name is None:
+        raise UnsupportedFormatError(f"codec {versioned!r} is not known to this version of gdsckpt")
+    return spec.user_name
 
 
 def gpu_available() -> bool:
@@ -48,7 +87,7 @@ def gpu_available() -> bool:
         from nvidia import nvcomp  # noqa: F401
 
         return int(cupy.cuda.runtime.getDeviceCount()) > 0
-    except Exception:  # no package, no driver, no device: all mean "no GPU path here"
+    except Exception:  # noqa: BLE001 - no package, no driver, no device: all mean "no GPU path here"
         return False
 
 
@@ -65,6 +104,18 @@ def bitcomp_lossy_params(stage: dict[str, Any]) -> tuple[str, float]:
     return data_type, float(delta)
 
 
+def codec_stage(user_name: str, data_type: str | None = None, delta: float | None = None) -> dict[str, Any]:
+    """The JSON stage naming the bitstream of the device codec (``user_name``, ``data_type``,
+    Bitcomp lossy ``delta``) in a chain: ANS and Bitcomp lossy record their data type (their
+    decoders need it), Bitcomp lossy its delta; the others decode without parameters."""
+    stage: dict[str, Any] = {"name": BITCOMP_LOSSY if delta is not None else codec_spec(user_name).versioned}
+    if (user_name == "ans" or delta is not None) and data_type is not None:
+        stage["data_type"] = data_type
+    if delta is not None:
+        stage["delta"] = delta
+    return stage
+
+
 _UNCLOSED: list[tuple[Any, Any]] = []
 """nvCOMP codecs (with their streams) whose wrapper was collected without ``close``: kept, never
 destroyed by the garbage collector (see ``DeviceCodec.__del__``)."""
@@ -72,7 +123,7 @@ destroyed by the garbage collector (see ``DeviceCodec.__del__``)."""
 
 class DeviceCodec:
     """One nvCOMP codec bound to a CUDA stream and device. Not thread-safe (nvCOMP's rule: one
-    Codec per thread); the GPU engine uses it from its worker thread only.
+    Codec per thread); the GPU encoder and decoder use it from their worker thread only.
 
     ``delta`` (with ``user_name="bitcomp"`` and a ``data_type`` of ``BITCOMP_LOSSY_TYPES``) makes
     it Bitcomp's lossy floating-point mode, writing ``nvcomp.bitcomp-lossy/1``: each value becomes
@@ -83,8 +134,11 @@ class DeviceCodec:
                  delta: float | None = None):
         from nvidia import nvcomp
 
+        spec = codec_spec(user_name)
+        if spec.nvcomp_algorithm is None or spec.user_name is None:
+            raise ValueError(f"codec {user_name!r} has no nvCOMP implementation")
         self.user_name = user_name
-        algorithm, self.versioned = GPU_ALGORITHMS[user_name]
+        algorithm, self.versioned = spec.nvcomp_algorithm, spec.versioned
         self.data_type = data_type
         self.delta = delta
         self.stream = stream
@@ -109,10 +163,9 @@ class DeviceCodec:
         whichever thread the collection happens to run, in the middle of another engine's work."""
         codec = self.__dict__.pop("_codec", None)
         if codec is not None:
-            try:
+            # a failed device: the error that failed it is raised elsewhere
+            with contextlib.suppress(Exception):
                 self.stream.synchronize()
-            except Exception:  # noqa: BLE001 - a failed device: the error that failed it is raised elsewhere
-                pass
             del codec
 
     def __del__(self) -> None:
@@ -127,13 +180,8 @@ class DeviceCodec:
             _UNCLOSED.append((codec, self.stream))
 
     def stage(self) -> dict[str, Any]:
-        """The JSON stage naming this bitstream in a chain."""
-        stage: dict[str, Any] = {"name": self.versioned}
-        if (self.user_name == "ans" or self.delta is not None) and self.data_type is not None:
-            stage["data_type"] = self.data_type
-        if self.delta is not None:
-            stage["delta"] = self.delta
-        return stage
+        """The JSON stage naming this bitstream in a chain (``codec_stage``)."""
+        return codec_stage(self.user_name, self.data_type, self.delta)
 
     def max_compressed_bytes(self, probe: Any) -> int:
         """nvCOMP's bound on the stream size of one input the size of ``probe`` (a CuPy array)."""
@@ -155,3 +203,43 @@ class DeviceCodec:
         out = self._nvcomp.as_arrays(buffer, list(offsets), list(sizes))
         result = self._codec.decode(batch, out=out)
         return [int(size) for size in result.buffer_sizes]
+
+
+_allocator_installed = False
+_allocator_lock = threading.Lock()
+
+
+def install_nvcomp_allocator() -> None:
+    """Route nvCOMP's own device allocations (scratch, temporaries) to CuPy's memory pool.
+
+    Without it nvCOMP calls cudaMalloc/cudaFree around each batch, which costs time and keeps its
+    memory outside any bound we can see; with it the memory is pooled, reused across batches,
+    and counted by ``cupy.get_default_memory_pool()``. Process-wide, installed once.
+
+    Opt-in (``GDSCKPT_NVCOMP_ALLOCATOR=1``): with nvCOMP 6.0.0 and CuPy 14.2 every process that
+    used it passed its work and then crashed with SIGSEGV at interpreter exit (nvCOMP's global
+    allocator outlives the Python callable it holds). Resetting it with
+    ``set_device_allocator(None)`` before exit avoided the crash in a probe, so an exit hook does
+    that here; off by default until the whole GPU suite has run with it.
+    """
+    global _allocator_installed
+    with _allocator_lock:
+        if _allocator_installed or os.environ.get("GDSCKPT_NVCOMP_ALLOCATOR", "0") != "1":
+            return
+        import cupy
+        from nvidia import nvcomp
+
+        def allocate(nbytes: int, stream: Any) -> Any:
+            # CuPy's pool is stream-ordered on the current stream, which is the engine's stream
+            # wherever nvCOMP runs on our behalf.
+            return cupy.cuda.alloc(nbytes)
+
+        nvcomp.set_device_allocator(allocate)
+        # Registered after CuPy's and nvCOMP's imports, so it runs before their exit hooks.
+        atexit.register(nvcomp.set_device_allocator, None)
+        _allocator_installed = True
+
+
+def nvcomp_allocator_installed() -> bool:
+    """Whether ``install_nvcomp_allocator`` routed nvCOMP's allocations to CuPy's pool."""
+    return _allocator_installed

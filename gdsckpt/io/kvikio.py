@@ -4,6 +4,10 @@ Through GPUDirect Storage where the system has it (nvidia-fs), through kvikio's 
 (pinned bounce buffers and a POSIX thread pool) otherwise; ``name`` says which
 (``"kvikio-gds"`` / ``"kvikio-compat"``). Host buffers and the index tail go through the POSIX
 path this class inherits, as do the temporary file, fsync and atomic rename.
+
+kvikio's thread pool and task size are process-wide: ``_KvikioSettings`` applies a reader's or
+writer's ``threads`` / ``task_size`` while gdsckpt has kvikio files open and restores the previous
+settings after the last one closes.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -19,12 +24,10 @@ import numpy as np
 
 from .posix import PosixReader, PosixWriter
 
-
 _POLL_SECONDS = 0.0005
 """How often a ``result(timeout=...)`` looks at an unfinished kvikio transfer (a 16 MiB chunk
 takes ~8 ms at 2 GB/s: the poll adds at most a few percent of latency to the wait). A thread
-polling like this beside a training loop did not slow it on the H200 (async_profile, run 9:
-31.3 ms per step against 31.4 idle)."""
+polling like this beside a training loop did not slow it (31.3 ms per step against 31.4 idle)."""
 
 
 
@@ -72,7 +75,7 @@ _BY_STRERROR = {os.strerror(code): code for code in errno.errorcode}
 
 def kvikio_error(err: RuntimeError, what: str, nbytes: int) -> BaseException:
     """kvikio reports a failed transfer as a bare ``RuntimeError`` ("KvikIO failure at ...: POSIX
-    error on pread: EIO"), measured on the H200 host: turn it into what the POSIX path raises, so
+    error on pread: EIO"), measured with kvikio in compat mode: turn it into what the POSIX path raises, so
     the pipeline names the chunk and tensor and the manager treats it as damage: an ``OSError``
     with the errno kvikio names (EIO when it names none), or ``CorruptCheckpointError`` when a
     read hit the end of the file (a file truncated after its index was read)."""
@@ -93,13 +96,53 @@ def kvikio_error(err: RuntimeError, what: str, nbytes: int) -> BaseException:
     return error
 
 
-def _configure(threads: int, task_size: int | None) -> None:
-    import kvikio.defaults
+class _KvikioSettings:
+    """kvikio's process-wide settings (``thread_pool_nthreads``, ``task_size``), scoped to the
+    files gdsckpt has open.
 
-    if kvikio.defaults.get("thread_pool_nthreads") != threads:
-        kvikio.defaults.set("thread_pool_nthreads", threads)
-    if task_size is not None:
-        kvikio.defaults.set("task_size", task_size)
+    kvikio has one thread pool per process. The first of our readers or writers to open sets the
+    pool to its ``threads`` (and ``task_size``); the settings in force before are restored when
+    the last of them closes, so a caller's own kvikio configuration is left as it was found.
+    While any of our files is open the settings are not changed again: resizing kvikio's pool
+    replaces it, under the transfers of the files already open (a background save overlapping a
+    load); a later file with other settings shares the ones in force."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved: dict[str, Any] = {}
+
+    def acquire(self, threads: int, task_size: int | None) -> None:
+        """Count one open file; the first one applies its settings."""
+        import kvikio.defaults
+
+        with self._lock:
+            if self._users == 0:
+                wanted: dict[str, Any] = {"thread_pool_nthreads": threads}
+                if task_size is not None:
+                    wanted["task_size"] = task_size
+                saved = {}
+                for key, value in wanted.items():
+                    current = kvikio.defaults.get(key)
+                    if current != value:
+                        saved[key] = current
+                        kvikio.defaults.set(key, value)
+                self._saved = saved
+            self._users += 1
+
+    def release(self) -> None:
+        """Count one file closed; the last one restores the settings found by the first."""
+        import kvikio.defaults
+
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                saved, self._saved = self._saved, {}
+                for key, value in saved.items():
+                    kvikio.defaults.set(key, value)
+
+
+_SETTINGS = _KvikioSettings()
 
 
 def kvikio_mode() -> str:
@@ -117,8 +160,10 @@ class KvikioWriter(PosixWriter):
         import kvikio
 
         super().__init__(target, threads=threads, o_direct=o_direct, fsync=fsync)
+        self._settings_held = False
         try:
-            _configure(threads, task_size)
+            _SETTINGS.acquire(threads, task_size)
+            self._settings_held = True
             self._cufile = kvikio.CuFile(self.temp, "r+")
         except BaseException:
             self.abort()
@@ -135,14 +180,23 @@ class KvikioWriter(PosixWriter):
         return _KvikioFuture(io_future, data.nbytes, "write")
 
     def commit(self) -> None:
+        """Close the kvikio file, then commit as ``PosixWriter`` does."""
         self._cufile.close()
+        self._release_settings()
         super().commit()
 
     def abort(self) -> None:
+        """Close the kvikio file, then abort as ``PosixWriter`` does (safe more than once)."""
         cufile = getattr(self, "_cufile", None)
         if cufile is not None and not cufile.closed:
             cufile.close()
+        self._release_settings()
         super().abort()
+
+    def _release_settings(self) -> None:
+        if getattr(self, "_settings_held", False):
+            self._settings_held = False
+            _SETTINGS.release()
 
 
 class KvikioReader(PosixReader):
@@ -152,8 +206,14 @@ class KvikioReader(PosixReader):
         import kvikio
 
         super().__init__(path, threads=threads)
-        _configure(threads, task_size)
-        self._cufile = kvikio.CuFile(self.path, "r")
+        self._settings_held = False
+        try:
+            _SETTINGS.acquire(threads, task_size)
+            self._settings_held = True
+            self._cufile = kvikio.CuFile(self.path, "r")
+        except BaseException:
+            self.close()
+            raise
         self.name = f"kvikio-{kvikio_mode()}"
 
     def submit_read(self, offset: int, out: Any) -> Future[Any]:
@@ -170,7 +230,11 @@ class KvikioReader(PosixReader):
         return _KvikioFuture(io_future, out.nbytes, "read", out)
 
     def close(self) -> None:
+        """Close the kvikio file, then the POSIX one (safe more than once)."""
         cufile = getattr(self, "_cufile", None)
         if cufile is not None and not cufile.closed:
             cufile.close()
+        if self._settings_held:
+            self._settings_held = False
+            _SETTINGS.release()
         super().close()

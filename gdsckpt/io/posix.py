@@ -198,7 +198,9 @@ def _is_aligned(data: np.ndarray, offset: int) -> bool:
             and data.ctypes.data % ALIGNMENT == 0)
 
 
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """Write all of ``data`` (a bytes-like object) at ``offset`` of ``fd``, looping over short
+    writes; ``OSError`` when the system reports an error or a write makes no progress."""
     view = memoryview(data).cast("B")
     while view:
         written = os.pwrite(fd, view, offset)
@@ -245,15 +247,15 @@ class PosixWriter(StorageWriter):
 
     def _write(self, fd: int, data: Any, offset: int) -> None:
         try:
-            _pwrite_all(fd, data, offset)
+            pwrite_all(fd, data, offset)
         except OSError as err:
             if fd == self._direct_fd and err.errno == errno.EINVAL:
-                _pwrite_all(self._fd, data, offset)  # the filesystem refused this O_DIRECT write
+                pwrite_all(self._fd, data, offset)  # the filesystem refused this O_DIRECT write
             else:
                 raise
 
     def write_tail(self, offset: int, data: bytes) -> None:
-        _pwrite_all(self._fd, data, offset)
+        pwrite_all(self._fd, data, offset)
         os.ftruncate(self._fd, offset + len(data))
 
     def commit(self) -> None:

@@ -11,19 +11,19 @@ numbers measured where it runs instead of the rule's fixed thresholds:
   ``Config.storage_gbps`` overrides it;
 - ratios: each candidate compresses a sample of the state (the first MiBs of its largest arrays)
   on the GPU, in the mode the engine would use (typed ANS; byte planes for Zstd where they help);
-- codec speeds: nvCOMP compression throughput measured on the H200 (``CODEC_GBPS``, the lower
-  end of the measured ranges in GPU_HOST.md).
+- codec speeds: nvCOMP compression throughput measured on a data-centre GPU (``CODEC_GBPS``, the
+  lower end of the measured ranges in docs/performance.md).
 
-On this project's H200 host (storage ~2 GB/s) the comparison picks whichever codec compresses
-the state more; on a 25-50 GB/s NVMe array it picks ANS, which Zstd (8-14 GB/s) cannot keep up with.
+On storage of ~2 GB/s (a virtual disk) the comparison picks whichever codec compresses the state
+more; on a 25-50 GB/s NVMe array it picks ANS, which Zstd (8-14 GB/s) cannot keep up with.
 
 The codec speeds hold only when the engine can batch: a candidate whose nvCOMP scratch leaves the
 staging budget (``Config.max_staging_bytes``) fewer than ``MIN_BATCH_SLOTS`` ring slots is left
 out before anything is sampled (``runnable_candidates``). nvCOMP's Zstd holds ~1.1 GiB of
 scratch for 16 MiB chunks, so inside the default 1 GiB budget it compresses one or two chunks per
-call and saves at 0.05-0.07 GB/s (the `gdsckpt bench` run 13 and a 0.94 GB state in run 21 on the
-H200, where ``auto`` had picked it by its ratio: 13.9 s for a save ANS makes in 0.5 s). With one
-candidate left there is nothing to compare: no storage probe, no sample.
+call and saves at 0.05-0.07 GB/s (measured with ``gdsckpt bench`` and on a 0.94 GB state where
+``auto`` had picked it by its ratio: 13.9 s for a save ANS makes in 0.5 s). With one candidate
+left there is nothing to compare: no storage probe, no sample.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from ..format import align_up
 from ..io import posix
 
 CODEC_GBPS = {"ans": 160.0, "zstd": 8.0}
-"""nvCOMP compression throughput on the H200 (GB/s of input), lower end of measured ranges."""
+"""nvCOMP compression throughput (GB/s of input), lower end of the ranges measured on a
+data-centre GPU (docs/performance.md)."""
 CANDIDATES = ("ans", "zstd")
 MIN_BATCH_SLOTS = 8
 """Ring slots a candidate's compression batches need for its ``CODEC_GBPS`` to hold."""
@@ -51,17 +52,17 @@ SAMPLE_ARRAYS = 4
 
 
 def _zstd_host(data: Any) -> bytes:
-    from ..codecs.cpu import DEFAULT_ZSTD_LEVEL
-
     import zstandard
+
+    from ..codecs.cpu import DEFAULT_ZSTD_LEVEL
 
     return zstandard.ZstdCompressor(level=DEFAULT_ZSTD_LEVEL).compress(data)
 
 
 HOST_SAMPLED = {"zstd": _zstd_host}
 """Candidates whose ratio is sampled with the CPU library of the same bitstream instead of
-nvCOMP: nvCOMP's Zstd holds 1.1-1.4 GiB of scratch for any batch (run 5 and run 8 probes), and
-sampling it on the GPU made the 8.76 GiB benchmark save peak at 1108 MiB beyond the state against
+nvCOMP: nvCOMP's Zstd holds 1.1-1.4 GiB of scratch for any batch (``ENCODE_SCRATCH``), and
+sampling it on the GPU made an 8.76 GiB benchmark save peak at 1108 MiB beyond the state against
 a 1 GiB budget (the ring itself: 874 MiB + 34 MiB). The CPU ratio at the default level is close
 to nvCOMP's (same format, similar match finding) and the sample is 8 MiB at most."""
 
@@ -78,11 +79,11 @@ def choose_codec(storage_gbps: float, ratios: dict[str, float],
 
 def batch_slots(max_staging_bytes: int, chunk_bytes: int) -> dict[str, int]:
     """Each candidate -> the staging ring slots the GPU engine would give it beside its nvCOMP
-    scratch within ``max_staging_bytes`` for ``chunk_bytes`` chunks (``gpu_engine.ring_slots``,
-    at least its minimum of 2; a slot holds a chunk and its stream, about two chunks)."""
-    from .gpu_engine import ENCODE_SCRATCH, _scratch, ring_slots
+    scratch within ``max_staging_bytes`` for ``chunk_bytes`` chunks (``gpu.ring_slots``, at
+    least its minimum of 2; a slot holds a chunk and its stream, about two chunks)."""
+    from .gpu.staging import ENCODE_SCRATCH, ring_slots, scratch_bytes
 
-    return {name: ring_slots(max_staging_bytes, 2 * chunk_bytes, _scratch(ENCODE_SCRATCH, [name], chunk_bytes))
+    return {name: ring_slots(max_staging_bytes, 2 * chunk_bytes, scratch_bytes(ENCODE_SCRATCH, [name], chunk_bytes))
             for name in CANDIDATES}
 
 
@@ -121,7 +122,7 @@ def measure_storage_gbps(directory: Path, nbytes: int | None = None) -> float:
             fd = os.open(path, flags, 0o600)
         try:
             started = time.perf_counter()
-            posix._pwrite_all(fd, buffer, 0)
+            posix.pwrite_all(fd, buffer, 0)
             os.fsync(fd)
             seconds = time.perf_counter() - started
         finally:
@@ -161,28 +162,36 @@ def storage_gbps(directory: Path, override: float | None = None) -> float:
     return speed
 
 
-def sample_ratios(sources: list[Any], device_id: int, stream: Any,
+def sample_ratios(sources: list[Any], device_id: int, stream: Any = None,
                   candidates: tuple[str, ...] | list[str] = CANDIDATES) -> dict[str, float]:
-    """Compression ratio of each of ``candidates`` on a sample of the largest arrays (GPU).
+    """Compression ratio of each of ``candidates`` on a sample of the largest arrays (GPU), in
+    the mode the encoder would use: typed ANS (``codecs.device.ans_data_type``); the others as
+    they are or as byte planes (``codecs.device.planes_forward_into``), whichever is smaller.
 
     The samples live in a private CuPy memory pool that is emptied before returning: the save's
     staging ring is allocated next, and sample memory left cached in the default pool would sit
-    beside it, past the staging budget (measured on the H200: 187 MiB over a 921 MiB ring)."""
+    beside it, past the staging budget (measured: 187 MiB over a 921 MiB ring). ``stream``: not
+    used (the sample runs on a stream of its own), kept for callers that pass one."""
     import cupy
 
+    from ..codecs.device import CudaDevice
+
     pool = cupy.cuda.MemoryPool()
+    device = None
     try:
         with cupy.cuda.Device(device_id), cupy.cuda.using_allocator(pool.malloc):
-            return _sample_ratios(sources, device_id, stream, candidates)
+            device = CudaDevice(device_id)
+            return sample_ratios_on(device, sources, candidates)
     finally:
+        if device is not None:
+            device.close()
         pool.free_all_blocks()
 
 
-def _sample_ratios(sources: list[Any], device_id: int, stream: Any,
-                   candidates: tuple[str, ...] | list[str]) -> dict[str, float]:
-    import cupy
-
-    from ..codecs.nvcomp import DeviceCodec
+def sample_ratios_on(device: Any, sources: list[Any],
+                     candidates: tuple[str, ...] | list[str] = CANDIDATES) -> dict[str, float]:
+    """``sample_ratios`` on a ``codecs.device.DeviceBackend`` (the GPU's, or the tests' stand-in)."""
+    from ..codecs.device import ans_data_type, planes_forward_into
 
     largest = sorted((s for s in sources if s is not None and s.nbytes), key=lambda s: -s.nbytes)[:SAMPLE_ARRAYS]
     if not largest:
@@ -193,27 +202,21 @@ def _sample_ratios(sources: list[Any], device_id: int, stream: Any,
         samples.append((source.device_bytes(0, take), source.plane_width))
     raw = sum(s.nbytes for s, _ in samples)
     ratios = {}
-    with cupy.cuda.Device(device_id), stream:
+    with device.on_stream():
         for name in candidates:
             stored = 0
             for data, width in samples:
-                typed = {2: "<f2", 4: "<f4"}.get(width) if name == "ans" else None
                 variants = [data]
                 if name != "ans" and width in (2, 4, 8):
-                    planed = cupy.empty_like(data)
-                    planed.reshape(width, -1)[...] = data.reshape(-1, width)[:, ::-1].T
-                    variants.append(planed)
+                    variants.append(planes_forward_into(data, device.empty(data.nbytes), width))
                 if name in HOST_SAMPLED:
-                    stored += min(min(len(HOST_SAMPLED[name](cupy.asnumpy(v))) for v in variants), data.nbytes)
+                    stored += min(min(len(HOST_SAMPLED[name](device.to_host(v))) for v in variants), data.nbytes)
                     continue
-                codec = DeviceCodec(name, stream=stream, device_id=device_id, data_type=typed)
-                try:
-                    bound = codec.max_compressed_bytes(data)
-                    out = cupy.empty(bound * len(variants), dtype=cupy.uint8)
-                    sizes = codec.encode_into(variants, out, [i * bound for i in range(len(variants))], bound)
-                finally:
-                    codec.close()
+                codec = device.codec(name, ans_data_type(width) if name == "ans" else None)
+                bound = codec.max_compressed_bytes(data)
+                out = device.empty(bound * len(variants))
+                sizes = codec.encode_into(variants, out, [i * bound for i in range(len(variants))], bound)
                 stored += min(min(sizes), data.nbytes)
             ratios[name] = raw / max(stored, 1)
-        stream.synchronize()
+        device.synchronize()
     return ratios

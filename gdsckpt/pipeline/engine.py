@@ -1,10 +1,11 @@
 """Engines: where chunks are transformed, compressed, checksummed and decoded.
 
-The save and restore drivers (``save.py``, ``load.py``) are written against the ``Engine``
-interface below; ``HostEngine`` runs it on a CPU thread pool, and the GPU engine
-(``gpu_engine.py``) runs the same interface with nvCOMP batches on a CUDA stream. An engine
-returns ``EncodedChunk`` payloads in a buffer kind the storage writer it is paired with accepts
-(host arrays for POSIX, device arrays for kvikio).
+The save driver (``save.py``) is written against the ``Encoder`` interface below and the restore
+driver (``load.py``) against ``Decoder``. ``HostEngine`` is both, on a CPU thread pool; on the GPU
+the two directions are separate classes over one staging-ring type (``gdsckpt.pipeline.gpu``:
+``GpuEncoder``, ``GpuDecoder``) running nvCOMP batches on a CUDA stream. An encoder returns
+``EncodedChunk`` payloads in a buffer kind the storage writer it is paired with accepts (host
+arrays for POSIX, device arrays for kvikio).
 """
 
 from __future__ import annotations
@@ -13,16 +14,25 @@ import re
 import threading
 import zlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import lz4.block
 import numpy as np
 import zstandard
 
-from ..codecs import BYTE_PLANES, Chain, Codec, host_codec, transform
-from ..codecs.cpu import DeflateCodec, ZstdCodec, planes_inverse
+from ..codecs import (
+    BYTE_PLANES,
+    HOST_ZSTD_LEVEL,  # noqa: F401 - re-exported for gdsckpt.state.lossy (moves to ..codecs)
+    Chain,
+    Codec,
+    host_codec,
+    host_encoder,
+    host_planes_encoder,
+    transform,
+)
 from ..errors import CorruptCheckpointError
 from ..format import align_up, checksum
 from ..format.index import ChunkRecord
@@ -33,23 +43,12 @@ from .plan import ArraySource, ChunkPlan
 NONE_CHAIN = Chain.of({"name": "none/1"})
 TRIAL_BYTES = 128 * 1024
 """Bytes of an array compressed both ways to decide whether byte planes help it."""
-HOST_ZSTD_LEVEL = 1
-"""zstd level of the CPU engine when ``Config.level`` is None. Measured with
-``benchmarks/cpu_bench.py`` on trained-model state: after byte planes, level 1 compresses faster
-*and* smaller than level 3 (1.29 vs 1.27 on the mixed bf16/fp32 state; level 3's extra match
-search finds little in mantissa noise and costs more in literals than it saves)."""
-PLANES_ZSTD_HASH_LOG = 6
-"""Match-table size (log2 entries) of the zstd compressor for byte-planed chunks at the default
-level: zstd's smallest. Byte planes of floats are mostly Huffman-coded mantissa noise, in which a
-big match table only finds spurious short matches; measured on each part of a trained
-mixed-precision state (4 MiB chunks), level 1 with hash_log 6 instead of 14 compresses 1.3-1.9x
-faster and 0.5-3% smaller (bf16 weights 1.473 -> 1.513, fp32 master 1.191 -> 1.204), and on
-structured data (zeros, repeats, quantized values) no worse. The frames are ordinary zstd."""
 
 
 @dataclass
 class EncodedChunk:
-    """A compressed chunk ready to write: ``payload`` is zero-padded to a multiple of 4096."""
+    """A compressed chunk ready to write: ``payload`` is zero-padded to a multiple of
+    ``format.ALIGNMENT``."""
 
     payload: Any
     stored: int
@@ -60,29 +59,44 @@ class EncodedChunk:
     """Called by the save driver once the payload's write has completed (returns staging memory)."""
 
 
-class Engine(ABC):
-    """Encodes planned chunks and decodes stored ones. Call ``close()`` when done."""
+class Encoder(ABC):
+    """Encodes planned chunks for the save driver. Call order: ``submit_encode`` per chunk (never
+    more than ``max_pending`` payloads unreleased), ``EncodedChunk.release`` once each payload is
+    written, then ``close()``."""
 
     name: str
     max_pending: int | None = None
     """Most chunks that may be between ``submit_encode`` and the release of their payload
-    (None: no limit beyond the driver's byte budget). The GPU engine's staging slots set it."""
+    (None: no limit beyond the driver's byte budget). The GPU encoder's staging slots set it."""
+
+    @abstractmethod
+    def submit_encode(self, chunk: ChunkPlan) -> Future[EncodedChunk]:
+        """Start encoding ``chunk``; futures complete in any order."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release threads and buffers."""
+
+
+class Decoder(ABC):
+    """Verifies and decodes stored chunks for the restore driver. Call order: ``reserve_reads``
+    once with the chunks about to be read, then per chunk ``read_buffer`` (the storage reader
+    fills it) and ``submit_decode``, keeping no more chunks outstanding than ``reserve_reads``
+    returned; then ``close()``."""
+
+    name: str
 
     def reserve_reads(self, records: list[ChunkRecord], codecs: Any = ()) -> int | None:
         """Prepare to restore ``records`` (the chunks about to be read, in order; ``codecs``: the
         bitstream names their chains end in); return the most
         chunks that may be outstanding at once (read buffer handed out, decode not finished), or
-        None for no limit beyond the driver's byte budget. The GPU engine allocates its read ring
+        None for no limit beyond the driver's byte budget. The GPU decoder allocates its read ring
         here and returns its slot count."""
         return None
 
     def read_buffer(self, nbytes: int) -> Any:
         """A buffer for one chunk read, of the kind ``submit_decode`` takes (host by default)."""
         return aligned_empty(nbytes)
-
-    @abstractmethod
-    def submit_encode(self, chunk: ChunkPlan) -> Future[EncodedChunk]:
-        """Start encoding ``chunk``; futures complete in any order."""
 
     @abstractmethod
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
@@ -99,34 +113,8 @@ class Engine(ABC):
         """Release threads and buffers."""
 
 
-def make_host_codec(name: str, level: int | None) -> Codec:
-    """A host codec by user-facing name, with the configured compression level where it has one
-    (zstd without one: ``HOST_ZSTD_LEVEL``)."""
-    if name == "zstd":
-        return ZstdCodec(HOST_ZSTD_LEVEL if level is None else level)
-    if name == "deflate" and level is not None:
-        return DeflateCodec(min(9, max(0, level)))
-    return host_codec(name)
-
-
-class _PlanesZstd(ZstdCodec):
-    """``zstd/1`` frames for byte-planed chunks: level ``HOST_ZSTD_LEVEL`` with a small match
-    table (``PLANES_ZSTD_HASH_LOG``). Decoding is plain zstd, like every ``zstd/1`` frame."""
-
-    def __init__(self) -> None:
-        super().__init__(HOST_ZSTD_LEVEL)
-        self._params = zstandard.ZstdCompressionParameters.from_level(
-            HOST_ZSTD_LEVEL, hash_log=PLANES_ZSTD_HASH_LOG, write_content_size=1)
-        self._planes_local = threading.local()
-
-    def _compressor(self) -> zstandard.ZstdCompressor:
-        # Overrides ZstdCodec's per-thread compressor factory (not ``encode``), so everything
-        # that wraps ZstdCodec.encode also wraps this codec's encodes.
-        compressor = getattr(self._planes_local, "compressor", None)
-        if compressor is None:
-            compressor = zstandard.ZstdCompressor(compression_params=self._params)
-            self._planes_local.compressor = compressor
-        return compressor
+class Engine(Encoder, Decoder):
+    """Both directions in one object (the CPU engine). Call ``close()`` when done."""
 
 
 class HostEngine(Engine):
@@ -139,9 +127,9 @@ class HostEngine(Engine):
     def __init__(self, sources: list[ArraySource], *, codec: str, byte_planes: str, threads: int,
                  level: int | None = None, timeout: float = DRAIN_TIMEOUT):
         self.sources = sources
-        self.codec = make_host_codec(codec, level)
+        self.codec = host_encoder(codec, level)
         # byte-planed chunks at the default zstd level get the compressor tuned for them
-        self._planes_codec = _PlanesZstd() if codec == "zstd" and level is None else self.codec
+        self._planes_codec = host_planes_encoder(codec, level)
         self.byte_planes = byte_planes
         self.timeout = timeout
         self._lane = Lane("codec", threads)
@@ -267,10 +255,7 @@ def decode_host_chunk(record: ChunkRecord, chain: list[dict[str, Any]], stored: 
     try:
         data = np.frombuffer(codec.decode(body, record.raw), dtype=np.uint8)
         for stage in reversed(chain[:-1]):
-            if stage["name"] == BYTE_PLANES.name:
-                data = planes_inverse(data, stage.get("width"))
-            else:
-                data = transform(stage["name"]).inverse(data, stage)
+            data = transform(stage["name"]).inverse(data, stage)
     except ValueError as err:
         # The codecs and transforms raise ValueError for a stream or a stage parameter that does
         # not fit the chunk (a wrong size, a width that does not divide it): proof of damage.

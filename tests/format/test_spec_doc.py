@@ -45,9 +45,10 @@ def test_codec_names_match_registry() -> None:
 
     section = _section("## 9. Codecs and transforms")
     portable = set(re.findall(r"^\| `([a-z0-9]+/1)` +\| `([a-z0-9]+)` +\|", section, re.MULTILINE))
-    assert portable == {(v, u) for u, v in base._USER_NAMES.items()}
+    specs = base.registered_codecs()
+    assert portable == {(s.versioned, s.user_name) for s in specs if s.cpu_readable}
     reserved = set(re.findall(r"^\| `(nvcomp\.[a-z]+/1)` +\| `([a-z]+)` +\|", section, re.MULTILINE))
-    assert reserved == {(v, u) for u, v in base._GPU_ONLY.items()}
+    assert reserved == {(s.versioned, s.user_name) for s in specs if s.requires_gpu and s.user_name}
     assert set(base.PORTABLE_CODECS) == {u for _, u in portable}
     assert "byteplanes/1" in base._TRANSFORMS
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from gdsckpt.codecs.nvcomp import gpu_available  # noqa: E402
+from gdsckpt.codecs.nvcomp import gpu_available
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
 
-import gdsckpt  # noqa: E402
-from gdsckpt.demo import bit_equal, train_steps, training_state  # noqa: E402
+import gdsckpt
+from gdsckpt.demo import bit_equal, train_steps, training_state
 
 GPU_CODECS = ["ans", "zstd", "lz4", "deflate", "gdeflate", "snappy", "bitcomp", "cascaded", "none"]
 PORTABLE = ["zstd", "lz4", "deflate", "none"]
@@ -63,6 +63,7 @@ def _assert_same(a, b) -> None:
 
 def test_gpu_crc32c_matches_cpu():
     import cupy
+
     from gdsckpt.codecs.gpu_crc import crc32c_batch
     from gdsckpt.format import checksum
 
@@ -76,6 +77,7 @@ def test_gpu_crc32c_matches_cpu():
 @pytest.mark.parametrize("codec", ["zstd", "lz4", "deflate"])
 def test_nvcomp_raw_streams_interoperate_with_cpu_libraries(codec):
     import cupy
+
     from gdsckpt.codecs import host_codec
     from gdsckpt.codecs.nvcomp import DeviceCodec
 
@@ -210,8 +212,8 @@ for codec in ("ans", "zstd"):
     gdsckpt.save(state, f"{DIR}/{codec}.gdsckpt", codec=codec)
     back = gdsckpt.load(f"{DIR}/{codec}.gdsckpt", device="cuda")
     assert all(bit_equal(state[k], back[k]) for k in state)
-from gdsckpt.pipeline import gpu_engine
-assert gpu_engine._allocator_installed
+from gdsckpt.codecs.nvcomp import nvcomp_allocator_installed
+assert nvcomp_allocator_installed()
 print("ok")
 """
 
@@ -222,7 +224,7 @@ def test_nvcomp_allocator_routing_exits_cleanly(tmp_path):
 
     env = dict(os.environ, GDSCKPT_NVCOMP_ALLOCATOR="1")
     done = subprocess.run([sys.executable, "-c", _ALLOCATOR_CHILD.replace("{DIR}", str(tmp_path))],
-                          env=env, capture_output=True, text=True, timeout=120)
+                          check=False, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 

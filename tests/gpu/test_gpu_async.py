@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-from gdsckpt.codecs.nvcomp import gpu_available  # noqa: E402
+from gdsckpt.codecs.nvcomp import gpu_available
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
 
-import gdsckpt  # noqa: E402
-from gdsckpt.background import async_save  # noqa: E402
-from gdsckpt.demo import bit_equal, train_steps, training_state  # noqa: E402
+import gdsckpt
+from gdsckpt.background import async_save
+from gdsckpt.demo import bit_equal, train_steps, training_state
 
 SNAPSHOT_MODES = {
     # name: (config, pool kind of the CUDA tensors' snapshot buffers, engine expected)

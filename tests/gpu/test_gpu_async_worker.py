@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-from gdsckpt.codecs.nvcomp import gpu_available  # noqa: E402
+from gdsckpt.codecs.nvcomp import gpu_available
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
 
-import gdsckpt  # noqa: E402
-from gdsckpt.background.async_save import AsyncSaver  # noqa: E402
-from gdsckpt.demo import bit_equal  # noqa: E402
+import gdsckpt
+from gdsckpt.background.async_save import AsyncSaver
+from gdsckpt.demo import bit_equal
 
 
 def _state() -> dict:

@@ -11,15 +11,15 @@ import warnings
 import pytest
 
 torch = pytest.importorskip("torch")
-from gdsckpt.codecs.nvcomp import gpu_available  # noqa: E402
+from gdsckpt.codecs.nvcomp import gpu_available
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
 
-import gdsckpt  # noqa: E402
-from gdsckpt.state import lossy  # noqa: E402
-from gdsckpt.demo import bit_equal  # noqa: E402
-from gdsckpt.pipeline import gpu_engine  # noqa: E402
+import gdsckpt
+from gdsckpt.demo import bit_equal
+from gdsckpt.pipeline.gpu import encoder as gpu_encoder
+from gdsckpt.state import lossy
 
 BITCOMP_LOSSY = "nvcomp.bitcomp-lossy/1"
 
@@ -104,8 +104,8 @@ def test_cuda_lossy_ans_codes_rounded_values_compactly(tmp_path):
         with pytest.warns(lossy.LossyWarning):
             back = gdsckpt.load(tmp_path / f"{name}.gdsckpt", device="cuda")
         records = {t.key: t.lossy for t in gdsckpt.inspect(tmp_path / f"{name}.gdsckpt").tensors}
-        for key in moments:
-            assert (back[key].double() - moments[key].double()).abs().max().item() <= records[key]["abs_bound"]
+        for key, moment in moments.items():
+            assert (back[key].double() - moment.double()).abs().max().item() <= records[key]["abs_bound"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -169,7 +169,7 @@ def test_a_bitcomp_stream_that_fails_its_check_is_stored_by_the_codec(tmp_path, 
     """Fault injection: every Bitcomp check fails, so every chunk takes ANS's path, and the
     file loads bit-exact as the grid (ANS is lossless on the rounded values, -0.0 included)."""
     original = _special_values(torch.float32, 2 << 20, seed=4)
-    monkeypatch.setattr(gpu_engine, "_same_values", lambda cupy, *a: cupy.zeros((), dtype=cupy.bool_))
+    monkeypatch.setattr(gpu_encoder, "same_values", lambda xp, *a: xp.zeros((), dtype=xp.bool_))
     report = gdsckpt.save({"m": original.cuda()}, tmp_path / "f.gdsckpt", codec="ans", lossy={"m": 1e-2},
                           config=gdsckpt.Config(gpu_chunk_bytes=1 << 20))
     assert BITCOMP_LOSSY not in report.chains and report.chunks == 8, report.chains

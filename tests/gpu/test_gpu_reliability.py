@@ -44,25 +44,32 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
-from gdsckpt.codecs.nvcomp import gpu_available  # noqa: E402
+from gdsckpt.codecs.nvcomp import gpu_available
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
 
 # The CPU suite's helpers (``tests/`` is on sys.path: pytest's rootdir-relative import of this
 # package, ``gpu``, puts it there, as it does for ``reliability``).
-from reliability.harness import Child, record_figure  # noqa: E402
-from reliability.test_corruption import (  # noqa: E402
-    _flat_state, _nest, assert_sound, flip_campaign,
+from reliability.harness import Child, record_figure
+from reliability.test_corruption import (
+    _flat_state,
+    _nest,
+    assert_sound,
+    flip_campaign,
 )
-from reliability.test_crash import Tally, _seed, _temporaries  # noqa: E402
-from reliability.test_io_errors import SAVE_STAGES, Fault  # noqa: E402
-from reliability.worker import (  # noqa: E402
-    CUDA_CRASH_ELEMENTS, SAVE_LOOP_CAP, cuda_config, cuda_state_for, state_for,
+from reliability.test_crash import Tally, _seed, _temporaries
+from reliability.test_io_errors import SAVE_STAGES, Fault
+from reliability.worker import (
+    CUDA_CRASH_ELEMENTS,
+    SAVE_LOOP_CAP,
+    cuda_config,
+    cuda_state_for,
+    state_for,
 )
 
-import gdsckpt  # noqa: E402
-from gdsckpt.pipeline.load import chunk_owner  # noqa: E402
+import gdsckpt
+from gdsckpt.pipeline.load import chunk_owner
 
 
 def _to_cpu(tree: Any, where: str = "") -> Any:

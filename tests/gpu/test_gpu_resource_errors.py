@@ -22,14 +22,15 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from gdsckpt.codecs.nvcomp import gpu_available  # noqa: E402
+from gdsckpt.codecs.nvcomp import gpu_available
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
 
-import gdsckpt  # noqa: E402
-from gdsckpt import CheckpointManager, SkippedCheckpointWarning  # noqa: E402
-from gdsckpt.pipeline.gpu_engine import GpuEngine, reports_undecodable  # noqa: E402
+import gdsckpt
+from gdsckpt import CheckpointManager, SkippedCheckpointWarning
+from gdsckpt.codecs.nvcomp import reports_undecodable
+from gdsckpt.pipeline.gpu import GpuDecoder
 
 CONFIG = gdsckpt.Config(gpu_chunk_bytes=1 << 20, max_staging_bytes=64 << 20, fsync=True)
 
@@ -126,15 +127,15 @@ def test_restore_latest_on_a_full_gpu_raises_out_of_memory(when: str, run: Any, 
     if when == "before the restore":
         free = hog.take()
     else:
-        original = GpuEngine.reserve_reads
+        original = GpuDecoder.reserve_reads
         taken: list[int] = []
 
-        def reserve_then_fill(self: GpuEngine, *args: Any, **kwargs: Any) -> Any:
+        def reserve_then_fill(self: GpuDecoder, *args: Any, **kwargs: Any) -> Any:
             slots = original(self, *args, **kwargs)
             taken.append(hog.take())
             return slots
 
-        monkeypatch.setattr(GpuEngine, "reserve_reads", reserve_then_fill)
+        monkeypatch.setattr(GpuDecoder, "reserve_reads", reserve_then_fill)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

@@ -1,0 +1,231 @@
+"""The GPU decoder: the restore direction of the GPU pipeline, nvCOMP batches on one stream.
+
+A ``StagingRing`` is allocated once per restore (``reserve_reads``) and sized from the index: one
+slot holds the largest stored chunk (its first area, which kvikio reads into) and the largest raw
+chunk (its second area). The worker (``BatchWorker``) checks each batch's CRC-32C on the device,
+decodes the batch with nvCOMP into the slots' output areas, undoes byte planes on the device (into
+the read area, whose stream is spent) and hands the bytes to the destination on the same stream,
+then synchronizes once per batch and returns the slots. The restore driver keeps no more chunks
+outstanding than there are slots, so device memory beyond the destination arrays is the ring plus
+nvCOMP's scratch, whatever the checkpoint's size.
+
+Errors: a checksum mismatch, a stage parameter that does not fit, a stream nvCOMP reports
+undecodable (``nvcomp.reports_undecodable``) or one that decodes to the wrong size is damage
+(``CorruptCheckpointError`` for that chunk). Anything else the device raises (out of memory, an
+illegal memory access, a CUDA error) is no proof of damage: it reaches every chunk of the batch
+as itself, so that a restore stops instead of passing over an intact checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from ...codecs import BYTE_PLANES
+from ...codecs.device import DeviceBackend, planes_inverse_into
+from ...codecs.nvcomp import DecoderKey, decoder_key, device_decoder_name, reports_undecodable
+from ...errors import CorruptCheckpointError, UnsupportedFormatError
+from ...format import XOR_BASE, align_up
+from ...format.index import ChunkRecord
+from ..engine import Decoder
+from .staging import DECODE_SCRATCH, StagingRing, ring_slots, scratch_bytes
+from .worker import BatchWorker, WorkerOwner
+
+
+@dataclass
+class DecodeJob:
+    """One stored chunk queued for the worker."""
+
+    record: ChunkRecord
+    chain: list[dict[str, Any]]
+    stored: Any
+    """The padded bytes read (a view of a slot's read area, or a buffer of its own)."""
+    deliver: Callable[[Any], None]
+    future: Future[None]
+
+
+@dataclass
+class _Live:
+    """A job whose checksum matched, with the two areas it may use."""
+
+    job: DecodeJob
+    body: Any
+    read_area: Any
+    out_area: Any
+
+
+class GpuDecoder(WorkerOwner, Decoder):
+    """nvCOMP on one device (see the module docstring). ``device``: the backend (default
+    ``CudaDevice(device_id)``; tests pass a NumPy stand-in)."""
+
+    name = "gpu"
+
+    def __init__(self, *, device_id: int, max_staging_bytes: int, batch_chunks: int = 64, timeout: float = 600.0,
+                 device: DeviceBackend | None = None):
+        if device is None:
+            from ...codecs.device import CudaDevice
+
+            device = CudaDevice(device_id)
+        self.device = device
+        self.device_id = device_id
+        self.max_staging_bytes = max_staging_bytes
+        self.timeout = timeout
+        self.ring: StagingRing | None = None
+        self.staging_bytes = 0
+        self._read_slots: dict[int, int] = {}
+        """Device address of a handed-out read buffer -> its slot."""
+        self._worker = BatchWorker("gdsckpt-gpu-decode", device.use_in_thread, self._decode_batch,
+                                   batch_size=batch_chunks, timeout=timeout)
+        self._closed = False
+
+    # -- interface ---------------------------------------------------------------------------
+    def reserve_reads(self, records: list[ChunkRecord], codecs: Any = ()) -> int | None:
+        """Allocate the restore ring for ``records`` and return its slot count (see the module
+        docstring). A slot holds the largest padded stored chunk (then, after decoding, a chunk's
+        byte-planed raw bytes) and the largest raw chunk; there are as many slots as fit with
+        nvCOMP's decode scratch for ``codecs`` (bitstream names) in the ring's share of
+        ``max_staging_bytes``, at least 2 and at most one per chunk."""
+        if not records:
+            return None
+        largest_raw = align_up(max(r.raw for r in records))
+        read_area = max(align_up(max(r.stored for r in records)), largest_raw)
+        slots = ring_slots(self.max_staging_bytes, read_area + largest_raw,
+                           scratch_bytes(DECODE_SCRATCH, codecs, largest_raw), most=len(records))
+        if self.ring is not None:  # a restore's ring replaces any earlier one
+            self.ring.close()
+            self.ring = None
+        self.ring = StagingRing(self.device, slots, read_area, largest_raw, timeout=self.timeout)
+        self.staging_bytes = self.ring.nbytes
+        self._read_slots = {}
+        return slots
+
+    def read_buffer(self, nbytes: int) -> Any:
+        """A device buffer for a chunk read (kvikio fills it): the read area of a free slot of the
+        restore ring (waiting at most ``timeout`` for one), or (no ring reserved) a new array."""
+        if self.ring is None:
+            return self.device.empty(nbytes)
+        if nbytes > self.ring.first_bytes:
+            raise ValueError(f"read of {nbytes} bytes exceeds the restore slot ({self.ring.first_bytes})")
+        slot = self.ring.acquire()
+        buffer = self.ring.first(slot, nbytes)
+        self._read_slots[self.device.address(buffer)] = slot
+        return buffer
+
+    def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
+                      deliver: Callable[[Any], None]) -> Future[None]:
+        """Queue a stored chunk for the worker (see ``Decoder.submit_decode``)."""
+        future: Future[None] = Future()
+        self._worker.submit(DecodeJob(record, chain, stored, deliver, future))
+        return future
+
+    # -- the worker's batch --------------------------------------------------------------------
+    def _decode_batch(self, jobs: list[DecodeJob]) -> None:
+        slots = [self._read_slots.pop(self.device.address(job.stored), None) for job in jobs]
+        delivered: list[Future[None]] = []
+        try:
+            with self.device.on_stream():
+                delivered = self._decode_on_stream(jobs, slots)
+        finally:
+            # The stream is idle (or the batch failed before queueing work on it): the slots'
+            # bytes are no longer needed. Returned before any future completes, so a driver that
+            # sees a finished decode always finds its slot free.
+            with contextlib.suppress(Exception):  # a broken device: the batch's own error is raised
+                self.device.synchronize()
+            for slot in slots:
+                if slot is not None:
+                    self.ring.release(slot)  # type: ignore[union-attr]  # slots come from the ring
+        for future in delivered:
+            future.set_result(None)
+
+    def _slot_areas(self, slot: int | None, raw: int) -> tuple[Any, Any]:
+        """(read area, output area) of a restore slot, or new arrays without a ring."""
+        if slot is None or self.ring is None:
+            return self.device.empty(align_up(raw)), self.device.empty(align_up(raw))
+        return self.ring.first(slot), self.ring.second(slot)
+
+    def _decode_on_stream(self, jobs: list[DecodeJob], slots: list[int | None]) -> list[Future[None]]:
+        """Verify, decode and deliver a batch on the stream; returns the futures to complete once
+        the stream has finished."""
+        bodies = [job.stored[:job.record.stored] for job in jobs]
+        crcs = self.device.crc32c(bodies)
+        live: list[_Live] = []
+        for job, body, crc, slot in zip(jobs, bodies, crcs, slots):
+            if int(crc) != job.record.crc:
+                job.future.set_exception(CorruptCheckpointError("chunk checksum mismatch"))
+            else:
+                live.append(_Live(job, body, *self._slot_areas(slot, job.record.raw)))
+        groups: dict[DecoderKey, list[int]] = {}
+        for i, entry in enumerate(live):
+            try:
+                key = decoder_key(entry.job.chain[-1])
+            except ValueError as err:
+                entry.job.future.set_exception(CorruptCheckpointError(f"invalid codec stage: {err}"))
+                continue
+            groups.setdefault(key, []).append(i)
+        raws: list[Any] = [None] * len(live)
+        in_ring = bool(slots) and all(slot is not None for slot in slots)
+        for (name, data_type, delta), members in groups.items():
+            if name == "none/1":
+                for i in members:
+                    raws[i] = live[i].body
+                continue
+            self._decode_group(live, members, raws, device_decoder_name(name), data_type, delta, in_ring)
+        delivered = []
+        for entry, raw in zip(live, raws):
+            if raw is None:
+                continue
+            job = entry.job
+            if raw.nbytes != job.record.raw:
+                job.future.set_exception(CorruptCheckpointError(
+                    f"chunk decoded to {raw.nbytes} bytes, expected {job.record.raw}"))
+                continue
+            for stage in reversed(job.chain[:-1]):
+                if stage["name"] == XOR_BASE:
+                    continue  # applied per array as the bytes are delivered (gdsckpt.state.delta)
+                if stage["name"] != BYTE_PLANES.name:
+                    raise UnsupportedFormatError(f"transform {stage['name']!r} is not known here")
+                # into whichever area does not hold the planes (a decoded stream is in the
+                # output area; a stored ``none/1`` one is still in the read area)
+                holds_read = self.device.address(raw) == self.device.address(entry.read_area)
+                raw = planes_inverse_into(raw, entry.out_area if holds_read else entry.read_area,
+                                          int(stage["width"]))
+            job.deliver(raw)
+            delivered.append(job.future)
+        return delivered
+
+    def _decode_group(self, live: list[_Live], members: list[int], raws: list[Any], user_name: str,
+                      data_type: str | None, delta: float | None, in_ring: bool) -> None:
+        """Decode the streams of ``live[i] for i in members`` (one decoder) in one nvCOMP call,
+        setting ``raws[i]``; a damaged stream fails its chunks, any other error propagates."""
+        raw_sizes = [live[i].job.record.raw for i in members]
+        # Every output area is a view of one buffer (the ring, or a batch buffer without one):
+        # nvCOMP's batches are carved from a single allocation at offsets.
+        if in_ring and self.ring is not None:
+            buffer = self.ring.buffer
+            base = self.device.address(buffer)
+            offsets = [self.device.address(live[i].out_area) - base for i in members]
+        else:
+            offsets = [0]
+            for size in raw_sizes[:-1]:
+                offsets.append(offsets[-1] + align_up(size))
+            buffer = self.device.empty(offsets[-1] + align_up(raw_sizes[-1]))
+        try:
+            got = self.device.codec(user_name, data_type, delta).decode_into(
+                [live[i].body for i in members], buffer, offsets, raw_sizes)
+        except (ValueError, RuntimeError) as err:
+            # nvCOMP raises RuntimeError for everything. Measured with nvCOMP 6.0: Zstd short of
+            # scratch memory says "Could not determine the decompressed size", a garbled Zstd /
+            # GDeflate / Snappy stream gives "an illegal memory access" and leaves the CUDA
+            # context unusable. Neither proves the file damaged (its CRC matched): only a
+            # ValueError (a stream claiming more bytes than its chunk) or a status naming an
+            # undecodable stream does.
+            if not isinstance(err, ValueError) and not reports_undecodable(err):
+                raise
+            for i in members:
+                live[i].job.future.set_exception(CorruptCheckpointError(f"chunk does not decode ({err})"))
+            return
+        for i, offset, size in zip(members, offsets, got):
+            raws[i] = buffer[offset:offset + size]

@@ -1,0 +1,112 @@
+"""The staging ring both GPU directions share, and how many slots fit a staging budget.
+
+A ``StagingRing`` is one device allocation of equal slots, each split into two areas, allocated
+once per encoder or per restore (never per chunk). The GPU encoder gathers a chunk into a slot's
+first area (its input) and writes the compressed stream into the second (its output); the GPU
+decoder has kvikio read a stored chunk into the first area and decodes into the second. A slot is
+handed out by ``acquire`` (a bounded wait) and comes back by ``release``; the drivers never keep
+more chunks outstanding than there are slots, so an ``acquire`` always finds one coming back.
+
+Sizing: the ring and nvCOMP's own scratch share ``STAGING_RING_SHARE`` of
+``Config.max_staging_bytes`` (``ring_slots``), with the scratch taken from the measured tables
+``ENCODE_SCRATCH`` / ``DECODE_SCRATCH``.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterable
+from typing import Any
+
+from ...codecs.nvcomp import MAX_CHUNK_BYTES
+
+STAGING_RING_SHARE = 0.9
+"""Share of ``max_staging_bytes`` for the ring and nvCOMP's scratch; the rest covers CRC buffers,
+batch descriptors and allocator rounding."""
+ENCODE_SCRATCH = {  # codec: (bytes held whatever the batch, bytes per chunk in a batch), 16 MiB chunks
+    "ans": (32 << 20, 0), "lz4": (32 << 20, 0), "snappy": (32 << 20, 0), "bitcomp": (32 << 20, 0),
+    "cascaded": (32 << 20, 0), "zstd": (1120 << 20, 24 << 20), "deflate": (16 << 20, 146 << 20),
+    "gdeflate": (16 << 20, 146 << 20),
+}
+"""Device memory nvCOMP 6.0 holds beyond our buffers while compressing a batch of chunks of
+``MAX_CHUNK_BYTES`` (measured by recording the device pool around batches, docs/performance.md):
+the encoder subtracts it from the staging budget before sizing its ring, so the ring plus the
+scratch stay within ``max_staging_bytes``. Scaled linearly for smaller chunks (an upper bound:
+the temporaries grow with the chunk size). nvCOMP's Zstd alone needs more than the 1 GiB default
+to compress 16 MiB chunks; the ring then keeps its minimum of two slots and the bound cannot hold
+(documented in docs/performance.md)."""
+DECODE_SCRATCH = {"zstd/1": (128 << 20, 44 << 20)}
+"""The same for decompression, by bitstream name (the others measured 0)."""
+
+
+def scratch_bytes(table: dict[str, tuple[int, int]], names: Iterable[str], chunk_bytes: int) -> tuple[int, int]:
+    """(fixed, per chunk) nvCOMP scratch of the worst of ``names`` (keys of ``table``:
+    ``ENCODE_SCRATCH`` or ``DECODE_SCRATCH``) for chunks of ``chunk_bytes``."""
+    names = list(names)
+    scale = min(1.0, chunk_bytes / MAX_CHUNK_BYTES)
+    fixed = max((table.get(name, (0, 0))[0] for name in names), default=0)
+    per_chunk = max((table.get(name, (0, 0))[1] for name in names), default=0)
+    return int(fixed * scale), int(per_chunk * scale)
+
+
+def ring_slots(budget: int, slot_bytes: int, scratch: tuple[int, int], *, most: int | None = None) -> int:
+    """Slots of ``slot_bytes`` that fit with ``scratch`` (fixed, per slot) in the ring's share of
+    ``budget``: at least 2 (one filling, one draining), at most ``most``."""
+    fixed, per_slot = scratch
+    slots = max(2, (int(budget * STAGING_RING_SHARE) - fixed) // (slot_bytes + per_slot))
+    return slots if most is None else max(1, min(most, slots))
+
+
+class StagingRing:
+    """``slots`` slots of ``first_bytes + second_bytes`` in one device buffer (``buffer``).
+
+    Thread-safe: ``acquire`` and ``release`` may be called from any thread. ``acquire`` waits at
+    most ``timeout`` seconds (``TimeoutError``): a slot that never comes back means a stuck or
+    dead worker, which must fail the operation instead of hanging it."""
+
+    def __init__(self, device: Any, slots: int, first_bytes: int, second_bytes: int, *, timeout: float):
+        if slots < 1:
+            raise ValueError(f"a staging ring needs at least one slot, got {slots}")
+        self.slots = slots
+        self.first_bytes = first_bytes
+        self.slot_bytes = first_bytes + second_bytes
+        self.nbytes = slots * self.slot_bytes
+        self.timeout = timeout
+        self.buffer: Any = device.empty(self.nbytes)
+        self._free: queue.Queue[int] = queue.Queue()
+        for slot in range(slots):
+            self._free.put(slot)
+
+    def acquire(self) -> int:
+        """A free slot's number, waiting at most ``timeout`` for one."""
+        try:
+            return self._free.get(timeout=self.timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no staging slot came back within {self.timeout} s "
+                               f"(all {self.slots} held)") from None
+
+    def release(self, slot: int) -> None:
+        """Return a slot acquired before."""
+        self._free.put(slot)
+
+    def free_slots(self) -> int:
+        """Slots not handed out now."""
+        return self._free.qsize()
+
+    def first(self, slot: int, nbytes: int | None = None) -> Any:
+        """The slot's first area (its first ``nbytes`` bytes when given)."""
+        base = slot * self.slot_bytes
+        return self.buffer[base:base + (self.first_bytes if nbytes is None else nbytes)]
+
+    def second_offset(self, slot: int) -> int:
+        """Where the slot's second area starts in ``buffer``."""
+        return slot * self.slot_bytes + self.first_bytes
+
+    def second(self, slot: int) -> Any:
+        """The slot's second area."""
+        start = self.second_offset(slot)
+        return self.buffer[start:(slot + 1) * self.slot_bytes]
+
+    def close(self) -> None:
+        """Drop the device buffer (views handed out keep it alive until they go)."""
+        self.buffer = None

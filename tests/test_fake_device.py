@@ -1,0 +1,436 @@
+"""The GPU encoder and decoder, driven through a NumPy stand-in for the device (``fake_device``):
+their own logic (staging ring, batching, byte-plane decisions, fallbacks, error handling) runs
+here without a GPU. The device calls themselves (nvCOMP, the CRC kernel, CuPy copies) are checked
+by ``tests/gpu`` on a GPU host."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import pytest
+from fake_device import FAKE_MARKER, FakeDevice, index_of
+
+from gdsckpt.codecs import Chain
+from gdsckpt.errors import CorruptCheckpointError
+from gdsckpt.format import ALIGNMENT, checksum
+from gdsckpt.format.index import ChunkRecord, Index
+from gdsckpt.io.memory import MemoryReader, MemoryStore, MemoryWriter
+from gdsckpt.pipeline.autotune import sample_ratios_on
+from gdsckpt.pipeline.engine import HostEngine
+from gdsckpt.pipeline.gpu import GpuDecoder, GpuEncoder, RoundedArraySource
+from gdsckpt.pipeline.load import open_file, run_restore
+from gdsckpt.pipeline.plan import ChunkPlan, Part, plan_chunks
+from gdsckpt.pipeline.save import run_save
+from gdsckpt.state import NumpyTarget, flatten
+
+KIB = 1 << 10
+CHUNK = 64 * KIB
+TIMEOUT = 30.0
+
+
+class DeviceSource:
+    """A NumPy-backed source the encoder takes for device memory (the fake's "device" arrays)."""
+
+    def __init__(self, source: Any):
+        self.source = source
+        self.nbytes, self.itemsize, self.plane_width = source.nbytes, source.itemsize, source.plane_width
+        self.on_device = True
+
+    def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        return self.source.host_bytes(start, stop)
+
+    def device_bytes(self, start: int, stop: int) -> np.ndarray:
+        return self.source.host_bytes(start, stop)
+
+
+def weights(seed: int = 0) -> dict[str, np.ndarray]:
+    """Float-like state (compressible in the high bytes), a small packed tensor, and noise."""
+    rng = np.random.default_rng(seed)
+    return {
+        "w32": (rng.standard_normal(50_000) * 0.02).astype(np.float32),
+        "w16": (rng.standard_normal((300, 129)) * 0.02).astype(np.float16),
+        "steps": np.arange(37, dtype=np.int64),
+        "noise": rng.integers(0, 256, 70_000, dtype=np.uint8),
+        "zeros": np.zeros(40_000, dtype=np.float32),
+    }
+
+
+def save_through(device: FakeDevice, state: dict[str, np.ndarray], *, codec: str = "ans",
+                 byte_planes: str = "auto", on_device: bool = True, staging: int = 64 << 20,
+                 batch_chunks: int = 64) -> tuple[MemoryStore, Any, GpuEncoder]:
+    flat = flatten(state)
+    sources = [DeviceSource(a.source) if on_device else a.source for a in flat.arrays]
+    plans = plan_chunks([(s.nbytes, s.itemsize, s.plane_width) for s in sources], chunk_bytes=CHUNK,
+                        pack_below=CHUNK // 4)
+    encoder = GpuEncoder(sources, codec=codec, byte_planes=byte_planes, device_id=0, chunk_bytes=CHUNK,
+                         max_staging_bytes=staging, batch_chunks=batch_chunks, timeout=TIMEOUT, device=device)
+    store = MemoryStore()
+
+    def build_index(result: Any) -> Index:
+        return index_of(flat, result)
+
+    try:
+        run_save(plans, encoder, MemoryWriter(store, "ckpt"), max_inflight_bytes=1 << 30, build_index=build_index,
+                 timeout=TIMEOUT)
+    finally:
+        encoder.close()
+    return store, flat, encoder
+
+
+def restore_through(decoder: Any, store: MemoryStore, flat: Any) -> dict[str, np.ndarray]:
+    reader = MemoryReader(store, "ckpt")
+    index = open_file(reader).index
+    targets = {i: NumpyTarget(a.shape, a.dtype) for i, a in enumerate(flat.arrays)}
+    try:
+        run_restore(reader, index, decoder, targets, max_inflight_bytes=1 << 30, timeout=TIMEOUT)
+    finally:
+        decoder.close()
+    return {a.key: targets[i].finish() for i, a in enumerate(flat.arrays)}
+
+
+def chains_of(store: MemoryStore) -> list[list[dict[str, Any]]]:
+    return open_file(MemoryReader(store, "ckpt")).index.chains
+
+
+def decoder(device: FakeDevice, staging: int = 64 << 20, batch_chunks: int = 64) -> GpuDecoder:
+    return GpuDecoder(device_id=0, max_staging_bytes=staging, batch_chunks=batch_chunks, timeout=TIMEOUT,
+                      device=device)
+
+
+def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert set(got) == set(want)
+    for key, array in want.items():
+        assert got[key].dtype == array.dtype and got[key].shape == array.shape, key
+        assert got[key].tobytes() == array.tobytes(), key
+
+
+# -- round trips --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", ["ans", "zstd", "lz4", "deflate", "bitcomp", "none"])
+@pytest.mark.parametrize("on_device", [True, False])
+def test_save_and_restore_round_trip_bit_exact(codec: str, on_device: bool) -> None:
+    state = weights()
+    store, flat, _ = save_through(FakeDevice(), state, codec=codec, on_device=on_device)
+    assert_same(restore_through(decoder(FakeDevice()), store, flat), state)
+
+
+def test_portable_bitstreams_cross_between_the_fake_gpu_and_the_cpu_engine() -> None:
+    """The fake writes real zstd frames for ``zstd``: the CPU engine reads what the GPU encoder
+    wrote, and the GPU decoder reads what the CPU engine wrote (byte planes included)."""
+    state = weights(1)
+    store, flat, _ = save_through(FakeDevice(), state, codec="zstd", byte_planes="always")
+    assert any(chain[0]["name"] == "byteplanes/1" for chain in chains_of(store))
+    assert_same(restore_through(HostEngine([], codec="none", byte_planes="never", threads=2), store, flat), state)
+
+
+def test_gpu_only_streams_are_marked_fake() -> None:
+    store, _flat, _ = save_through(FakeDevice(), weights(), codec="ans")
+    blob = store.get("ckpt")
+    assert FAKE_MARKER in blob
+    assert any(chain[-1]["name"] == "nvcomp.ans/1" for chain in chains_of(store))
+
+
+# -- ring and batching --------------------------------------------------------------------------
+
+def test_encoder_ring_is_bounded_by_the_staging_budget_and_its_slots_are_reused() -> None:
+    device = FakeDevice()
+    state = {"big": (np.random.default_rng(2).standard_normal(400_000) * 0.02).astype(np.float32)}  # 25 chunks
+    budget = 700 * KIB
+    store, flat, encoder = save_through(device, state, codec="ans", staging=budget)
+    assert encoder.ring is not None and encoder.max_pending == encoder.ring.slots
+    assert 2 <= encoder.ring.slots < 25  # far fewer slots than chunks: slots were reused
+    assert encoder.ring.nbytes <= budget
+    assert encoder.ring.free_slots() == encoder.ring.slots  # every slot came back
+    assert_same(restore_through(decoder(FakeDevice()), store, flat), state)
+
+
+def test_decoder_ring_bounds_outstanding_reads_and_returns_every_slot() -> None:
+    state = {"big": (np.random.default_rng(3).standard_normal(300_000) * 0.02).astype(np.float32)}
+    store, flat, _ = save_through(FakeDevice(), state, codec="zstd")
+    device = FakeDevice()
+    dec = decoder(device, staging=400 * KIB)
+    records = open_file(MemoryReader(store, "ckpt")).index.chunks
+    peak = 0
+    original = dec.read_buffer
+
+    def counting_read_buffer(nbytes: int) -> Any:
+        nonlocal peak
+        buffer = original(nbytes)
+        assert dec.ring is not None
+        peak = max(peak, dec.ring.slots - dec.ring.free_slots())
+        return buffer
+
+    dec.read_buffer = counting_read_buffer  # type: ignore[method-assign]
+    got = restore_through(dec, store, flat)
+    assert_same(got, state)
+    assert dec.ring is not None and 2 <= dec.ring.slots < len(records)
+    assert 1 <= peak <= dec.ring.slots
+    assert dec.ring.free_slots() == dec.ring.slots
+
+
+def test_encoder_batches_queued_chunks_up_to_batch_chunks() -> None:
+    """Chunks queued while the worker is busy are compressed together, at most ``batch_chunks``
+    per nvCOMP call."""
+    device = FakeDevice()
+    gate = threading.Event()
+    started = device.use_in_thread
+
+    def held_use_in_thread() -> None:  # the worker waits here until every chunk is queued
+        started()
+        assert gate.wait(TIMEOUT)
+
+    device.use_in_thread = held_use_in_thread  # type: ignore[method-assign]
+    data = (np.random.default_rng(4).standard_normal(7 * CHUNK // 4) * 0.02).astype(np.float32)
+    source = DeviceSource(flatten({"x": data}).arrays[0].source)
+    encoder = GpuEncoder([source], codec="ans", byte_planes="auto", device_id=0, chunk_bytes=CHUNK,
+                         max_staging_bytes=64 << 20, batch_chunks=3, timeout=TIMEOUT, device=device)
+    try:
+        plans = plan_chunks([(source.nbytes, 4, 4)], chunk_bytes=CHUNK, pack_below=CHUNK // 4)
+        futures = [encoder.submit_encode(plan) for plan in plans]
+        gate.set()
+        encoded = [f.result(timeout=TIMEOUT) for f in futures]
+    finally:
+        encoder.close()
+    assert [call[4] for call in device.calls if call[0] == "encode"] == [3, 3, 1]
+    assert all(call[2] == "<f4" for call in device.calls)  # typed ANS for float32
+    for enc in encoded:
+        assert enc.payload.nbytes % ALIGNMENT == 0 and not enc.payload[enc.stored:].any()  # zero padded
+        assert enc.crc == checksum(enc.payload[:enc.stored])
+        assert enc.release is not None
+        enc.release()
+
+
+def test_worker_makes_the_device_current_before_using_it() -> None:
+    device = FakeDevice()
+    save_through(device, weights(), codec="zstd")
+    assert len(device.device_threads) == 1 and threading.get_ident() not in device.device_threads
+
+
+# -- byte-plane decisions and fallbacks ---------------------------------------------------------
+
+def encode_one(device: FakeDevice, array: np.ndarray, *, codec: str, byte_planes: str = "auto",
+               delta: bool = False, source: Any = None) -> Any:
+    """Encode one chunk through a new encoder, checking that it holds one slot until the payload
+    is released and none after."""
+    source = source or DeviceSource(flatten({"x": array}).arrays[0].source)
+    encoder = GpuEncoder([source], codec=codec, byte_planes=byte_planes, device_id=0, chunk_bytes=CHUNK,
+                         max_staging_bytes=64 << 20, timeout=TIMEOUT, device=device)
+    try:
+        plan = ChunkPlan(0, [Part(0, 0, min(source.nbytes, CHUNK))], plane_width=source.plane_width,
+                         decision_group=0, delta=delta)
+        encoded = encoder.submit_encode(plan).result(timeout=TIMEOUT)
+        assert encoder.ring is not None and encoder.ring.free_slots() == encoder.ring.slots - 1
+        encoded.release()
+        assert encoder.ring.free_slots() == encoder.ring.slots
+        return encoded
+    finally:
+        encoder.close()
+
+
+def stage_names(chain: Chain) -> list[str]:
+    return [stage["name"] for stage in chain.to_json()]
+
+
+@pytest.mark.parametrize("byte_planes, planed", [("always", True), ("never", False)])
+def test_byte_planes_follow_the_setting_for_lz_codecs(byte_planes: str, planed: bool) -> None:
+    array = (np.random.default_rng(5).standard_normal(CHUNK // 4) * 0.02).astype(np.float32)
+    encoded = encode_one(FakeDevice(), array, codec="zstd", byte_planes=byte_planes)
+    assert ("byteplanes/1" in stage_names(encoded.chain)) is planed
+
+
+def test_auto_byte_planes_trial_picks_the_smaller_form() -> None:
+    """float32 weights: planes separate the repetitive exponent bytes, so the trial takes them."""
+    array = (np.random.default_rng(6).standard_normal(CHUNK // 4) * 0.02).astype(np.float32)
+    encoded = encode_one(FakeDevice(), array, codec="zstd", byte_planes="auto")
+    assert stage_names(encoded.chain) == ["byteplanes/1", "zstd/1"]
+
+
+def test_ans_codes_floats_typed_and_xor_deltas_as_byte_planes() -> None:
+    array = (np.random.default_rng(7).standard_normal(CHUNK // 2) * 0.02).astype(np.float16)
+    typed = encode_one(FakeDevice(), array, codec="ans")
+    assert typed.chain.to_json() == [{"name": "nvcomp.ans/1", "data_type": "<f2"}]
+    delta = encode_one(FakeDevice(), array, codec="ans", delta=True)
+    assert delta.chain.to_json() == [{"name": "byteplanes/1", "width": 2}, {"name": "nvcomp.ans/1"}]
+
+
+def test_incompressible_chunk_is_stored_as_its_raw_bytes() -> None:
+    array = np.random.default_rng(8).integers(0, 256, CHUNK, dtype=np.uint8)
+    encoded = encode_one(FakeDevice(), array, codec="ans")
+    assert encoded.chain.to_json() == [{"name": "none/1"}]
+    assert encoded.payload[:encoded.stored].tobytes() == array.tobytes()
+
+
+def rounded_source() -> Any:
+    from gdsckpt.state import NumpySource
+    from gdsckpt.state.lossy import RoundedSource, plan_rounding
+
+    array = (np.random.default_rng(9).standard_normal(CHUNK // 4) * 0.02).astype(np.float32)
+    rounding = plan_rounding(array, "grid", 1e-2)
+    assert rounding is not None
+    source = RoundedSource(NumpySource(array, "float32"), rounding)
+    assert isinstance(source, RoundedArraySource)
+    return source
+
+
+def test_rounded_arrays_go_to_bitcomp_lossy_when_the_check_passes() -> None:
+    device = FakeDevice()
+    encoded = encode_one(device, np.zeros(0), codec="ans", source=rounded_source())
+    (stage,) = encoded.chain.to_json()
+    assert stage["name"] == "nvcomp.bitcomp-lossy/1" and stage["data_type"] == "<f4" and stage["delta"] > 0
+    assert [c[0] for c in device.calls if c[1] == "bitcomp" and c[3] is not None] == ["encode", "decode"]
+
+
+def test_rounded_arrays_fall_back_to_the_codec_when_bitcomp_decodes_other_values() -> None:
+    device = FakeDevice()
+    device.garble_lossy = True
+    encoded = encode_one(device, np.zeros(0), codec="ans", source=rounded_source())
+    assert stage_names(encoded.chain)[-1] == "nvcomp.ans/1"  # encode_one: the lossy try's slot came back
+
+
+def test_portable_codecs_never_write_bitcomp_lossy() -> None:
+    device = FakeDevice()
+    encoded = encode_one(device, np.zeros(0), codec="zstd", source=rounded_source())
+    assert stage_names(encoded.chain)[-1] == "zstd/1"
+    assert not any(call[1] == "bitcomp" for call in device.calls)
+
+
+def test_unknown_gpu_codec_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match="has no GPU implementation.*ans"):
+        GpuEncoder([], codec="brotli", byte_planes="auto", device_id=0, chunk_bytes=CHUNK,
+                   max_staging_bytes=1 << 20, device=FakeDevice())
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+def test_device_error_while_encoding_surfaces_as_itself_and_returns_the_slots() -> None:
+    device = FakeDevice()
+    array = (np.random.default_rng(10).standard_normal(CHUNK // 4) * 0.02).astype(np.float32)
+    source = DeviceSource(flatten({"x": array}).arrays[0].source)
+    encoder = GpuEncoder([source], codec="ans", byte_planes="auto", device_id=0, chunk_bytes=CHUNK,
+                         max_staging_bytes=64 << 20, timeout=TIMEOUT, device=device)
+    try:
+        device.fail["encode"] = RuntimeError("CUDA error: out of memory")
+        plan = ChunkPlan(0, [Part(0, 0, CHUNK)], plane_width=4, decision_group=0)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            encoder.submit_encode(plan).result(timeout=TIMEOUT)
+        assert encoder.ring is not None and encoder.ring.free_slots() == encoder.ring.slots
+        again = encoder.submit_encode(plan).result(timeout=TIMEOUT)  # the encoder still works
+        assert again.chain.to_json()[-1]["name"] == "nvcomp.ans/1"
+    finally:
+        encoder.close()
+
+
+def saved_chunks(codec: str = "ans") -> tuple[MemoryStore, Any, Index]:
+    store, flat, _ = save_through(FakeDevice(), weights(), codec=codec)
+    return store, flat, open_file(MemoryReader(store, "ckpt")).index
+
+
+def decode_all(dec: GpuDecoder, store: MemoryStore, index: Index, damage: Any = None) -> list[Future[None]]:
+    reader = MemoryReader(store, "ckpt")
+    dec.reserve_reads(index.chunks, sorted({index.chains[r.chain][-1]["name"] for r in index.chunks}))
+    futures = []
+    for record in index.chunks:
+        buffer = dec.read_buffer(-(-record.stored // ALIGNMENT) * ALIGNMENT)
+        reader.submit_read(record.offset, buffer).result(timeout=TIMEOUT)
+        if damage is not None:
+            record = damage(record, buffer)
+        futures.append(dec.submit_decode(record, index.chains[record.chain], buffer, lambda raw: None))
+    for future in futures:
+        future.exception(timeout=TIMEOUT)
+    return futures
+
+
+def test_checksum_mismatch_is_corruption() -> None:
+    store, _flat, index = saved_chunks()
+    dec = decoder(FakeDevice())
+    try:
+        def flip(record: ChunkRecord, buffer: np.ndarray) -> ChunkRecord:
+            buffer[0] ^= 1
+            return record
+        futures = decode_all(dec, store, index, flip)
+    finally:
+        dec.close()
+    for future in futures:
+        with pytest.raises(CorruptCheckpointError, match="checksum"):
+            future.result()
+    assert dec.ring is not None and dec.ring.free_slots() == dec.ring.slots
+
+
+def test_undecodable_stream_with_a_matching_checksum_is_corruption() -> None:
+    store, _flat, index = saved_chunks()
+    dec = decoder(FakeDevice())
+    compressed = {i for i, r in enumerate(index.chunks) if index.chains[r.chain][-1]["name"] == "nvcomp.ans/1"}
+    assert compressed
+    try:
+        def garble(record: ChunkRecord, buffer: np.ndarray) -> ChunkRecord:
+            if index.chains[record.chain][-1]["name"] != "nvcomp.ans/1":
+                return record
+            buffer[:len(FAKE_MARKER)] = 0  # no longer a stream; the CRC is made to match
+            return ChunkRecord(record.offset, record.stored, record.raw, checksum(buffer[:record.stored]),
+                               record.chain)
+        futures = decode_all(dec, store, index, garble)
+    finally:
+        dec.close()
+    for i, future in enumerate(futures):
+        if i in compressed:
+            with pytest.raises(CorruptCheckpointError, match="does not decode"):
+                future.result()
+        else:
+            future.result()
+
+
+def test_device_error_while_decoding_surfaces_as_itself() -> None:
+    """An error that does not prove damage (out of memory, a CUDA fault) reaches the chunks as
+    itself, so that a restore stops instead of skipping an intact checkpoint."""
+    store, _flat, index = saved_chunks()
+    device = FakeDevice()
+    device.fail["decode"] = RuntimeError("CUDA error: an illegal memory access was encountered")
+    dec = decoder(device)
+    try:
+        futures = decode_all(dec, store, index)
+    finally:
+        dec.close()
+    errors = [f.exception() for f in futures]
+    assert any(isinstance(e, RuntimeError) and "illegal memory access" in str(e) for e in errors)
+    assert not any(isinstance(e, CorruptCheckpointError) for e in errors)
+    assert dec.ring is not None and dec.ring.free_slots() == dec.ring.slots
+
+
+def test_invalid_codec_stage_is_corruption() -> None:
+    store, _flat, index = saved_chunks()
+    index.chains = [[*chain[:-1], {**chain[-1], "data_type": ["<f4"]}] if chain[-1]["name"] == "nvcomp.ans/1"
+                    else chain for chain in index.chains]
+    dec = decoder(FakeDevice())
+    try:
+        futures = decode_all(dec, store, index)
+    finally:
+        dec.close()
+    assert any(isinstance(f.exception(), CorruptCheckpointError) for f in futures)
+
+
+def test_decoder_without_a_reserved_ring_allocates_per_chunk() -> None:
+    store, _flat, index = saved_chunks("zstd")
+    dec = decoder(FakeDevice())
+    reader = MemoryReader(store, "ckpt")
+    try:
+        record = index.chunks[0]
+        buffer = dec.read_buffer(-(-record.stored // ALIGNMENT) * ALIGNMENT)
+        reader.submit_read(record.offset, buffer).result(timeout=TIMEOUT)
+        got: list[np.ndarray] = []
+        dec.submit_decode(record, index.chains[record.chain], buffer, lambda raw: got.append(np.array(raw))) \
+            .result(timeout=TIMEOUT)
+    finally:
+        dec.close()
+    assert dec.ring is None and got[0].nbytes == record.raw
+
+
+# -- autotune -----------------------------------------------------------------------------------
+
+def test_autotune_samples_ratios_through_the_device_backend() -> None:
+    flat = flatten(weights())
+    sources = [DeviceSource(a.source) for a in flat.arrays]
+    ratios = sample_ratios_on(FakeDevice(), sources, ["ans", "zstd"])
+    assert set(ratios) == {"ans", "zstd"} and all(r > 1.0 for r in ratios.values())
