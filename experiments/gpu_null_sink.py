@@ -19,7 +19,7 @@ from model import build_training, state_of
 import gdsckpt
 from gdsckpt.api import _build_index
 from gdsckpt.io import NullWriter
-from gdsckpt.pipeline.gpu_engine import GpuEngine
+from gdsckpt.pipeline.gpu import GpuEncoder
 from gdsckpt.pipeline.plan import plan_chunks
 from gdsckpt.pipeline.save import run_save
 from gdsckpt.state import flatten
@@ -41,7 +41,7 @@ def main() -> None:
         plans = plan_chunks([(a.source.nbytes, a.source.itemsize, a.source.plane_width) for a in flat_state.arrays],
                             chunk_bytes=chunk, pack_below=config.pack_below)
         for repeat in range(2):
-            engine = GpuEngine([a.source for a in flat_state.arrays], codec="ans", byte_planes="auto", device_id=0,
+            engine = GpuEncoder([a.source for a in flat_state.arrays], codec="ans", byte_planes="auto", device_id=0,
                                chunk_bytes=chunk, max_staging_bytes=config.max_staging_bytes)
             torch.cuda.synchronize()
             started = time.perf_counter()
