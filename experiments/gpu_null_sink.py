@@ -1,7 +1,7 @@
 """The GPU save pipeline alone: nvCOMP ANS + byte planes into a null sink (no file, no kvikio), at
 4 and 16 MiB chunks, two passes each (the first includes nvCOMP's and CuPy's warm-up). This is
 what made 16 MiB the GPU chunk size. Uses gdsckpt internals (``GpuEngine``, ``plan_chunks``,
-``run_save``, ``state.flatten`` and the private ``api._build_index``): no public call saves into
+``run_save``, ``state.flatten`` and ``api.saving.index_template``): no public call saves into
 ``gdsckpt.io.NullWriter``.
 
     python3 experiments/gpu_null_sink.py --width 2560 --depth 8
@@ -17,7 +17,7 @@ import torch
 from model import build_training, state_of
 
 import gdsckpt
-from gdsckpt.api import _build_index
+from gdsckpt.api.saving import index_template
 from gdsckpt.io import NullWriter
 from gdsckpt.pipeline.gpu import GpuEncoder
 from gdsckpt.pipeline.plan import plan_chunks
@@ -46,7 +46,7 @@ def main() -> None:
             torch.cuda.synchronize()
             started = time.perf_counter()
             run_save(plans, engine, NullWriter(), max_inflight_bytes=config.max_staging_bytes,
-                     build_index=lambda r: _build_index(flat_state, r))
+                     index=index_template(flat_state))
             torch.cuda.synchronize()
             engine.close()
             runs[f"null_sink_{chunk_mib}MiB_pass{repeat + 1}_gbps"] = logical / (time.perf_counter() - started) / 1e9

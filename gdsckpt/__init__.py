@@ -17,7 +17,7 @@ from .errors import (  # noqa: E402
     StateMismatchError, UnsupportedFormatError,
 )
 from .state.lossy import LossyPolicy, LossyWarning  # noqa: E402
-from .api.manager import CheckpointManager, SkippedCheckpointWarning  # noqa: E402
+from .manager import CheckpointManager, SkippedCheckpointWarning  # noqa: E402
 
 __all__ = [
     "BaseCheckpointError", "Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointManager", "CodecUnavailableError",

@@ -28,7 +28,6 @@ import zstandard
 from gdsckpt.codecs import codec_spec, host_codec
 from gdsckpt.codecs.nvcomp import BITCOMP_LOSSY_TYPES, codec_stage
 from gdsckpt.format import checksum
-from gdsckpt.format.index import Index, TensorRecord
 
 FAKE_MARKER = b"FAKE-NVCOMP"
 """Prefix of every stream a fake GPU-only codec writes: such a file can never pass for a real one."""
@@ -213,12 +212,3 @@ class FakeDevice:
         for codec in self.codecs.values():
             codec.close()
         self.codecs.clear()
-
-
-def index_of(flat: Any, result: Any) -> Index:
-    """The index of a pipeline-level save of ``flat`` (a ``gdsckpt.state.FlatState``), as
-    ``gdsckpt.save`` builds it, for tests that drive ``run_save`` themselves."""
-    tensors = [TensorRecord(key=a.key, kind=a.kind, dtype=a.dtype, shape=a.shape, device=a.device,
-                            segments=result.segments.get(i, [])) for i, a in enumerate(flat.arrays)]
-    return Index(chains=[c.to_json() for c in result.chains], chunks=result.chunks, tensors=tensors,
-                 tree=flat.tree, writer="test")

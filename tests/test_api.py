@@ -361,17 +361,18 @@ def test_path_like_and_str_paths(saved: Any, h: Any) -> None:
 
 
 def test_file_identity_tells_a_replaced_file_apart(tmp_path: Path, h: Any) -> None:
-    # The GPU load path reopens the file by name for kvikio and compares identities (api._data_reader).
-    from gdsckpt.api import _file_identity
+    # The GPU load path reopens the file by name for kvikio and compares identities
+    # (api.resolve.open_data_reader).
     from gdsckpt.io.posix import PosixReader
 
     path = tmp_path / "a.gdsckpt"
     gdsckpt.save({"a": np.arange(10)}, path, config=h.small_config())
     with PosixReader(path) as first, PosixReader(path) as again:
-        assert _file_identity(first) == _file_identity(again) is not None
+        assert first.file_identity() == again.file_identity() is not None
         gdsckpt.save({"a": np.arange(11)}, path, config=h.small_config())  # renamed over it
         with PosixReader(path) as replaced:
-            assert _file_identity(replaced) != _file_identity(first)
+            assert replaced.file_identity() != first.file_identity()
+    assert first.file_identity() is None  # closed: no file to name
 
 
 @pytest.mark.parametrize("codec", ["zstd", "none"])

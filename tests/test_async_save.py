@@ -116,13 +116,13 @@ def test_snapshot_is_taken_at_call_time(ckpt_path: Path, monkeypatch: pytest.Mon
     # Hold the background save until the caller has changed everything, so the test does not
     # depend on who wins a race.
     release = threading.Event()
-    real_save = gdsckpt.api._save
+    real_save = gdsckpt.api.saving.save_flat
 
     def held_save(*args: Any, **kwargs: Any) -> Any:
         assert release.wait(60)
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(gdsckpt.api, "_save", held_save)
+    monkeypatch.setattr(gdsckpt.api.saving, "save_flat", held_save)
     handle = gdsckpt.save_async(state, ckpt_path, config=h.small_config())
     _mutate(state)
     assert not handle.done()
@@ -253,7 +253,7 @@ def test_dropped_handle_error_is_logged_and_raised_by_the_next_save_async(
     def failing_save(state: Any, path: Any, **kwargs: Any) -> Any:
         raise OSError(errno.ENOSPC, "no space (injected)")
 
-    monkeypatch.setattr(gdsckpt.api, "_save", failing_save)
+    monkeypatch.setattr(gdsckpt.api.saving, "save_flat", failing_save)
     with caplog.at_level(logging.ERROR, logger="gdsckpt"):
         gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "dropped.gdsckpt")  # handle dropped at once
         _wait_until(lambda: async_save._default_saver.inflight == 0, "the failing save")
@@ -271,7 +271,7 @@ def test_wait_all_raises_unreported_errors(tmp_path: Path, monkeypatch: pytest.M
     def failing_save(state: Any, path: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"injected failure for {Path(path).name}")
 
-    monkeypatch.setattr(gdsckpt.api, "_save", failing_save)
+    monkeypatch.setattr(gdsckpt.api.saving, "save_flat", failing_save)
     kept = gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "kept.gdsckpt")
     with caplog.at_level(logging.ERROR, logger="gdsckpt"):
         gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "dropped.gdsckpt", max_inflight=2)
@@ -290,7 +290,7 @@ def _hold_saves(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
         assert release.wait(60)
         return _fake_report(path)
 
-    monkeypatch.setattr(gdsckpt.api, "_save", held_save)
+    monkeypatch.setattr(gdsckpt.api.saving, "save_flat", held_save)
     return release
 
 
@@ -327,7 +327,7 @@ def test_max_inflight_bounds_saves_in_flight(max_inflight: int, tmp_path: Path,
         record("end", name)
         return _fake_report(path)
 
-    monkeypatch.setattr(gdsckpt.api, "_save", held_save)
+    monkeypatch.setattr(gdsckpt.api.saving, "save_flat", held_save)
     saver = async_save._default_saver
     first = gdsckpt.save_async({"w": torch.ones(3)}, tmp_path / "a.gdsckpt", max_inflight=max_inflight)
     handles: list[Any] = []

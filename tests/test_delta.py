@@ -329,7 +329,7 @@ def test_crafted_base_links_are_refused(tmp_path):
     """A delta whose recorded depth disagrees with its base, or whose chain is deeper than a load
     resolves, is refused with a clear error (no recursion without bound); a base that is not a
     regular file (a FIFO would block an open) counts as missing."""
-    from gdsckpt import api
+    from gdsckpt.api import checkpoint as api_checkpoint
 
     a, b = tmp_path / "a.gdsckpt", tmp_path / "b.gdsckpt"
     gdsckpt.save({"x": torch.ones(10)}, a)
@@ -348,7 +348,7 @@ def test_crafted_base_links_are_refused(tmp_path):
     with pytest.raises(gdsckpt.BaseCheckpointError, match="depth"):
         gdsckpt.load(forged)
     deep = tmp_path / "deep.gdsckpt"
-    deep_index = index.replace(b'"depth":1', f'"depth":{api.MAX_RESOLVE_DEPTH + 1}'.encode())
+    deep_index = index.replace(b'"depth":1', f'"depth":{api_checkpoint.MAX_RESOLVE_DEPTH + 1}'.encode())
     deep.write_bytes(bytes(raw[:trailer.index_offset]) + deep_index
                      + pack_trailer(trailer.index_offset, len(deep_index), checksum(deep_index), 1))
     with pytest.raises(gdsckpt.BaseCheckpointError, match="depth"):
@@ -360,9 +360,9 @@ def test_crafted_base_links_are_refused(tmp_path):
 
 
 def test_chains_stop_at_what_a_load_resolves(tmp_path, monkeypatch):
-    from gdsckpt import api
+    from gdsckpt.api import checkpoint
 
-    monkeypatch.setattr(api, "MAX_RESOLVE_DEPTH", 3)
+    monkeypatch.setattr(checkpoint, "MAX_RESOLVE_DEPTH", 3)
     paths, previous = [], None
     for i in range(5):
         paths.append(tmp_path / f"c{i}.gdsckpt")
@@ -371,7 +371,7 @@ def test_chains_stop_at_what_a_load_resolves(tmp_path, monkeypatch):
     depths = [(gdsckpt.inspect(p).base or {}).get("depth", 0) for p in paths]
     assert depths == [0, 1, 2, 3, 0]  # the fifth would be 4 deep: written in full
     assert gdsckpt.load(paths[3])["x"][0].item() == 3.0
-    monkeypatch.setattr(api, "MAX_RESOLVE_DEPTH", 2)
+    monkeypatch.setattr(checkpoint, "MAX_RESOLVE_DEPTH", 2)
     with pytest.raises(gdsckpt.BaseCheckpointError, match="3 deltas deep"):
         gdsckpt.load(paths[3])
 
@@ -384,7 +384,7 @@ def test_manager_never_prunes_the_base_of_a_save_in_flight(tmp_path, monkeypatch
     manager.save(1, state)                      # full (no base yet)
     new = _step(state, 3)
     started, release = threading.Event(), threading.Event()
-    original = gdsckpt.api._save
+    original = gdsckpt.api.saving.save_flat
 
     def held_save(*args, **kwargs):
         if kwargs.get("base") is not None:      # the delta at step 3: wait inside the save
@@ -392,7 +392,7 @@ def test_manager_never_prunes_the_base_of_a_save_in_flight(tmp_path, monkeypatch
             assert release.wait(60)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(gdsckpt.api, "_save", held_save)
+    monkeypatch.setattr(gdsckpt.api.saving, "save_flat", held_save)
     handle = manager.save_async(3, new)         # delta on step 1
     try:
         assert started.wait(60)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fake_device import FAKE_MARKER, FakeDevice, index_of
+from fake_device import FAKE_MARKER, FakeDevice
 
 from gdsckpt.codecs import Chain
 from gdsckpt.errors import CorruptCheckpointError
@@ -23,6 +23,7 @@ from gdsckpt.pipeline.engine import HostEngine
 from gdsckpt.pipeline.gpu import GpuDecoder, GpuEncoder, RoundedArraySource
 from gdsckpt.pipeline.load import open_file, run_restore
 from gdsckpt.pipeline.plan import ChunkPlan, Part, plan_chunks
+from gdsckpt.api.saving import index_template
 from gdsckpt.pipeline.save import run_save
 from gdsckpt.state import NumpyTarget, flatten
 
@@ -69,11 +70,8 @@ def save_through(device: FakeDevice, state: dict[str, np.ndarray], *, codec: str
                          max_staging_bytes=staging, batch_chunks=batch_chunks, timeout=TIMEOUT, device=device)
     store = MemoryStore()
 
-    def build_index(result: Any) -> Index:
-        return index_of(flat, result)
-
     try:
-        run_save(plans, encoder, MemoryWriter(store, "ckpt"), max_inflight_bytes=1 << 30, build_index=build_index,
+        run_save(plans, encoder, MemoryWriter(store, "ckpt"), max_inflight_bytes=1 << 30, index=index_template(flat),
                  timeout=TIMEOUT)
     finally:
         encoder.close()

@@ -511,7 +511,8 @@ def _map_host(fds: socket.socket, bid: int, nbytes: int, pinned: bool) -> tuple[
 
 
 def _serve(conn: Any, fds: socket.socket) -> None:
-    from .. import api
+    from ..api import saving as api_saving
+    from ..state import flatten
 
     buffers: dict[int, tuple[Any, int]] = {}  # id -> (tensor, page-locked pointer or 0)
     conn.send_bytes(pickle.dumps(("ready", os.getpid())))
@@ -532,7 +533,7 @@ def _serve(conn: Any, fds: socket.socket) -> None:
                 _unregister(buffers.pop(bid)[1])
             tensors = {bid: entry[0] for bid, entry in buffers.items()}
             snapshot = _SnapshotUnpickler(io.BytesIO(message["snapshot"]), tensors).load()
-            report = api._save(snapshot, message["path"], rename=False, **message["options"])
+            report = api_saving.save_flat(flatten(snapshot), message["path"], rename=False, **message["options"])
             del snapshot, tensors
             reply = pickle.dumps((job, "ok", report))
         except BaseException as err:  # noqa: BLE001 - every error goes back to the caller

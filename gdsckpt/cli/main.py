@@ -47,7 +47,7 @@ def group_totals(tensors: Any) -> dict[str, dict[str, Any]]:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from .. import inspect
+    from ..api import inspect
 
     info = inspect(args.path, config=args.config)
     groups = group_totals(info.tensors)
@@ -93,7 +93,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .. import verify
+    from ..api import verify
 
     with progress_bar(None, "verifying", quiet=args.quiet) as advance:
         report = verify(args.path, config=args.config, progress=byte_progress(advance), chain=args.chain)
@@ -105,7 +105,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_rebase(args: argparse.Namespace) -> int:
-    from .. import rebase
+    from ..api import rebase
 
     report = rebase(args.path, args.output, codec=args.codec, config=args.config, force=args.force)
     print(f"{report.path}: full checkpoint, {report.tensors} arrays, {report.stored_bytes} bytes, "

@@ -158,7 +158,8 @@ def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 63) -> int:
     return value
 
 
-def _reject_constant(name: str) -> Any:
+def reject_constant(name: str) -> Any:
+    """``json.loads``'s ``parse_constant`` hook: NaN and Infinity are not JSON, so refuse them."""
     raise ValueError(f"non-standard JSON constant {name}")
 
 
@@ -169,7 +170,7 @@ def parse_index(data: bytes, *, index_offset: int) -> Index:
     ``UnsupportedFormatError`` for an index of another major version.
     """
     try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        doc = json.loads(data.decode("utf-8"), parse_constant=reject_constant)
     except RecursionError:
         raise _fail("nesting too deep") from None
     except (UnicodeDecodeError, ValueError) as err:
@@ -194,7 +195,7 @@ def parse_index(data: bytes, *, index_offset: int) -> Index:
     chunks = _parse_chunks(doc.get("chunks"), len(chains), index_offset)
     tensors = _parse_tensors(doc.get("tensors"), chunks)
     tree = doc.get("tree")
-    _validate_tree(tree, len(tensors))
+    validate_tree(tree, len(tensors))
     user = doc.get("user", {})
     if not isinstance(user, dict):
         raise _fail("user must be an object")
@@ -413,7 +414,7 @@ def _parse_segments(raw: Any, chunks: list[ChunkRecord], key: str, nbytes: int, 
 _SCALAR_TYPES = {"int", "float", "bool", "str", "none"}
 
 
-def _validate_tree(tree: Any, n_tensors: int) -> None:
+def validate_tree(tree: Any, n_tensors: int) -> None:
     """Check the structure tree: node kinds, scalar encodings, each tensor referenced exactly once."""
     seen = [False] * n_tensors
     stack: list[tuple[Any, int, bool]] = [(tree, 0, False)]  # (node, depth, inside an OrderedDict's meta)

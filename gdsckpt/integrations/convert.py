@@ -26,7 +26,7 @@ What survives each direction, bit for bit (NaN payloads and -0.0 included):
 - Tensors that share memory: safetensors refuses them, so every entry whose bytes overlap
   another's is written as its own copy (``ConvertReport.cloned`` counts them). Entries that were
   the same view (tied weights) are recorded as such in ``gdsckpt.structure`` and come back as one
-  shared tensor, as from ``torch.load``; gdsckpt itself stores a tie once (see ``state.py``).
+  shared tensor, as from ``torch.load``; gdsckpt itself stores a tie once (see ``gdsckpt.state``).
 - A safetensors source's own metadata is kept when the destination is safetensors and dropped
   (logged) otherwise: pt and gdsckpt files have no place for it.
 - Arrays that a gdsckpt file holds as NumPy (or JAX) arrays become CPU torch tensors of the same
@@ -57,16 +57,16 @@ from typing import Any
 import numpy as np
 
 from ..api import SaveReport
-from ..api import _config as _resolve_config
-from ..api import _refuse_replacing_base
 from ..api import load as _load_gdsckpt
 from ..api import save as _save_gdsckpt
+from ..api.resolve import resolve_config
+from ..api.saving import refuse_replacing_base
 from ..codecs import known_codec_names
 from ..config import Config
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..format.index import _validate_tree
+from ..format.index import validate_tree
 from ..io.posix import fsync_directory, remove_stale_temporaries, temporary_path
-from ..state import _numpy_dtype_name, decode_scalar, flatten, join_key, torch_dtype, unflatten, walk_tree
+from ..state import numpy_dtype_name, decode_scalar, flatten, join_key, torch_dtype, unflatten, walk_tree
 
 logger = logging.getLogger("gdsckpt")
 
@@ -174,10 +174,10 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
     src_kind = detect_format(src_path, src_format)
     dst_kind = detect_format(dst_path, dst_format)
     check_codec(codec, dst_kind)
-    cfg = _resolve_config(config)
+    cfg = resolve_config(config)
     _check_paths(src_path, dst_path, overwrite)
     if overwrite and not force:
-        _refuse_replacing_base(dst_path, cfg)
+        refuse_replacing_base(dst_path, cfg)
 
     phases = _Phases(progress)
     state, metadata = _READERS[src_kind](src_path, cfg, phases.reading)
@@ -569,7 +569,7 @@ def _check_document(doc: Any, tensors: dict[str, Any]) -> list[dict[str, Any]]:
     if missing or extra:
         raise ValueError(f"it names tensors the file lacks ({missing[:5]}) or leaves out tensors "
                          f"the file holds ({extra[:5]})")
-    _validate_tree(doc["tree"], len(entries))
+    validate_tree(doc["tree"], len(entries))
     for node, key_path in walk_tree(doc["tree"]):
         where = join_key(key_path)
         if node["t"] == "str" and not _is_unicode_text(node["v"]):
@@ -669,7 +669,7 @@ def _array_to_torch(array: Any, torch: Any) -> Any:
     """A NumPy array or scalar (or anything ``np.asarray`` takes, e.g. a JAX array) as a CPU torch
     tensor with the same bits, bfloat16 and float8 (ml_dtypes) included."""
     host = np.asarray(array)
-    name = _numpy_dtype_name(host.dtype.newbyteorder("="))
+    name = numpy_dtype_name(host.dtype.newbyteorder("="))
     if name is None:
         raise ConvertError(f"an array of dtype {host.dtype} has no torch equivalent")
     if host.dtype.byteorder == ">" or (host.dtype.byteorder == "=" and sys.byteorder == "big"):

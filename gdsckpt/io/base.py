@@ -76,6 +76,11 @@ class StorageReader(ABC):
     def close(self) -> None:
         """Release the file and threads."""
 
+    def file_identity(self) -> tuple[int, int] | None:
+        """(device, inode) of the open file, or None where the reader has no file (in memory): two
+        readers of one path read the same bytes only if these match."""
+        return None
+
     def __enter__(self) -> StorageReader:
         return self
 

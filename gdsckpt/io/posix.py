@@ -327,6 +327,13 @@ class PosixReader(StorageReader):
         self._read_into(self._fd, offset, out)
         return out.tobytes()
 
+    def file_identity(self) -> tuple[int, int] | None:
+        """(device, inode) of the file this reader holds open, None once closed."""
+        if self._fd < 0:
+            return None
+        status = os.fstat(self._fd)
+        return status.st_dev, status.st_ino
+
     def submit_read(self, offset: int, out: np.ndarray) -> Future[np.ndarray]:
         fd = self._direct_fd if self._direct_fd is not None and _is_aligned(out, offset) else self._fd
         return self._lane.submit(self._read_into, fd, offset, out)

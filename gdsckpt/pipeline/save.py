@@ -9,14 +9,15 @@ failure, including KeyboardInterrupt, aborts the writer: nothing appears at the 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from ..codecs import Chain
-from ..format import ALIGNMENT, FORMAT_MINOR, HEADER_REGION, XOR_BASE, Index, align_up, checksum, pack_header, pack_trailer
+from ..format import ALIGNMENT, HEADER_REGION, XOR_BASE, Index, align_up, checksum, pack_header, pack_trailer
 from ..format.index import ChunkRecord, Segment
 from ..io.base import StorageWriter
 from .engine import EncodedChunk, Engine
@@ -36,16 +37,17 @@ class SaveResult:
 
 
 def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, max_inflight_bytes: int,
-             build_index: Any, timeout: float | None = None,
-             progress: Callable[[int, int], None] | None = None, minor: int = FORMAT_MINOR) -> SaveResult:
-    """Encode and write every planned chunk, then the index built by ``build_index(result)``
-    (a callable returning an ``Index``), then commit.
+             index: Index, timeout: float | None = None,
+             progress: Callable[[int, int], None] | None = None) -> SaveResult:
+    """Encode and write every planned chunk, then the index, then commit.
 
-    ``build_index`` receives the ``SaveResult`` with chunk records, chains and each array's
-    segments filled in. ``timeout`` bounds every single wait on a worker (seconds). A plan marked
-    ``delta`` (its sources yield the XOR with a base) gets ``xorbase/1`` in front of the chain the
-    engine reports, so engines need not know about deltas. ``minor``: the file's format minor.
-    ``progress(done, total)`` is called in this thread with the raw bytes written so far.
+    ``index`` is the file's index as the caller knows it before any chunk is written: the tree,
+    one record per array (in the order of the arrays the plans index) without segments, the
+    writer name and, for a delta, ``base`` and ``minor``; this driver fills in the chunks, the
+    chains and each record's segments. ``timeout`` bounds every single wait on a worker (seconds).
+    A plan marked ``delta`` (its sources yield the XOR with a base) gets ``xorbase/1`` in front of
+    the chain the engine reports, so engines need not know about deltas. ``progress(done,
+    total)`` is called in this thread with the raw bytes written so far.
     """
     total = sum(plan.raw for plan in plans)
     done = 0
@@ -87,7 +89,7 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
             block = False
 
     try:
-        writer.submit_write(0, pack_header(minor)).result(timeout=timeout)
+        writer.submit_write(0, pack_header(index.minor)).result(timeout=timeout)
         for plan in plans:
             while encodes and encodes[0][1].done():
                 place_oldest_encoded()
@@ -107,11 +109,14 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
         while writes:
             retire_written(block=True)
         result.chains = list(chain_ids)
-        index: Index = build_index(result)
+        index = dataclasses.replace(
+            index, chains=[chain.to_json() for chain in result.chains], chunks=result.chunks,
+            tensors=[dataclasses.replace(record, segments=result.segments.get(i, []))
+                     for i, record in enumerate(index.tensors)])
         index_bytes = index.to_json_bytes()
         index_offset = align_up(offset, ALIGNMENT)
         writer.write_tail(index_offset, index_bytes + pack_trailer(index_offset, len(index_bytes),
-                                                                   checksum(index_bytes), minor))
+                                                                   checksum(index_bytes), index.minor))
         result.file_bytes = index_offset + len(index_bytes) + 64
         writer.commit()
     except BaseException:

@@ -26,7 +26,7 @@ import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -81,10 +81,15 @@ def check_identity(base_path: Path, link: dict[str, Any], index_sha256: str, fil
             f"or load an older full checkpoint")
 
 
-ReadMany = Callable[[list[tuple[str, int, int]], Any], list[Any]]
-"""([(key, start, stop), ...], device or None) -> the resolved bytes of each range of the base's
-arrays (distinct arrays), as flat uint8 arrays: NumPy for None, CuPy on that CUDA device
-otherwise; one restore of the base for the whole list."""
+class BaseArrays(Protocol):
+    """Where a delta's base bytes come from: the API hands a ``BaseReader`` one of these (an open
+    base checkpoint), so this layer names only the protocol, never the API's classes."""
+
+    def read_many(self, requests: list[tuple[str, int, int]], device: Any) -> list[Any]:
+        """``[(key, start, stop), ...]`` and a device (None, or ``"cuda:N"``) -> the resolved bytes of
+        each range of the base's arrays (distinct arrays) as flat uint8 arrays: NumPy for None,
+        CuPy on that CUDA device otherwise; one restore of the base for the whole list."""
+        ...
 
 
 class BaseReader:
@@ -98,8 +103,8 @@ class BaseReader:
     save. The cache keeps about two windows; thread-safe (the CPU engine asks from several
     threads)."""
 
-    def __init__(self, read_many: ReadMany, sizes: dict[str, int]):
-        self._read_many = read_many
+    def __init__(self, source: BaseArrays, sizes: dict[str, int]):
+        self._source = source
         self._sizes = sizes
         self._order = list(sizes)
         self._position = {key: i for i, key in enumerate(self._order)}
@@ -134,7 +139,7 @@ class BaseReader:
                 # a base of a base is asked for, fall into the same few windows.
                 low = start // size * size
                 batch = [(key, low, min(nbytes, max(stop, low + size)))]
-            fetched = self._read_many(batch, device)
+            fetched = self._source.read_many(batch, device)
             for (batch_key, low, high), data in zip(batch, fetched):
                 self._cache[(device, batch_key, low, high)] = data
                 self._cached_bytes += high - low

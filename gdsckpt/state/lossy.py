@@ -318,15 +318,15 @@ class Rounding:
 
 def _parts(array: Any, torch_kind: bool) -> Iterable[Any]:
     """The array's elements in C order, ``CHUNK_ELEMENTS`` at a time (1-D runs; native order)."""
-    from . import _array_range, _torch_range
+    from . import array_range, torch_range
 
     n = array.numel() if torch_kind else array.size
     for start in range(0, n, CHUNK_ELEMENTS):
         stop = min(n, start + CHUNK_ELEMENTS)
         if torch_kind:
-            yield _torch_range(array.detach(), start, stop)
+            yield torch_range(array.detach(), start, stop)
         else:
-            part = _array_range(array, start, stop, np)
+            part = array_range(array, start, stop, np)
             yield part if part.dtype.isnative else part.astype(part.dtype.newbyteorder("="))
 
 
@@ -416,12 +416,12 @@ class RoundedSource:
         self.plane_width, self.on_device = source.plane_width, source.on_device
 
     def _rounded(self, start: int, stop: int) -> Any:
-        from . import _array_range, _torch_range
+        from . import array_range, torch_range
 
         first, last = start // self.itemsize, stop // self.itemsize
         if isinstance(self.source, TorchSource):
-            return self.rounding.round_part(_torch_range(self.source.tensor, first, last))
-        part = _array_range(self.source.array, first, last, np)
+            return self.rounding.round_part(torch_range(self.source.tensor, first, last))
+        part = array_range(self.source.array, first, last, np)
         return self.rounding.round_part(part if part.dtype.isnative else part.astype(part.dtype.newbyteorder("=")))
 
     def host_bytes(self, start: int, stop: int) -> np.ndarray:

@@ -109,14 +109,14 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None, device: str | None = None) -> dict[str, Any]:
     """Run the demo and return its figures (also printed)."""
-    import gdsckpt
+    from .. import api
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, optimizer = training_state(width=width, depth=depth, steps=3, device=device, vocab=4096)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 3}
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         ours, theirs = Path(tmp) / "demo.gdsckpt", Path(tmp) / "demo.pt"
-        report = gdsckpt.save(state, ours)
+        report = api.save(state, ours)
         started = time.perf_counter()
         _durable_torch_save(state, theirs)
         torch_save_seconds = time.perf_counter() - started
@@ -125,7 +125,7 @@ def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None, 
         fresh_optimizer = torch.optim.AdamW(fresh_model.parameters(), lr=1e-3)
         target = {"model": fresh_model, "optimizer": fresh_optimizer, "step": 0}
         started = time.perf_counter()
-        gdsckpt.load_into(target, ours)
+        api.load_into(target, ours)
         load_seconds = time.perf_counter() - started
         started = time.perf_counter()
         torch.load(theirs, map_location=device, weights_only=True)

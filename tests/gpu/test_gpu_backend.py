@@ -20,7 +20,6 @@ from gdsckpt.codecs.nvcomp import gpu_available
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
 
-from fake_device import index_of
 
 from gdsckpt.codecs.cpu import planes_forward_reference, planes_inverse_reference
 from gdsckpt.codecs.device import (
@@ -30,11 +29,11 @@ from gdsckpt.codecs.device import (
     same_values,
 )
 from gdsckpt.format import ALIGNMENT, checksum
-from gdsckpt.format.index import Index
 from gdsckpt.io.memory import MemoryReader, MemoryStore, MemoryWriter
 from gdsckpt.pipeline.gpu import GpuDecoder, GpuEncoder
 from gdsckpt.pipeline.load import open_file, run_restore
 from gdsckpt.pipeline.plan import plan_chunks
+from gdsckpt.api.saving import index_template
 from gdsckpt.pipeline.save import run_save
 from gdsckpt.state import CupySource, NumpyTarget, flatten
 
@@ -109,15 +108,12 @@ def _save_restore(codec: str, state: dict[str, Any], staging: int) -> tuple[dict
                          max_staging_bytes=staging, timeout=TIMEOUT)
     store = MemoryStore()
 
-    def build_index(result: Any) -> Index:
-        return index_of(flat, result)
-
     class HostPayloads(MemoryWriter):  # the in-memory store takes host bytes: copy device payloads
         def submit_write(self, offset: int, data: Any) -> Any:
             return super().submit_write(offset, data if isinstance(data, (bytes, np.ndarray)) else data.get())
 
     try:
-        run_save(plans, encoder, HostPayloads(store, "ckpt"), max_inflight_bytes=1 << 30, build_index=build_index,
+        run_save(plans, encoder, HostPayloads(store, "ckpt"), max_inflight_bytes=1 << 30, index=index_template(flat),
                  timeout=TIMEOUT)
     finally:
         encoder.close()

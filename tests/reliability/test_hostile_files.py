@@ -580,7 +580,7 @@ class RssSampler:
 
 def _terabyte_child(directory: str) -> None:
     """Child process: every entry point on every terabyte file; prints one JSON line of figures."""
-    from gdsckpt.api.manager import CheckpointManager, SkippedCheckpointWarning
+    from gdsckpt.manager import CheckpointManager, SkippedCheckpointWarning
 
     root = Path(directory)
     files = _terabyte_files()
@@ -776,7 +776,7 @@ def test_keys_never_reach_the_filesystem(tmp_path: Path, monkeypatch: pytest.Mon
     import torch.distributed.checkpoint as dcp
 
     from gdsckpt.dcp import GdsStorageReader, GdsStorageWriter
-    from gdsckpt.api.manager import CheckpointManager
+    from gdsckpt.manager import CheckpointManager
 
     probe = f"hostile-probe-{uuid.uuid4().hex[:8]}"
     outside = Path(f"/{probe}-root")

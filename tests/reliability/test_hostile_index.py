@@ -31,7 +31,7 @@ import torch
 import gdsckpt
 from gdsckpt.errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
 from gdsckpt.format import checksum, pack_trailer, unpack_trailer
-from gdsckpt.api.manager import SkippedCheckpointWarning
+from gdsckpt.manager import SkippedCheckpointWarning
 
 from .harness import record_figure
 

@@ -15,7 +15,7 @@ errno, for the index), no state returned; short reads load bit-exact; ``restore_
 the error for a checkpoint with an unreadable chunk (an I/O error is no proof of damage: the next
 read may succeed) and restores nothing older.
 
-Faults replace ``os.<function>`` (``gdsckpt.io.posix`` and ``gdsckpt.api.manager`` call the ``os``
+Faults replace ``os.<function>`` (``gdsckpt.io.posix`` and ``gdsckpt.manager`` call the ``os``
 module) with a wrapper that fails only the calls a predicate selects; every other call runs.
 """
 

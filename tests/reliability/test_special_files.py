@@ -26,7 +26,7 @@ import pytest
 import gdsckpt
 from gdsckpt.cli.main import main as cli_main
 from gdsckpt.errors import CheckpointError, UnsupportedFormatError
-from gdsckpt.api.manager import MAX_POINTER_BYTES, SkippedCheckpointWarning
+from gdsckpt.manager import MAX_POINTER_BYTES, SkippedCheckpointWarning
 
 from .harness import record_figure
 

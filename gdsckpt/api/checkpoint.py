@@ -1,0 +1,363 @@
+"""Restoring arrays: the shared restore core (targets, aliases, delta bases), and ``Checkpoint``,
+the lazily read file that ``gdsckpt.open`` returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+import warnings
+from typing import Any, Iterable, Iterator
+
+from ..config import Config
+from ..state.delta import BaseReader, XorTarget, base_path_of, check_identity
+from ..errors import (
+    BaseCheckpointError, CheckpointError, CorruptCheckpointError,
+)
+from ..format import Index, TensorRecord
+from ..io import StorageReader
+from ..state.lossy import LossyWarning
+from ..pipeline.load import OpenedFile, run_restore
+from ..state import (
+    CupyTarget, JaxTarget, NumpyTarget, TorchTarget,
+)
+
+from .reports import chain_label, Progress, TensorInfo
+from .resolve import open_data_reader, inflight_budget, open_checked, open_reader, parse_device, PathLike, resolve_config, restore_engine, restore_gpu_device
+
+log = logging.getLogger(__name__)
+
+
+_BASE_LOCK = threading.Lock()
+
+
+MAX_RESOLVE_DEPTH = 64
+"""Deltas a load resolves behind one file (each link is a nested restore, a few stack frames
+deep): far beyond ``max_chain``'s default of 8, short of Python's recursion limit."""
+
+
+_KIND_PACKAGES = {"torch": "torch", "numpy": "numpy", "cupy": "cupy", "jax": "jax"}
+
+
+def new_target(record: TensorRecord, device: str | None) -> Any:
+    """A destination for one array, of the kind it was saved as. A missing array library, or a
+    dtype the library cannot hold, is a ``CheckpointError`` naming the array."""
+    try:
+        return _make_target(record, device)
+    except ImportError as err:
+        raise CheckpointError(f"array {record.key!r} was saved as a {record.kind} array; loading it needs "
+                              f"the {_KIND_PACKAGES[record.kind]} package ({err})") from err
+    except TypeError as err:
+        raise CheckpointError(f"array {record.key!r} ({record.kind}, {record.dtype}) cannot be "
+                              f"restored here: {err}") from err
+
+
+def parameter_requires_grad(record: TensorRecord) -> bool | None:
+    """A torch record's ``parameter`` member: the Parameter's ``requires_grad``, or None for a
+    plain tensor. ``CorruptCheckpointError`` for a dtype that cannot require grad."""
+    parameter = record.extra.get("parameter")
+    requires_grad = bool(parameter.get("requires_grad")) if isinstance(parameter, dict) else None
+    if requires_grad and not (record.dtype.startswith(("float", "bfloat", "complex"))):
+        raise CorruptCheckpointError(f"a {record.dtype} tensor cannot be a Parameter that requires "
+                                     f"grad", key=record.key)
+    return requires_grad
+
+
+def _make_target(record: TensorRecord, device: str | None) -> Any:
+    if record.kind == "torch":
+        return TorchTarget(record.shape, record.dtype, device or "cpu", parameter=parameter_requires_grad(record))
+    if record.kind == "numpy":
+        return NumpyTarget(record.shape, record.dtype, scalar=bool(record.extra.get("scalar")))
+    if record.kind == "cupy":
+        chosen = device if device and device.startswith("cuda") else record.device
+        match = re.fullmatch(r"cuda(?::(\d{1,4}))?", chosen)
+        if match is None:
+            raise CorruptCheckpointError(f"a CuPy array's device is {record.device!r}, not 'cuda:N'",
+                                         key=record.key)
+        return CupyTarget(record.shape, record.dtype, int(match.group(1) or 0))
+    return JaxTarget(record.shape, record.dtype, device)
+
+
+def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int], config: Config,
+                    make_target: Any, gpu_device: int | None = None,
+                    progress: Progress | None = None,
+                    windows: dict[int, tuple[int, int]] | None = None) -> dict[int, Any]:
+    """Restore the arrays ``ids`` (aliases resolved) and return id -> finished object.
+    ``windows``: data array id -> the byte range of it to restore (``run_restore``)."""
+    index = opened.index
+    ids = list(ids)
+    data_ids = sorted({index.tensors[i].alias if index.tensors[i].alias is not None else i for i in ids})
+    targets = {i: make_target(i, index.tensors[i]) for i in data_ids}
+    delta = set(index.delta_ids()).intersection(data_ids) if index.base is not None else set()
+    if delta:
+        with _BASE_LOCK:  # restores of one open Checkpoint may run in several threads
+            if opened.base is None:  # kept for the next restore of this file: its cache with it
+                checkpoint = open_base(opened, config)
+                opened.base = (checkpoint, checkpoint._base_reader())
+        base, base_reader = opened.base
+        for i in delta:
+            record = index.tensors[i]
+            base_record = base._data_record(record.key) if record.key in base else None
+            if base_record is None or (base_record.dtype, base_record.shape) != (record.dtype, record.shape):
+                raise BaseCheckpointError(f"base checkpoint {base.path!r} holds no {record.dtype}"
+                                          f"{list(record.shape)} array {record.key!r}, which the delta needs")
+            start = (windows or {}).get(i, (0, 0))[0]
+            targets[i] = XorTarget(targets[i], base_reader.view(base_record.key), start)
+    engine = restore_engine(config, gpu_device)
+    try:
+        run_restore(reader, index, engine, targets, timeout=config.timeout, progress=progress,
+                    windows=windows, max_inflight_bytes=inflight_budget(config, gpu_device is not None))
+    finally:
+        engine.close()
+    finished = {i: target.finish() for i, target in targets.items()}
+    for i in ids:
+        alias = index.tensors[i].alias
+        if alias is not None:
+            finished[i] = alias_object(finished[alias], index.tensors[i], index.tensors[alias])
+    return finished
+
+
+def open_base(opened: OpenedFile, config: Config) -> Checkpoint:
+    """The base of a delta checkpoint, opened and checked to be the file the delta was written
+    against (``BaseCheckpointError`` otherwise)."""
+    link = opened.index.base
+    assert link is not None
+    path = base_path_of(opened.path, link)
+    if not path.is_file():
+        raise BaseCheckpointError(f"base checkpoint {str(path)!r} of delta {opened.path!r} is missing "
+                                  f"(recorded as {link['path']!r})")
+    try:
+        base = Checkpoint(path, config)
+    except CheckpointError as err:
+        raise BaseCheckpointError(f"base checkpoint {str(path)!r} of delta {opened.path!r} cannot be "
+                                  f"read: {err}") from err
+    try:
+        check_identity(path, link, base._opened.index_sha256, base._opened.trailer.file_length)
+        # The recorded depth must be the base's own plus one: with the identity check this bounds
+        # the recursion of a resolve by what the writer recorded, never by a crafted loop.
+        base_depth = base._opened.index.base["depth"] if base._opened.index.base is not None else 0
+        if link["depth"] != base_depth + 1:
+            raise BaseCheckpointError(f"delta {opened.path!r} records chain depth {link['depth']} but its base "
+                                      f"{str(path)!r} is {base_depth} deep")
+        if link["depth"] > MAX_RESOLVE_DEPTH:
+            raise BaseCheckpointError(f"delta {opened.path!r} is {link['depth']} deltas deep, more than the "
+                                      f"{MAX_RESOLVE_DEPTH} a load resolves: rebase an older link of the chain "
+                                      f"('gdsckpt rebase')")
+    except BaseException:
+        base.close()
+        raise
+    return base
+
+
+def data_of(index: Index, i: int) -> TensorRecord:
+    """The record holding tensor ``i``'s bytes: itself, or the target of an alias."""
+    record = index.tensors[i]
+    return index.tensors[record.alias] if record.alias is not None else record
+
+
+def warn_lossy(index: Index, ids: Iterable[int]) -> None:
+    """One ``LossyWarning`` per load call that returns arrays saved with ``save(lossy=...)``."""
+    arrays = {index.tensors[i].alias if index.tensors[i].alias is not None else i for i in ids}
+    lossy = sum(1 for i in arrays if index.tensors[i].lossy is not None)  # an alias is the same array
+    if lossy:
+        warnings.warn(f"{lossy} loaded array(s) were saved lossily (within their recorded error bounds, "
+                      f"not bit-exact); gdsckpt.inspect shows each bound", LossyWarning, stacklevel=3)
+
+
+def alias_object(shared: Any, record: TensorRecord, source: TensorRecord) -> Any:
+    """What an alias entry comes back as: the shared object itself, or, where the two entries were
+    of different types (a Parameter and a plain tensor of the same view), that type over the same
+    memory. The index guarantees that both records are of one kind (``parse_index``); an alias's
+    ``parameter`` member obeys the rules of a data record's."""
+    if record.kind != "torch" or record.extra.get("parameter") == source.extra.get("parameter"):
+        return shared
+    import torch
+
+    requires_grad = parameter_requires_grad(record)
+    if requires_grad is not None:
+        return torch.nn.Parameter(shared.detach(), requires_grad=requires_grad)
+    return shared.detach()
+
+
+class Checkpoint:
+    """A lazily read checkpoint (``gdsckpt.open``): the index is read once, arrays on demand."""
+
+    def __init__(self, path: PathLike, config: Config | None = None):
+        self.path = str(path)
+        self._config = resolve_config(config)
+        self._reader = open_reader(path, self._config)
+        try:
+            self._opened = open_checked(self._reader)
+        except BaseException:
+            self._reader.close()
+            raise
+        self._by_key = {record.key: i for i, record in enumerate(self._opened.index.tensors)}
+
+    def keys(self) -> list[str]:
+        """Key strings of every array, in file order."""
+        return list(self._by_key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._by_key
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def _id(self, key: str) -> int:
+        try:
+            return self._by_key[key]
+        except KeyError:
+            raise KeyError(f"no array {key!r} in {self.path!r}") from None
+
+    def info(self, key: str) -> TensorInfo:
+        """Dtype, shape, sizes and codecs of one array, from the index alone."""
+        return tensor_infos(self._opened.index)[self._id(key)]
+
+    def get(self, key: str, device: Any = None) -> Any:
+        """Read one array (only its chunks), as the type it was saved as."""
+        return self.get_many([key], device=device)[key]
+
+    def get_many(self, keys: Iterable[str], device: Any = None) -> dict[str, Any]:
+        """Read several arrays in one restore (their chunks read in parallel, each once);
+        returns key -> array, as ``get`` would return each."""
+        keys = list(dict.fromkeys(keys))
+        ids = [self._id(key) for key in keys]
+        target_device = parse_device(device)
+        gpu_device = restore_gpu_device(self._config, target_device, self._opened.index, ids)
+        with open_data_reader(self.path, self._config, self._reader, gpu_device) as data_reader:
+            arrays = restore_arrays(data_reader, self._opened, ids, self._config,
+                                     lambda _i, record: new_target(record, target_device), gpu_device)
+        warn_lossy(self._opened.index, ids)
+        return {key: arrays[i] for key, i in zip(keys, ids)}
+
+    def get_rows(self, key: str, start: int, stop: int, device: Any = None) -> Any:
+        """Rows ``[start, stop)`` of an array of at least one dimension (``array[start:stop]``),
+        reading only the chunks that hold them: how a rank of a resharded DCP load reads its
+        slice of a larger tensor."""
+        i = self._id(key)
+        index = self._opened.index
+        record = index.tensors[i]
+        data_id = record.alias if record.alias is not None else i
+        data = index.tensors[data_id]
+        if not data.shape or not 0 <= start <= stop <= data.shape[0]:
+            raise IndexError(f"rows [{start}, {stop}) of {key!r} (shape {list(data.shape)}) are out of range")
+        row_bytes = data.nbytes // data.shape[0] if data.shape[0] else 0
+        target_device = parse_device(device)
+        gpu_device = restore_gpu_device(self._config, target_device, index, [data_id])
+        with open_data_reader(self.path, self._config, self._reader, gpu_device) as data_reader:
+            def rows_target(_i: int, data_record: TensorRecord) -> Any:
+                window = dataclasses.replace(data_record, shape=(stop - start, *data_record.shape[1:]))
+                return new_target(window, target_device)
+
+            arrays = restore_arrays(data_reader, self._opened, [i], self._config, rows_target, gpu_device,
+                                     windows={data_id: (start * row_bytes, stop * row_bytes)})
+        warn_lossy(index, [i])
+        return arrays[i]
+
+    def _data_record(self, key: str) -> TensorRecord:
+        """The record holding ``key``'s bytes (an alias's target)."""
+        record = self._opened.index.tensors[self._id(key)]
+        return self._opened.index.tensors[record.alias] if record.alias is not None else record
+
+    def _base_reader(self) -> BaseReader:
+        """A ``BaseReader`` of this checkpoint's arrays (deltas resolved): what a delta built on it
+        XORs with, and what ``rebase`` writes out."""
+        sizes = {record.key: record.nbytes for record in self._opened.index.tensors
+                 if record.alias is None and record.nbytes}
+        return BaseReader(_CheckpointArrays(self), sizes)
+
+    def _read_many(self, requests: list[tuple[str, int, int]], device: Any = None) -> list[Any]:
+        """Bytes ``[start, stop)`` of each named array (distinct, not aliases) as flat uint8 arrays
+        (NumPy, or CuPy on ``device`` ``"cuda:N"``), deltas resolved, in one restore."""
+        index = self._opened.index
+        target_device = parse_device(device)
+        ids, windows, records = [], {}, {}
+        for key, start, stop in requests:
+            i = self._id(key)
+            window = TensorRecord(key=key, kind="numpy", dtype="uint8", shape=(stop - start,))
+            if target_device is not None and target_device.startswith("cuda"):
+                window.kind, window.device = "cupy", target_device
+            ids.append(i)
+            windows[i] = (start, stop)
+            records[i] = window
+        gpu_device = restore_gpu_device(self._config, target_device, index, ids)
+        with open_data_reader(self.path, self._config, self._reader, gpu_device) as data_reader:
+            arrays = restore_arrays(data_reader, self._opened, ids, self._config,
+                                     lambda i, _record: new_target(records[i], target_device), gpu_device,
+                                     windows=windows)
+        return [arrays[i] for i in ids]
+
+    def close(self) -> None:
+        """Close the file (and the base a delta's reads opened)."""
+        self._opened.close_base()
+        self._reader.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open(path: PathLike, *, config: Config | None = None) -> Checkpoint:  # noqa: A001 - public name
+    """Open a checkpoint for lazy access: ``.keys()``, ``.info(key)``, ``.get(key, device=None)``.
+
+    Use as a context manager (``with gdsckpt.open(p) as ckpt: ...``) or call ``.close()``.
+    """
+    return Checkpoint(path, config)
+
+
+class _CheckpointArrays:
+    """The ``BaseArrays`` source a delta's base is read through: byte windows of this checkpoint's
+    arrays, deltas resolved, one restore per batch of windows (``Checkpoint._read_many``)."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self._checkpoint = checkpoint
+
+    def read_many(self, requests: list[tuple[str, int, int]], device: Any) -> list[Any]:
+        """See ``gdsckpt.state.delta.BaseArrays``."""
+        return self._checkpoint._read_many(requests, device)
+
+
+def opened_file(checkpoint: Checkpoint) -> OpenedFile:
+    """The opened file behind ``checkpoint``: header, trailer and validated index (for the API's
+    save and verify, which build on a checkpoint they opened)."""
+    return checkpoint._opened
+
+
+def base_arrays(checkpoint: Checkpoint) -> BaseReader:
+    """A cached reader of ``checkpoint``'s arrays, deltas resolved: what a delta written against it
+    XORs with, and what ``rebase`` writes out."""
+    return checkpoint._base_reader()
+
+
+def data_record(checkpoint: Checkpoint, key: str) -> TensorRecord:
+    """The index record holding ``key``'s bytes in ``checkpoint`` (an alias's target)."""
+    return checkpoint._data_record(key)
+
+
+def tensor_infos(index: Index) -> list[TensorInfo]:
+    """Per-array facts of an index, as ``Checkpoint.info`` and ``inspect`` report them."""
+    infos = []
+    delta = set(index.delta_ids())
+    for i, record in enumerate(index.tensors):
+        stored = 0.0
+        chunks = set()
+        codecs = []
+        for segment in record.segments:
+            chunk = index.chunks[segment.chunk]
+            chunks.add(segment.chunk)
+            stored += chunk.stored * segment.length / chunk.raw if chunk.raw else 0
+            label = chain_label(index.chains[chunk.chain])
+            if label not in codecs:
+                codecs.append(label)
+        alias = index.tensors[record.alias].key if record.alias is not None else None
+        infos.append(TensorInfo(record.key, record.kind, record.dtype, record.shape, record.device,
+                                record.nbytes, round(stored), len(chunks), tuple(codecs), alias,
+                                i in delta, lossy=data_of(index, i).lossy))
+    return infos

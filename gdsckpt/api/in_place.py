@@ -1,0 +1,299 @@
+"""``load_into``: restore a checkpoint into existing tensors, modules and optimizers, in place.
+
+Every difference between the target and the file is found before anything is written; tensors
+that share memory are restored in key order, so the last key wins, as in ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from ..config import Config
+from ..errors import (
+    StateMismatchError,
+)
+from ..format import TensorRecord
+from ..io import StorageReader
+from ..pipeline.load import OpenedFile, overlapping
+from ..state import (
+    KeyPaths, Selection, TorchTarget, decode_scalar,
+    torch_dtype_name, join_key, unflatten,
+)
+
+from .checkpoint import new_target, restore_arrays, warn_lossy
+from .reports import Progress
+from .resolve import open_checked, open_reader, PathLike, resolve_config, restore_gpu_device
+
+log = logging.getLogger(__name__)
+
+
+def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Config | None = None,
+              progress: Progress | None = None) -> Any:
+    """Copy a checkpoint into existing tensors, in place, and return ``target``.
+
+    ``target`` is an ``nn.Module`` (its state_dict tensors are filled in place), an
+    ``Optimizer`` (restored with ``optimizer.load_state_dict``, which also works on a fresh
+    optimizer that has no state yet), a tensor-holding state dict, or a dict / list nesting any
+    of these (``{"model": model, "optimizer": optimizer, "step": 0}``): key paths in ``target``
+    correspond to key paths in the checkpoint. Plain values (ints, floats, ...) in a target dict
+    are replaced by the checkpoint's. Any missing key, or a shape or dtype that differs, raises
+    ``StateMismatchError`` listing every difference before anything is written. With
+    ``strict=False``, checkpoint entries that ``target`` does not hold are ignored.
+    ``progress``: see ``Progress``.
+
+    Tensors of ``target`` that share memory (tied weights, views of one storage) are filled as
+    ``load_state_dict`` fills them: key by key in ``target``'s order (a module's ``state_dict``
+    order), so wherever two keys' memory overlaps, the later key's array is what it holds, for
+    every byte. A key whose tensor a later key's covers exactly (same memory, shape, dtype and
+    strides) is checked for shape and dtype but its array is not read.
+    """
+    cfg = resolve_config(config)
+    existing: dict[str, Any] = {}
+    optimizers: list[tuple[list[Any], Any]] = []
+    plain_slots: list[tuple[Any, Any, int]] = []
+    paths = KeyPaths()  # plain values are matched by path identity: no key string per value
+    _collect_targets(target, [], existing, optimizers, plain_slots, paths, KeyPaths.ROOT)
+
+    devices = {str(t.device) for t in existing.values()}
+    gpu_device = restore_gpu_device(cfg, devices.pop() if len(devices) == 1 else None)
+    with open_reader(path, cfg, gpu_device is not None) as reader:
+        opened = open_checked(reader)
+        index = opened.index
+        by_key = {record.key: i for i, record in enumerate(index.tensors)}
+        optimizer_nodes = {paths.of(prefix): join_key(prefix) for prefix, _ in optimizers}
+        plain_values, found = _plain_values(index.tree, paths, set(optimizer_nodes))
+        problems = []
+        for key, tensor in existing.items():
+            if key not in by_key:
+                problems.append(f"{key!r}: in target, missing from checkpoint")
+                continue
+            record = index.tensors[by_key[key]]
+            dtype = torch_dtype_name(tensor.dtype)
+            if tuple(tensor.shape) != record.shape or dtype != record.dtype:
+                problems.append(f"{key!r}: target {dtype}{list(tensor.shape)} != checkpoint "
+                                f"{record.dtype}{list(record.shape)}")
+        optimizer_prefixes = [join_key(prefix) for prefix, _ in optimizers]
+        for _container, _slot, node in plain_slots:
+            if node not in plain_values:
+                problems.append(f"{paths.key(node)!r}: in target, missing from checkpoint")
+        if strict:
+            for key in by_key:
+                if key not in existing and not any(_under(key, p) for p in optimizer_prefixes):
+                    problems.append(f"{key!r}: in checkpoint, missing from target")
+            slot_nodes = {node for _container, _slot, node in plain_slots}
+            for node in plain_values:  # optimizer state is left out of plain_values
+                if node not in slot_nodes:
+                    problems.append(f"{paths.key(node)!r}: in checkpoint, missing from target")
+        optimizer_ids = [i for i, record in enumerate(index.tensors)
+                         if any(_under(record.key, p) for p in optimizer_prefixes)]
+        for node, prefix in optimizer_nodes.items():
+            if node not in found:
+                problems.append(f"{prefix!r}: optimizer state missing from checkpoint")
+        if problems:
+            raise StateMismatchError("checkpoint does not match target:\n  " + "\n  ".join(problems))
+
+        wanted = {by_key[key]: tensor for key, tensor in existing.items()}
+        try:
+            arrays = _restore_in_target_order(reader, opened, wanted, optimizer_ids, cfg, gpu_device,
+                                              progress)
+        finally:
+            opened.close_base()
+        warn_lossy(index, arrays)
+
+    import torch
+
+    with torch.no_grad():
+        for i, tensor in wanted.items():
+            if arrays[i] is not tensor:  # an alias whose data landed in another tensor
+                tensor.copy_(torch.as_tensor(arrays[i]))  # or in a NumPy array: a numpy entry's alias
+    for prefix, optimizer in optimizers:
+        selection = Selection([join_key(prefix)] if prefix else None)
+        subtree = unflatten(index.tree, arrays, selection)
+        for part in prefix:
+            subtree = subtree[part]
+        try:
+            optimizer.load_state_dict(subtree)
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise StateMismatchError(f"optimizer at {join_key(prefix)!r} rejected the checkpoint's "
+                                     f"state: {err}") from err
+    for container, slot, node in plain_slots:
+        container[slot] = plain_values[node]
+    return target
+
+
+def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: dict[int, Any],
+                             optimizer_ids: list[int], config: Config, gpu_device: int | None,
+                             progress: Progress | None) -> dict[int, Any]:
+    """Restore ``wanted`` (checkpoint id -> existing tensor, in the target's key order) in place,
+    and ``optimizer_ids`` into new arrays; return id -> finished object as ``restore_arrays`` does.
+
+    Tensors that share memory are filled as ``load_state_dict`` fills them, key by key, the last
+    key winning: a tensor overwritten whole by a later key's exact alias is not restored at all,
+    and the others are restored in phases, one ``restore_arrays`` after another, each phase
+    holding no two tensors that overlap (nor two destinations of one stored array). Without
+    shared memory, everything is one phase."""
+    index = opened.index
+
+    def stored_array(i: int) -> int:
+        return index.tensors[i].alias if index.tensors[i].alias is not None else i
+
+    shared = overlapping({i: span for i, tensor in wanted.items() if (span := _memory_span(tensor))})
+    # Per phase: stored array id -> the tensor restored from it (None: a new array). As before,
+    # a tensor that shares no memory is its stored array's destination when its key holds that
+    # array, and the other keys of that array copy from it at the end; these arrays get no other
+    # destination in the first phase, whose tensors later phases may overwrite.
+    ids_of_phase: list[list[int]] = [list(optimizer_ids) + [i for i in wanted if i not in shared]]
+    phases: list[dict[int, Any]] = [{i: wanted[i] for i in ids_of_phase[0]
+                                     if i in wanted and i == stored_array(i)}]
+    for i in ids_of_phase[0]:
+        phases[0].setdefault(stored_array(i), None)
+    if shared:
+        last_over_layout: dict[tuple[Any, ...], int] = {}  # exact aliases: the last key overwrites the rest
+        for i, tensor in wanted.items():
+            if i in shared:
+                layout = (str(tensor.device), tensor.data_ptr(), tensor.dtype, tuple(tensor.shape),
+                          tensor.stride())
+                last_over_layout[layout] = i
+        kept = set(last_over_layout.values())
+        survivors = [i for i in wanted if i in kept]
+        phase_of: dict[int, int] = {}
+        for i, earlier in zip(survivors, _earlier_overlaps(survivors, wanted)):
+            phase = max((phase_of[j] + 1 for j in earlier), default=0)
+            while phase < len(phases) and stored_array(i) in phases[phase]:
+                phase += 1  # one destination per stored array in each phase
+            if phase == len(phases):
+                phases.append({})
+                ids_of_phase.append([])
+            phase_of[i] = phase
+            phases[phase][stored_array(i)] = wanted[i]
+            ids_of_phase[phase].append(i)
+
+    arrays: dict[int, Any] = {}
+    finished_bytes = 0  # raw bytes of the phases done, so that ``progress`` keeps counting up
+    for destinations, ids in zip(phases, ids_of_phase):
+        if not ids:
+            continue
+        phase_total = [0]
+
+        def make_target(i: int, record: TensorRecord, destinations: dict[int, Any] = destinations) -> Any:
+            tensor = destinations.get(i)
+            if tensor is not None:
+                return TorchTarget(record.shape, record.dtype, str(tensor.device), existing=tensor)
+            return new_target(record, None)
+
+        def phase_progress(done: int, total: int, before: int = finished_bytes,
+                           phase_total: list[int] = phase_total) -> None:
+            assert progress is not None
+            phase_total[0] = total
+            progress(before + done, before + total)
+
+        restored = restore_arrays(reader, opened, ids, config, make_target, gpu_device,
+                                   phase_progress if progress is not None else None)
+        arrays.update((i, restored[i]) for i in ids)  # not the stored arrays of other phases' keys
+        finished_bytes += phase_total[0]
+    for i in shared:  # restored in place (or overwritten whole by a later key): nothing to copy
+        arrays[i] = wanted[i]
+    return arrays
+
+
+def _memory_span(tensor: Any) -> tuple[int, int, int] | None:
+    """``(device index, first byte address, end address)`` of the memory ``tensor`` covers (the
+    CPU is device -1): for a non-contiguous view, from its first element to its last (what lies
+    between counts as its); None when it has no elements."""
+    start = tensor.data_ptr()
+    if tensor.is_contiguous():  # the common case, kept cheap: load_into checks every tensor
+        return (tensor.get_device(), start, start + tensor.nbytes) if tensor.nbytes else None
+    if tensor.numel() == 0:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.get_device(), start, start + (last + 1) * tensor.element_size()
+
+
+def _earlier_overlaps(ids: list[int], tensors: dict[int, Any]) -> list[list[int]]:
+    """For each of ``ids`` (in order), the earlier ones whose memory span overlaps its own: a sweep
+    over the spans sorted by start, so the cost grows with the overlapping pairs, not all pairs."""
+    position = {i: n for n, i in enumerate(ids)}
+    earlier: list[list[int]] = [[] for _ in ids]
+    spans = sorted((span, i) for i in ids if (span := _memory_span(tensors[i])) is not None)
+    active: list[tuple[int, int, int]] = []  # (device, end, id) of the spans still open
+    for (space, start, stop), i in spans:
+        active = [entry for entry in active if entry[0] == space and entry[1] > start]
+        for _space, _end, j in active:
+            first, second = sorted((i, j), key=position.__getitem__)
+            earlier[position[second]].append(first)
+        active.append((space, stop, i))
+    return earlier
+
+
+def _under(key: str, prefix: str) -> bool:
+    return prefix == "" or key == prefix or key.startswith(prefix + "/")
+
+
+def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any],
+                     optimizers: list[tuple[list[Any], Any]], plain_slots: list[tuple[Any, Any, int]],
+                     paths: KeyPaths, node: int) -> None:
+    """Walk a ``load_into`` target: its tensors by key string into ``existing``, its optimizers with
+    their paths, and its plain values as (container, slot, ``paths`` identity) into ``plain_slots``;
+    ``node`` is the identity of ``path``."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        for name, tensor in obj.state_dict(keep_vars=True).items():
+            existing[join_key(path + [name])] = tensor
+        return
+    if torch is not None and isinstance(obj, torch.optim.Optimizer):
+        optimizers.append((list(path), obj))
+        return
+    if torch is not None and isinstance(obj, torch.Tensor):
+        existing[join_key(path)] = obj
+        return
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if _is_plain(value):
+                plain_slots.append((obj, key, paths.child(node, key)))
+            else:
+                _collect_targets(value, path + [key], existing, optimizers, plain_slots, paths,
+                                 paths.child(node, key))
+        return
+    if isinstance(obj, list):
+        for i, value in enumerate(obj):
+            if _is_plain(value):
+                plain_slots.append((obj, i, paths.child(node, i)))
+            else:
+                _collect_targets(value, path + [i], existing, optimizers, plain_slots, paths,
+                                 paths.child(node, i))
+        return
+    if isinstance(obj, tuple):
+        for i, value in enumerate(obj):
+            _collect_targets(value, path + [i], existing, optimizers, plain_slots, paths,
+                             paths.child(node, i))
+        return
+    if _is_plain(obj):
+        return
+    raise TypeError(f"load_into cannot fill {type(obj).__qualname__} at {join_key(path)!r}: give an "
+                    f"nn.Module, an Optimizer, tensors, or dicts/lists of them")
+
+
+def _is_plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _plain_values(tree: Any, paths: KeyPaths, skip: set[int]) -> tuple[dict[int, Any], set[int]]:
+    """``paths`` identity -> value of every plain (non-container, non-array) value in a tree,
+    leaving out the subtrees at the identities in ``skip`` (optimizer state); and which of
+    ``skip`` the tree holds."""
+    values: dict[int, Any] = {}
+    found: set[int] = set()
+    stack: list[tuple[dict[str, Any], int]] = [(tree, KeyPaths.ROOT)]
+    while stack:
+        node, identity = stack.pop()
+        if identity in skip:
+            found.add(identity)
+        elif node["t"] in ("list", "tuple"):
+            stack.extend((child, paths.child(identity, i)) for i, child in enumerate(node["items"]))
+        elif node["t"] == "dict":
+            stack.extend((child, paths.child(identity, decode_scalar(key))) for key, child in node["items"])
+        elif node["t"] != "tensor":
+            values[identity] = decode_scalar(node)
+    return values, found

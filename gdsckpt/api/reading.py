@@ -1,0 +1,128 @@
+"""Whole-file reads: ``load`` (into new arrays), ``inspect`` (the index alone) and ``verify``
+(every chunk, every checksum, every base of a delta).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable
+
+from ..config import Config
+from ..format import Index
+from ..pipeline.load import OpenedFile, run_verify
+from ..state import (
+    Selection, unflatten,
+)
+
+from .checkpoint import Checkpoint, new_target, open_base, opened_file, restore_arrays, tensor_infos, warn_lossy
+from .reports import chain_label, CheckpointInfo, Progress, VerifyReport
+from .resolve import open_data_reader, open_checked, open_reader, parse_device, PathLike, resolve_config, restore_engine, restore_gpu_device
+
+log = logging.getLogger(__name__)
+
+
+def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = None,
+         config: Config | None = None, progress: Progress | None = None) -> Any:
+    """Load a checkpoint into the same nested structure and types it was saved from.
+
+    ``device``: None or ``"cpu"`` puts torch tensors on the CPU; ``"cuda[:N]"`` on that GPU
+    (NumPy arrays stay NumPy; CuPy arrays go to that GPU or, with None, the GPU they were saved
+    from). ``keys``: key strings (``"model/layer.weight"``) or prefixes of subtrees
+    (``"optimizer"``) to load; only the chunks holding them are read. Dict entries outside the
+    selection are left out, list and tuple slots outside it are None. Unknown keys raise
+    ``KeyError``. ``progress``: see ``Progress``.
+    """
+    cfg = resolve_config(config)
+    target_device = parse_device(device)
+    selection = Selection(keys)
+    with open_reader(path, cfg) as reader:
+        opened = open_checked(reader)
+        index = opened.index
+        wanted = [i for i, record in enumerate(index.tensors) if selection.covers(record.key)]
+        gpu_device = restore_gpu_device(cfg, target_device, index, wanted)
+        try:
+            with open_data_reader(path, cfg, reader, gpu_device) as data_reader:
+                arrays = restore_arrays(data_reader, opened, wanted, cfg,
+                                         lambda _i, record: new_target(record, target_device), gpu_device,
+                                         progress)
+        finally:
+            opened.close_base()
+    warn_lossy(index, wanted)
+    state = unflatten(index.tree, arrays, selection)
+    check_selection(selection, index)
+    return state
+
+
+def check_selection(selection: Selection, index: Index) -> None:
+    if selection.keys is None:
+        return
+    unknown = [key for key in selection.keys if key not in selection.matched]
+    if unknown:
+        sample = ", ".join(repr(t.key) for t in index.tensors[:8])
+        raise KeyError(f"keys not in checkpoint: {', '.join(map(repr, unknown))} "
+                       f"(tensor keys include: {sample}{', ...' if len(index.tensors) > 8 else ''})")
+
+
+def inspect(path: PathLike, *, config: Config | None = None) -> CheckpointInfo:
+    """Describe a checkpoint from its index alone (no chunk is read)."""
+    cfg = resolve_config(config)
+    with open_reader(path, cfg) as reader:
+        opened = open_checked(reader)
+        size = reader.size
+    index = opened.index
+    logical = sum(record.nbytes for record in index.tensors if record.alias is None)
+    codecs: dict[str, int] = {}
+    for chunk in index.chunks:
+        label = chain_label(index.chains[chunk.chain])
+        codecs[label] = codecs.get(label, 0) + 1
+    return CheckpointInfo(str(path), (opened.header.major, index.minor), index.writer, size, logical,
+                          logical / size if size else 0.0, tuple(tensor_infos(index)), codecs, index.base)
+
+
+def verify(path: PathLike, *, config: Config | None = None, progress: Progress | None = None,
+           chain: bool = False) -> VerifyReport:
+    """Read every chunk, check every checksum and decode every stream.
+
+    Returns a ``VerifyReport`` when the file is sound; raises ``CorruptCheckpointError`` naming
+    the first bad tensor and chunk otherwise. ``progress``: see ``Progress``. For a delta
+    checkpoint, every base down its chain must also be present, unchanged and of the recorded
+    depth (``BaseCheckpointError`` otherwise: the delta would not load); ``chain=True`` verifies
+    their chunks too.
+    """
+    cfg = resolve_config(config)
+    started = time.perf_counter()
+    opened, stored = _verify_chunks(path, cfg, progress)
+    bases: list[str] = []
+    checkpoints: list[Checkpoint] = []
+    try:
+        current = opened
+        while current.index.base is not None:
+            base = open_base(current, cfg)  # present, unchanged, of the recorded depth
+            checkpoints.append(base)
+            bases.append(base.path)
+            if chain:
+                _verify_chunks(base.path, cfg, None)
+            current = opened_file(base)
+    finally:
+        for checkpoint in checkpoints:
+            checkpoint.close()
+    index = opened.index
+    logical = sum(record.nbytes for record in index.tensors if record.alias is None)
+    return VerifyReport(str(path), len(index.chunks), stored, logical, time.perf_counter() - started,
+                        tuple(bases))
+
+
+def _verify_chunks(path: PathLike, config: Config, progress: Progress | None) -> tuple[OpenedFile, int]:
+    """Open ``path`` and read, check and decode every chunk; returns the file and its stored bytes."""
+    with open_reader(path, config) as reader:
+        opened = open_checked(reader)
+        gpu_device = restore_gpu_device(config, None, opened.index)
+        engine = restore_engine(config, gpu_device)
+        try:
+            with open_data_reader(path, config, reader, gpu_device) as data_reader:
+                stored = run_verify(data_reader, opened.index, engine, max_inflight_bytes=config.max_inflight_bytes,
+                                    timeout=config.timeout, progress=progress)
+        finally:
+            engine.close()
+    return opened, stored

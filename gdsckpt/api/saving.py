@@ -1,0 +1,347 @@
+"""Saving: ``save``, the one internal save entry ``save_flat`` (used by ``save``, the background
+savers, ``rebase`` and the DCP writer), delta sources, and the guard against replacing a base.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..version import __version__
+from ..codecs import versioned_name
+from ..config import Config
+from ..state.delta import DEFAULT_MAX_CHAIN, BaseBytes, XorSource, base_link, base_path_of
+from ..errors import (
+    BaseCheckpointError, CheckpointError,
+)
+from ..format import Index, TensorRecord, dtype_spec
+from ..format.layout import TRAILER_SIZE, unpack_trailer
+from ..io import PosixWriter, StorageWriter
+from ..state.lossy import LossyPolicy, apply_policy
+from ..pipeline.plan import plan_chunks
+from ..pipeline.save import run_save
+from ..state import (
+    FlatArray, FlatState, flatten,
+)
+
+from . import checkpoint as checkpoint_module
+from .checkpoint import base_arrays, Checkpoint, data_record, opened_file
+from .reading import inspect
+from .reports import chain_label, Progress, SaveReport
+from .resolve import check_target, cuda_device_of, device_index, host_engine, inflight_budget, open_checked, open_reader, PathLike, posix_writer, resolve_config, resolve_host_codec, use_gpu
+
+log = logging.getLogger(__name__)
+
+
+def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
+         config: Config | None = None, progress: Progress | None = None, base: PathLike | None = None,
+         max_chain: int = DEFAULT_MAX_CHAIN,
+         lossy: LossyPolicy | dict[str, float] | None = None, force: bool = False) -> SaveReport:
+    """Save ``state`` (nested dicts/lists/tuples of tensors, arrays and plain values) to ``path``.
+
+    The file appears at ``path`` atomically and durably (fsync of file and directory) when this
+    returns; on any error before the rename ``path`` keeps its previous content and no temporary
+    file remains. (Should the directory's fsync after the rename fail, ``path`` already holds the
+    new, complete checkpoint and the ``OSError`` is raised: its entry may not be durable yet.)
+    ``codec``: ``"auto"`` (byte planes where they help + zstd on the CPU), ``"zstd"``,
+    ``"lz4"``, ``"deflate"``, ``"none"``; ``"auto"`` defers to ``config.codec``.
+    ``chunk_bytes`` overrides ``config.chunk_bytes`` and ``config.gpu_chunk_bytes``. Raises ``TypeError`` naming the key path of
+    any value that cannot be saved. ``progress``: see ``Progress``.
+
+    ``base``: a checkpoint to write a *delta* against: arrays with the same key, dtype and shape as
+    in ``base`` are stored as the XOR of their bytes with it (lossless; small where little
+    changed), the others in full. The index records the base's path (relative when it lies in
+    the same directory tree) and content identity, and loading resolves the chain by itself;
+    a load whose base is missing or was changed raises ``BaseCheckpointError``. When ``base`` is
+    already a delta ``max_chain`` deep, a full checkpoint is written instead (see
+    ``SaveReport.base``). ``base`` must not be ``path`` itself.
+
+    Replacing a checkpoint that deltas use as their base would leave them unloadable for good:
+    when ``path`` exists and a delta checkpoint in its directory names it as its base (and still
+    matches its content), ``BaseCheckpointError`` lists those deltas and nothing is written;
+    ``gdsckpt rebase`` them first, save elsewhere, or pass ``force=True``. Deltas in other
+    directories are not searched for.
+
+    ``lossy`` (default None: every array bit-exact): a ``gdsckpt.lossy.LossyPolicy`` or a dict of
+    key pattern -> relative error bound, e.g. ``{"*.exp_avg_sq": 1e-2}``; matching float16 /
+    bfloat16 / float32 / float64 torch and NumPy arrays are stored rounded to within
+    ``rel * max(|finite x|)`` of their values (NaN and inf kept), see ``gdsckpt.lossy``;
+    ``SaveReport.lossy`` lists them and loading them warns (``LossyWarning``).
+    """
+    if not force:
+        refuse_replacing_base(path, config)
+    return save_flat(flatten(state), path, codec=codec, chunk_bytes=chunk_bytes, config=config,
+                     progress=progress, base=base, max_chain=max_chain, lossy=lossy)
+
+
+def save_flat(flat: FlatState, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
+              config: Config | None = None, devices: list[str] | None = None, progress: Progress | None = None,
+              base: PathLike | None = None, max_chain: int = DEFAULT_MAX_CHAIN,
+              lossy: LossyPolicy | dict[str, float] | None = None, rename: bool = True) -> SaveReport:
+    """The one save entry of the package: write a flattened state (``gdsckpt.state.flatten``) to
+    ``path``. ``save`` (after its guard against replacing a delta's base), the background savers,
+    the save worker and ``rebase`` (which builds ``flat`` from a checkpoint's index) all end here.
+
+    Arguments as ``save``, plus: ``devices`` (one per array, in flatten order) overrides the
+    device each array's index entry records, and a ``cuda:N`` among them runs the GPU engine on
+    device N (where usable) whatever memory the arrays live in: ``save_async`` passes the devices
+    of the CUDA tensors it snapshotted into pinned host memory. ``rename=False``: the complete,
+    fsynced file is left at a temporary path beside ``path``, given as the report's ``path``; the
+    caller renames it (``gdsckpt.background.worker``)."""
+    started = time.perf_counter()
+    cfg = resolve_config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=chunk_bytes,
+                         codec=None if codec == "auto" else codec)
+    gpu_device = None
+    if devices is not None:
+        if len(devices) != len(flat.arrays):
+            raise ValueError(f"{len(devices)} devices given for {len(flat.arrays)} arrays")
+        for array, device in zip(flat.arrays, devices):
+            array.device = device
+        gpu_device = next((device_index(d) for d in devices if d.startswith("cuda")), None)
+    # Rounded before anything reads the sources (a delta then XORs the rounded values).
+    lossy_keys = apply_policy(flat, lossy) if lossy is not None else []
+    with contextlib.ExitStack() as stack:
+        link, delta = None, set()
+        if base is not None:
+            link, delta = _delta_sources(flat, path, base, max_chain, cfg, stack)
+        engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, Path(path), gpu_device)
+        chunk = cfg.gpu_chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
+        plans = plan_chunks(
+            [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
+              a.source.plane_width if a.source else 0) for a in flat.arrays],
+            chunk_bytes=chunk, pack_below=min(cfg.pack_below, chunk), delta=delta,
+        )
+        try:
+            writer = make_writer(path, cfg)
+            if not rename:
+                if not isinstance(writer, PosixWriter):
+                    writer.abort()
+                    raise ValueError(f"a save in a worker process needs a file path, not {path!r}")
+                writer.keep_temporary = True
+            result = run_save(plans, engine, writer, progress=progress,
+                              max_inflight_bytes=inflight_budget(cfg, engine.name == "gpu"),
+                              index=index_template(flat, link), timeout=cfg.timeout)
+        finally:
+            engine.close()
+    logical = sum(a.source.nbytes for a in flat.arrays if a.alias is None)
+    chains: dict[str, int] = {}
+    for chunk in result.chunks:
+        label = chain_label(result.chains[chunk.chain].to_json())
+        chains[label] = chains.get(label, 0) + 1
+    return SaveReport(
+        path=str(path if rename else writer.temp), logical_bytes=logical, stored_bytes=result.file_bytes,
+        ratio=logical / result.file_bytes if result.file_bytes else 0.0,
+        seconds=time.perf_counter() - started, codec=codec_name, backend=writer.name,
+        engine=engine.name, tensors=len(flat.arrays), chunks=len(result.chunks), chains=chains, auto=auto,
+        base=link["path"] if link is not None else None, delta_tensors=len(delta), lossy=tuple(lossy_keys),
+    )
+
+
+def _delta_sources(flat: FlatState, path: PathLike, base: PathLike, max_chain: int, config: Config,
+                   stack: contextlib.ExitStack) -> tuple[dict[str, Any] | None, set[int]]:
+    """Turn the sources of arrays that ``base`` also holds (same key, dtype, shape) into XORs
+    with it; returns the index's ``base`` member and the ids of those arrays, or (None, empty)
+    when the base's chain is already ``max_chain`` deep (a full save then)."""
+    if isinstance(max_chain, bool) or not isinstance(max_chain, int) or max_chain < 0:
+        raise ValueError(f"max_chain must be a non-negative integer, got {max_chain!r}")
+    base_path = Path(base)
+    if not base_path.is_file():
+        raise BaseCheckpointError(f"base checkpoint {str(base_path)!r} does not exist")
+    if Path(path).exists() and os.path.samefile(base_path, path):
+        raise ValueError(f"a delta cannot replace its own base {str(base_path)!r}: save it to another path")
+    checkpoint = stack.enter_context(Checkpoint(base_path, config))
+    opened = opened_file(checkpoint)
+    depth = opened.index.base["depth"] if opened.index.base is not None else 0
+    if depth >= min(max_chain, checkpoint_module.MAX_RESOLVE_DEPTH):  # never write what a load would refuse
+        log.info("base %s is a delta %d deep (max_chain=%d): writing a full checkpoint", base_path, depth,
+                 max_chain)
+        return None, set()
+    link = base_link(path, base_path, opened.index_sha256, opened.trailer.file_length, depth)
+    reader = base_arrays(checkpoint)
+    delta = set()
+    for i, array in enumerate(flat.arrays):
+        if array.alias is not None or array.source is None or not array.source.nbytes or array.key not in checkpoint:
+            continue
+        record = data_record(checkpoint, array.key)
+        if (record.dtype, record.shape) == (array.dtype, tuple(array.shape)):
+            array.source = XorSource(array.source, reader.view(record.key))
+            delta.add(i)
+    return link, delta
+
+
+def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto", config: Config | None = None,
+           force: bool = False) -> SaveReport:
+    """Turn a delta checkpoint into a full one: every array resolved through its chain of bases
+    and written in full to ``output`` (default: ``path`` itself, replaced atomically).
+
+    Memory stays bounded: arrays are read and written in windows, never whole. Replacing
+    ``path`` changes its content identity, so deltas written against it would no longer load:
+    when other checkpoints in its directory name it as their base, an in-place rebase raises
+    ``BaseCheckpointError`` listing them, unless ``force=True``; so does an existing ``output``
+    that deltas use as their base. A full checkpoint is copied as
+    it is (re-encoded with ``codec``).
+    """
+    cfg = resolve_config(config)
+    output = path if output is None else output
+    in_place = Path(output).exists() and os.path.samefile(path, output)
+    if in_place and not force:
+        dependents = _dependents(Path(path), cfg)
+        if dependents:
+            raise BaseCheckpointError(
+                f"{str(path)!r} is the base of {', '.join(repr(str(d)) for d in dependents)}: rebasing it in "
+                f"place would make them unloadable; rebase those first, write to another output, or pass "
+                f"force=True")
+    elif not force:
+        refuse_replacing_base(output, cfg)  # an existing output may be another delta's base
+    with Checkpoint(path, cfg) as checkpoint:
+        index = opened_file(checkpoint).index
+        reader = base_arrays(checkpoint)
+        arrays = []
+        for record in index.tensors:
+            source = None
+            if record.alias is None:
+                source = _WindowSource(reader.view(record.key), record.dtype)
+            arrays.append(FlatArray(record.key, record.kind, record.dtype, record.shape, record.device, source,
+                                    record.alias, dict(record.extra), lossy=record.lossy))
+        return save_flat(FlatState(index.tree, arrays), output, codec=codec, config=cfg)
+
+
+def refuse_replacing_base(path: PathLike, config: Config | None) -> None:
+    """Raise ``BaseCheckpointError`` when ``path`` exists and delta checkpoints in its directory
+    depend on it as it is (``_dependents``): replacing it would make them unloadable. Costs
+    nothing when ``path`` does not exist; else it reads the index of each file beside it."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        return
+    dependents = _dependents(Path(path), resolve_config(config))
+    if dependents:
+        raise BaseCheckpointError(
+            f"{str(path)!r} is the base of {', '.join(repr(str(d)) for d in dependents)}: replacing it "
+            f"would make them unloadable; rebase those first (gdsckpt rebase), write to another path, "
+            f"or pass force=True (--force)")
+
+
+def _dependents(path: Path, config: Config) -> list[Path]:
+    """Checkpoint files beside ``path`` whose index names ``path`` as their base and records its
+    present content identity: the deltas that load now and would not once ``path`` changes.
+
+    Only ``path``'s directory is searched (where ``CheckpointManager`` and most runs keep their
+    deltas): a delta in another directory (naming ``path`` by an absolute path, or from a parent
+    directory by a relative one) is not found."""
+    try:
+        with open_reader(path, config) as reader:
+            opened = open_checked(reader)
+    except (CheckpointError, OSError):
+        return []  # not a readable checkpoint: no delta can load against it as it is
+    identity = (opened.index_sha256, opened.trailer.file_length)
+    found = []
+    for entry in sorted(path.parent.iterdir()):
+        if entry.name.startswith(".") or not entry.is_file() or os.path.samefile(entry, path):
+            continue
+        # A delta written against ``path`` as it is records its index digest: files whose index
+        # lacks it are passed over unparsed (parsing every index of a directory costs ~5 ms each).
+        if not _index_mentions(entry, opened.index_sha256.encode(), config):
+            continue
+        try:
+            base = inspect(entry, config=config).base
+        except (CheckpointError, OSError):
+            continue  # not a checkpoint, or unreadable: not a dependent we can know of
+        if base is not None and (base["index_sha256"], base["file_length"]) == identity:
+            candidate = base_path_of(str(entry), base)
+            if candidate.exists() and os.path.samefile(candidate, path):
+                found.append(entry)
+    return found
+
+
+def _index_mentions(path: Path, text: bytes, config: Config) -> bool:
+    """Whether ``path`` is a checkpoint whose index bytes contain ``text``: reads its trailer and
+    index, parses neither (False for a file that is not a readable checkpoint)."""
+    try:
+        with open_reader(path, config) as reader:
+            size = reader.size
+            trailer = unpack_trailer(reader.read(size - TRAILER_SIZE, TRAILER_SIZE) if size >= TRAILER_SIZE
+                                     else b"", size)
+            return text in reader.read(trailer.index_offset, trailer.index_length)
+    except (CheckpointError, OSError):
+        return False
+
+
+class _WindowSource:
+    """An ``ArraySource`` over an array of a checkpoint, read in windows (``rebase``)."""
+
+    on_device = False
+
+    def __init__(self, data: BaseBytes, dtype: str):
+        spec = dtype_spec(dtype)
+        self.data = data
+        self.nbytes = data.nbytes
+        self.itemsize = spec.itemsize
+        self.plane_width = spec.plane_width
+
+    def host_bytes(self, start: int, stop: int) -> Any:
+        """Bytes ``[start, stop)`` of the resolved array."""
+        return self.data.host(start, stop)
+
+    def device_bytes(self, start: int, stop: int) -> Any:
+        """Bytes ``[start, stop)`` on the current CUDA device."""
+        return self.data.device(start, stop)
+
+
+def _save_engine(config: Config, flat: FlatState, codec: str, path: Path,
+                 gpu_device: int | None = None) -> tuple[Any, Any, str, dict[str, Any]]:
+    """The engine and writer factory of a save, the codec it runs, and how ``auto`` chose it
+    (``gpu_device``: the GPU to compress on when the arrays are not on one)."""
+    device = cuda_device_of(flat) if gpu_device is None else gpu_device
+    if use_gpu(config, device is not None):
+        from ..io.kvikio import KvikioWriter
+        from ..pipeline.gpu import GpuEncoder
+
+        if codec != "auto":
+            versioned_name(codec)  # ValueError listing the valid names for an unknown one
+        torch = sys.modules.get("torch")
+        if torch is not None and device is not None:
+            torch.cuda.synchronize(device)  # the snapshot: every queued update has landed
+        auto: dict[str, Any] = {}
+        if codec == "auto":
+            import cupy
+
+            from ..pipeline.autotune import choose_codec, runnable_candidates, sample_ratios, storage_gbps
+
+            check_target(path)
+            candidates, left_out = runnable_candidates(config.max_staging_bytes, config.gpu_chunk_bytes)
+            if len(candidates) == 1:  # nothing to compare: no storage probe, no sample
+                codec = candidates[0]
+                auto = {"storage_gbps": None, "sampled_ratios": {}, "chose": codec, "left_out": left_out}
+            else:
+                with cupy.cuda.Device(device or 0):
+                    stream = cupy.cuda.Stream(non_blocking=True)
+                speed = storage_gbps(path.parent, config.storage_gbps)
+                ratios = sample_ratios([a.source for a in flat.arrays], device or 0, stream, candidates)
+                codec = choose_codec(speed, ratios)
+                auto = {"storage_gbps": speed, "sampled_ratios": ratios, "chose": codec, "left_out": left_out}
+        engine = GpuEncoder([a.source for a in flat.arrays], codec=codec, byte_planes=config.byte_planes, device_id=device or 0,
+                            chunk_bytes=config.gpu_chunk_bytes, max_staging_bytes=config.max_staging_bytes,
+                            timeout=config.timeout)
+
+        def make_writer(path: PathLike, cfg: Config) -> StorageWriter:
+            check_target(path)
+            return KvikioWriter(path, threads=cfg.kvikio_threads, task_size=cfg.kvikio_task_size,
+                                o_direct=cfg.o_direct, fsync=cfg.fsync)
+
+        return engine, make_writer, codec, auto
+    codec = resolve_host_codec(codec)
+    return host_engine(config, [a.source for a in flat.arrays], codec), posix_writer, codec, {}
+
+
+def index_template(flat: FlatState, base: dict[str, Any] | None = None) -> Index:
+    """The index of a file that will hold ``flat``, as known before any chunk is written: the
+    tree, one record per array without segments, the writer, and a delta's ``base`` (format 1.1)
+    or none (1.0). ``run_save`` fills in the chunks, chains and segments."""
+    tensors = [TensorRecord(key=a.key, kind=a.kind, dtype=a.dtype, shape=a.shape, device=a.device, alias=a.alias,
+                            extra=a.extra, lossy=a.lossy) for a in flat.arrays]
+    return Index(chains=[], chunks=[], tensors=tensors, tree=flat.tree, writer=f"gdsckpt {__version__}",
+                 minor=1 if base is not None else 0, base=base)

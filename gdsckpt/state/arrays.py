@@ -1,0 +1,292 @@
+"""Array adapters: the ``ArraySource`` the save pipeline reads a torch / NumPy / CuPy array's bytes
+from, and the ``ArrayTarget`` the restore pipeline writes an array's bytes into, one per
+library (JAX through DLPack)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..format.dtypes import DTYPES
+from .dtypes import numpy_dtype, torch_dtype
+
+
+
+# ---------------------------------------------------------------------------------------------
+# sources (save side)
+
+def torch_range(tensor: Any, start: int, stop: int) -> Any:
+    """Elements ``[start, stop)`` of ``tensor`` in C order as a contiguous 1-D tensor, copying at
+    most about one chunk even when ``tensor`` is a non-contiguous view."""
+    if tensor.is_contiguous():
+        return tensor.reshape(-1)[start:stop]
+    if tensor.dim() == 1:
+        return tensor[start:stop].contiguous()
+    import torch
+
+    row = tensor.numel() // tensor.shape[0]
+    first, last = start // row, (stop - 1) // row
+    if first == last:
+        return torch_range(tensor[first], start - first * row, stop - first * row)
+    pieces = [torch_range(tensor[first], start - first * row, row)]
+    if last > first + 1:
+        pieces.append(tensor[first + 1:last].contiguous().reshape(-1))
+    pieces.append(torch_range(tensor[last], 0, stop - last * row))
+    return torch.cat(pieces)
+
+
+def array_range(array: Any, start: int, stop: int, xp: Any) -> Any:
+    """``torch_range`` for NumPy / CuPy arrays."""
+    if array.flags.c_contiguous:
+        return array.reshape(-1)[start:stop]
+    if array.ndim == 1:
+        return xp.ascontiguousarray(array[start:stop])
+    row = array.size // array.shape[0]
+    first, last = start // row, (stop - 1) // row
+    if first == last:
+        return array_range(array[first], start - first * row, stop - first * row, xp)
+    pieces = [array_range(array[first], start - first * row, row, xp)]
+    if last > first + 1:
+        pieces.append(xp.ascontiguousarray(array[first + 1:last]).reshape(-1))
+    pieces.append(array_range(array[last], 0, stop - last * row, xp))
+    return xp.concatenate(pieces)
+
+
+@dataclass
+class _SourceBase:
+    nbytes: int
+    itemsize: int
+    plane_width: int
+    on_device: bool
+
+
+class TorchSource(_SourceBase):
+    """Reads a torch tensor's element bytes (CPU or CUDA, any layout)."""
+
+    def __init__(self, tensor: Any, dtype_name: str):
+        spec = DTYPES[dtype_name]
+        super().__init__(tensor.numel() * spec.itemsize, spec.itemsize, spec.plane_width,
+                         tensor.device.type == "cuda")
+        # A lazy conjugate / negative view reads as values its memory does not hold: materialize it.
+        self.tensor = tensor.detach().resolve_conj().resolve_neg()
+
+    def _part(self, start: int, stop: int) -> Any:
+        import torch
+
+        part = torch_range(self.tensor, start // self.itemsize, stop // self.itemsize)
+        if part.numel() == 1 and part.stride(0) != 1:
+            # torch calls one element contiguous whatever its stride, but view() to bytes needs 1
+            part = part.as_strided((1,), (1,))
+        return part.view(torch.uint8)
+
+    def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        part = self._part(start, stop)
+        return (part.cpu() if part.device.type != "cpu" else part).numpy()
+
+    def device_bytes(self, start: int, stop: int) -> Any:
+        import cupy
+
+        part = self._part(start, stop)
+        return cupy.asarray(part if part.device.type == "cuda" else part.numpy())
+
+
+class NumpySource(_SourceBase):
+    """Reads a NumPy array's element bytes (any layout, either byte order)."""
+
+    def __init__(self, array: np.ndarray, dtype_name: str):
+        spec = DTYPES[dtype_name]
+        super().__init__(array.size * spec.itemsize, spec.itemsize, spec.plane_width, False)
+        self.array = array
+
+    def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        part = array_range(self.array, start // self.itemsize, stop // self.itemsize, np)
+        if part.dtype.byteorder == ">" or (part.dtype.byteorder == "=" and sys.byteorder == "big"):
+            part = part.astype(part.dtype.newbyteorder("<"))
+        return part.view(np.uint8)
+
+    def device_bytes(self, start: int, stop: int) -> Any:
+        import cupy
+
+        return cupy.asarray(self.host_bytes(start, stop))
+
+
+class CupySource(_SourceBase):
+    """Reads a CuPy array's element bytes."""
+
+    def __init__(self, array: Any, dtype_name: str):
+        spec = DTYPES[dtype_name]
+        super().__init__(array.size * spec.itemsize, spec.itemsize, spec.plane_width, True)
+        self.array = array
+
+    def device_bytes(self, start: int, stop: int) -> Any:
+        import cupy
+
+        with cupy.cuda.Device(self.array.device.id):
+            part = array_range(self.array, start // self.itemsize, stop // self.itemsize, cupy)
+            return part.view(cupy.uint8)
+
+    def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        return self.device_bytes(start, stop).get()
+
+
+# ---------------------------------------------------------------------------------------------
+# targets (restore side)
+
+class _Target:
+    nbytes: int
+    on_device: bool
+
+    def write_device(self, start: int, data: Any) -> None:
+        self.write_host(start, data.get())
+
+    def write_host(self, start: int, data: np.ndarray) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def host_view(self, start: int, stop: int) -> np.ndarray | None:
+        """Bytes ``[start, stop)`` of the destination as a writable uint8 array over its own
+        memory, for reading file bytes straight into it; None where the destination is not
+        contiguous host memory (the restore then writes through ``write_host``)."""
+        return None
+
+    def host_span(self) -> tuple[int, int] | None:
+        """Addresses ``[first, end)`` of the host memory ``host_view`` hands out (None where it
+        hands out none): a restore reads into no memory that another of its targets writes."""
+        return None
+
+
+class TorchTarget(_Target):
+    """A torch tensor to fill: a new one, or an existing one (``load_into``) written in place."""
+
+    def __init__(self, shape: tuple[int, ...], dtype_name: str, device: str, *, existing: Any = None,
+                 parameter: bool | None = None):
+        import torch
+
+        self.existing = existing
+        self.parameter = parameter
+        if existing is not None and existing.is_contiguous():
+            self.tensor = existing.detach()
+        else:
+            self.tensor = torch.empty(shape, dtype=torch_dtype(dtype_name), device=device)
+        self.nbytes = self.tensor.numel() * self.tensor.element_size()
+        self.on_device = self.tensor.device.type == "cuda"
+        self._flat = self.tensor.reshape(-1).view(torch.uint8) if self.nbytes else None
+        self._host = self._flat.numpy() if self._flat is not None and not self.on_device else None
+
+    def write_host(self, start: int, data: np.ndarray) -> None:
+        if self._host is not None:
+            self._host[start:start + data.nbytes] = data
+            return
+        import torch
+
+        assert self._flat is not None
+        host = data if data.flags.writeable else data.copy()
+        self._flat[start:start + data.nbytes].copy_(torch.from_numpy(host))
+
+    def host_view(self, start: int, stop: int) -> np.ndarray | None:
+        return self._host[start:stop] if self._host is not None else None
+
+    def host_span(self) -> tuple[int, int] | None:
+        if self._host is None:
+            return None
+        start = self.tensor.data_ptr()
+        return start, start + self.nbytes
+
+    def write_device(self, start: int, data: Any) -> None:
+        import cupy
+
+        assert self._flat is not None
+        if not self.on_device:  # decoded on a GPU, destined for host memory
+            self.write_host(start, cupy.asnumpy(data))
+            return
+        # A CuPy copy on the caller's current stream (the GPU engine's), which the engine
+        # synchronizes once per batch: no cross-stream hazard with torch's stream. The view must
+        # alias the tensor's memory: a silent copy would leave the tensor unwritten.
+        view = cupy.asarray(self._flat)
+        if view.data.ptr != self._flat.data_ptr():
+            raise RuntimeError("CuPy view of the destination tensor does not alias its memory")
+        view[start:start + data.nbytes] = data
+
+    def finish(self) -> Any:
+        import torch
+
+        if self.existing is not None:
+            if self.tensor is not self.existing and not self.existing.is_contiguous():
+                with torch.no_grad():
+                    self.existing.copy_(self.tensor)
+            return self.existing
+        if self.parameter is not None:
+            return torch.nn.Parameter(self.tensor, requires_grad=self.parameter)
+        return self.tensor
+
+
+class NumpyTarget(_Target):
+    """A new NumPy array (or scalar) to fill."""
+
+    on_device = False
+
+    def __init__(self, shape: tuple[int, ...], dtype_name: str, *, scalar: bool = False):
+        self.array = np.empty(shape, dtype=numpy_dtype(dtype_name))
+        self.scalar = scalar
+        self.nbytes = self.array.nbytes
+        self._flat = self.array.reshape(-1).view(np.uint8)
+
+    def write_host(self, start: int, data: np.ndarray) -> None:
+        self._flat[start:start + data.nbytes] = data
+
+    def host_view(self, start: int, stop: int) -> np.ndarray | None:
+        return self._flat[start:stop]
+
+    def host_span(self) -> tuple[int, int] | None:
+        start = self._flat.ctypes.data
+        return start, start + self.nbytes
+
+    def finish(self) -> Any:
+        return self.array[()] if self.scalar else self.array
+
+
+class CupyTarget(_Target):
+    """A new CuPy array to fill on a given device."""
+
+    on_device = True
+
+    def __init__(self, shape: tuple[int, ...], dtype_name: str, device_id: int):
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            self.array = cupy.empty(shape, dtype=numpy_dtype(dtype_name))
+            self._flat = self.array.reshape(-1).view(cupy.uint8)
+        self.nbytes = self.array.nbytes
+
+    def write_host(self, start: int, data: np.ndarray) -> None:
+        self._flat[start:start + data.nbytes].set(np.ascontiguousarray(data))
+
+    def write_device(self, start: int, data: Any) -> None:
+        self._flat[start:start + data.nbytes] = data
+
+    def finish(self) -> Any:
+        return self.array
+
+
+class JaxTarget(NumpyTarget):
+    """A JAX array, assembled on the host and handed to JAX through DLPack."""
+
+    def __init__(self, shape: tuple[int, ...], dtype_name: str, device: str | None):
+        importlib.import_module("jax")  # before anything is read: ImportError if JAX is missing
+        super().__init__(shape, dtype_name)
+        self.device = device
+
+    def finish(self) -> Any:
+        import jax
+
+        array = jax.dlpack.from_dlpack(self.array) if self.array.size else jax.numpy.asarray(self.array)
+        if self.device and self.device.startswith("cuda"):
+            gpus = jax.devices("gpu")
+            index = int(self.device.split(":")[1]) if ":" in self.device else 0
+            array = jax.device_put(array, gpus[index])
+        return array
+
+

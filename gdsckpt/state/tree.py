@@ -1,0 +1,487 @@
+"""The structure tree: flattening a state into a JSON tree plus a list of arrays and back, key
+paths, plain-value encodings, and key selections."""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import struct
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from ..format.dtypes import DTYPES
+from .arrays import CupySource, NumpySource, TorchSource
+from .dtypes import numpy_dtype_name, torch_dtype_name
+
+
+# ---------------------------------------------------------------------------------------------
+# flattening
+
+def escape_key(component: Any) -> str:
+    """One key path component as text: JSON-Pointer escaping (``~`` -> ``~0``, ``/`` -> ``~1``)."""
+    return str(component).replace("~", "~0").replace("/", "~1")
+
+
+def join_key(path: Iterable[Any]) -> str:
+    """The key string of a path of container keys, e.g. ``["optimizer", "state", 0]`` ->
+    ``"optimizer/state/0"``."""
+    return "/".join(escape_key(part) for part in path)
+
+
+@dataclass
+class FlatArray:
+    """One array found in a state: what the index records and where its bytes come from."""
+
+    key: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    source: Any
+    alias: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    lossy: dict[str, Any] | None = None
+    """The index record's ``lossy`` member when ``gdsckpt.lossy`` rounded this array."""
+
+
+@dataclass
+class FlatState:
+    """A flattened state: the structure tree (JSON) and its arrays, in tree order."""
+
+    tree: Any
+    arrays: list[FlatArray]
+
+
+MAX_INT_DIGITS = 4300
+"""Most decimal digits of an ``int`` in the structure (docs/format.md, scalar encodings)."""
+_INT_LIMIT = 10 ** MAX_INT_DIGITS
+
+
+def _float_bits(value: float) -> str:
+    return struct.pack(">d", value).hex()
+
+
+def float_from_bits(text: str) -> float:
+    """Inverse of the float encoding: 16 hex digits of big-endian IEEE-754 binary64."""
+    return float(struct.unpack(">d", bytes.fromhex(text))[0])
+
+
+def encode_scalar(value: Any, path: list[Any]) -> dict[str, Any] | None:
+    """The JSON node of a plain value, or None if ``value`` is not one."""
+    if value is None:
+        return {"t": "none"}
+    if isinstance(value, bool):
+        return {"t": "bool", "v": value}
+    if isinstance(value, int):
+        if value.bit_length() > 3 * MAX_INT_DIGITS and abs(value) >= _INT_LIMIT:  # no str() of it
+            raise ValueError(f"int at {join_key(path)!r} has more than {MAX_INT_DIGITS} decimal digits, "
+                             f"the most a checkpoint holds")
+        return {"t": "int", "v": str(int(value))}
+    if isinstance(value, float):
+        return {"t": "float", "v": _float_bits(float(value))}
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise TypeError(f"string at {join_key(path)!r} is not valid Unicode text") from None
+        return {"t": "str", "v": value}
+    return None
+
+
+def decode_scalar(node: dict[str, Any]) -> Any:
+    """The plain value of a scalar JSON node."""
+    kind = node["t"]
+    if kind == "none":
+        return None
+    if kind == "bool":
+        return bool(node["v"])
+    if kind == "int":
+        return int(node["v"])
+    if kind == "float":
+        return float_from_bits(node["v"])
+    return node["v"]
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.arrays: list[FlatArray] = []
+        self.keys: dict[str, list[Any]] = {}
+        self.views: dict[tuple[Any, ...], int] = {}
+        self.torch = sys.modules.get("torch")
+        self.cupy = sys.modules.get("cupy")
+        self.jax = sys.modules.get("jax")
+        self.open_containers: dict[int, int] = {}
+        """id of each dict / list / tuple being visited -> its depth (finds reference cycles)."""
+
+    def visit(self, obj: Any, path: list[Any], depth: int = 0) -> dict[str, Any]:
+        if depth > 256:
+            raise TypeError(f"state nested deeper than 256 levels at {join_key(path)!r:.200}")
+        if isinstance(obj, np.generic) and not isinstance(obj, (str, bytes)):
+            return self._numpy(obj, path)  # before encode_scalar: np.float64 subclasses float
+        scalar = encode_scalar(obj, path)
+        if scalar is not None:
+            return scalar
+        if isinstance(obj, dict) or type(obj) in (list, tuple):
+            return self._container(obj, path, depth)
+        array = self._array(obj, path)
+        if array is not None:
+            return array
+        raise TypeError(
+            f"cannot save object of type {type(obj).__module__}.{type(obj).__qualname__} at key "
+            f"{join_key(path)!r}: gdsckpt saves dicts, lists, tuples, tensors/arrays, int, float, "
+            f"bool, str and None"
+        )
+
+    def _container(self, obj: Any, path: list[Any], depth: int) -> dict[str, Any]:
+        if id(obj) in self.open_containers:
+            raise TypeError(f"state contains a reference cycle: the {type(obj).__name__} at "
+                            f"{join_key(path)!r:.200} is the one at "
+                            f"{join_key(path[:self.open_containers[id(obj)]])!r:.200}, which contains it")
+        self.open_containers[id(obj)] = depth
+        try:
+            if isinstance(obj, dict):
+                return self._dict(obj, path, depth)
+            return {"t": type(obj).__name__,
+                    "items": [self.visit(item, path + [i], depth + 1) for i, item in enumerate(obj)]}
+        finally:
+            del self.open_containers[id(obj)]
+
+    def _dict(self, obj: dict[Any, Any], path: list[Any], depth: int) -> dict[str, Any]:
+        items = []
+        for key, value in obj.items():
+            if isinstance(key, (dict, list, tuple)) or encode_scalar(key, path) is None:
+                raise TypeError(f"dict key {key!r} of type {type(key).__name__} at {join_key(path)!r} "
+                                f"is not supported (use str, int, float, bool or None keys)")
+            items.append([encode_scalar(key, path), self.visit(value, path + [key], depth + 1)])
+        node: dict[str, Any] = {"t": "dict", "items": items}
+        if isinstance(obj, collections.OrderedDict):
+            node["cls"] = "OrderedDict"
+            metadata = getattr(obj, "_metadata", None)
+            if isinstance(metadata, dict):
+                before = len(self.arrays)
+                node["meta"] = self.visit(metadata, path + ["_metadata"], depth + 1)
+                if len(self.arrays) != before:
+                    raise TypeError(f"_metadata of {join_key(path)!r} holds arrays")
+        return node
+
+    def _register(self, path: list[Any], kind: str, dtype: str, shape: tuple[int, ...], device: str,
+                  source: Any, view_key: tuple[Any, ...] | None, extra: dict[str, Any]) -> dict[str, Any]:
+        key = join_key(path)
+        if key in self.keys:
+            raise ValueError(f"two entries map to the key {key!r}: paths {self.keys[key]!r} and {path!r}")
+        self.keys[key] = list(path)
+        alias = self.views.get(view_key) if view_key is not None else None
+        array_id = len(self.arrays)
+        self.arrays.append(FlatArray(key, kind, dtype, shape, device, None if alias is not None else source,
+                                     alias, extra))
+        if view_key is not None and alias is None:
+            self.views[view_key] = array_id
+        return {"t": "tensor", "id": array_id}
+
+    def _array(self, obj: Any, path: list[Any]) -> dict[str, Any] | None:
+        torch = self.torch
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return self._torch(obj, path)
+        if isinstance(obj, (np.ndarray, np.generic)):
+            return self._numpy(obj, path)
+        cupy = self.cupy
+        if cupy is not None and isinstance(obj, cupy.ndarray):
+            name = self._check_dtype(numpy_dtype_name(obj.dtype), obj.dtype, path)
+            view_key = ("cupy", obj.data.ptr, obj.dtype.str, obj.shape, obj.strides) if obj.size else None
+            return self._register(path, "cupy", name, tuple(obj.shape), f"cuda:{obj.device.id}",
+                                  CupySource(obj, name), view_key, {})
+        jax = self.jax
+        if jax is not None and isinstance(obj, jax.Array):
+            return self._jax(obj, path)
+        return None
+
+    def _check_dtype(self, name: str | None, dtype: Any, path: list[Any]) -> str:
+        if name is None:
+            raise TypeError(f"array dtype {dtype} at key {join_key(path)!r} is not supported "
+                            f"(supported: {', '.join(DTYPES)})")
+        return name
+
+    def _torch(self, tensor: Any, path: list[Any]) -> dict[str, Any]:
+        torch = self.torch
+        assert torch is not None
+        where = join_key(path)
+        if tensor.layout != torch.strided:
+            raise TypeError(f"tensor at {where!r} has layout {tensor.layout}; only dense (strided) "
+                            f"tensors are saved: convert with .to_dense()")
+        if tensor.device.type == "meta":
+            raise TypeError(f"tensor at {where!r} is on the meta device and has no data to save")
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise TypeError(f"tensor at {where!r} is on device {tensor.device}; gdsckpt saves CPU "
+                            f"and CUDA tensors")
+        if tensor.is_quantized or getattr(tensor, "is_nested", False):
+            raise TypeError(f"tensor at {where!r} is quantized or nested, which gdsckpt does not save")
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(f"tensor subclass {type(tensor).__qualname__} at {where!r} is not supported; "
+                            f"pass a plain tensor (e.g. DTensor.to_local()) or use gdsckpt.dcp")
+        name = self._check_dtype(torch_dtype_name(tensor.dtype), tensor.dtype, path)
+        extra: dict[str, Any] = {}
+        if isinstance(tensor, torch.nn.Parameter):
+            extra["parameter"] = {"requires_grad": bool(tensor.requires_grad)}
+        view_key = None
+        if tensor.numel():
+            view_key = ("torch", str(tensor.device), tensor.untyped_storage().data_ptr(),
+                        tensor.storage_offset(), tensor.dtype, tuple(tensor.shape), tensor.stride(),
+                        tensor.is_conj(), tensor.is_neg())
+        device = str(tensor.device) if tensor.device.type == "cpu" else f"cuda:{tensor.device.index or 0}"
+        return self._register(path, "torch", name, tuple(tensor.shape), device, TorchSource(tensor, name),
+                              view_key, extra)
+
+    def _numpy(self, obj: Any, path: list[Any]) -> dict[str, Any]:
+        scalar = isinstance(obj, np.generic)
+        # A subclass would come back as a plain ndarray (or scalar) without what it adds: a
+        # MaskedArray its mask, np.matrix its 2-D semantics. A memmap's elements are all it holds.
+        if type(obj) is not (obj.dtype.type if scalar else np.ndarray) and type(obj) is not np.memmap:
+            remedy = (f"pass {obj.dtype.type.__module__}.{obj.dtype.type.__name__}(value)" if scalar else
+                      "pass np.asarray(value), or save its parts (e.g. a MaskedArray's .data and .mask) as "
+                      "separate entries")
+            plain = obj.dtype.type.__name__ if scalar else "ndarray"
+            raise TypeError(f"NumPy {'scalar' if scalar else 'array'} subclass {type(obj).__module__}."
+                            f"{type(obj).__qualname__} at {join_key(path)!r:.200} is not supported: it would "
+                            f"load as a plain {plain} without what the subclass adds; {remedy}")
+        array = np.asarray(obj)
+        name = self._check_dtype(numpy_dtype_name(array.dtype.newbyteorder("=")), array.dtype, path)
+        view_key = None
+        if array.size and not scalar:
+            view_key = ("numpy", array.__array_interface__["data"][0], array.dtype.str, array.shape,
+                        array.strides)
+        return self._register(path, "numpy", name, tuple(array.shape), "cpu", NumpySource(array, name),
+                              view_key, {"scalar": True} if scalar else {})
+
+    def _jax(self, obj: Any, path: list[Any]) -> dict[str, Any]:
+        devices = list(obj.devices())
+        platform = devices[0].platform if devices else "cpu"
+        if platform == "gpu" and self.cupy is None:
+            importlib.import_module("cupy")
+            self.cupy = sys.modules.get("cupy")
+        if platform == "gpu":
+            assert self.cupy is not None
+            array = self.cupy.from_dlpack(obj)
+            name = self._check_dtype(numpy_dtype_name(array.dtype), array.dtype, path)
+            source: Any = CupySource(array, name)
+            device = f"cuda:{devices[0].id}"
+        else:
+            array = np.from_dlpack(obj)
+            name = self._check_dtype(numpy_dtype_name(array.dtype), array.dtype, path)
+            source, device = NumpySource(array, name), "cpu"
+        return self._register(path, "jax", name, tuple(array.shape), device, source, None, {})
+
+
+def flatten(state: Any) -> FlatState:
+    """Flatten a state into its structure tree and arrays; ``TypeError`` names unsupported values."""
+    flattener = _Flattener()
+    tree = flattener.visit(state, [])
+    return FlatState(tree, flattener.arrays)
+
+
+# ---------------------------------------------------------------------------------------------
+# unflattening
+
+class Selection:
+    """Which key paths a partial load wants: each requested key selects itself and its subtree."""
+
+    def __init__(self, keys: Iterable[str] | None):
+        self.keys = None if keys is None else list(keys)
+        self.matched: set[str] = set()
+
+    def covers(self, key: str) -> bool:
+        """True if ``key`` is requested or lies under a requested key; marks every requested key
+        that covers it as matched (``"a"`` and ``"a/b"`` may both be asked for)."""
+        if self.keys is None:
+            return True
+        covering = [wanted for wanted in self.keys
+                    if wanted == "" or key == wanted or key.startswith(wanted + "/")]
+        self.matched.update(covering)
+        return bool(covering)
+
+    def start(self) -> tuple[bool, list[tuple[str, int]]]:
+        """``(inside, cursors)`` of the root, for walking the tree with ``step`` instead of
+        joining every node's key string: a key path string is as long as all its components
+        together, so building one per node costs (depth x key length) per leaf."""
+        assert self.keys is not None
+        inside = "" in self.keys
+        if inside:
+            self.matched.add("")
+        return inside, [(wanted, 0) for wanted in self.keys if wanted]
+
+    def step(self, cursors: list[tuple[str, int]], component: Any) -> tuple[bool, list[tuple[str, int]]]:
+        """For the child at ``component`` of a node with ``cursors``: whether a requested key
+        names the child exactly (marked as matched), and the child's cursors. A cursor
+        ``(wanted, start)`` says that ``wanted[:start]`` is the node's key plus its ``/``: the
+        next component must begin at ``start``; comparing in place keeps the cost per child
+        at the length of its own component."""
+        part = escape_key(component)
+        reached = False
+        following = []
+        for wanted, start in cursors:
+            if not wanted.startswith(part, start):
+                continue
+            end = start + len(part)
+            if end == len(wanted):
+                self.matched.add(wanted)
+                reached = True
+            elif wanted[end] == "/":
+                following.append((wanted, end + 1))
+        return reached, following
+
+
+_MISSING = object()
+
+
+def unflatten(tree: Any, arrays: dict[int, Any], selection: Selection | None = None) -> Any:
+    """Rebuild the state from its tree; ``arrays`` maps array ids to finished arrays.
+
+    With a ``selection``, dict entries outside it are left out and list/tuple slots outside it
+    become None, so every selected value keeps its position in the structure.
+    """
+    if selection is None or selection.keys is None:
+        value = _build(tree, None, None, True, arrays)
+    else:
+        inside, cursors = selection.start()
+        value = _build(tree, selection, cursors, inside, arrays)
+    return None if value is _MISSING else value
+
+
+def _build(node: dict[str, Any], selection: Selection | None, cursors: list[tuple[str, int]] | None,
+           inside: bool, arrays: dict[int, Any]) -> Any:
+    """One node of ``unflatten``: ``inside`` the selection, or on the way to the requested keys
+    that ``cursors`` still follow (None without a selection); ``_MISSING`` when neither. One
+    Python frame per level: the format allows trees hundreds of levels deep."""
+    if not inside and not cursors:
+        return _MISSING
+    kind = node["t"]
+    if kind == "tensor":
+        return arrays[node["id"]] if inside else _MISSING
+    if kind in ("list", "tuple"):
+        items = []
+        for i, child in enumerate(node["items"]):
+            child_cursors, child_inside = _descend(selection, cursors, inside, i)
+            item = _build(child, selection, child_cursors, child_inside, arrays)
+            items.append(None if item is _MISSING else item)
+        return items if kind == "list" else tuple(items)
+    if kind == "dict":
+        ordered = node.get("cls") == "OrderedDict"
+        result: dict[Any, Any] = collections.OrderedDict() if ordered else {}
+        for key_node, child in node["items"]:
+            dict_key = decode_scalar(key_node)
+            child_cursors, child_inside = _descend(selection, cursors, inside, dict_key)
+            value = _build(child, selection, child_cursors, child_inside, arrays)
+            if value is not _MISSING:
+                result[dict_key] = value
+        if ordered and "meta" in node:
+            result._metadata = _build(node["meta"], None, None, True, arrays)  # type: ignore[attr-defined]
+        return result
+    return decode_scalar(node) if inside else _MISSING
+
+
+def _descend(selection: Selection | None, cursors: list[tuple[str, int]] | None, inside: bool,
+             component: Any) -> tuple[list[tuple[str, int]] | None, bool]:
+    """(cursors, inside) of the child at ``component``; the cursors advance only while some
+    remain (requested keys below an already selected node are still marked as matched)."""
+    if selection is None or not cursors:
+        return None, inside
+    reached, following = selection.step(cursors, component)
+    return following, inside or reached
+
+
+def walk_tree(tree: Any) -> Iterator[tuple[dict[str, Any], list[Any]]]:
+    """Every node of a structure tree with its key path (container keys from the root), parents
+    before children. One path list is kept for the open containers and copied per node yielded:
+    a path per *pending* node would hold depth x breadth entries at once."""
+    yield tree, []
+    path: list[Any] = []
+    stack = [_children(tree)]
+    while stack:
+        entry = next(stack[-1], None)
+        if entry is None:
+            stack.pop()
+            if path:
+                path.pop()
+            continue
+        key, child = entry
+        yield child, path + [key]
+        if child["t"] in ("list", "tuple", "dict"):
+            path.append(key)
+            stack.append(_children(child))
+
+
+def _children(node: dict[str, Any]) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """(key, child) of each child of a structure node; none for a leaf."""
+    if node["t"] in ("list", "tuple"):
+        return enumerate(node["items"])
+    if node["t"] == "dict":
+        return ((decode_scalar(key), child) for key, child in node["items"])
+    return iter(())
+
+
+class KeyPaths:
+    """Small integer identities of key paths, interned component by component: a path's identity
+    is found from its parent's in the time of its last component, and holds no copy of the
+    prefix, so matching every plain value of a target against a checkpoint costs time and memory
+    linear in their size whatever the depth or key lengths. Paths compare by their escaped
+    components (``join_key``'s spelling)."""
+
+    ROOT = 0
+    SHOWN = 200
+    """Characters of a key string shown in a message."""
+
+    def __init__(self) -> None:
+        self._links: list[tuple[int, str]] = [(-1, "")]
+        self._ids: dict[tuple[int, str], int] = {}
+        self._summaries: dict[int, tuple[str, str, int]] = {}
+
+    def child(self, parent: int, component: Any) -> int:
+        """The identity of ``component`` below the path ``parent``."""
+        link = (parent, escape_key(component))
+        node = self._ids.get(link)
+        if node is None:
+            node = self._ids[link] = len(self._links)
+            self._links.append(link)
+        return node
+
+    def of(self, path: Iterable[Any]) -> int:
+        """The identity of a path of container keys."""
+        node = self.ROOT
+        for component in path:
+            node = self.child(node, component)
+        return node
+
+    def key(self, node: int) -> str:
+        """The key string of ``node`` (as ``join_key``) for a message: beyond ``SHOWN``
+        characters, its start and end around ``...``. Built from its parent's summary, which is
+        kept: the cost per key is bounded whatever the depth and the key lengths."""
+        if node == self.ROOT:
+            return ""
+        parent, part = self._links[node]
+        head, tail, length = self._extend(self._summary(parent), part, parent == self.ROOT)
+        return head if length <= self.SHOWN else f"{head[:self.SHOWN // 2]}...{tail}"
+
+    def _summary(self, node: int) -> tuple[str, str, int]:
+        """(first ``SHOWN`` characters, last ``SHOWN // 2`` characters, length) of the key string
+        of a container's path, kept for its other children."""
+        chain = []
+        while node != self.ROOT and node not in self._summaries:
+            chain.append(node)
+            node = self._links[node][0]
+        summary = self._summaries.get(node, ("", "", 0))
+        for node in reversed(chain):
+            parent, part = self._links[node]
+            summary = self._summaries[node] = self._extend(summary, part, parent == self.ROOT)
+        return summary
+
+    def _extend(self, summary: tuple[str, str, int], part: str, first: bool) -> tuple[str, str, int]:
+        """The summary of a path from its parent's and its last escaped component."""
+        head, tail, length = summary
+        separator = "" if first else "/"
+        if length < self.SHOWN:
+            head = (head + separator + part[:self.SHOWN])[:self.SHOWN]
+        tail = (tail + separator + part[-(self.SHOWN // 2):])[-(self.SHOWN // 2):]
+        return head, tail, length + len(separator) + len(part)
+
