@@ -4,26 +4,27 @@
 GPU packages are imported when a state or a call needs them.
 """
 
-from .version import __version__
-from .api import (  # noqa: E402
+from .api import (
     Checkpoint, CheckpointInfo, SaveReport, TensorInfo, VerifyReport, inspect, load, load_into, open,
     rebase, save, verify,
 )
-from .background.async_save import SaveHandle, save_async, wait_all  # noqa: E402
-from .config import Config  # noqa: E402
-from .integrations.convert import ConvertError, ConvertReport, UnsafePickleError, convert  # noqa: E402
-from .errors import (  # noqa: E402
-    BaseCheckpointError, CheckpointError, CodecUnavailableError, CorruptCheckpointError, SaveWorkerError,
-    StateMismatchError, UnsupportedFormatError,
+from .background.async_save import SaveHandle, save_async, wait_all
+from .config import Config
+from .errors import (
+    BaseCheckpointError, CheckpointError, CodecUnavailableError, ConvertError, CorruptCheckpointError,
+    DeltaBaseError, InsufficientSpaceError, LossyWarning, PickleOnlyMetadataWarning, SaveWorkerError,
+    SkippedCheckpointWarning, StateMismatchError, UnsafePickleError, UnsupportedFormatError,
 )
-from .state.lossy import LossyPolicy, LossyWarning  # noqa: E402
-from .manager import CheckpointManager, SkippedCheckpointWarning  # noqa: E402
+from .integrations.convert import ConvertReport, convert
+from .manager import CheckpointManager
+from .state.lossy import LossyPolicy
+from .version import __version__
 
 __all__ = [
-    "BaseCheckpointError", "Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointManager", "CodecUnavailableError",
-    "Config", "ConvertError", "ConvertReport", "CorruptCheckpointError", "LossyPolicy", "LossyWarning",
-    "SaveHandle", "SaveReport", "SaveWorkerError",
-    "SkippedCheckpointWarning", "StateMismatchError", "TensorInfo", "UnsafePickleError",
-    "UnsupportedFormatError", "VerifyReport", "__version__", "convert", "inspect", "load", "load_into",
-    "open", "rebase", "save", "save_async", "verify", "wait_all",
+    "BaseCheckpointError", "Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointManager",
+    "CodecUnavailableError", "Config", "ConvertError", "ConvertReport", "CorruptCheckpointError",
+    "DeltaBaseError", "InsufficientSpaceError", "LossyPolicy", "LossyWarning", "PickleOnlyMetadataWarning",
+    "SaveHandle", "SaveReport", "SaveWorkerError", "SkippedCheckpointWarning", "StateMismatchError",
+    "TensorInfo", "UnsafePickleError", "UnsupportedFormatError", "VerifyReport", "__version__", "convert",
+    "inspect", "load", "load_into", "open", "rebase", "save", "save_async", "verify", "wait_all",
 ]

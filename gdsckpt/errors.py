@@ -1,7 +1,11 @@
 """The exceptions gdsckpt raises. A leaf module: every layer may import it, it imports nothing.
 
-One base class, a few subclasses, each message naming the bad value and, where there are valid
-choices, listing them. Failures of underlying libraries are wrapped with ``raise ... from err``.
+One base class, ``CheckpointError``, and its subclasses, each message naming the bad value and,
+where there are valid choices, listing them; errors that are also misuse or a runtime failure keep
+the built-in class callers catch them by (``StateMismatchError`` is a ``ValueError``,
+``SaveWorkerError`` a ``RuntimeError``). Failures of underlying libraries are wrapped with
+``raise ... from err``; resource errors (``MemoryError``, ``OSError``) are raised as themselves.
+The warnings the package issues are here too. Every class is importable from ``gdsckpt``.
 """
 
 from __future__ import annotations
@@ -42,12 +46,48 @@ class StateMismatchError(CheckpointError, ValueError):
     """``load_into`` found keys, shapes or dtypes that differ between target and checkpoint."""
 
 
-class BaseCheckpointError(CheckpointError):
+class DeltaBaseError(CheckpointError):
     """A delta checkpoint's base is missing, was changed since the delta was written against it,
-    or does not hold an array the delta needs."""
+    or does not hold an array the delta needs; or a save would replace a file that deltas use as
+    their base."""
 
 
-class SaveWorkerError(RuntimeError):
+BaseCheckpointError = DeltaBaseError
+"""The former name of ``DeltaBaseError`` (it read like the root class), kept as an alias for one
+release."""
+
+
+class ConvertError(CheckpointError):
+    """A conversion failed: the source cannot be read as its format, or its content cannot be
+    written in the destination format. The message names the file and, where one is to blame,
+    the key."""
+
+
+class UnsafePickleError(ConvertError):
+    """A torch pickle holds objects other than tensors and plain containers (it could run code
+    when unpickled); ``convert`` reads pickles only with ``torch.load(weights_only=True)``."""
+
+
+class InsufficientSpaceError(CheckpointError, ValueError):
+    """A target has less free space than ``gdsckpt bench`` (``tools.storagebench``) would write
+    there at once."""
+
+
+class SaveWorkerError(CheckpointError, RuntimeError):
     """The worker process of ``save_async`` with ``Config(async_worker="process")`` died, did not
     answer within ``Config.timeout``, or could not be started; that save failed (the target path
     keeps its previous content) and the next save starts a new worker."""
+
+
+class SkippedCheckpointWarning(UserWarning):
+    """``restore_latest`` passed over a checkpoint file (incomplete, damaged, or vanished)."""
+
+
+class LossyWarning(UserWarning):
+    """A load read arrays that were saved with ``save(lossy=...)``: within their recorded error
+    bounds, not bit-exact."""
+
+
+class PickleOnlyMetadataWarning(UserWarning):
+    """A save wrote DCP's metadata as the pickle ``.metadata`` only: it holds a value the JSON
+    form cannot express. ``GdsStorageReader`` then needs ``trust_pickle=True`` to load it."""

@@ -293,3 +293,36 @@ def test_error_classes() -> None:
     err = gdsckpt.CorruptCheckpointError("chunk checksum mismatch", key="a/b", chunk=4)
     assert (err.key, err.chunk, err.reason) == ("a/b", 4, "chunk checksum mismatch")
     assert "a/b" in str(err) and "chunk 4" in str(err)
+
+
+def test_every_public_exception_is_in_errors_and_under_checkpoint_error() -> None:
+    """One exception tree (issue 17): every error the package exports is defined in
+    ``gdsckpt.errors`` and is a ``CheckpointError``; errors that are also misuse or runtime
+    failures keep their built-in base; every warning is defined there too."""
+    import gdsckpt.errors
+
+    exported = [getattr(gdsckpt, name) for name in gdsckpt.__all__]
+    classes = [obj for obj in exported if isinstance(obj, type) and issubclass(obj, BaseException)]
+    errors = [cls for cls in classes if not issubclass(cls, Warning)]
+    assert len(errors) >= 10 and len(classes) > len(errors)
+    for cls in classes:
+        assert cls.__module__ == "gdsckpt.errors", f"{cls.__name__} is defined in {cls.__module__}"
+    for cls in errors:
+        assert issubclass(cls, gdsckpt.CheckpointError), cls
+    assert issubclass(gdsckpt.SaveWorkerError, RuntimeError)
+    assert issubclass(gdsckpt.InsufficientSpaceError, ValueError)
+    assert issubclass(gdsckpt.StateMismatchError, ValueError)
+    assert gdsckpt.errors.BaseCheckpointError is gdsckpt.DeltaBaseError is gdsckpt.BaseCheckpointError
+
+
+def test_former_import_paths_of_moved_exceptions_still_work() -> None:
+    from gdsckpt.dcp import PickleOnlyMetadataWarning
+    from gdsckpt.integrations.convert import ConvertError, UnsafePickleError
+    from gdsckpt.lossy import LossyWarning
+    from gdsckpt.manager import SkippedCheckpointWarning
+    from gdsckpt.tools.storagebench import InsufficientSpaceError
+
+    assert (ConvertError, UnsafePickleError, InsufficientSpaceError, SkippedCheckpointWarning, LossyWarning,
+            PickleOnlyMetadataWarning) == (gdsckpt.ConvertError, gdsckpt.UnsafePickleError,
+                                           gdsckpt.InsufficientSpaceError, gdsckpt.SkippedCheckpointWarning,
+                                           gdsckpt.LossyWarning, gdsckpt.PickleOnlyMetadataWarning)

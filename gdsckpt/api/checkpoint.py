@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 from ..config import Config
 from ..state.delta import BaseReader, XorTarget, base_path_of, check_identity
 from ..errors import (
-    BaseCheckpointError, CheckpointError, CorruptCheckpointError,
+    DeltaBaseError, CheckpointError, CorruptCheckpointError,
 )
 from ..format import Index, TensorRecord
 from ..io import StorageReader
@@ -101,7 +101,7 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
             record = index.tensors[i]
             base_record = base._data_record(record.key) if record.key in base else None
             if base_record is None or (base_record.dtype, base_record.shape) != (record.dtype, record.shape):
-                raise BaseCheckpointError(f"base checkpoint {base.path!r} holds no {record.dtype}"
+                raise DeltaBaseError(f"base checkpoint {base.path!r} holds no {record.dtype}"
                                           f"{list(record.shape)} array {record.key!r}, which the delta needs")
             start = (windows or {}).get(i, (0, 0))[0]
             targets[i] = XorTarget(targets[i], base_reader.view(base_record.key), start)
@@ -121,17 +121,17 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
 
 def open_base(opened: OpenedFile, config: Config) -> Checkpoint:
     """The base of a delta checkpoint, opened and checked to be the file the delta was written
-    against (``BaseCheckpointError`` otherwise)."""
+    against (``DeltaBaseError`` otherwise)."""
     link = opened.index.base
     assert link is not None
     path = base_path_of(opened.path, link)
     if not path.is_file():
-        raise BaseCheckpointError(f"base checkpoint {str(path)!r} of delta {opened.path!r} is missing "
+        raise DeltaBaseError(f"base checkpoint {str(path)!r} of delta {opened.path!r} is missing "
                                   f"(recorded as {link['path']!r})")
     try:
         base = Checkpoint(path, config)
     except CheckpointError as err:
-        raise BaseCheckpointError(f"base checkpoint {str(path)!r} of delta {opened.path!r} cannot be "
+        raise DeltaBaseError(f"base checkpoint {str(path)!r} of delta {opened.path!r} cannot be "
                                   f"read: {err}") from err
     try:
         check_identity(path, link, base._opened.index_sha256, base._opened.trailer.file_length)
@@ -139,10 +139,10 @@ def open_base(opened: OpenedFile, config: Config) -> Checkpoint:
         # the recursion of a resolve by what the writer recorded, never by a crafted loop.
         base_depth = base._opened.index.base["depth"] if base._opened.index.base is not None else 0
         if link["depth"] != base_depth + 1:
-            raise BaseCheckpointError(f"delta {opened.path!r} records chain depth {link['depth']} but its base "
+            raise DeltaBaseError(f"delta {opened.path!r} records chain depth {link['depth']} but its base "
                                       f"{str(path)!r} is {base_depth} deep")
         if link["depth"] > MAX_RESOLVE_DEPTH:
-            raise BaseCheckpointError(f"delta {opened.path!r} is {link['depth']} deltas deep, more than the "
+            raise DeltaBaseError(f"delta {opened.path!r} is {link['depth']} deltas deep, more than the "
                                       f"{MAX_RESOLVE_DEPTH} a load resolves: rebase an older link of the chain "
                                       f"('gdsckpt rebase')")
     except BaseException:

@@ -87,7 +87,7 @@ def verify(path: PathLike, *, config: Config | None = None, progress: Progress |
     Returns a ``VerifyReport`` when the file is sound; raises ``CorruptCheckpointError`` naming
     the first bad tensor and chunk otherwise. ``progress``: see ``Progress``. For a delta
     checkpoint, every base down its chain must also be present, unchanged and of the recorded
-    depth (``BaseCheckpointError`` otherwise: the delta would not load); ``chain=True`` verifies
+    depth (``DeltaBaseError`` otherwise: the delta would not load); ``chain=True`` verifies
     their chunks too.
     """
     cfg = resolve_config(config)

@@ -17,7 +17,7 @@ from ..codecs import versioned_name
 from ..config import Config
 from ..state.delta import DEFAULT_MAX_CHAIN, BaseBytes, XorSource, base_link, base_path_of
 from ..errors import (
-    BaseCheckpointError, CheckpointError,
+    DeltaBaseError, CheckpointError,
 )
 from ..format import Index, TensorRecord, dtype_spec
 from ..format.layout import TRAILER_SIZE, unpack_trailer
@@ -57,13 +57,13 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
     in ``base`` are stored as the XOR of their bytes with it (lossless; small where little
     changed), the others in full. The index records the base's path (relative when it lies in
     the same directory tree) and content identity, and loading resolves the chain by itself;
-    a load whose base is missing or was changed raises ``BaseCheckpointError``. When ``base`` is
+    a load whose base is missing or was changed raises ``DeltaBaseError``. When ``base`` is
     already a delta ``max_chain`` deep, a full checkpoint is written instead (see
     ``SaveReport.base``). ``base`` must not be ``path`` itself.
 
     Replacing a checkpoint that deltas use as their base would leave them unloadable for good:
     when ``path`` exists and a delta checkpoint in its directory names it as its base (and still
-    matches its content), ``BaseCheckpointError`` lists those deltas and nothing is written;
+    matches its content), ``DeltaBaseError`` lists those deltas and nothing is written;
     ``gdsckpt rebase`` them first, save elsewhere, or pass ``force=True``. Deltas in other
     directories are not searched for.
 
@@ -151,7 +151,7 @@ def _delta_sources(flat: FlatState, path: PathLike, base: PathLike, max_chain: i
         raise ValueError(f"max_chain must be a non-negative integer, got {max_chain!r}")
     base_path = Path(base)
     if not base_path.is_file():
-        raise BaseCheckpointError(f"base checkpoint {str(base_path)!r} does not exist")
+        raise DeltaBaseError(f"base checkpoint {str(base_path)!r} does not exist")
     if Path(path).exists() and os.path.samefile(base_path, path):
         raise ValueError(f"a delta cannot replace its own base {str(base_path)!r}: save it to another path")
     checkpoint = stack.enter_context(Checkpoint(base_path, config))
@@ -182,7 +182,7 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
     Memory stays bounded: arrays are read and written in windows, never whole. Replacing
     ``path`` changes its content identity, so deltas written against it would no longer load:
     when other checkpoints in its directory name it as their base, an in-place rebase raises
-    ``BaseCheckpointError`` listing them, unless ``force=True``; so does an existing ``output``
+    ``DeltaBaseError`` listing them, unless ``force=True``; so does an existing ``output``
     that deltas use as their base. A full checkpoint is copied as
     it is (re-encoded with ``codec``).
     """
@@ -192,7 +192,7 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
     if in_place and not force:
         dependents = _dependents(Path(path), cfg)
         if dependents:
-            raise BaseCheckpointError(
+            raise DeltaBaseError(
                 f"{str(path)!r} is the base of {', '.join(repr(str(d)) for d in dependents)}: rebasing it in "
                 f"place would make them unloadable; rebase those first, write to another output, or pass "
                 f"force=True")
@@ -212,14 +212,14 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
 
 
 def refuse_replacing_base(path: PathLike, config: Config | None) -> None:
-    """Raise ``BaseCheckpointError`` when ``path`` exists and delta checkpoints in its directory
+    """Raise ``DeltaBaseError`` when ``path`` exists and delta checkpoints in its directory
     depend on it as it is (``_dependents``): replacing it would make them unloadable. Costs
     nothing when ``path`` does not exist; else it reads the index of each file beside it."""
     if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
         return
     dependents = _dependents(Path(path), resolve_config(config))
     if dependents:
-        raise BaseCheckpointError(
+        raise DeltaBaseError(
             f"{str(path)!r} is the base of {', '.join(repr(str(d)) for d in dependents)}: replacing it "
             f"would make them unloadable; rebase those first (gdsckpt rebase), write to another path, "
             f"or pass force=True (--force)")

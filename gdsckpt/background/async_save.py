@@ -442,7 +442,7 @@ def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: 
     (``pool_stats()``).
 
     Raises, in the caller: ``TypeError`` / ``ValueError`` for a state ``gdsckpt.save`` would reject,
-    ``FileNotFoundError`` / ``IsADirectoryError`` for a bad path, ``BaseCheckpointError`` for a
+    ``FileNotFoundError`` / ``IsADirectoryError`` for a bad path, ``DeltaBaseError`` for a
     ``path`` that deltas use as their base (see ``gdsckpt.save``), and the error of an earlier
     background save whose handle was dropped without ``wait()`` (this save is then not started).
 

@@ -63,7 +63,7 @@ from ..api.resolve import resolve_config
 from ..api.saving import refuse_replacing_base
 from ..codecs import known_codec_names
 from ..config import Config
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, ConvertError, CorruptCheckpointError, UnsafePickleError
 from ..format.index import validate_tree
 from ..io.posix import fsync_directory, remove_stale_temporaries, temporary_path
 from ..state import numpy_dtype_name, decode_scalar, flatten, join_key, torch_dtype, unflatten, walk_tree
@@ -85,15 +85,6 @@ STRUCTURE_KEY = "gdsckpt.structure"
 _STRUCTURE_VERSION = 1
 
 
-class ConvertError(CheckpointError):
-    """A conversion failed: the source cannot be read as its format, or its content cannot be
-    written in the destination format. The message names the file and, where one is to blame,
-    the key."""
-
-
-class UnsafePickleError(ConvertError):
-    """A torch pickle holds objects other than tensors and plain containers (it could run code
-    when unpickled); ``convert`` reads pickles only with ``torch.load(weights_only=True)``."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +153,7 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
     format told from the extension. ``codec`` and ``config`` apply to reading and writing gdsckpt
     files (``config.fsync`` to every destination). An existing ``dst`` raises ``FileExistsError``
     unless ``overwrite``; one that delta checkpoints beside it use as their base raises
-    ``BaseCheckpointError`` (replacing it would make them unloadable) unless ``force`` too.
+    ``DeltaBaseError`` (replacing it would make them unloadable) unless ``force`` too.
     ``progress(done_bytes, total_bytes)`` is called as a gdsckpt source is read and as the
     destination is written (see ``_Phases``). Raises ``ValueError`` for bad arguments,
     ``UnsafePickleError`` for a pickle that is not plain tensor data, ``ConvertError`` (a

@@ -71,7 +71,7 @@ from torch.futures import Future
 from .. import api
 from ..api.resolve import resolve_config
 from ..config import Config
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, PickleOnlyMetadataWarning
 from ..io.posix import fsync_directory, read_small_file
 from ..state import escape_key
 from .dcp_metadata import (
@@ -85,10 +85,6 @@ READ_BATCH_BYTES = 1 << 30
 __all__ = ["GdsStorageInfo", "GdsStorageReader", "GdsStorageWriter", "PickleOnlyMetadataWarning",
            "item_key"]
 
-
-class PickleOnlyMetadataWarning(UserWarning):
-    """A save wrote DCP's metadata as the pickle ``.metadata`` only: it holds a value the JSON
-    form cannot express. ``GdsStorageReader`` then needs ``trust_pickle=True`` to load it."""
 
 
 @dataclass(frozen=True)

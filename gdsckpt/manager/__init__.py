@@ -63,7 +63,7 @@ checkpoint. Returns ``None`` when there is no usable checkpoint (a fresh start).
 
 A checkpoint is passed over only on proof that it is unusable: a checksum or structural check
 failed (``CorruptCheckpointError``, ``UnsupportedFormatError``), its delta base is missing,
-changed or damaged (``BaseCheckpointError``), or its file vanished (``FileNotFoundError``: a
+changed or damaged (``DeltaBaseError``), or its file vanished (``FileNotFoundError``: a
 concurrent prune). It is skipped with a warning and the next older one is restored; that one
 overwrites whatever the failed one wrote. Every other error is raised and nothing else is tried,
 since the newest checkpoint may well be intact and restarting from an older one loses progress:
@@ -90,7 +90,7 @@ from ..background.async_save import AsyncSaver, SaveHandle
 from ..config import Config
 from ..state.delta import DEFAULT_MAX_CHAIN, base_path_of
 from ..errors import (
-    BaseCheckpointError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError,
+    CorruptCheckpointError, DeltaBaseError, SkippedCheckpointWarning, StateMismatchError, UnsupportedFormatError,
 )
 from ..io import PosixReader
 from ..io.posix import fsync_directory, read_small_file, remove_if_stale, temporary_path, temporary_target
@@ -108,7 +108,7 @@ POINTER = "latest"
 MAX_POINTER_BYTES = 4096
 """``latest`` holds one file name (at most 255 bytes); a larger pointer is ignored unread."""
 
-_DAMAGE = (CorruptCheckpointError, UnsupportedFormatError, BaseCheckpointError, FileNotFoundError)
+_DAMAGE = (CorruptCheckpointError, UnsupportedFormatError, DeltaBaseError, FileNotFoundError)
 """What makes ``restore_latest`` pass over a checkpoint: proof that the file is damaged or not a
 checkpoint (a checksum or structural check failed), a delta whose base is missing, changed or
 damaged, or a file that vanished (a concurrent prune). Anything else is raised (module
@@ -122,9 +122,6 @@ def _is_damage(err: BaseException) -> bool:
     reading chunk N"), are not: the next read may well succeed."""
     return isinstance(err, _DAMAGE)
 
-
-class SkippedCheckpointWarning(UserWarning):
-    """``restore_latest`` passed over a checkpoint file (incomplete, damaged, or vanished)."""
 
 
 class CheckpointManager:

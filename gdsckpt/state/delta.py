@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import BaseCheckpointError
+from ..errors import DeltaBaseError
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +66,15 @@ def base_path_of(delta_path: str | None, link: dict[str, Any]) -> Path:
     if path.is_absolute():
         return path
     if delta_path is None:
-        raise BaseCheckpointError(f"the delta checkpoint names its base by the relative path "
+        raise DeltaBaseError(f"the delta checkpoint names its base by the relative path "
                                   f"{link['path']!r}, but it was not opened from a path")
     return Path(os.path.abspath(delta_path)).parent / path
 
 
 def check_identity(base_path: Path, link: dict[str, Any], index_sha256: str, file_length: int) -> None:
-    """Raise ``BaseCheckpointError`` unless the opened base is the file the delta was written against."""
+    """Raise ``DeltaBaseError`` unless the opened base is the file the delta was written against."""
     if index_sha256 != link["index_sha256"] or file_length != link["file_length"]:
-        raise BaseCheckpointError(
+        raise DeltaBaseError(
             f"base checkpoint {str(base_path)!r} has changed since the delta was written against it "
             f"(index SHA-256 {index_sha256[:16]}..., {file_length} bytes; expected "
             f"{link['index_sha256'][:16]}..., {link['file_length']} bytes): restore the original base, "

@@ -77,6 +77,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ..errors import LossyWarning
 from . import FlatState, NumpySource, TorchSource
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -89,10 +90,6 @@ CHUNK_ELEMENTS = 1 << 21
 """Elements rounded per step: the float64 temporaries of one step (~40 bytes per element) stay
 near 80 MB on the host or the device, whatever the array's size."""
 
-
-class LossyWarning(UserWarning):
-    """A load read arrays that were saved with ``save(lossy=...)``: within their recorded error
-    bounds, not bit-exact."""
 
 
 def _matches(pattern: str, key: str) -> bool:

@@ -50,6 +50,7 @@ from ..codecs import PORTABLE_CODECS, known_codec_names
 from ..config import Config
 from ..format import align_up
 from ..io import PosixReader, PosixWriter, aligned_empty
+from ..errors import InsufficientSpaceError
 
 logger = logging.getLogger("gdsckpt")
 
@@ -74,9 +75,6 @@ DATA_DESCRIPTION = ("synthetic GPT-style mixed-precision training state: bf16 we
                     "N(0, 0.02) (norm weights around 1), AdamW exp_avg and exp_avg_sq built from N(0, 1e-3) "
                     "gradients; 14 bytes per parameter (1/7 of the bytes bf16)")
 
-
-class InsufficientSpaceError(ValueError):
-    """A target has less free space than the benchmark would write there at once."""
 
 
 # ---------------------------------------------------------------------------------------------
