@@ -232,3 +232,37 @@ def test_readers_never_see_a_temporary_file(ckpt_path: Path, monkeypatch: pytest
         gdsckpt.save(_new_state(), ckpt_path, config=_config(h))
     h.assert_same(_old_state(), seen[0])
     h.assert_same(_new_state(), gdsckpt.load(ckpt_path))
+
+
+def test_publish_without_replace_refuses_an_existing_target_and_keeps_it(tmp_path: Path) -> None:
+    from gdsckpt.io.posix import publish, temporary_path
+
+    target = tmp_path / "t.bin"
+    target.write_bytes(b"old")
+    temp = temporary_path(target)
+    temp.write_bytes(b"new")
+    with pytest.raises(FileExistsError):
+        publish(temp, target, fsync=True, replace=False)
+    assert target.read_bytes() == b"old"
+    assert not temp.exists()  # a failed publish removes its temporary file
+    temp.write_bytes(b"new")
+    publish(temp, target, fsync=True)
+    assert target.read_bytes() == b"new" and not temp.exists()
+
+
+def test_write_atomically_replaces_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gdsckpt.io.posix import TEMP_MARKER, write_atomically
+
+    target = tmp_path / "latest"
+    write_atomically(target, b"first\n", fsync=True)
+    assert target.read_bytes() == b"first\n"
+
+    def failing_replace(*args: object) -> None:
+        raise OSError(5, "injected EIO")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="injected"):
+        write_atomically(target, b"second\n", fsync=True)
+    monkeypatch.undo()
+    assert target.read_bytes() == b"first\n"
+    assert [p.name for p in tmp_path.iterdir() if TEMP_MARKER in p.name] == []

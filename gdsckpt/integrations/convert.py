@@ -65,7 +65,7 @@ from ..codecs import known_codec_names
 from ..config import Config
 from ..errors import CheckpointError, ConvertError, CorruptCheckpointError, UnsafePickleError
 from ..format.index import validate_tree
-from ..io.posix import fsync_directory, remove_stale_temporaries, temporary_path
+from ..io.posix import publish, remove_stale_temporaries, temporary_path
 from ..state import numpy_dtype_name, decode_scalar, flatten, join_key, torch_dtype, unflatten, walk_tree
 
 logger = logging.getLogger("gdsckpt")
@@ -225,25 +225,13 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
 
 
 def _publish(temp: Path, dst: Path, *, overwrite: bool, fsync: bool) -> None:
-    """Move the finished ``temp`` to ``dst`` in one atomic step."""
-    if overwrite:
-        os.replace(temp, dst)
-    else:
-        try:
-            # A hard link, unlike a rename, fails on an existing name: a destination created
-            # while we converted is not clobbered either.
-            os.link(temp, dst)
-        except FileExistsError:
-            raise FileExistsError(f"destination {str(dst)!r} appeared during the conversion; "
-                                  f"pass overwrite=True (--overwrite) to replace it") from None
-        except OSError:
-            # A filesystem without hard links: the check-then-rename is the best left.
-            if os.path.lexists(dst):
-                raise FileExistsError(f"destination {str(dst)!r} exists; pass overwrite=True "
-                                      f"(--overwrite) to replace it") from None
-            os.replace(temp, dst)
-    if fsync:
-        fsync_directory(dst.parent)
+    """Move the finished ``temp`` to ``dst`` in one atomic step (``io.posix.publish``); without
+    ``overwrite`` a destination that appeared during the conversion is not clobbered either."""
+    try:
+        publish(temp, dst, fsync=fsync, replace=overwrite)
+    except FileExistsError:
+        raise FileExistsError(f"destination {str(dst)!r} appeared during the conversion; "
+                              f"pass overwrite=True (--overwrite) to replace it") from None
 
 
 class _Phases:

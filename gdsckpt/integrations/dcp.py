@@ -72,7 +72,7 @@ from .. import api
 from ..api.resolve import resolve_config
 from ..config import Config
 from ..errors import CheckpointError, CorruptCheckpointError, PickleOnlyMetadataWarning
-from ..io.posix import fsync_directory, read_small_file
+from ..io.posix import fsync_directory, read_small_file, write_atomically
 from ..state import escape_key
 from .dcp_metadata import (
     DCP_VERSION, JSON_SUFFIX, MAX_METADATA_JSON_BYTES, METADATA_NAME,
@@ -254,19 +254,7 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
 
     def _write_file(self, final: Path, data: bytes) -> None:
         """Replace ``final`` with ``data`` atomically: temporary file, fsync, rename, directory fsync."""
-        tmp = final.with_name(f"{final.name}.{uuid.uuid4().hex}.tmp")
-        try:
-            with tmp.open("wb") as f:
-                f.write(data)
-                f.flush()
-                if self.config.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        if self.config.fsync:
-            _fsync_dir(self.path)
+        write_atomically(final, data, fsync=self.config.fsync)
 
 
 class GdsStorageReader(_DirectoryCheckpoint, StorageReader):

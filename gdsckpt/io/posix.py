@@ -172,16 +172,51 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
-def publish(temp: Path, target: Path, *, fsync: bool) -> None:
-    """Rename a complete temporary file over ``target`` (atomic on POSIX) and, with ``fsync``,
-    fsync the directory so the rename is durable. A failed rename removes the temporary file."""
+def publish(temp: Path, target: Path, *, fsync: bool, replace: bool = True) -> None:
+    """Make the complete temporary file ``temp`` visible at ``target`` in one atomic step and,
+    with ``fsync``, fsync the directory so that step is durable. The one publish step of the
+    package: saves, the save worker, the manager's pointer, DCP metadata, conversions and the
+    autotune cache all end here (``write_atomically`` for small files).
+
+    ``replace=True`` renames over an existing ``target`` (atomic on POSIX). ``replace=False``
+    refuses an existing one with ``FileExistsError``, also one created while ``temp`` was being
+    written: a hard link fails on an existing name where a rename would clobber it (on a
+    filesystem without hard links, a check then a rename). A failed step removes ``temp``; after
+    a hard link ``temp`` stays, for the caller to remove."""
     try:
-        os.replace(temp, target)
+        if replace:
+            os.replace(temp, target)
+        else:
+            try:
+                os.link(temp, target)
+            except FileExistsError:
+                raise
+            except OSError:
+                if os.path.lexists(target):
+                    raise FileExistsError(errno.EEXIST, "file exists", str(target)) from None
+                os.replace(temp, target)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
     if fsync:
         fsync_directory(target.parent)
+
+
+def write_atomically(target: Path, data: bytes, *, fsync: bool) -> None:
+    """Replace ``target`` with ``data``: written to a temporary file beside it
+    (``temporary_path``), fsynced with ``fsync``, then ``publish``ed. Readers see the old content
+    or the new, never a part; a failure leaves ``target`` as it was and no temporary file."""
+    temp = temporary_path(target)
+    try:
+        with open(temp, "xb") as handle:
+            handle.write(data)
+            handle.flush()
+            if fsync:
+                os.fsync(handle.fileno())
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    publish(temp, target, fsync=fsync)
 
 
 def fsync_directory(directory: Path) -> None:

@@ -93,7 +93,7 @@ from ..errors import (
     CorruptCheckpointError, DeltaBaseError, SkippedCheckpointWarning, StateMismatchError, UnsupportedFormatError,
 )
 from ..io import PosixReader
-from ..io.posix import fsync_directory, read_small_file, remove_if_stale, temporary_path, temporary_target
+from ..io.posix import read_small_file, remove_if_stale, temporary_target, write_atomically
 from ..pipeline.load import open_file
 from ..state import decode_scalar, escape_key
 
@@ -338,23 +338,7 @@ class CheckpointManager:
 
     def _write_pointer(self, name: str) -> None:
         fsync = self.config.fsync if self.config is not None else Config.from_env().fsync
-        target = self.directory / POINTER
-        temp = temporary_path(target)
-        try:
-            with open(temp, "w", encoding="utf-8") as handle:
-                handle.write(name + "\n")
-                handle.flush()
-                if fsync:
-                    os.fsync(handle.fileno())
-            os.replace(temp, target)
-        except BaseException:
-            try:
-                temp.unlink()
-            except OSError:
-                pass
-            raise
-        if fsync:
-            fsync_directory(self.directory)
+        write_atomically(self.directory / POINTER, (name + "\n").encode("utf-8"), fsync=fsync)
 
     def _prune(self, completed: int) -> None:
         if self.keep_last is None:

@@ -154,9 +154,7 @@ def storage_gbps(directory: Path, override: float | None = None) -> float:
     known[key] = {"gbps": speed, "path": str(directory), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1))
-        os.replace(tmp, cache)
+        posix.write_atomically(cache, json.dumps(known, indent=1).encode("utf-8"), fsync=False)
     except OSError:
         pass  # an unwritable cache only costs a new measurement next time
     return speed
