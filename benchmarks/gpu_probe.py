@@ -64,4 +64,54 @@ for label, data, width in (("bf16", bf16, 2), ("fp32", fp32, 4)):
         ratios[f"{label} planes+ans chunk={chunk >> 10}KiB"] = round(
             data.nbytes / sum(int(s) for s in out.buffer_sizes), 4)
 facts["ans_ratios_normal_0.02"] = ratios
+
+
+def codec_speeds(data: "cupy.ndarray", chunk: int = 16 << 20, repeats: int = 3) -> dict:
+    """Compress and decompress GB/s (best of ``repeats``, after one warm-up) and ratio of every
+    nvCOMP codec through ``DeviceCodec``, the GPU engine's own path: one batch of ``chunk``-byte
+    chunks, as the engine sends them. Raw bytes over kernel time; no planes, no ANS data type."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+    from gdsckpt.codecs import gpu_codec_names
+    from gdsckpt.codecs.nvcomp import DeviceCodec
+
+    count = data.nbytes // chunk
+    pieces = [data[i * chunk:(i + 1) * chunk] for i in range(count)]
+    result: dict = {"chunk_bytes": chunk, "chunks": count, "data": "bf16 N(0, 0.02)"}
+    for name in gpu_codec_names():
+        codec = DeviceCodec(name, stream=stream, device_id=0)
+        try:
+            slot = -(-codec.max_compressed_bytes(pieces[0]) // 4096) * 4096
+            out = cupy.empty(count * slot, dtype=cupy.uint8)
+            decoded = cupy.empty(count * chunk, dtype=cupy.uint8)
+            best_encode = best_decode = float("inf")
+            for attempt in range(repeats + 1):
+                stream.synchronize()
+                started = time.perf_counter()
+                sizes = codec.encode_into(pieces, out, [i * slot for i in range(count)], slot)
+                stream.synchronize()
+                middle = time.perf_counter()
+                codec.decode_into([out[i * slot:i * slot + sizes[i]] for i in range(count)], decoded,
+                                  [i * chunk for i in range(count)], [chunk] * count)
+                stream.synchronize()
+                if attempt:  # the first pass warms nvCOMP up
+                    best_encode = min(best_encode, middle - started)
+                    best_decode = min(best_decode, time.perf_counter() - middle)
+            exact = bool((decoded == data[:count * chunk]).all())
+            result[name] = {"compress_gbps": round(data.nbytes / best_encode / 1e9, 1),
+                            "decompress_gbps": round(data.nbytes / best_decode / 1e9, 1),
+                            "ratio": round(data.nbytes / sum(sizes), 4), "bit_exact": exact}
+            del out, decoded
+        except Exception as err:  # report, do not stop the probe
+            result[name] = {"error": f"{type(err).__name__}: {err}"}
+        finally:
+            codec.close()
+        cupy.get_default_memory_pool().free_all_blocks()
+    return result
+
+
+try:
+    facts["codec_speeds"] = codec_speeds(cupy.asarray(
+        (torch.randn(256 << 20, device="cuda") * 0.02).to(torch.bfloat16).view(torch.uint8)))
+except Exception as err:  # report, do not stop the probe
+    facts["codec_speeds"] = {"error": f"{type(err).__name__}: {err}"}
 print(json.dumps(facts, indent=1))

@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=$PWD:/tmp/site || exit 1
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/host.txt"
-timeout 120 python3 benchmarks/gpu_probe.py > "$OUT/probe.json" 2> "$OUT/probe.err"; echo "probe rc=$?"
+timeout 180 python3 benchmarks/gpu_probe.py > "$OUT/probe.json" 2> "$OUT/probe.err"; echo "probe rc=$?"
 tail -c 3000 "$OUT/probe.json"; tail -5 "$OUT/probe.err"
 # The whole GPU suite in one process, then (only if that process crashed) each test in its own
 # process, so one native crash cannot hide the other results.

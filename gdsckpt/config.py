@@ -11,7 +11,7 @@ the presets in ``configs/``.
 |---|---|---|
 | codec | ``"auto"`` | ``auto`` (CPU: byte planes + zstd; GPU: ANS or Zstd, whichever saves faster on the measured storage; Zstd only where ``max_staging_bytes`` leaves room for its ~1.1 GiB of nvCOMP scratch, so ANS under the default 1 GiB), ``zstd``, ``lz4``, ``deflate``, ``none``; GPU only, no CPU decoder: ``ans``, ``gdeflate``, ``snappy``, ``bitcomp``, ``cascaded`` |
 | chunk_bytes | 4 MiB | uncompressed bytes per chunk on the CPU engine (multiple of 4096, at most 1 GiB) |
-| gpu_chunk_bytes | 16 MiB | the same on the GPU engine (at most 16 MiB, nvCOMP's largest chunk; the GPU pipeline into a null sink ran at 40.6-55.6 GB/s with 16 MiB chunks against 15.8-27.5 with 4 MiB on the H200) |
+| gpu_chunk_bytes | 16 MiB | the same on the GPU engine (at most 16 MiB, nvCOMP's largest chunk; the GPU pipeline into a null sink runs about twice as fast with 16 MiB chunks as with 4 MiB: docs/performance.md) |
 | pack_below | 1 MiB | arrays smaller than this share chunks |
 | byte_planes | ``"auto"`` | ``auto`` (per array, kept where it compresses better), ``always``, ``never`` |
 | level | ``None`` | compression level for zstd/deflate (None: the engine's default; CPU: zstd 1, deflate 6) |
@@ -25,7 +25,7 @@ the presets in ``configs/``.
 | max_staging_bytes | 1 GiB | GPU staging ring of a save or restore (chunks being compressed / read and decoded), allocated once per operation |
 | snapshot_gpu_bytes | 1 GiB | ``save_async``: a state whose CUDA tensors hold at most this many bytes is snapshotted by a copy on its GPU (kept in the snapshot pool between saves); a larger one into pinned host memory |
 | async_worker | ``"thread"`` | ``save_async`` / ``CheckpointManager.save_async``: where the background save runs: ``thread`` (a thread of the training process) or ``process`` (a spawned worker process reading the snapshot through shared memory: the training process's GIL stays free; see ``gdsckpt.background.worker``) |
-| async_engine | ``"auto"`` | ``save_async``: the engine of the background save: ``auto`` (as ``engine``), ``cpu``, ``gpu``. With ``async_worker="process"``, ``cpu`` leaves the GPU and the training process to training: 0.96-0.97 of the steps per second without checkpoints on the H200, against 0.90 for the defaults (``configs/async-training.toml``) |
+| async_engine | ``"auto"`` | ``save_async``: the engine of the background save: ``auto`` (as ``engine``), ``cpu``, ``gpu``. With ``async_worker="process"``, ``cpu`` leaves the GPU and the training process to training: 0.96-0.97 of the steps per second without checkpoints, against 0.90 for the defaults (docs/performance.md) (``configs/async-training.toml``) |
 | kvikio_threads | 16 | kvikio thread pool size (GPU engine) |
 | kvikio_task_size | ``None`` | kvikio task size in bytes (None: kvikio's default) |
 | storage_gbps | ``None`` | storage write speed for ``codec="auto"`` on the GPU (None: measured once per filesystem and cached) |

@@ -9,7 +9,7 @@ How it works
    keeps its buffers between saves, keyed by size: a training loop that saves the same state
    again and again allocates its snapshot memory once. CPU torch tensors and NumPy arrays are
    copied into plain host buffers. CUDA torch tensors are copied on their GPU when their bytes
-   fit in ``Config.snapshot_gpu_bytes`` (device-to-device, ~4 TB/s on an H200: milliseconds),
+   fit in ``Config.snapshot_gpu_bytes`` (device-to-device, terabytes per second: milliseconds),
    otherwise into pinned host buffers (~50 GB/s); both with ``non_blocking`` copies and one
    ``torch.cuda.synchronize`` per device. Containers and plain
    values are rebuilt (OrderedDict ``_metadata`` included); tensors that are the same view (tied
@@ -29,7 +29,7 @@ Without a usable GPU engine (no nvCOMP), the CPU engine compresses the pinned sn
 ``Config.async_engine="cpu"`` makes the CPU engine compress it in any case (reading a GPU
 snapshot chunk by chunk into host memory): with ``async_worker="process"`` the background save
 then does no CUDA work in the training process and no kernels at all, which is what kept a
-training loop at 0.96-0.97 of its speed on the H200 (docs/performance.md, run 13).
+training loop at 0.96-0.97 of its speed (docs/performance.md).
 
 Memory: at most ``max_inflight`` snapshots exist at once, so the pool holds at most
 ``max_inflight`` times the state's bytes (on the GPU only when the state fits
@@ -393,8 +393,8 @@ class AsyncSaver:
     def prepare(self, state: Any, *, config: Config | None = None, max_inflight: int = 1) -> int:
         """Allocate now the snapshot buffers that ``save`` of a state like ``state`` will use
         (same arrays, sizes and devices), so that the first background save in a training loop
-        does not pay for them: allocating pinned memory is slow (7 s for 8.76 GiB on the H200
-        host, against 0.18 s for the copy itself once the buffers exist). Copies ``state`` once,
+        does not pay for them: allocating pinned memory is slow (7 s for 8.76 GiB on the GPU host of
+        docs/performance.md, against 0.18 s for the copy itself once the buffers exist). Copies ``state`` once,
         and keeps the buffers idle in this saver's pool; with ``Config(async_worker="process")``
         also starts the worker process. Returns the bytes the pool holds."""
         cfg = config if config is not None else Config.from_env()

@@ -5,7 +5,7 @@ Why
 With ``async_worker="thread"`` (the default) a ``save_async`` runs ``gdsckpt.save`` on a thread of
 the training process. That thread and the pipeline's own threads (encode, write, checksum) hold
 the GIL in short bursts all through the save, and the training loop, which launches its kernels
-from Python, waits for it: on the H200 a training step of 31.3 ms took 36.9 ms while a save ran
+from Python, waits for it: a training step of 31.3 ms took 36.9 ms while a save ran
 into a null sink, and 39-43 ms into a file (``experiments/async_profile.py``). The copy engines,
 nvCOMP's kernels and polling alone did not slow it. A separate process has its own GIL.
 
@@ -39,7 +39,7 @@ hundred MiB of GPU memory, on top of ``max_staging_bytes``; its start (seconds) 
 or in ``prepare``; the open slab (up to 64 MiB of host memory each, pinned and not) stays
 allocated for the next save.
 
-Measured on the H200 (docs/performance.md, runs 12b-14), a loop checkpointing every 100 steps:
+Measured on a GPU (docs/performance.md, "Async saves"), a loop checkpointing every 100 steps:
 with the GPU engine the worker changed nothing (0.92-0.94 of the steps per second without
 checkpoints, against 0.94 for the thread): its kernels and copies still share the GPU with
 training. With ``async_engine="cpu"`` as well it reached 0.973-0.978 (0.959 with a pinned
@@ -562,7 +562,7 @@ def _main() -> None:
     except (BrokenPipeError, ConnectionResetError):
         pass
     # Leave without interpreter teardown: CUDA IPC mappings and nvCOMP's allocator hooks have
-    # crashed at exit before (GPU_HOST.md); everything durable is already on disk.
+    # been seen to crash at interpreter exit; everything durable is already on disk.
     os._exit(0)
 
 

@@ -2,7 +2,7 @@
 without gdsckpt, with ``gdsckpt.save`` and with ``save_async`` (model: ``gdsckpt.tools.costmodel``).
 
 The checkpoint is described by a model size (``--params`` with dtypes and optimizer), with the
-per-part ratios gdsckpt measured on an H200, or taken from a real checkpoint (``--from PATH``:
+per-part ratios gdsckpt measured on a GPU (docs/performance.md), or taken from a real checkpoint (``--from PATH``:
 its ratios for the ``--params`` model, or with ``--params`` left out its own sizes too).
 """
 
@@ -23,7 +23,8 @@ from ..errors import CheckpointError
 log = logging.getLogger("gdsckpt")
 
 #: Storage speed when neither ``--storage-gbps`` nor ``Config.storage_gbps`` gives one: what the
-#: H200 host's storage measured (raw writes 1.6-1.7 GB/s, the autotune probe 1.9-2.8 GB/s).
+#: measured GPU host's disk delivered (raw writes 1.6-1.7 GB/s, the autotune probe 1.9-2.8 GB/s;
+#: docs/performance.md).
 DEFAULT_STORAGE_GBPS = 2.0
 
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(e[+-]?\d+)?\s*([kmbgt]?)\s*$", re.IGNORECASE)
@@ -103,7 +104,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plan", help="GPU time, money and storage spent on checkpoints a month, with and without gdsckpt",
         description=__doc__.split("\n\n")[0].replace("\n", " "),
-        epilog=f"Measured defaults (docs/performance.md, H200): ratios {ratios}; compression "
+        epilog=f"Measured defaults (docs/performance.md): ratios {ratios}; compression "
                f"{costmodel.PIPELINE_GBPS_PER_GPU} GB/s per GPU; snapshot GB/s "
                f"{costmodel.SNAPSHOT_GBPS}; background slowdown {costmodel.BACKGROUND_SLOWDOWN}. "
                f"A month is {costmodel.HOURS_PER_MONTH:.0f} hours.")
@@ -135,7 +136,7 @@ def register(subparsers: Any) -> None:
     job.add_argument("--gpu-hour-price", type=_non_negative_float, metavar="USD",
                      help="price of one GPU-hour (without it: no money figures)")
     job.add_argument("--keep-last", type=_positive_int, default=3, help="checkpoints kept (default 3)")
-    figures = parser.add_argument_group("gdsckpt's figures (defaults measured on an H200)")
+    figures = parser.add_argument_group("gdsckpt's figures (defaults measured on a GPU: docs/performance.md)")
     figures.add_argument("--snapshot", choices=costmodel.SNAPSHOTS, default="auto",
                                   help="where save_async copies the state (auto: GPU when a shard fits "
                                        "the config's snapshot_gpu_bytes, else pinned host memory)")

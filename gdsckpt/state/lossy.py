@@ -40,8 +40,8 @@ the array's size).
 On the GPU engine with a GPU-only codec (ANS, the GPU default), the grid-rounded float32 and
 float16 arrays are stored as nvCOMP Bitcomp lossy streams (``nvcomp.bitcomp-lossy/1``, with
 ``delta`` = ``step``): Bitcomp's quantizer is this grid, and its coder of the quantized integers
-beats byte planes + ANS on the rounded floats by about 2x and Zstd by 12-20% (AdamW moments on
-the H200: 6.64x against 3.39x at 1e-2, 4.13x against 2.36x at 1e-3; runs 15 and 17). Every
+beats byte planes + ANS on the rounded floats by about 2x and Zstd by 12-20% (AdamW moments:
+6.64x against 3.39x at 1e-2, 4.13x against 2.36x at 1e-3; docs/performance.md). Every
 stream is decoded again before it is written and must give the rounded values bit for bit,
 except that zeros come back +0.0; a chunk that fails takes the codec's own path. Such files need
 a GPU to load (as ANS files do); ``LossyPolicy(..., bitcomp=False)`` keeps the codec's streams,
@@ -130,7 +130,7 @@ class LossyPolicy:
     ``bitcomp`` (default True): where the GPU engine saves with a GPU-only codec (ANS, the GPU
     default, or another nvCOMP-only one), store the grid-rounded float32 / float16 arrays as
     nvCOMP Bitcomp lossy streams (``nvcomp.bitcomp-lossy/1``, 12-20% smaller than Zstd on the
-    rounded values and about twice ANS's ratio on AdamW moments, run 15), each chunk decoded again
+    rounded values and about twice ANS's ratio on AdamW moments), each chunk decoded again
     on the GPU and checked to return the grid's values before it is written (else it is stored
     as the codec would). False keeps the codec's own streams. Portable codecs are never replaced.
     """

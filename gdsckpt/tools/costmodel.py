@@ -15,7 +15,7 @@ compressor keeps ahead of the storage. Where this module departs from the post:
   grads="bf16")`` gives its 70B checkpoint).
 - Bytes are decimal throughout (GB = 1e9 bytes, against GB/s): the post divides sizes in GiB by
   bandwidths in GB/s, so its stalls are 7% shorter than this model's for the same inputs.
-- Ratios are per part, measured by gdsckpt on an H200 (``docs/performance.md``), or read from a
+- Ratios are per part, measured by gdsckpt on a GPU (``docs/performance.md``), or read from a
   real gdsckpt checkpoint (``group_sizes``), not one figure per architecture.
 - A third column models gdsckpt's asynchronous save, which blocks training only while the state
   is copied into a snapshot, plus the measured slowdown of training while the save runs behind it.
@@ -30,9 +30,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 
 # ---------------------------------------------------------------------------------------------
-# measured defaults (docs/performance.md, H200 host, 2026-12-02)
+# measured defaults (docs/performance.md; the raw results named below)
 
-#: Ratios of the parts of an 8.76 GiB GPT-style AdamW state, measured in every GPU run since run 3
+#: Ratios of the parts of an 8.76 GiB GPT-style AdamW state, the same in every GPU benchmark run
 #: (``group_ratios`` of ``benchmarks/results/h200-2026-12-02/run6-memory/gpu-bench.json``).
 MEASURED_RATIOS: dict[str, float] = {
     "weights/bf16": 1.546,   # bf16 weights ("model" group)
@@ -51,17 +51,18 @@ ANALOGUE_RATIOS: dict[str, tuple[float, str]] = {
 UNMEASURED_RATIO = 1.0
 
 #: GB/s of the GPU pipeline of one GPU into a null sink (compression alone, no storage): the lowest
-#: of the 16 MiB-chunk runs (40.6-55.6 GB/s, run 6). A save can never go faster than this per GPU.
+#: measured with 16 MiB chunks (40.6-55.6 GB/s). A save can never go faster than this per GPU.
 PIPELINE_GBPS_PER_GPU = 40.6
 
-#: GB/s at which ``save_async`` copies the state into its snapshot, seen by the training loop of
-#: run 7 (``run7-async-dcp/async-bench.json``): 8.06 GB blocked the loop a median 0.0309 s with a
-#: GPU snapshot and 0.159 s with the default pinned host snapshot (steady state: the first pinned
-#: snapshot of a process also allocates the pinned pool, 7 s for 9.4 GB, once). Measured with one
+#: GB/s at which ``save_async`` copies the state into its snapshot, seen by a training loop
+#: (``benchmarks/results/h200-2026-12-02/run7-async-dcp/async-bench.json``): 8.06 GB blocked the
+#: loop a median 0.0309 s with a GPU snapshot and 0.159 s with the default pinned host snapshot
+#: (steady state: the first pinned snapshot of a process also allocates the pinned pool, 7 s for
+#: 9.4 GB, once). Measured with one
 #: GPU on the host: GPUs copying to pinned memory at once share the host's memory bandwidth.
 SNAPSHOT_GBPS: dict[str, float] = {"gpu": 261.0, "pinned": 50.8}
 
-#: Seconds of training lost per second a background save runs, measured in run 7: 200 TinyGPT
+#: Seconds of training lost per second a background save runs, measured in the same run: 200 TinyGPT
 #: steps took 13.34 s without checkpoints and 14.62 s (GPU snapshot) / 14.66 s (pinned) with a
 #: save every 100 steps, of which one 4.5-4.8 s background save overlapped training; less the
 #: blocked time that is 0.25 (GPU snapshot) and 0.22 (pinned). One small model on one GPU at
@@ -145,9 +146,9 @@ def default_ratio(part: str, dtype: str) -> tuple[float, str]:
     that figure comes from."""
     if part == "weights" and f"weights/{dtype}" in MEASURED_RATIOS:
         detail = "" if dtype == "bf16" else ", as the fp32 master copy"
-        return MEASURED_RATIOS[f"weights/{dtype}"], f"measured (H200{detail})"
+        return MEASURED_RATIOS[f"weights/{dtype}"], f"measured (docs/performance.md{detail})"
     if part in MEASURED_RATIOS and dtype == "fp32":
-        return MEASURED_RATIOS[part], "measured (H200)"
+        return MEASURED_RATIOS[part], "measured (docs/performance.md)"
     if part in ANALOGUE_RATIOS and dtype == "fp32":
         return ANALOGUE_RATIOS[part]
     return UNMEASURED_RATIO, "not measured: counted incompressible"
