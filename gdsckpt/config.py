@@ -41,6 +41,9 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .codecs.nvcomp import MAX_CHUNK_BYTES
+from .format import ALIGNMENT
+
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -96,7 +99,7 @@ class Config:
 
     codec: str = "auto"
     chunk_bytes: int = 4 << 20
-    gpu_chunk_bytes: int = 16 << 20
+    gpu_chunk_bytes: int = MAX_CHUNK_BYTES
     pack_below: int = 1 << 20
     byte_planes: str = "auto"
     level: int | None = None
@@ -118,10 +121,11 @@ class Config:
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
             object.__setattr__(self, name, parse_size(getattr(self, name)))
-        if self.chunk_bytes <= 0 or self.chunk_bytes % 4096 or self.chunk_bytes > 1 << 30:
+        if self.chunk_bytes <= 0 or self.chunk_bytes % ALIGNMENT or self.chunk_bytes > 1 << 30:
             raise ValueError(f"chunk_bytes must be a multiple of 4096 between 4 KiB and 1 GiB, "
                              f"got {self.chunk_bytes}")
-        if self.gpu_chunk_bytes <= 0 or self.gpu_chunk_bytes % 4096 or self.gpu_chunk_bytes > 16 << 20:
+        if (self.gpu_chunk_bytes <= 0 or self.gpu_chunk_bytes % ALIGNMENT
+                or self.gpu_chunk_bytes > MAX_CHUNK_BYTES):
             raise ValueError(f"gpu_chunk_bytes must be a multiple of 4096 between 4 KiB and 16 MiB "
                              f"(nvCOMP's largest chunk), got {self.gpu_chunk_bytes}")
         if self.max_inflight_bytes < self.chunk_bytes:

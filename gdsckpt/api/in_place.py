@@ -248,26 +248,16 @@ def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any],
     if torch is not None and isinstance(obj, torch.Tensor):
         existing[join_key(path)] = obj
         return
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            if _is_plain(value):
+    if isinstance(obj, (dict, list, tuple)):
+        # A plain value in a dict or list is a slot the checkpoint's value replaces; a tuple
+        # cannot be assigned into, so only what it holds is filled.
+        slots = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for key, value in slots:
+            if _is_plain(value) and not isinstance(obj, tuple):
                 plain_slots.append((obj, key, paths.child(node, key)))
             else:
                 _collect_targets(value, path + [key], existing, optimizers, plain_slots, paths,
                                  paths.child(node, key))
-        return
-    if isinstance(obj, list):
-        for i, value in enumerate(obj):
-            if _is_plain(value):
-                plain_slots.append((obj, i, paths.child(node, i)))
-            else:
-                _collect_targets(value, path + [i], existing, optimizers, plain_slots, paths,
-                                 paths.child(node, i))
-        return
-    if isinstance(obj, tuple):
-        for i, value in enumerate(obj):
-            _collect_targets(value, path + [i], existing, optimizers, plain_slots, paths,
-                             paths.child(node, i))
         return
     if _is_plain(obj):
         return

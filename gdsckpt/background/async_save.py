@@ -53,7 +53,6 @@ and the savers (in-process threads, or the save worker process of ``worker``).
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import logging
 import os
@@ -500,11 +499,7 @@ def _at_exit() -> None:
 # threading's exit hooks run before concurrent.futures stops accepting work (hooks run in reverse
 # order of registration and concurrent.futures registered first), so a waited-for save can still
 # use its thread pools. Plain atexit would run after that.
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_at_exit)
-else:  # pragma: no cover - CPython < 3.9
-    atexit.register(_at_exit)
+threading._register_atexit(_at_exit)  # noqa: SLF001 - the hook CPython >= 3.9 runs before that point
 
 
 __all__ = ["AsyncSaver", "PoolStats", "SaveHandle", "SnapshotPool", "clear_pool", "pool_stats", "prepare",

@@ -264,6 +264,12 @@ extern "C" __global__ void zero_fill(unsigned char** starts, const int* lengths)
 _kernels: dict[int, Any] = {}
 
 
+def backend_or_cuda(device: DeviceBackend | None, device_id: int) -> DeviceBackend:
+    """``device`` where a caller passes one (the NumPy stand-in of the CPU tests), else the real
+    backend on CUDA device ``device_id``: what the GPU encoder and decoder run on."""
+    return device if device is not None else CudaDevice(device_id)
+
+
 def _zero_fill_kernel(cupy: Any) -> Any:
     """The compiled ``_ZERO_FILL`` kernel of the current device (compiled once per device)."""
     device = cupy.cuda.runtime.getDevice()

@@ -60,6 +60,15 @@ class Header:
     alignment: int
 
 
+def _check_major(major: int, minor: int) -> None:
+    """Refuse a file of another major version (docs/format.md, "Versioning")."""
+    if major != FORMAT_MAJOR:
+        raise UnsupportedFormatError(
+            f"checkpoint format version {major}.{minor} is not supported by this reader "
+            f"(it reads major version {FORMAT_MAJOR}); upgrade gdsckpt"
+        )
+
+
 def unpack_header(data: bytes) -> Header:
     """Decode and validate the first 64 bytes of a file.
 
@@ -69,11 +78,7 @@ def unpack_header(data: bytes) -> Header:
     if len(data) < HEADER_SIZE or data[:8] != MAGIC:
         raise UnsupportedFormatError("not a gdsckpt checkpoint (bad magic number at offset 0)")
     magic, major, minor, region, alignment, _flags, _reserved, crc = _HEADER.unpack(data[:HEADER_SIZE])
-    if major != FORMAT_MAJOR:
-        raise UnsupportedFormatError(
-            f"checkpoint format version {major}.{minor} is not supported by this reader "
-            f"(it reads major version {FORMAT_MAJOR}); upgrade gdsckpt"
-        )
+    _check_major(major, minor)
     if checksum(data[:60]) != crc:
         raise CorruptCheckpointError("header checksum mismatch")
     if region != HEADER_REGION or alignment != ALIGNMENT:
@@ -119,11 +124,7 @@ def unpack_trailer(data: bytes, file_size: int) -> Trailer:
         raise CorruptCheckpointError("no trailer at the end of the file: truncated or not fully written")
     (_magic, major, minor, _flags, index_offset, index_length, index_crc, _r, file_length, _r2,
      crc) = _TRAILER.unpack(data)
-    if major != FORMAT_MAJOR:
-        raise UnsupportedFormatError(
-            f"checkpoint format version {major}.{minor} is not supported by this reader "
-            f"(it reads major version {FORMAT_MAJOR}); upgrade gdsckpt"
-        )
+    _check_major(major, minor)
     if checksum(data[:60]) != crc:
         raise CorruptCheckpointError("trailer checksum mismatch")
     if file_length != file_size:

@@ -20,6 +20,7 @@ the measured hosts nearly doubles durable write throughput (1.9 vs 1.0 GB/s).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -228,6 +229,15 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def _close_quietly(*fds: int | None) -> None:
+    """Close each open descriptor (None and -1 mean none), ignoring errors: used on paths that
+    already report a failure, or where the file is done with."""
+    for fd in fds:
+        if fd is not None and fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 def _is_aligned(data: np.ndarray, offset: int) -> bool:
     return (offset % ALIGNMENT == 0 and data.nbytes % ALIGNMENT == 0
             and data.ctypes.data % ALIGNMENT == 0)
@@ -319,12 +329,7 @@ class PosixWriter(StorageWriter):
             pass
 
     def _close_fds(self) -> None:
-        for fd in (self._direct_fd, self._fd):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        _close_quietly(self._direct_fd, self._fd)
         self._direct_fd = None
         self._fd = -1
 
@@ -391,11 +396,6 @@ class PosixReader(StorageReader):
             # A read still running keeps its descriptor (closing it could let the number be
             # reused by another file) and may still fill its buffer, maybe the caller's tensor.
             raise TimeoutError(f"reads of {str(self.path)!r} still running {self.timeout} s after close")
-        for fd in (self._direct_fd, self._fd):
-            if fd is not None and fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        _close_quietly(self._direct_fd, self._fd)
         self._direct_fd = None
         self._fd = -1

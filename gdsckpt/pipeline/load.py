@@ -25,7 +25,7 @@ from typing import Any, Callable, NoReturn
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import (
-    HEADER_REGION, MAGIC, TRAILER_SIZE, Header, Index, Trailer, align_up, checksum, parse_index,
+    HEADER_REGION, HEADER_SIZE, MAGIC, TRAILER_SIZE, Header, Index, Trailer, align_up, checksum, parse_index,
     unpack_header, unpack_trailer,
 )
 from ..io.base import StorageReader
@@ -59,11 +59,11 @@ class OpenedFile:
 def open_file(reader: StorageReader) -> OpenedFile:
     """Read and validate header, trailer and index through ``reader``."""
     if reader.size < HEADER_REGION + TRAILER_SIZE:
-        head = reader.read(0, min(reader.size, 64))
-        if len(head) == 64 or head[:len(MAGIC)] != MAGIC:
+        head = reader.read(0, min(reader.size, HEADER_SIZE))
+        if len(head) == HEADER_SIZE or head[:len(MAGIC)] != MAGIC:
             unpack_header(head)  # a foreign file says so before "truncated" does
         raise CorruptCheckpointError(f"file is {reader.size} bytes: truncated")
-    header = unpack_header(reader.read(0, 64))
+    header = unpack_header(reader.read(0, HEADER_SIZE))
     trailer = unpack_trailer(reader.read(reader.size - TRAILER_SIZE, TRAILER_SIZE), reader.size)
     index_bytes = reader.read(trailer.index_offset, trailer.index_length)
     if checksum(index_bytes) != trailer.index_crc:

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..format import ALIGNMENT
+
 
 class ArraySource(Protocol):
     """Read access to one array's element bytes, for the save pipeline."""
@@ -95,8 +97,8 @@ def plan_chunks(sizes: list[tuple[int, int, int]], *, chunk_bytes: int, pack_bel
 
     ``chunk_bytes`` must be a positive multiple of 4096 (so of every itemsize).
     """
-    if chunk_bytes <= 0 or chunk_bytes % 4096:
-        raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
+    if chunk_bytes <= 0 or chunk_bytes % ALIGNMENT:
+        raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGNMENT}, got {chunk_bytes}")
     plans: list[ChunkPlan] = []
     packs: dict[tuple[bool, int], list[int]] = {}
     for index, (nbytes, _itemsize, width) in enumerate(sizes):

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..codecs import Chain
-from ..format import ALIGNMENT, HEADER_REGION, XOR_BASE, Index, align_up, checksum, pack_header, pack_trailer
+from ..format import (
+    ALIGNMENT, HEADER_REGION, TRAILER_SIZE, XOR_BASE, Index, align_up, checksum, pack_header, pack_trailer,
+)
 from ..format.index import ChunkRecord, Segment
 from ..io.base import StorageWriter
 from .engine import EncodedChunk, Engine
@@ -117,7 +119,7 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
         index_offset = align_up(offset, ALIGNMENT)
         writer.write_tail(index_offset, index_bytes + pack_trailer(index_offset, len(index_bytes),
                                                                    checksum(index_bytes), index.minor))
-        result.file_bytes = index_offset + len(index_bytes) + 64
+        result.file_bytes = index_offset + len(index_bytes) + TRAILER_SIZE
         writer.commit()
     except BaseException:
         for _plan, future in encodes:

@@ -48,6 +48,7 @@ from typing import Any
 from ..version import __version__
 from ..codecs import PORTABLE_CODECS, known_codec_names
 from ..config import Config
+from ..codecs.nvcomp import MAX_CHUNK_BYTES
 from ..format import align_up
 from ..io import PosixReader, PosixWriter, aligned_empty
 from ..errors import InsufficientSpaceError
@@ -60,7 +61,7 @@ GIB = 1 << 30
 MIB = 1 << 20
 DEFAULT_CODECS = ("auto", "zstd", "lz4", "none")
 BASELINES = ("torch", "safetensors")
-GPU_MAX_CHUNK_BYTES = 16 << 20
+GPU_MAX_CHUNK_BYTES = MAX_CHUNK_BYTES
 """The GPU engine's largest chunk (nvCOMP's RAW maximum, ``Config.gpu_chunk_bytes``)."""
 SAVE_TIE = 0.03
 """Save throughputs within this fraction of the fastest count as a tie (run-to-run noise)."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...codecs import BYTE_PLANES
-from ...codecs.device import DeviceBackend, planes_inverse_into
+from ...codecs.device import DeviceBackend, backend_or_cuda, planes_inverse_into
 from ...codecs.nvcomp import DecoderKey, decoder_key, device_decoder_name, reports_undecodable
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ...format import XOR_BASE, align_up
@@ -65,11 +65,7 @@ class GpuDecoder(WorkerOwner, Decoder):
 
     def __init__(self, *, device_id: int, max_staging_bytes: int, batch_chunks: int = 64, timeout: float = 600.0,
                  device: DeviceBackend | None = None):
-        if device is None:
-            from ...codecs.device import CudaDevice
-
-            device = CudaDevice(device_id)
-        self.device = device
+        self.device = backend_or_cuda(device, device_id)
         self.device_id = device_id
         self.max_staging_bytes = max_staging_bytes
         self.timeout = timeout

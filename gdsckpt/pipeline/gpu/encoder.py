@@ -37,7 +37,7 @@ from functools import partial
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from ...codecs import BYTE_PLANES, PORTABLE_CODECS, Chain, gpu_codec_names
-from ...codecs.device import DeviceBackend, DeviceCodecLike, ans_data_type, planes_forward_into, same_values
+from ...codecs.device import DeviceBackend, backend_or_cuda, DeviceCodecLike, ans_data_type, planes_forward_into, same_values
 from ...codecs.nvcomp import BITCOMP_LOSSY_TYPES
 from ...format import align_up
 from ..engine import NONE_CHAIN, EncodedChunk, Encoder
@@ -131,11 +131,7 @@ class GpuEncoder(WorkerOwner, Encoder):
         if codec != "none" and codec not in gpu_codec_names():
             raise ValueError(f"codec {codec!r} has no GPU implementation (expected one of: "
                              f"{', '.join(['none', *gpu_codec_names()])})")
-        if device is None:
-            from ...codecs.device import CudaDevice
-
-            device = CudaDevice(device_id)
-        self.device = device
+        self.device = backend_or_cuda(device, device_id)
         self.sources = sources
         self.codec = codec
         self.byte_planes = byte_planes
