@@ -329,7 +329,9 @@ def test_time_budget_ends_the_run_with_partial_results(tmp_path: Path, monkeypat
     clock = {"now": 0.0}
     real = time.perf_counter
     runs: list[str] = []
-    original = sb._run_once
+    from gdsckpt.tools.storagebench import runner
+
+    original = runner._run_once
 
     def run_once(case: Any, path: Path, sync: Any) -> None:
         original(case, path, sync)
@@ -337,8 +339,8 @@ def test_time_budget_ends_the_run_with_partial_results(tmp_path: Path, monkeypat
         if len(runs) == 4:  # round 1 (raw, zstd, none) and one of round 2 ran: the budget is spent
             clock["now"] = 7200.0
 
-    monkeypatch.setattr(sb, "_run_once", run_once)
-    monkeypatch.setattr(sb.time, "perf_counter", lambda: real() + clock["now"])
+    monkeypatch.setattr(runner, "_run_once", run_once)
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: real() + clock["now"])
     report = sb.run_benchmark(settings, [tmp_path])
     measurements = report.targets[0].measurements
     assert len(runs) == 4 and all(m.status == "ok" for m in measurements)
