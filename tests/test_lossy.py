@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gdsckpt
-from gdsckpt.state import lossy
+from gdsckpt.state import lossy, lossy_analysis
 from gdsckpt.cli.main import main as cli_main
 from gdsckpt.demo import TinyGPT, bit_equal, training_state
 
@@ -392,7 +392,7 @@ def test_sensitivity_smoke() -> None:
         logits = module(batch[:, :-1])
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), batch[:, 1:].reshape(-1))
 
-    results = lossy.sensitivity(model, loss_fn, tokens, ["embed", "blocks.0", "*.weight", "missing"])
+    results = lossy_analysis.sensitivity(model, loss_fn, tokens, ["embed", "blocks.0", "*.weight", "missing"])
     assert [(r.group, r.rel_bound) for r in results] == [
         (g, b) for g in ("embed", "blocks.0", "*.weight", "missing") for b in (1e-2, 1e-3)]
     assert all(math.isfinite(r.rel_change) and r.base_loss == results[0].base_loss for r in results)
@@ -402,18 +402,18 @@ def test_sensitivity_smoke() -> None:
         assert r.max_error <= r.rel_bound * max((weights[k].abs().max().item() for k in r.keys), default=0.0)
     assert any(r.rel_change != 0.0 for r in results)
     assert all(bit_equal(before[k], v) for k, v in model.state_dict().items()), "originals restored"
-    own = lossy.sensitivity(model, loss_fn, tokens, {"*.weight": 0.05}, rel_bounds=None)
+    own = lossy_analysis.sensitivity(model, loss_fn, tokens, {"*.weight": 0.05}, rel_bounds=None)
     assert len(own) == 1 and own[0].rel_bound == 0.05 and own[0].keys
 
 
 def test_compare_modes_reports_both() -> None:
     values = torch.randn(20000) * 1e-3
-    figures = lossy.compare_modes(values, 1e-2)
+    figures = lossy_analysis.compare_modes(values, 1e-2)
     assert figures["raw_bytes"] == 80000
     assert 0 < figures["grid_bytes"] < 80000 and 0 < figures["q8_bytes"] < 80000
     assert figures["grid_max_error"] <= figures["abs_bound"]
     assert figures["q8_within_bound"] == (figures["q8_max_error"] <= figures["abs_bound"])
-    half = lossy.compare_modes(values.to(torch.bfloat16), 1e-3)
+    half = lossy_analysis.compare_modes(values.to(torch.bfloat16), 1e-3)
     assert half["raw_bytes"] == 40000
 
 
@@ -425,7 +425,7 @@ def test_mantissa_mode_bounds_each_element_relatively(case: tuple[str, np.ndarra
     tensor = _torch_of(dtype, bits)
     before = _bits(tensor)
     with mock.patch.object(lossy, "CHUNK_ELEMENTS", 5 if chunked else lossy.CHUNK_ELEMENTS):
-        result = lossy._quantize(tensor, rel, "mantissa")
+        result = lossy.quantize_whole(tensor, rel, "mantissa")
     assert np.array_equal(_bits(tensor), before), "the caller's tensor is never modified"
     if result is None:  # no mantissa bits to spare at this bound, or nothing finite and nonzero
         x = _as_float64(tensor)
@@ -440,7 +440,7 @@ def test_mantissa_mode_bounds_each_element_relatively(case: tuple[str, np.ndarra
     assert np.array_equal(after[~finite], before[~finite]), "NaN / inf bit patterns (payloads) kept"
     assert np.array_equal(np.signbit(y[finite]), np.signbit(x[finite]))
     if dtype != "bfloat16":  # NumPy computes the very same bits
-        same = lossy._quantize(tensor.numpy(), rel, "mantissa")
+        same = lossy.quantize_whole(tensor.numpy(), rel, "mantissa")
         assert same is not None and np.array_equal(_bits(same.values), after)
 
 

@@ -46,6 +46,11 @@ training. With ``async_engine="cpu"`` as well it reached 0.973-0.978 (0.959 with
 snapshot), where the CPU engine in a thread reached 0.919: the worker process is what lets the
 save run off the GPU without taking the training process's time. ``configs/async-training.toml``
 sets both.
+
+Why one module of about 570 lines: the parent's side (``SaveWorker``: spawning, handing over
+buffers, waiting with bounds) and the child's side (``_serve``) speak one private message protocol
+of pickled dicts and shared-memory buffers; kept in one file, a change to a message is made on
+both sides at once.
 """
 
 from __future__ import annotations

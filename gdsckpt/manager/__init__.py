@@ -74,6 +74,10 @@ for one), device faults, ``KeyboardInterrupt``, a target that does not match
 (``StateMismatchError``), a codec or array library this machine lacks (``CodecUnavailableError``
 and other ``CheckpointError``). The targets may then hold part of that checkpoint; nothing on
 disk is changed.
+
+Why one module of about 530 lines: it is one class, ``CheckpointManager``, whose saving,
+pruning and restoring share the directory's invariants above (which files are complete, which
+base a delta needs, what ``latest`` may name); split apart, each piece would re-derive them.
 """
 
 from __future__ import annotations

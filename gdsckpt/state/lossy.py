@@ -92,13 +92,15 @@ near 80 MB on the host or the device, whatever the array's size."""
 
 
 
-def _matches(pattern: str, key: str) -> bool:
+def key_matches(pattern: str, key: str) -> bool:
+    """Whether a lossy policy's key pattern selects ``key`` (``fnmatch``, with ``/`` or ``.``)."""
     # Key strings separate containers with "/" ("optimizer/state/0/exp_avg"); users think of them
     # dotted, as torch names them ("optimizer.state.*.exp_avg"): either spelling matches.
     return fnmatch.fnmatchcase(key, pattern) or fnmatch.fnmatchcase(key.replace("/", "."), pattern)
 
 
-def _check_rel(rel: Any, pattern: str) -> float:
+def checked_rel(rel: Any, pattern: str) -> float:
+    """``rel`` as a float, or ``ValueError`` unless it is a relative bound in (0, 1)."""
     if isinstance(rel, bool) or not isinstance(rel, (int, float)) or not 0 < rel < 1:
         raise ValueError(f"relative error bound of {pattern!r} must be a number in (0, 1), got {rel!r}")
     return float(rel)
@@ -110,8 +112,8 @@ def _check_rule(value: Any, pattern: str, default_mode: str) -> tuple[str, float
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
         if value[0] not in MODES:
             raise ValueError(f"lossy mode {value[0]!r} of {pattern!r} is not one of {MODES}")
-        return value[0], _check_rel(value[1], pattern)
-    return default_mode, _check_rel(value, pattern)
+        return value[0], checked_rel(value[1], pattern)
+    return default_mode, checked_rel(value, pattern)
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ class LossyPolicy:
     def rule_for(self, key: str) -> tuple[str, float] | None:
         """(mode, relative bound) of the first pattern matching ``key``, or None (lossless)."""
         for pattern, rule in self.rules:  # type: ignore[misc]
-            if _matches(pattern, key):
+            if key_matches(pattern, key):
                 return rule
         return None
 
@@ -332,8 +334,8 @@ def plan_rounding(array: Any, mode: str, rel: float) -> Rounding | None:
     ``mode`` at ``rel`` without keeping a rounded copy: one pass for the largest magnitude, one
     computing every part's error and discarding it. None where a save stores the array losslessly
     (other dtypes, nothing to round, a bound the measurement breaks)."""
-    rel = _check_rel(rel, "plan_rounding")
-    dtype_name = _dtype_name(array)
+    rel = checked_rel(rel, "plan_rounding")
+    dtype_name = float_dtype_name(array)
     if dtype_name not in FLOAT_DTYPES or mode not in MODES:
         return None
     torch_kind = not isinstance(array, np.ndarray)
@@ -384,7 +386,7 @@ def _round_whole(array: Any, rounding: Rounding) -> Any:
     return flat.reshape(array.shape)
 
 
-def _quantize(array: Any, rel: float, mode: str) -> GridResult | None:
+def quantize_whole(array: Any, rel: float, mode: str) -> GridResult | None:
     """The whole array rounded under ``mode`` (``plan_rounding``'s rules), or None."""
     rounding = plan_rounding(array, mode, rel)
     if rounding is None:
@@ -407,7 +409,7 @@ class RoundedSource:
     def __init__(self, source: Any, rounding: Rounding):
         self.source = source
         self.rounding = rounding
-        self.dtype = _dtype_name(source.tensor if isinstance(source, TorchSource) else source.array)
+        self.dtype = float_dtype_name(source.tensor if isinstance(source, TorchSource) else source.array)
         """The array's dtype name (``"float32"``)."""
         self.nbytes, self.itemsize = source.nbytes, source.itemsize
         self.plane_width, self.on_device = source.plane_width, source.on_device
@@ -425,8 +427,8 @@ class RoundedSource:
         """Rounded bytes ``[start, stop)`` in host memory (little-endian)."""
         rounded = self._rounded(start, stop)
         if isinstance(rounded, np.ndarray):
-            return NumpySource(rounded, _dtype_name(rounded)).host_bytes(0, stop - start)
-        return TorchSource(rounded, _dtype_name(rounded)).host_bytes(0, stop - start)
+            return NumpySource(rounded, float_dtype_name(rounded)).host_bytes(0, stop - start)
+        return TorchSource(rounded, float_dtype_name(rounded)).host_bytes(0, stop - start)
 
     def device_bytes(self, start: int, stop: int) -> Any:
         """Rounded bytes ``[start, stop)`` on the array's device (CuPy)."""
@@ -440,10 +442,11 @@ class RoundedSource:
 
             # torch rounded on its own current stream; the GPU engine reads on another one.
             torch.cuda.current_stream(rounded.device).synchronize()
-        return TorchSource(rounded, _dtype_name(rounded)).device_bytes(0, stop - start)
+        return TorchSource(rounded, float_dtype_name(rounded)).device_bytes(0, stop - start)
 
 
-def _dtype_name(array: Any) -> str | None:
+def float_dtype_name(array: Any) -> str | None:
+    """The dtype name of a torch tensor or NumPy array (``"bfloat16"``), None for other arrays."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(array, torch.Tensor):
         return str(array.dtype).removeprefix("torch.")
@@ -459,10 +462,10 @@ def grid_quantize(array: Any, rel: float) -> GridResult | None:
     Returns None where a save would store the array losslessly: a dtype other than float16,
     bfloat16, float32 and float64, no finite nonzero element, or a measured error above the bound.
     """
-    rel = _check_rel(rel, "grid_quantize")
-    if _dtype_name(array) not in FLOAT_DTYPES:
+    rel = checked_rel(rel, "grid_quantize")
+    if float_dtype_name(array) not in FLOAT_DTYPES:
         return None
-    return _quantize(array, rel, "grid")
+    return quantize_whole(array, rel, "grid")
 
 
 def apply_policy(flat: FlatState, policy: LossyPolicy | Mapping[str, float]) -> list[str]:
@@ -493,167 +496,6 @@ def apply_policy(flat: FlatState, policy: LossyPolicy | Mapping[str, float]) -> 
     return rounded
 
 
-# ---------------------------------------------------------------------------------------------
-# analysis: grid against blockwise 8-bit quantization
-
-def _zstd_bytes(data: np.ndarray, width: int) -> int:
-    """Bytes zstd (level 1, as the CPU engine) takes for ``data``: the smaller of one frame and
-    one frame per byte plane, as the engine's byte-plane trial chooses."""
-    import zstandard
-
-    from ..codecs.cpu import planes_forward
-    from ..pipeline.engine import HOST_ZSTD_LEVEL
-
-    compressor = zstandard.ZstdCompressor(level=HOST_ZSTD_LEVEL)
-    data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    plain = len(compressor.compress(data))
-    if width < 2 or data.size % width:
-        return plain
-    planes = planes_forward(data, width).reshape(width, -1)
-    return min(plain, sum(len(compressor.compress(plane)) for plane in planes))
-
-
-def _as_numpy(array: Any) -> np.ndarray:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(array, torch.Tensor):
-        array = array.detach().cpu()
-        if array.dtype == torch.bfloat16:
-            # NumPy has no bfloat16 without ml_dtypes: keep the bits (for the grid's stored bytes)
-            return array.view(torch.int16).numpy()
-        return array.numpy()
-    return np.asarray(array)
-
-
-def compare_modes(array: Any, rel: float, *, block: int = 256) -> dict[str, Any]:
-    """Estimate what grid rounding at ``rel`` and blockwise 8-bit quantization would store for one
-    floating array, both compressed with zstd (an in-memory analysis: no file holds the 8-bit form).
-
-    8-bit (``q8``): per block of ``block`` elements, ``scale = max|x| / 127`` (float32) and int8
-    codes ``round(x / scale)``; its error is at most ``scale / 2`` per block, which need not meet
-    the grid's ``abs_bound`` (``q8_within_bound`` says). Non-finite elements count as 0 for q8.
-    Returns raw, grid and q8 byte counts, ratios and measured max errors.
-    """
-    grid = grid_quantize(array, rel)
-    raw = _as_numpy(array)
-    itemsize = raw.dtype.itemsize
-    values = _as_numpy(grid.values) if grid is not None else raw
-    grid_bytes = _zstd_bytes(values, itemsize)
-
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(array, torch.Tensor):
-        x = array.detach().to("cpu", torch.float64).reshape(-1).numpy()
-    else:
-        x = np.asarray(array, dtype=np.float64).reshape(-1)
-    x = np.where(np.isfinite(x), x, 0.0)
-    padded = np.zeros(-(-x.size // block) * block, dtype=np.float64)
-    padded[:x.size] = x
-    blocks = padded.reshape(-1, block)
-    scales = (np.abs(blocks).max(axis=1) / 127).astype(np.float32)
-    divisor = np.where(scales > 0, scales, 1).astype(np.float64)[:, None]
-    codes = np.clip(np.round(blocks / divisor), -127, 127).astype(np.int8)
-    decoded = codes.astype(np.float64) * scales.astype(np.float64)[:, None]
-    q8_error = float(np.abs(decoded - blocks).max()) if blocks.size else 0.0
-    q8_bytes = _zstd_bytes(codes, 1) + _zstd_bytes(scales, 4)
-
-    nbytes = raw.nbytes
-    abs_bound = grid.abs_bound if grid is not None else 0.0
-    return {
-        "raw_bytes": nbytes, "rel_bound": rel, "abs_bound": abs_bound, "block": block,
-        "grid_bytes": grid_bytes, "grid_ratio": nbytes / grid_bytes if grid_bytes else 0.0,
-        "grid_max_error": grid.max_error if grid is not None else 0.0,
-        "q8_bytes": q8_bytes, "q8_ratio": nbytes / q8_bytes if q8_bytes else 0.0,
-        "q8_max_error": q8_error, "q8_within_bound": q8_error <= abs_bound,
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# sensitivity of a model's loss
-
-@dataclass(frozen=True)
-class Sensitivity:
-    """How the loss moved when one group of a model's tensors was grid-rounded at one bound."""
-
-    group: str
-    rel_bound: float
-    keys: tuple[str, ...]
-    """The state_dict keys rounded (empty: the group matched no floating tensor)."""
-    base_loss: float
-    loss: float
-    rel_change: float
-    """``(loss - base_loss) / |base_loss|`` (the plain difference when ``base_loss`` is 0)."""
-    max_error: float
-    """The largest measured ``max_error`` among the group's tensors."""
-
-
-_WILDCARDS = frozenset("*?[")
-
-
-def _groups(spec: Any) -> list[tuple[str, list[str], float | None, str]]:
-    """(name, patterns, own bound or None, mode) of each group of ``sensitivity``."""
-    if isinstance(spec, LossyPolicy) or (isinstance(spec, Mapping) and spec
-                                         and all(isinstance(v, (int, float, tuple)) for v in spec.values())):
-        policy = LossyPolicy.of(spec)
-        return [(pattern, [pattern], rule[1], rule[0]) for pattern, rule in policy.rules]  # type: ignore[misc]
-    if isinstance(spec, Mapping):
-        return [(str(name), [patterns] if isinstance(patterns, str) else list(patterns), None, "grid")
-                for name, patterns in spec.items()]
-    if isinstance(spec, str) or not isinstance(spec, Iterable):
-        raise TypeError("groups must be a LossyPolicy, a dict of pattern -> bound, a dict of name -> "
-                        "patterns, or a list of patterns / key prefixes")
-    # A plain name is a prefix: "blocks.0" covers "blocks.0.qkv.weight", ...
-    return [(p, [p] if _WILDCARDS & set(p) else [p, p + ".*", p + "/*"], None, "grid") for p in spec]
-
-
-def sensitivity(model: Any, loss_fn: Callable[[Any, Any], Any], batch: Any, groups: Any,
-                rel_bounds: Iterable[float] | None = (1e-2, 1e-3)) -> list[Sensitivity]:
-    """For each group of ``model``'s floating state_dict tensors and each bound: round that group
-    to its grid form (``grid_quantize``), evaluate ``loss_fn(model, batch)`` (under
-    ``torch.no_grad``), restore the originals (bit-exact), and report the loss's relative change.
-
-    ``groups``: a ``LossyPolicy`` or dict of pattern -> bound (a group per pattern), a dict of
-    name -> pattern(s), or a list of patterns / key prefixes (``"blocks.0"``); patterns match
-    state_dict keys as in ``LossyPolicy``. ``rel_bounds``: the bounds to try; None uses each
-    pattern's own bound (policies only). Put the model in ``eval()`` mode first if it has dropout,
-    or the loss moves by itself. Returns one ``Sensitivity`` per group and bound, in that order.
-    """
-    import torch
-
-    entries = [(key, tensor) for key, tensor in model.state_dict().items()
-               if isinstance(tensor, torch.Tensor) and _dtype_name(tensor) in FLOAT_DTYPES]
-    bounds = None if rel_bounds is None else [_check_rel(rel, "rel_bounds") for rel in rel_bounds]
-    with torch.no_grad():
-        base = float(loss_fn(model, batch))
-    results = []
-    for name, patterns, own, mode in _groups(groups):
-        members = [(key, tensor) for key, tensor in entries if any(_matches(p, key) for p in patterns)]
-        if bounds is None and own is None:
-            raise ValueError(f"group {name!r} has no bound of its own: give rel_bounds")
-        for rel in (bounds if bounds is not None else [own]):
-            assert rel is not None
-            keys, worst, loss = [], 0.0, base
-            if members:
-                # Every original is copied before anything is written: tied tensors (one memory
-                # under two keys) come back as they were.
-                originals = [tensor.detach().clone() for _key, tensor in members]
-                try:
-                    with torch.no_grad():
-                        for key, tensor in members:
-                            result = _quantize(tensor, rel, mode)
-                            if result is not None:
-                                tensor.copy_(result.values)
-                                keys.append(key)
-                                worst = max(worst, result.max_error)
-                        loss = float(loss_fn(model, batch))
-                finally:
-                    with torch.no_grad():
-                        for (_key, tensor), original in zip(members, originals):
-                            tensor.copy_(original)
-            change = (loss - base) / abs(base) if base else loss - base
-            results.append(Sensitivity(name, rel, tuple(keys), base, loss, change, worst))
-    return results
-
-
 __all__ = [
-    "FLOAT_DTYPES", "GridResult", "LossyPolicy", "LossyWarning", "Sensitivity", "apply_policy",
-    "compare_modes", "grid_quantize", "sensitivity",
+    "FLOAT_DTYPES", "GridResult", "LossyPolicy", "LossyWarning", "apply_policy", "grid_quantize",
 ]
