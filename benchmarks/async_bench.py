@@ -211,7 +211,8 @@ def bench_training(model: Any, optimizer: Any, directory: Path,
             manager.save_async(0, benchlib.live_state(model, optimizer, 0)).wait(timeout=timeout)
             warmup = time.perf_counter() - started
             handles: list[gdsckpt.SaveHandle] = []
-            run = loop(lambda step: handles.append(manager.save_async(step, benchlib.live_state(model, optimizer, step))))
+            run = loop(lambda step: handles.append(
+                manager.save_async(step, benchlib.live_state(model, optimizer, step))))
             started = time.perf_counter()
             manager.wait(timeout=timeout)
             run["final_wait_s"] = time.perf_counter() - started
@@ -235,7 +236,8 @@ def bench_training(model: Any, optimizer: Any, directory: Path,
             if pending:  # one save in flight at a time, as gdsckpt's max_inflight=1
                 pending[-1].result(timeout=timeout)
             paths.append(where / f"step-{step:010d}")
-            future = future_of(dcp.async_save(benchlib.live_state(model, optimizer, step), checkpoint_id=str(paths[-1])))
+            future = future_of(dcp.async_save(benchlib.live_state(model, optimizer, step),
+                                              checkpoint_id=str(paths[-1])))
             if len(paths) > 2:  # keep_last=2: drop the oldest once this one is complete, in the background
                 future.add_done_callback(lambda _f, old=paths[-3]: shutil.rmtree(old, ignore_errors=True))
             pending.append(future)

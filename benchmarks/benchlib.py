@@ -372,8 +372,8 @@ def host_facts(directory: Path) -> dict[str, Any]:
         gpu = torch.cuda.get_device_name(0)
         versions["torch_cuda"] = torch.version.cuda
     try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=False, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=False, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
     memory = _first_line("/proc/meminfo", "MemTotal")
@@ -406,7 +406,7 @@ class Report(dict):
         started = time.perf_counter()
         try:
             return fn(*args)
-        except Exception as err:  # noqa: BLE001 - one step failing must not lose the others
+        except Exception as err:
             frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
             where = f" (at {Path(frame.filename).name}:{frame.lineno})" if frame else ""
             self["errors"][name] = f"{type(err).__name__}: {err}{where}"

@@ -24,13 +24,12 @@ Writes JSON (benchlib's schema; the limits under ``limits``) and prints a table.
 
 from __future__ import annotations
 
-from typing import Any
-
 import argparse
 import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import benchlib
 import torch
@@ -98,11 +97,13 @@ def deltas(args: argparse.Namespace, interval: int, directory: Path) -> dict:
     full_total = sum(r["full_bytes"] for r in rows)
     delta_total = sum(r["delta_bytes"] for r in rows)
     weight_ratios = [r["delta_groups"]["model"][0] / r["delta_groups"]["model"][1] for r in rows[1:]]
-    result = {"interval": interval, "rows": rows, "bit_exact": not problems, "problems": problems[:5], "full_bytes": full_total,
-              "delta_bytes": delta_total, "delta_share": delta_total / full_total,
-              "bf16_weight_delta_ratio_median": sorted(weight_ratios)[len(weight_ratios) // 2] if weight_ratios else None,
+    delta_saves = sorted(r["delta_save_s"] for r in rows[1:])
+    weight_median = sorted(weight_ratios)[len(weight_ratios) // 2] if weight_ratios else None
+    result = {"interval": interval, "rows": rows, "bit_exact": not problems, "problems": problems[:5],
+              "full_bytes": full_total, "delta_bytes": delta_total, "delta_share": delta_total / full_total,
+              "bf16_weight_delta_ratio_median": weight_median,
               "full_save_s_median": sorted(r["full_save_s"] for r in rows)[len(rows) // 2],
-              "delta_save_s_median": sorted(r["delta_save_s"] for r in rows[1:])[len(rows[1:]) // 2] if rows[1:] else None}
+              "delta_save_s_median": delta_saves[len(delta_saves) // 2] if delta_saves else None}
     for path in directory.glob("*.gdsckpt"):
         path.unlink()
     del model, optimizer

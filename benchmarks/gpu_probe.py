@@ -66,7 +66,7 @@ for label, data, width in (("bf16", bf16, 2), ("fp32", fp32, 4)):
 facts["ans_ratios_normal_0.02"] = ratios
 
 
-def codec_speeds(data: "cupy.ndarray", chunk: int = 16 << 20, repeats: int = 3) -> dict:
+def codec_speeds(data: cupy.ndarray, chunk: int = 16 << 20, repeats: int = 3) -> dict:
     """Compress and decompress GB/s (best of ``repeats``, after one warm-up) and ratio of every
     nvCOMP codec through ``DeviceCodec``, the GPU engine's own path: one batch of ``chunk``-byte
     chunks, as the engine sends them. Raw bytes over kernel time; no planes, no ANS data type."""

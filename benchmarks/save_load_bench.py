@@ -176,7 +176,8 @@ def dcp_method(state: dict, *, zstd: bool) -> Method:
         dcp.load(template, storage_reader=dcp.FileSystemReader(str(path)))
         return template
 
-    return Method("dcp_zstd" if zstd else "dcp", save, load, "", lambda got: benchlib.differences((flat, {}), (got, {})))
+    return Method("dcp_zstd" if zstd else "dcp", save, load, "",
+                  lambda got: benchlib.differences((flat, {}), (got, {})))
 
 
 def naive_method(state: dict) -> Method:
@@ -338,7 +339,8 @@ def run(args: argparse.Namespace, report: benchlib.Report, directory: Path) -> N
     methods = [raw_method(state, device)] if device == "cpu" or _has("kvikio") else []
     if not methods:
         report["skipped"]["raw"] = "kvikio is not installed"
-    variants = args.variant or (["auto=auto"] if device == "cuda" else ["none=none", "lz4=lz4", "zstd=zstd", "auto=auto"])
+    cpu_variants = ["none=none", "lz4=lz4", "zstd=zstd", "auto=auto"]
+    variants = args.variant or (["auto=auto"] if device == "cuda" else cpu_variants)
     for text in variants:
         label, _, spec = text.partition("=")
         methods.append(gdsckpt_method(label, spec or label, state, device, reports))

@@ -5,15 +5,36 @@ GPU packages are imported when a state or a call needs them.
 """
 
 from .api import (
-    Checkpoint, CheckpointInfo, SaveReport, TensorInfo, VerifyReport, inspect, load, load_into, open,
-    rebase, save, verify,
+    Checkpoint,
+    CheckpointInfo,
+    SaveReport,
+    TensorInfo,
+    VerifyReport,
+    inspect,
+    load,
+    load_into,
+    open,
+    rebase,
+    save,
+    verify,
 )
 from .background.async_save import SaveHandle, save_async, wait_all
 from .config import Config
 from .errors import (
-    BaseCheckpointError, CheckpointError, CodecUnavailableError, ConvertError, CorruptCheckpointError,
-    DeltaBaseError, InsufficientSpaceError, LossyWarning, PickleOnlyMetadataWarning, SaveWorkerError,
-    SkippedCheckpointWarning, StateMismatchError, UnsafePickleError, UnsupportedFormatError,
+    BaseCheckpointError,
+    CheckpointError,
+    CodecUnavailableError,
+    ConvertError,
+    CorruptCheckpointError,
+    DeltaBaseError,
+    InsufficientSpaceError,
+    LossyWarning,
+    PickleOnlyMetadataWarning,
+    SaveWorkerError,
+    SkippedCheckpointWarning,
+    StateMismatchError,
+    UnsafePickleError,
+    UnsupportedFormatError,
 )
 from .integrations.convert import ConvertReport, convert
 from .manager import CheckpointManager

@@ -6,4 +6,4 @@ that ``gdsckpt.async_save.prepare(state)`` keeps working as the README and docs 
 """
 
 from .background.async_save import *
-from .background.async_save import __all__  # noqa: F401
+from .background.async_save import __all__

@@ -6,4 +6,4 @@ The code lives in :mod:`gdsckpt.integrations.dcp`; this module re-exports its pu
 """
 
 from .integrations.dcp import *
-from .integrations.dcp import __all__  # noqa: F401
+from .integrations.dcp import __all__

@@ -6,4 +6,4 @@ The code lives in :mod:`gdsckpt.tools.demo`; this module re-exports its public n
 """
 
 from .tools.demo import *
-from .tools.demo import __all__  # noqa: F401
+from .tools.demo import __all__

@@ -6,4 +6,4 @@ The code lives in :mod:`gdsckpt.integrations.lightning`; this module re-exports 
 """
 
 from .integrations.lightning import *
-from .integrations.lightning import __all__  # noqa: F401
+from .integrations.lightning import __all__

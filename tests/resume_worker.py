@@ -37,8 +37,8 @@ import torch
 
 torch.set_num_threads(1)
 
-import gdsckpt  # noqa: E402
-from gdsckpt.demo import TinyGPT  # noqa: E402
+import gdsckpt
+from gdsckpt.demo import TinyGPT
 
 SAVE_EVERY = 2
 WIDTH, DEPTH, VOCAB, BATCH, LENGTH = 32, 1, 128, 4, 16

@@ -202,7 +202,7 @@ def test_pool_memory_stays_bounded_when_the_state_changes(tmp_path: Path, h: Any
     async_save.clear_pool()
     big = {"a": torch.ones(50_000), "b": np.ones(20_000)}
     small = {"c": torch.ones(1_000), "d": torch.ones(3_000)}
-    for i in range(3):
+    for _ in range(3):
         gdsckpt.save_async(big, tmp_path / "big.gdsckpt", config=h.small_config()).wait(timeout=60)
         assert async_save.pool_stats().held_bytes == 50_000 * 4 + 20_000 * 8
         handle = gdsckpt.save_async(small, tmp_path / "small.gdsckpt", config=h.small_config())

@@ -41,7 +41,7 @@ def test_storage_speed_is_measured_once_and_cached(tmp_path, monkeypatch):
     second = autotune.storage_gbps(tmp_path)
     assert first > 0 and second == first and len(calls) == 1
     cached = json.loads((tmp_path / "cache" / "gdsckpt" / "storage.json").read_text())
-    assert list(cached.values())[0]["gbps"] == first
+    assert next(iter(cached.values()))["gbps"] == first
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".gdsckpt-storage-probe")]
 
 

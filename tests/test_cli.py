@@ -146,7 +146,7 @@ def test_progress_callbacks_reach_the_total(tmp_path: Path, h: Any) -> None:
                        ("load", lambda p: gdsckpt.load(path, progress=p)),
                        ("verify", lambda p: gdsckpt.verify(path, progress=p))):
         seen: list[tuple[int, int]] = []
-        call(lambda done, total: seen.append((done, total)))
+        call(lambda done, total, seen=seen: seen.append((done, total)))
         assert len(seen) > 1, name
         assert all(total == logical for _done, total in seen), name
         dones = [done for done, _total in seen]

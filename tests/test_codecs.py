@@ -315,8 +315,7 @@ def test_bitcomp_lossy_stage_parameters_are_checked(stage: dict[str, Any], probl
     """A Bitcomp lossy stage decodes only with the encoder's data type and delta, read from the
     file: anything but "<f4"/"<f2" and a finite positive number is refused (the GPU reader turns
     that into CorruptCheckpointError), and ill-typed parameters never reach a dict key."""
-    from gdsckpt.codecs.nvcomp import bitcomp_lossy_params
-    from gdsckpt.codecs.nvcomp import decoder_key
+    from gdsckpt.codecs.nvcomp import bitcomp_lossy_params, decoder_key
 
     stage = {"name": "nvcomp.bitcomp-lossy/1", **stage}
     with pytest.raises(ValueError, match=problem):

@@ -20,7 +20,13 @@ import torch
 
 import gdsckpt
 from gdsckpt.cli.convert import register
-from gdsckpt.integrations.convert import STRUCTURE_KEY, ConvertError, UnsafePickleError, convert, detect_format
+from gdsckpt.integrations.convert import (
+    STRUCTURE_KEY,
+    ConvertError,
+    UnsafePickleError,
+    convert,
+    detect_format,
+)
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

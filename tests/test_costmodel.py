@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt.tools import costmodel
 from gdsckpt.cli import plan as plan_cli
+from gdsckpt.tools import costmodel
 from gdsckpt.tools.costmodel import Job, ModelSpec
 
 GB = 1e9

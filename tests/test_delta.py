@@ -14,9 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import gdsckpt  # noqa: E402
-from gdsckpt.state import delta as delta_module  # noqa: E402
-from gdsckpt.demo import bit_equal  # noqa: E402
+import gdsckpt
+from gdsckpt.demo import bit_equal
+from gdsckpt.state import delta as delta_module
 
 
 def _state(seed: int = 0) -> dict:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from fake_device import FAKE_MARKER, FakeDevice
 
+from gdsckpt.api.saving import index_template
 from gdsckpt.codecs import Chain
 from gdsckpt.errors import CorruptCheckpointError
 from gdsckpt.format import ALIGNMENT, checksum
@@ -23,7 +24,6 @@ from gdsckpt.pipeline.engine import HostEngine
 from gdsckpt.pipeline.gpu import GpuDecoder, GpuEncoder, RoundedArraySource
 from gdsckpt.pipeline.load import open_file, run_restore
 from gdsckpt.pipeline.plan import ChunkPlan, Part, plan_chunks
-from gdsckpt.api.saving import index_template
 from gdsckpt.pipeline.save import run_save
 from gdsckpt.state import NumpyTarget, flatten
 

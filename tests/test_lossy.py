@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gdsckpt
-from gdsckpt.state import lossy, lossy_analysis
 from gdsckpt.cli.main import main as cli_main
 from gdsckpt.demo import TinyGPT, bit_equal, training_state
+from gdsckpt.state import lossy, lossy_analysis
 
 PROPERTY = settings(max_examples=120, deadline=None, database=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])

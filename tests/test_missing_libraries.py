@@ -8,9 +8,9 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+from conftest import rewrite_index
 
 import gdsckpt
-from conftest import rewrite_index
 
 
 def _saved(tmp_path, state):

@@ -6,9 +6,10 @@ reader, counting the chunks between ``read_buffer`` and the end of their decode.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 import gdsckpt
-from gdsckpt.tools import storagebench as sb
 from gdsckpt.cli import bench
 from gdsckpt.config import parse_size
+from gdsckpt.tools import storagebench as sb
 
 try:
     import tomllib

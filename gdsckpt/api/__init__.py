@@ -17,7 +17,7 @@ configuration. The modules, by job:
 from ..codecs import known_codec_names
 from ..errors import CheckpointError
 from ..state import escape_key
-from .checkpoint import Checkpoint, open  # noqa: A004 - the public name gdsckpt.open
+from .checkpoint import Checkpoint, open
 from .in_place import load_into
 from .reading import inspect, load, verify
 from .reports import CheckpointInfo, Progress, SaveReport, TensorInfo, VerifyReport

@@ -9,23 +9,38 @@ import logging
 import re
 import threading
 import warnings
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from ..config import Config
-from ..state.delta import BaseReader, XorTarget, base_path_of, check_identity
 from ..errors import (
-    DeltaBaseError, CheckpointError, CorruptCheckpointError,
+    CheckpointError,
+    CorruptCheckpointError,
+    DeltaBaseError,
 )
 from ..format import Index, TensorRecord
 from ..io import StorageReader
-from ..state.lossy import LossyWarning
 from ..pipeline.load import OpenedFile, run_restore
 from ..state import (
-    CupyTarget, JaxTarget, NumpyTarget, TorchTarget,
+    CupyTarget,
+    JaxTarget,
+    NumpyTarget,
+    TorchTarget,
 )
-
-from .reports import chain_label, Progress, TensorInfo
-from .resolve import open_data_reader, inflight_budget, open_checked, open_reader, parse_device, PathLike, resolve_config, restore_engine, restore_gpu_device
+from ..state.delta import BaseReader, XorTarget, base_path_of, check_identity
+from ..state.lossy import LossyWarning
+from .reports import Progress, TensorInfo, chain_label
+from .resolve import (
+    PathLike,
+    inflight_budget,
+    open_checked,
+    open_data_reader,
+    open_reader,
+    parse_device,
+    resolve_config,
+    restore_engine,
+    restore_gpu_device,
+)
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +319,7 @@ class Checkpoint:
         self.close()
 
 
-def open(path: PathLike, *, config: Config | None = None) -> Checkpoint:  # noqa: A001 - public name
+def open(path: PathLike, *, config: Config | None = None) -> Checkpoint:
     """Open a checkpoint for lazy access: ``.keys()``, ``.info(key)``, ``.get(key, device=None)``.
 
     Use as a context manager (``with gdsckpt.open(p) as ckpt: ...``) or call ``.close()``.

@@ -18,13 +18,17 @@ from ..format import TensorRecord
 from ..io import StorageReader
 from ..pipeline.load import OpenedFile, overlapping
 from ..state import (
-    KeyPaths, Selection, TorchTarget, decode_scalar,
-    torch_dtype_name, join_key, unflatten,
+    KeyPaths,
+    Selection,
+    TorchTarget,
+    decode_scalar,
+    join_key,
+    torch_dtype_name,
+    unflatten,
 )
-
 from .checkpoint import new_target, restore_arrays, warn_lossy
 from .reports import Progress
-from .resolve import open_checked, open_reader, PathLike, resolve_config, restore_gpu_device
+from .resolve import PathLike, open_checked, open_reader, resolve_config, restore_gpu_device
 
 log = logging.getLogger(__name__)
 

@@ -6,18 +6,36 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ..config import Config
 from ..format import Index
 from ..pipeline.load import OpenedFile, run_verify
 from ..state import (
-    Selection, unflatten,
+    Selection,
+    unflatten,
 )
-
-from .checkpoint import Checkpoint, new_target, open_base, opened_file, restore_arrays, tensor_infos, warn_lossy
-from .reports import chain_label, CheckpointInfo, Progress, VerifyReport
-from .resolve import open_data_reader, open_checked, open_reader, parse_device, PathLike, resolve_config, restore_engine, restore_gpu_device
+from .checkpoint import (
+    Checkpoint,
+    new_target,
+    open_base,
+    opened_file,
+    restore_arrays,
+    tensor_infos,
+    warn_lossy,
+)
+from .reports import CheckpointInfo, Progress, VerifyReport, chain_label
+from .resolve import (
+    PathLike,
+    open_checked,
+    open_data_reader,
+    open_reader,
+    parse_device,
+    resolve_config,
+    restore_engine,
+    restore_gpu_device,
+)
 
 log = logging.getLogger(__name__)
 

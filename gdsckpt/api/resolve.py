@@ -11,21 +11,26 @@ import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from ..codecs import PORTABLE_CODECS, versioned_name
 from ..config import Config
 from ..errors import (
-    CheckpointError, CodecUnavailableError, CorruptCheckpointError,
+    CheckpointError,
+    CodecUnavailableError,
+    CorruptCheckpointError,
 )
 from ..format import Index
 from ..io import PosixReader, PosixWriter, StorageReader, StorageWriter
 from ..pipeline.engine import HostEngine
 from ..pipeline.load import OpenedFile, open_file
 from ..state import (
-    FlatState, decode_scalar,
-    join_key, walk_tree,
+    FlatState,
+    decode_scalar,
+    join_key,
+    walk_tree,
 )
 
 log = logging.getLogger(__name__)

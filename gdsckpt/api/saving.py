@@ -12,28 +12,43 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..version import __version__
 from ..codecs import versioned_name
 from ..config import Config
-from ..state.delta import DEFAULT_MAX_CHAIN, BaseBytes, XorSource, base_link, base_path_of
 from ..errors import (
-    DeltaBaseError, CheckpointError,
+    CheckpointError,
+    DeltaBaseError,
 )
 from ..format import Index, TensorRecord, dtype_spec
 from ..format.layout import TRAILER_SIZE, unpack_trailer
 from ..io import PosixWriter, StorageWriter
-from ..state.lossy import LossyPolicy, apply_policy
 from ..pipeline.plan import plan_chunks
 from ..pipeline.save import run_save
 from ..state import (
-    FlatArray, FlatState, flatten,
+    FlatArray,
+    FlatState,
+    flatten,
 )
-
+from ..state.delta import DEFAULT_MAX_CHAIN, BaseBytes, XorSource, base_link, base_path_of
+from ..state.lossy import LossyPolicy, apply_policy
+from ..version import __version__
 from . import checkpoint as checkpoint_module
-from .checkpoint import base_arrays, Checkpoint, data_record, opened_file
+from .checkpoint import Checkpoint, base_arrays, data_record, opened_file
 from .reading import inspect
-from .reports import chain_label, Progress, SaveReport
-from .resolve import check_target, cuda_device_of, device_index, host_engine, inflight_budget, open_checked, open_reader, PathLike, posix_writer, resolve_config, resolve_host_codec, use_gpu
+from .reports import Progress, SaveReport, chain_label
+from .resolve import (
+    PathLike,
+    check_target,
+    cuda_device_of,
+    device_index,
+    host_engine,
+    inflight_budget,
+    open_checked,
+    open_reader,
+    posix_writer,
+    resolve_config,
+    resolve_host_codec,
+    use_gpu,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +65,8 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
     new, complete checkpoint and the ``OSError`` is raised: its entry may not be durable yet.)
     ``codec``: ``"auto"`` (byte planes where they help + zstd on the CPU), ``"zstd"``,
     ``"lz4"``, ``"deflate"``, ``"none"``; ``"auto"`` defers to ``config.codec``.
-    ``chunk_bytes`` overrides ``config.chunk_bytes`` and ``config.gpu_chunk_bytes``. Raises ``TypeError`` naming the key path of
+    ``chunk_bytes`` overrides ``config.chunk_bytes`` and ``config.gpu_chunk_bytes``. Raises
+    ``TypeError`` naming the key path of
     any value that cannot be saved. ``progress``: see ``Progress``.
 
     ``base``: a checkpoint to write a *delta* against: arrays with the same key, dtype and shape as
@@ -323,7 +339,8 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: Path,
                 ratios = sample_ratios([a.source for a in flat.arrays], device or 0, stream, candidates)
                 codec = choose_codec(speed, ratios)
                 auto = {"storage_gbps": speed, "sampled_ratios": ratios, "chose": codec, "left_out": left_out}
-        engine = GpuEncoder([a.source for a in flat.arrays], codec=codec, byte_planes=config.byte_planes, device_id=device or 0,
+        engine = GpuEncoder([a.source for a in flat.arrays], codec=codec, byte_planes=config.byte_planes,
+                            device_id=device or 0,
                             chunk_bytes=config.gpu_chunk_bytes, max_staging_bytes=config.max_staging_bytes,
                             timeout=config.timeout)
 

@@ -59,16 +59,16 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable
-
+from collections.abc import Callable
+from typing import Any
 
 from .. import api as _api
 from ..api import saving as api_saving
 from ..api.resolve import check_target
 from ..api.saving import refuse_replacing_base
 from ..config import Config
-from ..state.delta import DEFAULT_MAX_CHAIN
 from ..state import flatten
+from ..state.delta import DEFAULT_MAX_CHAIN
 from .snapshot import PoolStats, SnapshotPool, take_snapshot
 
 PathLike = str | os.PathLike[str]
@@ -499,7 +499,7 @@ def _at_exit() -> None:
 # threading's exit hooks run before concurrent.futures stops accepting work (hooks run in reverse
 # order of registration and concurrent.futures registered first), so a waited-for save can still
 # use its thread pools. Plain atexit would run after that.
-threading._register_atexit(_at_exit)  # noqa: SLF001 - the hook CPython >= 3.9 runs before that point
+threading._register_atexit(_at_exit)
 
 
 __all__ = ["AsyncSaver", "PoolStats", "SaveHandle", "SnapshotPool", "clear_pool", "pool_stats", "prepare",

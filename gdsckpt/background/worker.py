@@ -254,8 +254,9 @@ class _SnapshotUnpickler(pickle.Unpickler):
 
 def _dumps_cuda(buffers: dict[int, Any]) -> bytes:
     """CUDA buffers pickled with torch's reductions (CUDA IPC handles, no copy)."""
-    import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
     from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
 
     return bytes(ForkingPickler.dumps(buffers))
 
@@ -397,7 +398,7 @@ class SaveWorker:
         by_pointer: dict[int, int] = {}
         new_host: list[tuple[int, int, int, bool]] = []  # (id, bytes, memfd, page-locked)
         new_cuda: dict[int, Any] = {}
-        for (kind, nbytes), buffer in lent:
+        for (kind, _nbytes), buffer in lent:
             if kind == "numpy":
                 continue  # NumPy arrays travel by value
             root, fd, pinned = buffer, -1, False

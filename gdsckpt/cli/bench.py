@@ -20,9 +20,9 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from ..tools import storagebench as sb
 from ..codecs import known_codec_names
 from ..config import Config, parse_size
+from ..tools import storagebench as sb
 
 try:  # the lead's progress helper; the benchmark runs without a bar until it lands
     from .progress import progress_bar

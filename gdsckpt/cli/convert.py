@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..integrations.convert import FORMATS, ConvertReport, check_codec, convert, detect_format
 from ..errors import CheckpointError
+from ..integrations.convert import FORMATS, ConvertReport, check_codec, convert, detect_format
 
 
 def register(subparsers: Any) -> None:

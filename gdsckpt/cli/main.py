@@ -13,11 +13,12 @@ import importlib
 import json
 import logging
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..config import Config, resolve_config
-from ..tools.costmodel import group_of
 from ..errors import CheckpointError
+from ..tools.costmodel import group_of
 from .progress import byte_progress, progress_bar
 
 _SUBCOMMAND_MODULES: tuple[str, ...] = ("bench", "convert", "plan")
@@ -74,7 +75,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for t in info.tensors:
         ratio = t.nbytes / t.stored_bytes if t.stored_bytes else 0.0
         codecs = ",".join(t.codecs) or (f"alias of {t.alias_of}" if t.alias_of else "-")
-        print(f"  {t.key:50} {t.dtype:10} {str(list(t.shape)):20} {t.stored_bytes:12} {ratio:6.3f}  {codecs}")
+        print(f"  {t.key:50} {t.dtype:10} {list(t.shape)!s:20} {t.stored_bytes:12} {ratio:6.3f}  {codecs}")
     print(f"  {'group':30} {'arrays':>7} {'logical bytes':>15} {'stored bytes':>15} {'ratio':>6}")
     for name, group in groups.items():
         print(f"  {name:30} {group['arrays']:7} {group['logical_bytes']:15} {group['stored_bytes']:15} "

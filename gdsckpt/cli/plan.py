@@ -16,9 +16,9 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from ..tools import costmodel
 from ..config import Config
 from ..errors import CheckpointError
+from ..tools import costmodel
 
 log = logging.getLogger("gdsckpt")
 

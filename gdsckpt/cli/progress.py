@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 class Advance:

@@ -53,7 +53,8 @@ register_transform(BYTE_PLANES)
 register_transform(_cpu.XorBase())
 
 __all__ = [
-    "BITCOMP_LOSSY", "BYTE_PLANES", "DEFAULT_ZSTD_LEVEL", "HOST_ZSTD_LEVEL", "MAX_CHUNK_BYTES", "PORTABLE_CODECS", "Chain",
+    "BITCOMP_LOSSY", "BYTE_PLANES", "DEFAULT_ZSTD_LEVEL", "HOST_ZSTD_LEVEL", "MAX_CHUNK_BYTES", "PORTABLE_CODECS",
+    "Chain",
     "Codec", "CodecSpec", "Transform", "ZstdCodec", "codec_spec", "gpu_codec_by_versioned",
     "gpu_codec_names", "host_codec", "host_encoder", "host_planes_encoder", "known_codec_names", "registered_codecs",
     "transform", "versioned_name",

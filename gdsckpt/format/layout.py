@@ -77,7 +77,7 @@ def unpack_header(data: bytes) -> Header:
     """
     if len(data) < HEADER_SIZE or data[:8] != MAGIC:
         raise UnsupportedFormatError("not a gdsckpt checkpoint (bad magic number at offset 0)")
-    magic, major, minor, region, alignment, _flags, _reserved, crc = _HEADER.unpack(data[:HEADER_SIZE])
+    _magic, major, minor, region, alignment, _flags, _reserved, crc = _HEADER.unpack(data[:HEADER_SIZE])
     _check_major(major, minor)
     if checksum(data[:60]) != crc:
         raise CorruptCheckpointError("header checksum mismatch")

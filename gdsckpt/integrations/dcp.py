@@ -75,8 +75,15 @@ from ..errors import CheckpointError, CorruptCheckpointError, PickleOnlyMetadata
 from ..io.posix import fsync_directory, read_small_file, write_atomically
 from ..state import escape_key
 from .dcp_metadata import (
-    DCP_VERSION, JSON_SUFFIX, MAX_METADATA_JSON_BYTES, METADATA_NAME,
-    SUFFIX, GdsStorageInfo, UnexpressibleMetadata, decode_metadata_json, encode_metadata_json,
+    DCP_VERSION,
+    JSON_SUFFIX,
+    MAX_METADATA_JSON_BYTES,
+    METADATA_NAME,
+    SUFFIX,
+    GdsStorageInfo,
+    UnexpressibleMetadata,
+    decode_metadata_json,
+    encode_metadata_json,
 )
 
 READ_BATCH_BYTES = 1 << 30

@@ -29,8 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
 from ..format.index import reject_constant
-from ..state import torch_dtype_name, torch_dtype
-
+from ..state import torch_dtype, torch_dtype_name
 
 METADATA_NAME = ".metadata"
 JSON_SUFFIX = ".json"

@@ -14,7 +14,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-
 from ..errors import ConvertError, CorruptCheckpointError
 from ..format.index import validate_tree
 from ..state import decode_scalar, flatten, join_key, unflatten, walk_tree

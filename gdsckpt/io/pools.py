@@ -25,8 +25,9 @@ import os
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 START_TIMEOUT = 30.0
 """Seconds a new worker thread may take to report that it runs before the operation that needed
@@ -95,7 +96,7 @@ class WorkerPool:
             task = self._tasks.get()
             try:
                 task()
-            except BaseException:  # noqa: BLE001, S110
+            except BaseException:  # noqa: BLE001
                 # A lane delivers its tasks' errors through their futures; this only keeps the
                 # worker (which the pool counts on) alive should that bookkeeping itself fail.
                 pass

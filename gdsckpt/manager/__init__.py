@@ -93,14 +93,18 @@ from typing import Any
 from .. import api as _api
 from ..background.async_save import AsyncSaver, SaveHandle
 from ..config import Config
-from ..state.delta import DEFAULT_MAX_CHAIN, base_path_of
 from ..errors import (
-    CorruptCheckpointError, DeltaBaseError, SkippedCheckpointWarning, StateMismatchError, UnsupportedFormatError,
+    CorruptCheckpointError,
+    DeltaBaseError,
+    SkippedCheckpointWarning,
+    StateMismatchError,
+    UnsupportedFormatError,
 )
 from ..io import PosixReader
 from ..io.posix import read_small_file, remove_if_stale, temporary_target, write_atomically
 from ..pipeline.load import open_file
 from ..state import decode_scalar, escape_key
+from ..state.delta import DEFAULT_MAX_CHAIN, base_path_of
 
 DELTA_BASES = ("previous", "full")
 """What a ``CheckpointManager`` delta is based on: the newest checkpoint (a chain) or the newest

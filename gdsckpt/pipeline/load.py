@@ -16,17 +16,28 @@ write that memory between the read and the check of its CRC.
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-import hashlib
 from operator import itemgetter
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import (
-    HEADER_REGION, HEADER_SIZE, MAGIC, TRAILER_SIZE, Header, Index, Trailer, align_up, checksum, parse_index,
-    unpack_header, unpack_trailer,
+    HEADER_REGION,
+    HEADER_SIZE,
+    MAGIC,
+    TRAILER_SIZE,
+    Header,
+    Index,
+    Trailer,
+    align_up,
+    checksum,
+    parse_index,
+    unpack_header,
+    unpack_trailer,
 )
 from ..io.base import StorageReader
 from .engine import Engine
@@ -236,7 +247,7 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
         chunk, future, buffer = reads.popleft()
         try:
             future.result(timeout=timeout)
-        except BaseException as err:
+        except BaseException as err:  # noqa: BLE001 - reraise names the chunk, then raises it
             reraise(chunk, err)
         record = index.chunks[chunk]
         decodes.append((chunk, engine.submit_decode(record, index.chains[record.chain], buffer,
@@ -248,7 +259,7 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             chunk, future, cost = decodes.popleft()
             try:
                 future.result(timeout=timeout)
-            except BaseException as err:
+            except BaseException as err:  # noqa: BLE001 - reraise names the chunk, then raises it
                 reraise(chunk, err)
             inflight -= cost
             raw_done += index.chunks[chunk].raw
@@ -284,7 +295,7 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
     except BaseException:
         for _chunk, future, _buffer in reads:
             future.cancel()
-        for _chunk, future, _cost_ in decodes:
+        for _chunk, future, _unused_cost in decodes:
             future.cancel()
         raise
     return stored_total

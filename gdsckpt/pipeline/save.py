@@ -12,13 +12,21 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..codecs import Chain
 from ..format import (
-    ALIGNMENT, HEADER_REGION, TRAILER_SIZE, XOR_BASE, Index, align_up, checksum, pack_header, pack_trailer,
+    ALIGNMENT,
+    HEADER_REGION,
+    TRAILER_SIZE,
+    XOR_BASE,
+    Index,
+    align_up,
+    checksum,
+    pack_header,
+    pack_trailer,
 )
 from ..format.index import ChunkRecord, Segment
 from ..io.base import StorageWriter

@@ -40,25 +40,46 @@ selections); ``delta`` (arrays as the XOR with a base) and ``lossy`` (opt-in rou
 from __future__ import annotations
 
 from .arrays import (
-    array_range, CupySource, CupyTarget, JaxTarget, NumpySource, NumpyTarget, torch_range, TorchSource,
+    CupySource,
+    CupyTarget,
+    JaxTarget,
+    NumpySource,
+    NumpyTarget,
+    TorchSource,
     TorchTarget,
+    array_range,
+    torch_range,
 )
 from .dtypes import (
-    numpy_dtype, numpy_dtype_name, torch_dtype, torch_dtype_name,
+    numpy_dtype,
+    numpy_dtype_name,
+    torch_dtype,
+    torch_dtype_name,
 )
 from .tree import (
-    decode_scalar, encode_scalar, escape_key, FlatArray, FlatState, flatten, float_from_bits, join_key,
-    KeyPaths, MAX_INT_DIGITS, Selection, unflatten, walk_tree,
+    MAX_INT_DIGITS,
+    FlatArray,
+    FlatState,
+    KeyPaths,
+    Selection,
+    decode_scalar,
+    encode_scalar,
+    escape_key,
+    flatten,
+    float_from_bits,
+    join_key,
+    unflatten,
+    walk_tree,
 )
 
 __all__ = [
+    "MAX_INT_DIGITS",
     "CupySource",
     "CupyTarget",
     "FlatArray",
     "FlatState",
     "JaxTarget",
     "KeyPaths",
-    "MAX_INT_DIGITS",
     "NumpySource",
     "NumpyTarget",
     "Selection",

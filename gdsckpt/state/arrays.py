@@ -14,8 +14,6 @@ import numpy as np
 from ..format.dtypes import DTYPES
 from .dtypes import numpy_dtype, torch_dtype
 
-
-
 # ---------------------------------------------------------------------------------------------
 # sources (save side)
 

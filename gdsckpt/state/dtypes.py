@@ -10,7 +10,6 @@ import numpy as np
 
 from ..format.dtypes import DTYPES
 
-
 # ---------------------------------------------------------------------------------------------
 # dtype tables (names are the persisted ones of format.dtypes)
 

@@ -6,14 +6,20 @@ tensors are rounded (``sensitivity``). Saving and loading never call them.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
-
 from .lossy import (
-    FLOAT_DTYPES, LossyPolicy, checked_rel, float_dtype_name, grid_quantize, key_matches, quantize_whole,
+    FLOAT_DTYPES,
+    LossyPolicy,
+    checked_rel,
+    float_dtype_name,
+    grid_quantize,
+    key_matches,
+    quantize_whole,
 )
 
 

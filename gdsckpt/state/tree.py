@@ -7,15 +7,15 @@ import collections
 import importlib
 import struct
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
 from ..format.dtypes import DTYPES
 from .arrays import CupySource, NumpySource, TorchSource
 from .dtypes import numpy_dtype_name, torch_dtype_name
-
 
 # ---------------------------------------------------------------------------------------------
 # flattening

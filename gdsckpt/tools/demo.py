@@ -107,7 +107,8 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(as_bytes(a), as_bytes(b)))
 
 
-def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None, device: str | None = None) -> dict[str, Any]:
+def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None,
+             device: str | None = None) -> dict[str, Any]:
     """Run the demo and return its figures (also printed)."""
     from .. import api
 

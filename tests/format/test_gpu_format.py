@@ -14,13 +14,13 @@ import pytest
 from . import spec
 
 torch = pytest.importorskip("torch")
-from gdsckpt.codecs.nvcomp import gpu_available  # noqa: E402
+from gdsckpt.codecs.nvcomp import gpu_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
 
-import gdsckpt  # noqa: E402
+import gdsckpt
 
-from .test_golden import GOLDEN_NONE, _expected_arrays, assert_same, make_golden  # noqa: E402
+from .test_golden import GOLDEN_NONE, _expected_arrays, assert_same, make_golden
 
 
 def _to_cuda(obj: Any, memo: dict[int, Any]) -> Any:

@@ -245,7 +245,7 @@ def _worker(rank: int, world: int, root: str, tag: str, device_kind: str,
             entry: dict[str, Any] = {"error": None}
             try:
                 entry.update(_run_job(job, Path(root) / where, rank, state, mesh, save_group))
-            except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            except BaseException as err:
                 entry["error"] = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
             report["jobs"][f"{job}:{where}"] = entry
             dist.barrier()

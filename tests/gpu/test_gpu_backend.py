@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs CUDA, CuPy and nvCOMP")]
 
 
+from gdsckpt.api.saving import index_template
 from gdsckpt.codecs.cpu import planes_forward_reference, planes_inverse_reference
 from gdsckpt.codecs.device import (
     CudaDevice,
@@ -33,7 +34,6 @@ from gdsckpt.io.memory import MemoryReader, MemoryStore, MemoryWriter
 from gdsckpt.pipeline.gpu import GpuDecoder, GpuEncoder
 from gdsckpt.pipeline.load import open_file, run_restore
 from gdsckpt.pipeline.plan import plan_chunks
-from gdsckpt.api.saving import index_template
 from gdsckpt.pipeline.save import run_save
 from gdsckpt.state import CupySource, NumpyTarget, flatten
 
@@ -88,7 +88,7 @@ def test_backend_works_from_a_worker_thread_after_use_in_thread() -> None:
             device.use_in_thread()
             with device.on_stream():
                 device.crc32c([device.empty(4096)])
-        except BaseException as err:  # noqa: BLE001 - reported below
+        except BaseException as err:
             errors.append(err)
 
     thread = threading.Thread(target=work)

@@ -37,7 +37,7 @@ def _rss() -> int:
 class _Peak:
     """Peak device-wide GPU memory in use and host RSS over their values at entry."""
 
-    def __enter__(self) -> _Peak:  # noqa: PYI034 - Self needs Python 3.11
+    def __enter__(self) -> _Peak:
         import cupy
 
         cupy.get_default_memory_pool().free_all_blocks()

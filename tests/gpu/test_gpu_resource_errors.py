@@ -140,7 +140,7 @@ def test_restore_latest_on_a_full_gpu_raises_out_of_memory(when: str, run: Any, 
         warnings.simplefilter("always")
         try:
             result: Any = manager.restore_latest(model=model)
-        except Exception as err:  # noqa: BLE001 - the error is what this test checks
+        except Exception as err:
             result = err
     monkeypatch.undo()
     if when != "before the restore":

@@ -27,8 +27,8 @@ import torch
 
 import gdsckpt
 from gdsckpt.cli.main import main
-from gdsckpt.integrations.convert import STRUCTURE_KEY, ConvertError, convert
 from gdsckpt.demo import bit_equal
+from gdsckpt.integrations.convert import STRUCTURE_KEY, ConvertError, convert
 
 safetensors = pytest.importorskip("safetensors")
 safetensors_torch = pytest.importorskip("safetensors.torch")

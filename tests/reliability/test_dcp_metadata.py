@@ -25,28 +25,28 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
-from torch.distributed.checkpoint.metadata import (  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.storage import WriteResult  # noqa: E402
+from torch.distributed.checkpoint.storage import WriteResult
 
-import gdsckpt  # noqa: E402
-from gdsckpt.dcp import (  # noqa: E402
+import gdsckpt
+from gdsckpt.dcp import (
     GdsStorageInfo,
     GdsStorageReader,
     GdsStorageWriter,
     PickleOnlyMetadataWarning,
     item_key,
 )
-from gdsckpt.errors import CheckpointError, CorruptCheckpointError  # noqa: E402
+from gdsckpt.errors import CheckpointError, CorruptCheckpointError
 
-from .harness import record_figure  # noqa: E402
-from .test_no_pickle import Payload, refuse_unpickling  # noqa: E402
+from .harness import record_figure
+from .test_no_pickle import Payload, refuse_unpickling
 
 DISABLED = r"torch\.distributed is disabled"  # torch's warning for DCP in a process without a group
 OPTIONS = {"chunk_bytes": 4096, "codec_threads": 1, "io_threads": 2, "fsync": False}

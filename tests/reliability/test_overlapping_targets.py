@@ -13,9 +13,9 @@ restore reads straight into the destination memory.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
-import warnings
 
 import pytest
 import torch

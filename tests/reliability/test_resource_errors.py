@@ -101,7 +101,7 @@ def _restore(manager: CheckpointManager, targets: dict[str, Any], **kwargs: Any)
         warnings.simplefilter("always")
         try:
             result: Any = manager.restore_latest(state=targets, **kwargs)
-        except BaseException as err:  # noqa: BLE001 - KeyboardInterrupt is one of the cases
+        except BaseException as err:
             result = err
     return result, list(caught)
 

@@ -17,8 +17,9 @@ import threading
 import time
 import tracemalloc
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,7 +42,7 @@ def _bounded(call: Callable[[], Any], bound: float = BOUND) -> tuple[Any, float]
     def run() -> None:
         try:
             outcome["value"] = call()
-        except BaseException as err:  # noqa: BLE001 - handed to the test thread
+        except BaseException as err:
             outcome["error"] = err
 
     started = time.perf_counter()
@@ -93,7 +94,7 @@ def test_fifo_named_like_the_newest_checkpoint_is_passed_over(tmp_path: Path) ->
 
 
 def test_fifo_as_latest_is_ignored_with_a_warning(tmp_path: Path) -> None:
-    manager = _saved(tmp_path, [1, 2], keep_last=None)
+    _saved(tmp_path, [1, 2], keep_last=None)
     (tmp_path / "latest").unlink()
     os.mkfifo(tmp_path / "latest")
     step, warned, _ = _restored_step(_manager(tmp_path, keep_last=None))

@@ -81,7 +81,7 @@ def test_concurrent_saves_from_threads_are_bit_exact(tmp_path: Path) -> None:
                 base = tmp_path / f"w{writer}-{round_ - 1}.gdsckpt" if round_ else None
                 gdsckpt.save(state, path, config=_config(2), base=base)
                 _assert_bit_exact(state, gdsckpt.load(path, config=_config(2)))
-        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+        except BaseException as err:
             errors.append(err)
 
     writers = [threading.Thread(target=save_and_check, args=(i,)) for i in range(4)]

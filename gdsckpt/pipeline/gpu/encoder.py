@@ -37,7 +37,14 @@ from functools import partial
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from ...codecs import BYTE_PLANES, PORTABLE_CODECS, Chain, gpu_codec_names
-from ...codecs.device import DeviceBackend, backend_or_cuda, DeviceCodecLike, ans_data_type, planes_forward_into, same_values
+from ...codecs.device import (
+    DeviceBackend,
+    DeviceCodecLike,
+    ans_data_type,
+    backend_or_cuda,
+    planes_forward_into,
+    same_values,
+)
 from ...codecs.nvcomp import BITCOMP_LOSSY_TYPES
 from ...format import align_up
 from ..engine import NONE_CHAIN, EncodedChunk, Encoder

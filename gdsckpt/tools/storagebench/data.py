@@ -7,8 +7,8 @@ import logging
 import math
 from typing import Any
 
-
 from .results import DATA_DESCRIPTION
+
 logger = logging.getLogger("gdsckpt")
 
 

@@ -10,10 +10,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ...format import align_up
 from ...errors import InsufficientSpaceError
+from ...format import align_up
+from .results import MIB, BenchSettings, human_size
 
-from .results import BenchSettings, human_size, MIB
 logger = logging.getLogger("gdsckpt")
 
 

@@ -10,10 +10,20 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ...version import __version__
 from ...codecs import PORTABLE_CODECS
+from ...version import __version__
+from .results import (
+    COLD_READ_METHOD,
+    RATIO_TIE,
+    SAVE_TIE,
+    BenchReport,
+    Measurement,
+    Recommendation,
+    TargetResult,
+    format_size,
+    human_size,
+)
 
-from .results import BenchReport, COLD_READ_METHOD, format_size, human_size, Measurement, RATIO_TIE, Recommendation, SAVE_TIE, TargetResult
 logger = logging.getLogger("gdsckpt")
 
 

@@ -9,10 +9,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...version import __version__
 from ...codecs import known_codec_names
-from ...config import Config
 from ...codecs.nvcomp import MAX_CHUNK_BYTES
+from ...config import Config
+from ...version import __version__
 
 logger = logging.getLogger("gdsckpt")
 

@@ -21,10 +21,20 @@ from ...codecs import PORTABLE_CODECS
 from ...config import Config
 from ...format import align_up
 from ...io import PosixReader, PosixWriter, aligned_empty
-
 from .data import describe_data, flat_tensors, logical_bytes_for, same_bits, synthetic_state
 from .host import available_memory, check_target, filesystem_of, host_info, space_needed
-from .results import BenchReport, BenchSettings, format_size, GB, GPU_MAX_CHUNK_BYTES, human_size, Measurement, TargetResult, WORKDIR_PREFIX
+from .results import (
+    GB,
+    GPU_MAX_CHUNK_BYTES,
+    WORKDIR_PREFIX,
+    BenchReport,
+    BenchSettings,
+    Measurement,
+    TargetResult,
+    format_size,
+    human_size,
+)
+
 logger = logging.getLogger("gdsckpt")
 
 
