@@ -7,12 +7,16 @@ matter how many ``conftest.py`` files other test directories add.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import logging
 import os
+import re
 import struct
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -166,6 +170,21 @@ def rewrite_index(path: Path, edit: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 # subprocesses
 
+@contextlib.contextmanager
+def dcp_load_fails_saying(caplog: pytest.LogCaptureFixture, pattern: str) -> Iterator[None]:
+    """Expect the ``dcp.load`` inside to fail, with ``pattern`` reaching the user: in the
+    ``CheckpointException`` where torch passes the storage reader's error on (2.12 and later),
+    and in any case in gdsckpt's error log (torch 2.11 raises only "metadata is None")."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with caplog.at_level(logging.ERROR, logger="gdsckpt"), pytest.raises(CheckpointException) as raised:
+        yield
+    logged = [r.getMessage() for r in caplog.records if r.name == "gdsckpt"]
+    assert any(re.search(pattern, text) for text in logged), logged
+    if "metadata is None" not in str(raised.value) or "read failed" in str(raised.value):
+        assert re.search(pattern, str(raised.value)), str(raised.value)
+
+
 def subprocess_env() -> dict[str, str]:
     """An environment in which ``python -m gdsckpt`` imports this checkout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GDSCKPT_")}
@@ -191,4 +210,5 @@ def h() -> SimpleNamespace:
         REPO_ROOT=REPO_ROOT, small_config=small_config, tensor_bytes=tensor_bytes, array_bytes=array_bytes,
         assert_same=assert_same, float_from_bits=float_from_bits, read_index=read_index,
         rewrite_index=rewrite_index, run_python=run_python, run_cli=run_cli, subprocess_env=subprocess_env,
+        dcp_load_fails_saying=dcp_load_fails_saying,
     )

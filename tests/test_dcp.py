@@ -338,13 +338,13 @@ def test_async_save_single_process(tmp_path: Path) -> None:
     assert bits(target["model"]["w"]) == bits(state["model"]["w"])
 
 
-def test_reader_rejects_a_filesystemwriter_checkpoint(tmp_path: Path) -> None:
+def test_reader_rejects_a_filesystemwriter_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                       h: Any) -> None:
     state = plain_state()
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, sync_files=False))
     # its .metadata is a pickle only: read only when trusted, and then its storage data is foreign
-    with pytest.raises(CheckpointException, match="trust_pickle=True"), \
-            pytest.warns(UserWarning, match=DISABLED):
+    with h.dcp_load_fails_saying(caplog, "trust_pickle=True"), pytest.warns(UserWarning, match=DISABLED):
         dcp.load(empty_like(state), storage_reader=GdsStorageReader(tmp_path))
     with pytest.raises(CheckpointException, match="not written by GdsStorageWriter"), \
             pytest.warns(UserWarning, match=DISABLED):

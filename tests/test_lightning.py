@@ -36,6 +36,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
     # A resumed job writes into the directory of the run it resumes, as it should.
     pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty"),
+    # On a machine with a GPU, Lightning advises using it; these tests train on the CPU on purpose
+    # (accelerator="cpu"), the same on every machine.
+    pytest.mark.filterwarnings("ignore:GPU available but not used"),
 ]
 
 BATCHES_PER_EPOCH = 3

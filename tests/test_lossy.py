@@ -469,7 +469,10 @@ def test_a_lossy_save_holds_no_rounded_copy_of_the_array(tmp_path: Path, monkeyp
     import tracemalloc
 
     array = np.random.default_rng(3).standard_normal(16 << 20, dtype=np.float32)  # 64 MiB
-    config = gdsckpt.Config(chunk_bytes=1 << 20, max_inflight_bytes=8 << 20, io_threads=2)
+    # Each codec thread rounds its own 1 MiB chunk with float64 temporaries (a few MiB per thread),
+    # so the thread count is fixed: with one thread per core the peak grows with the machine, not
+    # with the array, and a 16-core host would pass 32 MiB without any rounded copy existing.
+    config = gdsckpt.Config(chunk_bytes=1 << 20, max_inflight_bytes=8 << 20, io_threads=2, codec_threads=2)
     monkeypatch.setattr(lossy, "CHUNK_ELEMENTS", 1 << 16)
     tracemalloc.start()
     try:

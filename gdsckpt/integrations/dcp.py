@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import logging
 import os
 import pickle
 import uuid
@@ -85,6 +86,8 @@ from .dcp_metadata import (
     decode_metadata_json,
     encode_metadata_json,
 )
+
+logger = logging.getLogger("gdsckpt")
 
 READ_BATCH_BYTES = 1 << 30
 """Most stored bytes one restore of a rank file reads before delivering them (load side)."""
@@ -293,7 +296,19 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank")
+        """DCP's ``Metadata`` of this checkpoint: from ``.metadata.json`` (strictly validated), or
+        from the pickle only where ``trust_pickle`` allows it; a ``CheckpointError`` says why not.
+
+        Some torch versions (2.11) catch that error inside ``dcp.load`` and raise only
+        ``metadata is None``: the reason is therefore also logged (logger ``gdsckpt``, ERROR), so
+        it reaches the user whatever torch does with the exception."""
+        try:
+            return self._read_metadata(kwargs.get("rank"))
+        except CheckpointError as err:
+            logger.error("gdsckpt: cannot read the DCP metadata of %s: %s", str(self.path), err)
+            raise
+
+    def _read_metadata(self, rank: int | None) -> Metadata:
         name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
         pickle_path = self.path / name
         if not pickle_path.is_file():

@@ -140,6 +140,9 @@ def test_a_forked_child_starts_pools_of_its_own(tmp_path: Path) -> None:
     assert inherited.submit(pow, 2, 5).result(HANG_GUARD) == 32
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: fork of a threaded process
+        # JAX, where installed and imported by another test, warns from its own at-fork hook that
+        # its threads do not survive a fork; this child never touches JAX.
+        warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
         pid = os.fork()
     if pid == 0:  # the child: report through the exit status, never return into pytest
         code = 1
