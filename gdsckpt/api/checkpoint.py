@@ -5,7 +5,6 @@ the lazily read file that ``gdsckpt.open`` returns.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 import threading
 import warnings
@@ -41,9 +40,6 @@ from .resolve import (
     restore_engine,
     restore_gpu_device,
 )
-
-log = logging.getLogger(__name__)
-
 
 _BASE_LOCK = threading.Lock()
 
@@ -103,7 +99,7 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
     ``windows``: data array id -> the byte range of it to restore (``run_restore``)."""
     index = opened.index
     ids = list(ids)
-    data_ids = sorted({index.tensors[i].alias if index.tensors[i].alias is not None else i for i in ids})
+    data_ids = sorted({stored_id(index, i) for i in ids})
     targets = {i: make_target(i, index.tensors[i]) for i in data_ids}
     delta = set(index.delta_ids()).intersection(data_ids) if index.base is not None else set()
     if delta:
@@ -166,6 +162,12 @@ def open_base(opened: OpenedFile, config: Config) -> Checkpoint:
     return base
 
 
+def stored_id(index: Index, i: int) -> int:
+    """The id of the tensor record holding tensor ``i``'s bytes: ``i``, or its alias's target."""
+    alias = index.tensors[i].alias
+    return i if alias is None else alias
+
+
 def data_of(index: Index, i: int) -> TensorRecord:
     """The record holding tensor ``i``'s bytes: itself, or the target of an alias."""
     record = index.tensors[i]
@@ -174,7 +176,7 @@ def data_of(index: Index, i: int) -> TensorRecord:
 
 def warn_lossy(index: Index, ids: Iterable[int]) -> None:
     """One ``LossyWarning`` per load call that returns arrays saved with ``save(lossy=...)``."""
-    arrays = {index.tensors[i].alias if index.tensors[i].alias is not None else i for i in ids}
+    arrays = {stored_id(index, i) for i in ids}
     lossy = sum(1 for i in arrays if index.tensors[i].lossy is not None)  # an alias is the same array
     if lossy:
         warnings.warn(f"{lossy} loaded array(s) were saved lossily (within their recorded error bounds, "

@@ -6,7 +6,6 @@ that share memory are restored in key order, so the last key wins, as in ``load_
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
@@ -26,11 +25,9 @@ from ..state import (
     torch_dtype_name,
     unflatten,
 )
-from .checkpoint import new_target, restore_arrays, warn_lossy
+from .checkpoint import new_target, restore_arrays, stored_id, warn_lossy
 from .reports import Progress
 from .resolve import PathLike, open_checked, open_reader, resolve_config, restore_gpu_device
-
-log = logging.getLogger(__name__)
 
 
 def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Config | None = None,
@@ -112,15 +109,15 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
         for i, tensor in wanted.items():
             if arrays[i] is not tensor:  # an alias whose data landed in another tensor
                 tensor.copy_(torch.as_tensor(arrays[i]))  # or in a NumPy array: a numpy entry's alias
-    for prefix, optimizer in optimizers:
-        selection = Selection([join_key(prefix)] if prefix else None)
+    for optimizer_path, optimizer in optimizers:
+        selection = Selection([join_key(optimizer_path)] if optimizer_path else None)
         subtree = unflatten(index.tree, arrays, selection)
-        for part in prefix:
+        for part in optimizer_path:
             subtree = subtree[part]
         try:
             optimizer.load_state_dict(subtree)
         except (ValueError, KeyError, RuntimeError) as err:
-            raise StateMismatchError(f"optimizer at {join_key(prefix)!r} rejected the checkpoint's "
+            raise StateMismatchError(f"optimizer at {join_key(optimizer_path)!r} rejected the checkpoint's "
                                      f"state: {err}") from err
     for container, slot, node in plain_slots:
         container[slot] = plain_values[node]
@@ -141,7 +138,7 @@ def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: 
     index = opened.index
 
     def stored_array(i: int) -> int:
-        return index.tensors[i].alias if index.tensors[i].alias is not None else i
+        return stored_id(index, i)
 
     shared = overlapping({i: span for i, tensor in wanted.items() if (span := _memory_span(tensor))})
     # Per phase: stored array id -> the tensor restored from it (None: a new array). As before,

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -36,8 +35,6 @@ from .resolve import (
     restore_engine,
     restore_gpu_device,
 )
-
-log = logging.getLogger(__name__)
 
 
 def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = None,

@@ -8,9 +8,7 @@ Every public call of ``gdsckpt.api`` goes through these, so that a path, a devic
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,9 +30,6 @@ from ..state import (
     join_key,
     walk_tree,
 )
-
-log = logging.getLogger(__name__)
-
 
 PathLike = str | os.PathLike[str]
 
@@ -151,9 +146,8 @@ def parse_device(device: Any) -> str | None:
     if text == "cpu":
         return text
     if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
-        torch = sys.modules.get("torch")
-        if torch is None:
-            import torch
+        import torch
+
         if not torch.cuda.is_available():
             raise ValueError(f"device {text!r} requested but CUDA is not available on this machine")
         index = int(text[5:]) if ":" in text else torch.cuda.current_device()

@@ -122,7 +122,8 @@ def save_flat(flat: FlatState, path: PathLike, *, codec: str = "auto", chunk_byt
     # Rounded before anything reads the sources (a delta then XORs the rounded values).
     lossy_keys = apply_policy(flat, lossy) if lossy is not None else []
     with contextlib.ExitStack() as stack:
-        link, delta = None, set()
+        link: dict[str, Any] | None = None
+        delta: set[int] = set()
         if base is not None:
             link, delta = _delta_sources(flat, path, base, max_chain, cfg, stack)
         engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, Path(path), gpu_device)
@@ -146,8 +147,8 @@ def save_flat(flat: FlatState, path: PathLike, *, codec: str = "auto", chunk_byt
             engine.close()
     logical = sum(a.source.nbytes for a in flat.arrays if a.alias is None)
     chains: dict[str, int] = {}
-    for chunk in result.chunks:
-        label = chain_label(result.chains[chunk.chain].to_json())
+    for record in result.chunks:
+        label = chain_label(result.chains[record.chain].to_json())
         chains[label] = chains.get(label, 0) + 1
     return SaveReport(
         path=str(path if rename else writer.temp), logical_bytes=logical, stored_bytes=result.file_bytes,

@@ -499,7 +499,7 @@ def _at_exit() -> None:
 # threading's exit hooks run before concurrent.futures stops accepting work (hooks run in reverse
 # order of registration and concurrent.futures registered first), so a waited-for save can still
 # use its thread pools. Plain atexit would run after that.
-threading._register_atexit(_at_exit)
+threading._register_atexit(_at_exit)  # type: ignore[attr-defined]  # private, in every CPython >= 3.9
 
 
 __all__ = ["AsyncSaver", "PoolStats", "SaveHandle", "SnapshotPool", "clear_pool", "pool_stats", "prepare",

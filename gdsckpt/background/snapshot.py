@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import copy
-import logging
 import os
 import sys
 import threading
@@ -25,7 +24,6 @@ from ..state import flatten
 
 PathLike = str | os.PathLike[str]
 
-logger = logging.getLogger("gdsckpt")
 
 
 

@@ -23,11 +23,7 @@ from typing import Any
 from ..codecs import known_codec_names
 from ..config import Config, parse_size
 from ..tools import storagebench as sb
-
-try:  # the lead's progress helper; the benchmark runs without a bar until it lands
-    from .progress import progress_bar
-except ImportError:  # pragma: no cover - depends on which files are present
-    progress_bar = None
+from .progress import progress_bar
 
 logger = logging.getLogger("gdsckpt")
 

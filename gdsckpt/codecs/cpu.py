@@ -57,7 +57,7 @@ class ZstdCodec(Codec):
         return compressor
 
     def encode(self, data: np.ndarray) -> Any:
-        return self._compressor().compress(data)
+        return self._compressor().compress(data.data)
 
     def decode(self, data: Any, raw_length: int) -> Any:
         decompressor = getattr(self._local, "decompressor", None)
@@ -126,7 +126,7 @@ class DeflateCodec(Codec):
 
     def encode(self, data: np.ndarray) -> Any:
         compressor = zlib.compressobj(self.level, zlib.DEFLATED, -15)
-        return compressor.compress(data) + compressor.flush()
+        return compressor.compress(data.data) + compressor.flush()
 
     def decode(self, data: Any, raw_length: int) -> Any:
         decompressor = zlib.decompressobj(-15)

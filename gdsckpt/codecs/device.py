@@ -199,7 +199,7 @@ class CudaDevice:
 
     def to_host(self, array: Any) -> np.ndarray:
         """``cupy.asnumpy`` on the stream, then waits for it."""
-        host = self.xp.asnumpy(array, stream=self.stream)
+        host: np.ndarray = self.xp.asnumpy(array, stream=self.stream)
         self.stream.synchronize()
         return host
 

@@ -81,6 +81,6 @@ def crc32c_batch(buffers: list[Any], stream: Any) -> np.ndarray:
                                          _ONLY_SEGMENT, None, ctypes.c_void_p(stream.ptr))
     if status != 0:
         raise RuntimeError(f"nvcompBatchedCRC32Async failed with status {status}")
-    host = out.get(stream=stream)
+    host: np.ndarray = out.get(stream=stream)
     stream.synchronize()
     return host

@@ -101,7 +101,7 @@ def bitcomp_lossy_params(stage: dict[str, Any]) -> tuple[str, float]:
                          f"{sorted(BITCOMP_LOSSY_TYPES.values())}")
     if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < float("inf"):
         raise ValueError(f"{BITCOMP_LOSSY} stage has delta {delta!r}, expected a finite positive number")
-    return data_type, float(delta)
+    return str(data_type), float(delta)
 
 
 def codec_stage(user_name: str, data_type: str | None = None, delta: float | None = None) -> dict[str, Any]:

@@ -208,7 +208,7 @@ def parse_index(data: bytes, *, index_offset: int) -> Index:
 
 
 def _is_delta_chain(chain: list[dict[str, Any]]) -> bool:
-    return chain[0]["name"] == XOR_BASE
+    return bool(chain[0]["name"] == XOR_BASE)
 
 
 def _parse_base(raw: Any) -> dict[str, Any]:

@@ -318,9 +318,9 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
         if metadata is None:
             with pickle_path.open("rb") as f:
                 metadata = pickle.load(f)  # trusted by the caller: DCP's pickled Metadata
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
     def _read_json_metadata(self, json_path: Path, pickle_path: Path) -> Metadata | None:

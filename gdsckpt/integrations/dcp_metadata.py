@@ -118,10 +118,10 @@ def encode_metadata_json(metadata: Metadata, pickled: bytes) -> bytes:
         storage.append({"fqn": index.fqn, "offset": None if index.offset is None else list(index.offset),
                         "index": index.index, "file": info.relative_path, "key": info.key,
                         "length": info.length})
-    meta = metadata.storage_meta
-    if meta is not None:
-        meta = {"checkpoint_id": meta.checkpoint_id, "save_id": meta.save_id, "load_id": meta.load_id,
-                "modules": meta.modules}
+    storage_meta = metadata.storage_meta
+    meta = None if storage_meta is None else {
+        "checkpoint_id": storage_meta.checkpoint_id, "save_id": storage_meta.save_id,
+        "load_id": storage_meta.load_id, "modules": storage_meta.modules}
     doc = {"format": METADATA_JSON_FORMAT, "schema": METADATA_JSON_SCHEMA,
            "pickle": {"bytes": len(pickled), "sha256": hashlib.sha256(pickled).hexdigest()},
            "version": metadata.version, "state_dict_metadata": tensors, "planner_data": planner,
@@ -166,16 +166,20 @@ class _MetadataJsonDecoder:
             raise self.fail(f"{what}: missing fields {missing}, unknown fields {unknown!r:.200}")
         return value
 
-    def integer(self, value: Any, what: str, optional: bool = False) -> int | None:
+    def optional_integer(self, value: Any, what: str) -> int | None:
+        return None if value is None else self.integer(value, what)
+
+    def integer(self, value: Any, what: str) -> int:
         # bool is an int subclass in Python; the schema never stores a bool where an int is due
-        if optional and value is None:
-            return None
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_ELEMENTS:
             raise self.fail(f"{what} must be an integer in [0, 2**63), got {value!r:.80}")
         return value
 
-    def text(self, value: Any, what: str, optional: bool = False) -> str | None:
-        if (optional and value is None) or isinstance(value, str):
+    def optional_text(self, value: Any, what: str) -> str | None:
+        return None if value is None else self.text(value, what)
+
+    def text(self, value: Any, what: str) -> str:
+        if isinstance(value, str):
             return value
         raise self.fail(f"{what} must be a string, got {type(value).__name__}")
 
@@ -273,7 +277,7 @@ class _MetadataJsonDecoder:
         return Metadata(state_dict_metadata=entries, planner_data=planner,
                         storage_data=self.storage_data(doc["storage_data"], entries),
                         storage_meta=self.storage_meta(doc["storage_meta"]),
-                        version=self.text(doc["version"], "version", optional=True)), binding
+                        version=self.optional_text(doc["version"], "version")), binding
 
     def storage_data(self, raw: Any, entries: dict[str, Any]) -> dict[MetadataIndex, GdsStorageInfo]:
         if not isinstance(raw, list):
@@ -286,7 +290,7 @@ class _MetadataJsonDecoder:
             if fqn not in entries:
                 raise self.fail(f"{what}.fqn {fqn!r:.80} is not in state_dict_metadata")
             offset = None if item["offset"] is None else self.dims(item["offset"], f"{what}.offset")
-            index = MetadataIndex(fqn, offset, self.integer(item["index"], f"{what}.index", optional=True))
+            index = MetadataIndex(fqn, offset, self.optional_integer(item["index"], f"{what}.index"))
             file = self.text(item["file"], f"{what}.file")
             if Path(file).name != file or file in ("", ".", "..") or "\0" in file:
                 raise self.fail(f"{what}.file {file!r:.80} is not a file name inside the checkpoint")
@@ -303,7 +307,7 @@ class _MetadataJsonDecoder:
         modules = raw["modules"]
         if not isinstance(modules, list):
             raise self.fail("storage_meta.modules must be a list of strings")
-        ids = {name: self.text(raw[name], f"storage_meta.{name}", optional=True)
+        ids = {name: self.optional_text(raw[name], f"storage_meta.{name}")
                for name in ("checkpoint_id", "save_id", "load_id")}
         return StorageMeta(**ids,
                            modules=[self.text(m, "storage_meta.modules") for m in modules])

@@ -60,9 +60,10 @@ import logging
 import os
 import shutil
 import sys
+from abc import ABCMeta
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -373,6 +374,6 @@ def _type_name(obj: Any) -> str:
 
 for _other_base in _BASES[1:]:
     # The other namespace's Trainer checks isinstance(plugin, its CheckpointIO).
-    _other_base.register(GdsCheckpointIO)
+    cast(ABCMeta, _other_base).register(GdsCheckpointIO)
 
 __all__ = ["GdsCheckpointIO"]

@@ -27,7 +27,7 @@ def _done(value: Any = None) -> Future[Any]:
 def _host_bytes(data: Any) -> memoryview:
     if hasattr(data, "__cuda_array_interface__") and not hasattr(data, "__array_interface__"):
         data = data.get()  # a CuPy array: one copy to the host
-    return memoryview(np.ascontiguousarray(data)).cast("B")
+    return np.ascontiguousarray(data).data.cast("B")
 
 
 class MemoryStore:

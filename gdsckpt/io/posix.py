@@ -379,7 +379,7 @@ class PosixReader(StorageReader):
         return self._lane.submit(self._read_into, fd, offset, out)
 
     def _read_into(self, fd: int, offset: int, out: np.ndarray) -> np.ndarray:
-        view = memoryview(out).cast("B")
+        view = out.data.cast("B")
         position = offset
         while view:
             count = os.preadv(fd, [view], position)

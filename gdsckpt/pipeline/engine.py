@@ -189,7 +189,7 @@ class HostEngine(Engine):
             encoded = self.codec.encode(raw)
         stored_view = memoryview(encoded).cast("B")
         if len(stored_view) >= raw.nbytes and self.codec.name != "none/1":
-            stored_view, chain = memoryview(raw).cast("B"), NONE_CHAIN
+            stored_view, chain = raw.data.cast("B"), NONE_CHAIN
         else:
             stages = ([{"name": BYTE_PLANES.name, "width": chunk.plane_width}] if use_planes else [])
             chain = Chain.of(*stages, self.codec.stage())

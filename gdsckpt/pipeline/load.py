@@ -67,6 +67,12 @@ class OpenedFile:
             checkpoint.close()
 
 
+def _path_of(reader: StorageReader) -> str | None:
+    """The file's path where the reader has one (a delta's relative base path resolves from it)."""
+    path = getattr(reader, "path", None)
+    return None if path is None else str(path)
+
+
 def open_file(reader: StorageReader) -> OpenedFile:
     """Read and validate header, trailer and index through ``reader``."""
     if reader.size < HEADER_REGION + TRAILER_SIZE:
@@ -81,7 +87,7 @@ def open_file(reader: StorageReader) -> OpenedFile:
         raise CorruptCheckpointError("index checksum mismatch")
     return OpenedFile(header, trailer, parse_index(index_bytes, index_offset=trailer.index_offset),
                       hashlib.sha256(index_bytes).hexdigest(),
-                      str(reader.path) if getattr(reader, "path", None) is not None else None)
+                      _path_of(reader))
 
 
 Delivery = tuple[int, int, int, int]

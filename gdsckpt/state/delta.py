@@ -21,7 +21,6 @@ bytes, which byte planes and any entropy coder compress to almost nothing.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections import OrderedDict
@@ -31,8 +30,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import DeltaBaseError
-
-log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CHAIN = 8
 """Deltas a load may have to resolve behind one checkpoint before a full one is written."""

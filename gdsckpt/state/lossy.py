@@ -74,7 +74,7 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -172,9 +172,13 @@ class LossyPolicy:
         rule = self.rule_for(key)
         return rule[1] if rule is not None else None
 
+    def checked_rules(self) -> tuple[tuple[str, tuple[str, float]], ...]:
+        """The rules as ``__post_init__`` stored them: (pattern, (mode, relative bound)) pairs."""
+        return cast("tuple[tuple[str, tuple[str, float]], ...]", self.rules)
+
     def rule_for(self, key: str) -> tuple[str, float] | None:
         """(mode, relative bound) of the first pattern matching ``key``, or None (lossless)."""
-        for pattern, rule in self.rules:  # type: ignore[misc]
+        for pattern, rule in self.checked_rules():
             if key_matches(pattern, key):
                 return rule
         return None
@@ -364,9 +368,9 @@ def plan_rounding(array: Any, mode: str, rel: float) -> Rounding | None:
         if drop == 0 or amax == 0:
             return None
         abs_bound, step = rel * amax, 0.0
-        function = _mantissa_part_torch if torch_kind else _mantissa_part_numpy
-        round_part = lambda part: function(part, rel, drop)[0]  # noqa: E731
-        errors = (function(part, rel, drop)[1] for part in _parts(array, torch_kind))
+        mantissa_part = _mantissa_part_torch if torch_kind else _mantissa_part_numpy
+        round_part = lambda part: mantissa_part(part, rel, drop)[0]  # noqa: E731
+        errors = (mantissa_part(part, rel, drop)[1] for part in _parts(array, torch_kind))
     max_error = max((float(e) for e in errors), default=0.0)
     if not max_error <= abs_bound:
         return None
@@ -410,7 +414,10 @@ class RoundedSource:
     def __init__(self, source: Any, rounding: Rounding):
         self.source = source
         self.rounding = rounding
-        self.dtype = float_dtype_name(source.tensor if isinstance(source, TorchSource) else source.array)
+        dtype = float_dtype_name(source.tensor if isinstance(source, TorchSource) else source.array)
+        if dtype is None:
+            raise TypeError(f"only torch and NumPy float arrays are rounded, not {type(source).__name__}")
+        self.dtype: str = dtype
         """The array's dtype name (``"float32"``)."""
         self.nbytes, self.itemsize = source.nbytes, source.itemsize
         self.plane_width, self.on_device = source.plane_width, source.on_device
@@ -428,8 +435,8 @@ class RoundedSource:
         """Rounded bytes ``[start, stop)`` in host memory (little-endian)."""
         rounded = self._rounded(start, stop)
         if isinstance(rounded, np.ndarray):
-            return NumpySource(rounded, float_dtype_name(rounded)).host_bytes(0, stop - start)
-        return TorchSource(rounded, float_dtype_name(rounded)).host_bytes(0, stop - start)
+            return NumpySource(rounded, self.dtype).host_bytes(0, stop - start)
+        return TorchSource(rounded, self.dtype).host_bytes(0, stop - start)
 
     def device_bytes(self, start: int, stop: int) -> Any:
         """Rounded bytes ``[start, stop)`` on the array's device (CuPy)."""
@@ -443,7 +450,7 @@ class RoundedSource:
 
             # torch rounded on its own current stream; the GPU engine reads on another one.
             torch.cuda.current_stream(rounded.device).synchronize()
-        return TorchSource(rounded, float_dtype_name(rounded)).device_bytes(0, stop - start)
+        return TorchSource(rounded, self.dtype).device_bytes(0, stop - start)
 
 
 def float_dtype_name(array: Any) -> str | None:

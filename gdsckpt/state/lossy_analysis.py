@@ -28,16 +28,15 @@ def _zstd_bytes(data: np.ndarray, width: int) -> int:
     one frame per byte plane, as the engine's byte-plane trial chooses."""
     import zstandard
 
-    from ..codecs.cpu import planes_forward
-    from ..pipeline.engine import HOST_ZSTD_LEVEL
+    from ..codecs.cpu import HOST_ZSTD_LEVEL, planes_forward
 
     compressor = zstandard.ZstdCompressor(level=HOST_ZSTD_LEVEL)
     data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    plain = len(compressor.compress(data))
+    plain = len(compressor.compress(data.data))
     if width < 2 or data.size % width:
         return plain
     planes = planes_forward(data, width).reshape(width, -1)
-    return min(plain, sum(len(compressor.compress(plane)) for plane in planes))
+    return min(plain, sum(len(compressor.compress(np.ascontiguousarray(plane).data)) for plane in planes))
 
 
 def _as_numpy(array: Any) -> np.ndarray:
@@ -120,7 +119,7 @@ def _groups(spec: Any) -> list[tuple[str, list[str], float | None, str]]:
     if isinstance(spec, LossyPolicy) or (isinstance(spec, Mapping) and spec
                                          and all(isinstance(v, (int, float, tuple)) for v in spec.values())):
         policy = LossyPolicy.of(spec)
-        return [(pattern, [pattern], rule[1], rule[0]) for pattern, rule in policy.rules]  # type: ignore[misc]
+        return [(pattern, [pattern], rule[1], rule[0]) for pattern, rule in policy.checked_rules()]
     if isinstance(spec, Mapping):
         return [(str(name), [patterns] if isinstance(patterns, str) else list(patterns), None, "grid")
                 for name, patterns in spec.items()]

@@ -114,7 +114,7 @@ def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None,
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, optimizer = training_state(width=width, depth=depth, steps=3, device=device, vocab=4096)
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 3}
+    state: dict[str, Any] = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 3}
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         ours, theirs = Path(tmp) / "demo.gdsckpt", Path(tmp) / "demo.pt"
         report = api.save(state, ours)

@@ -65,7 +65,7 @@ class GpuDecoder(WorkerOwner, Decoder):
 
     def __init__(self, *, device_id: int, max_staging_bytes: int, batch_chunks: int = 64, timeout: float = 600.0,
                  device: DeviceBackend | None = None):
-        self.device = backend_or_cuda(device, device_id)
+        self.device = device = backend_or_cuda(device, device_id)
         self.device_id = device_id
         self.max_staging_bytes = max_staging_bytes
         self.timeout = timeout

@@ -138,7 +138,7 @@ class GpuEncoder(WorkerOwner, Encoder):
         if codec != "none" and codec not in gpu_codec_names():
             raise ValueError(f"codec {codec!r} has no GPU implementation (expected one of: "
                              f"{', '.join(['none', *gpu_codec_names()])})")
-        self.device = backend_or_cuda(device, device_id)
+        self.device = device = backend_or_cuda(device, device_id)
         self.sources = sources
         self.codec = codec
         self.byte_planes = byte_planes
@@ -410,7 +410,8 @@ class GpuEncoder(WorkerOwner, Encoder):
             # Decode every stream again and compare: in one call into the free input areas, or
             # (input gathered there from host memory) one by one into the verification buffer.
             in_place = [e for e in members if e.check_offset is not None]
-            calls = [(in_place, ring.buffer, [e.check_offset for e in in_place])] if in_place else []
+            calls = ([(in_place, ring.buffer, [e.check_offset for e in in_place if e.check_offset is not None])]
+                     if in_place else [])
             calls += [([e], self._verify, [0]) for e in members if e.check_offset is None]
             for targets, buffer, offsets in calls:
                 streams = [ring.buffer[e.out_offset:e.out_offset + sizes[e.job.chunk.number]] for e in targets]

@@ -3,15 +3,10 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
 from .results import DATA_DESCRIPTION
-
-logger = logging.getLogger("gdsckpt")
-
-
 
 # ---------------------------------------------------------------------------------------------
 # the data

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 import shutil
@@ -13,10 +12,6 @@ from typing import Any
 from ...errors import InsufficientSpaceError
 from ...format import align_up
 from .results import MIB, BenchSettings, human_size
-
-logger = logging.getLogger("gdsckpt")
-
-
 
 # ---------------------------------------------------------------------------------------------
 # targets and the host

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,10 +12,6 @@ from ...codecs import known_codec_names
 from ...codecs.nvcomp import MAX_CHUNK_BYTES
 from ...config import Config
 from ...version import __version__
-
-logger = logging.getLogger("gdsckpt")
-
-
 
 SCHEMA = "gdsckpt.storagebench/1"
 GB = 1e9
