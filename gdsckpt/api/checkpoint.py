@@ -9,7 +9,7 @@ import re
 import threading
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from ..config import Config
 from ..errors import (
@@ -107,13 +107,14 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
             if opened.base is None:  # kept for the next restore of this file: its cache with it
                 checkpoint = open_base(opened, config)
                 opened.base = (checkpoint, checkpoint._base_reader())
-        base, base_reader = opened.base
+        opened_base, base_reader = opened.base
+        base = cast(Checkpoint, opened_base)  # this module put it there, just above
         for i in delta:
             record = index.tensors[i]
             base_record = base._data_record(record.key) if record.key in base else None
             if base_record is None or (base_record.dtype, base_record.shape) != (record.dtype, record.shape):
                 raise DeltaBaseError(f"base checkpoint {base.path!r} holds no {record.dtype}"
-                                          f"{list(record.shape)} array {record.key!r}, which the delta needs")
+                                     f"{list(record.shape)} array {record.key!r}, which the delta needs")
             start = (windows or {}).get(i, (0, 0))[0]
             targets[i] = XorTarget(targets[i], base_reader.view(base_record.key), start)
     engine = restore_engine(config, gpu_device)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import (
@@ -44,6 +44,15 @@ from .engine import Engine
 from .plan import ArrayTarget
 
 
+class OpenBase(Protocol):
+    """A delta's open base as this layer sees it: the API opens it (a checkpoint) and hands it
+    down; the restore pipeline only keeps it with the file it serves and closes it."""
+
+    def close(self) -> None:
+        """Release the base's reader and, through it, the rest of its chain."""
+        ...
+
+
 @dataclass
 class OpenedFile:
     """A validated checkpoint: its header, trailer and index."""
@@ -56,9 +65,9 @@ class OpenedFile:
     (the index holds every chunk's CRC-32C, offset and size, so any change to the file shows)."""
     path: str | None = None
     """The file's path, where the reader has one (a delta's relative base path resolves from it)."""
-    base: Any = None
-    """A delta's base, opened once by the first restore that needs it and kept for the next ones
-    (with its reader's cache): ``(Checkpoint, BaseReader)``; closed by ``close_base``."""
+    base: tuple[OpenBase, Any] | None = None
+    """A delta's base, opened once by the first restore that needs it and kept for the next ones,
+    with the reader of its bytes (and that reader's cache); closed by ``close_base``."""
 
     def close_base(self) -> None:
         """Close the base this file's restores opened (and, through it, the rest of the chain)."""
