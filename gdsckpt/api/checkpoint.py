@@ -171,8 +171,7 @@ def stored_id(index: Index, i: int) -> int:
 
 def data_of(index: Index, i: int) -> TensorRecord:
     """The record holding tensor ``i``'s bytes: itself, or the target of an alias."""
-    record = index.tensors[i]
-    return index.tensors[record.alias] if record.alias is not None else record
+    return index.tensors[stored_id(index, i)]
 
 
 def warn_lossy(index: Index, ids: Iterable[int]) -> None:
@@ -279,8 +278,7 @@ class Checkpoint:
 
     def _data_record(self, key: str) -> TensorRecord:
         """The record holding ``key``'s bytes (an alias's target)."""
-        record = self._opened.index.tensors[self._id(key)]
-        return self._opened.index.tensors[record.alias] if record.alias is not None else record
+        return data_of(self._opened.index, self._id(key))
 
     def _base_reader(self) -> BaseReader:
         """A ``BaseReader`` of this checkpoint's arrays (deltas resolved): what a delta built on it

@@ -137,9 +137,6 @@ def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: 
     shared memory, everything is one phase."""
     index = opened.index
 
-    def stored_array(i: int) -> int:
-        return stored_id(index, i)
-
     shared = overlapping({i: span for i, tensor in wanted.items() if (span := _memory_span(tensor))})
     # Per phase: stored array id -> the tensor restored from it (None: a new array). As before,
     # a tensor that shares no memory is its stored array's destination when its key holds that
@@ -147,9 +144,9 @@ def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: 
     # destination in the first phase, whose tensors later phases may overwrite.
     ids_of_phase: list[list[int]] = [list(optimizer_ids) + [i for i in wanted if i not in shared]]
     phases: list[dict[int, Any]] = [{i: wanted[i] for i in ids_of_phase[0]
-                                     if i in wanted and i == stored_array(i)}]
+                                     if i in wanted and i == stored_id(index, i)}]
     for i in ids_of_phase[0]:
-        phases[0].setdefault(stored_array(i), None)
+        phases[0].setdefault(stored_id(index, i), None)
     if shared:
         last_over_layout: dict[tuple[Any, ...], int] = {}  # exact aliases: the last key overwrites the rest
         for i, tensor in wanted.items():
@@ -162,13 +159,13 @@ def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: 
         phase_of: dict[int, int] = {}
         for i, earlier in zip(survivors, _earlier_overlaps(survivors, wanted)):
             phase = max((phase_of[j] + 1 for j in earlier), default=0)
-            while phase < len(phases) and stored_array(i) in phases[phase]:
+            while phase < len(phases) and stored_id(index, i) in phases[phase]:
                 phase += 1  # one destination per stored array in each phase
             if phase == len(phases):
                 phases.append({})
                 ids_of_phase.append([])
             phase_of[i] = phase
-            phases[phase][stored_array(i)] = wanted[i]
+            phases[phase][stored_id(index, i)] = wanted[i]
             ids_of_phase[phase].append(i)
 
     arrays: dict[int, Any] = {}
