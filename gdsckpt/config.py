@@ -22,7 +22,8 @@ the presets in ``configs/``.
 | fsync | True | fsync the file and its directory before a save returns |
 | timeout | 600 | seconds any single wait on a worker may take before failing the operation |
 | engine | ``"auto"`` | ``auto`` (GPU when the state has CUDA arrays and nvCOMP is usable), ``cpu``, ``gpu`` (every save, failing where no GPU is usable) |
-| max_staging_bytes | 1 GiB | GPU staging ring of a save or restore (chunks being compressed / read and decoded), allocated once per operation |
+| max_staging_bytes | 1 GiB | GPU staging ring of a save (chunks being compressed), allocated once per save; the least a restore's ring may have |
+| restore_staging_bytes | ``None`` | GPU staging ring of a restore (chunks being read and decoded). None: sized when the restore starts, a quarter of the device memory free then, at least ``max_staging_bytes`` and at most 8 GiB (``RESTORE_STAGING_CAP``); never more than the chunks to read fill |
 | snapshot_gpu_bytes | 1 GiB | ``save_async``: a state whose CUDA tensors hold at most this many bytes is snapshotted by a copy on its GPU (kept in the snapshot pool between saves); a larger one into pinned host memory |
 | async_worker | ``"thread"`` | ``save_async`` / ``CheckpointManager.save_async``: where the background save runs: ``thread`` (a thread of the training process) or ``process`` (a spawned worker process reading the snapshot through shared memory: the training process's GIL stays free; see ``gdsckpt.background.worker``) |
 | async_engine | ``"auto"`` | ``save_async``: the engine of the background save: ``auto`` (as ``engine``), ``cpu``, ``gpu``. With ``async_worker="process"``, ``cpu`` leaves the GPU and the training process to training: 0.96-0.97 of the steps per second without checkpoints, against 0.90 for the defaults (docs/performance.md) (``configs/async-training.toml``) |
@@ -74,11 +75,11 @@ _KINDS = {
     "codec": "text", "chunk_bytes": "size", "gpu_chunk_bytes": "size", "pack_below": "size",
     "byte_planes": "text", "level": "int", "codec_threads": "int", "io_threads": "int",
     "max_inflight_bytes": "size", "o_direct": "switch", "fsync": "bool", "timeout": "float",
-    "engine": "text", "max_staging_bytes": "size", "snapshot_gpu_bytes": "size", "async_worker": "text",
+    "engine": "text", "max_staging_bytes": "size", "restore_staging_bytes": "size", "snapshot_gpu_bytes": "size", "async_worker": "text",
     "async_engine": "text", "kvikio_threads": "int",
     "kvikio_task_size": "size", "storage_gbps": "float",
 }
-_OPTIONAL = frozenset({"level", "kvikio_task_size", "storage_gbps"})
+_OPTIONAL = frozenset({"level", "kvikio_task_size", "storage_gbps", "restore_staging_bytes"})
 """Fields that may be None, written ``none`` (or empty) as text: TOML itself has no null."""
 _SIZE_FIELDS = tuple(name for name, kind in _KINDS.items() if kind == "size" and name not in _OPTIONAL)
 _EXPECTED = {
@@ -111,6 +112,7 @@ class Config:
     timeout: float = 600.0
     engine: str = "auto"
     max_staging_bytes: int = 1 << 30
+    restore_staging_bytes: int | None = None
     snapshot_gpu_bytes: int = 1 << 30
     async_worker: str = "thread"
     async_engine: str = "auto"
@@ -121,6 +123,9 @@ class Config:
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
             object.__setattr__(self, name, parse_size(getattr(self, name)))
+        for name in _OPTIONAL:
+            if _KINDS[name] == "size" and getattr(self, name) is not None:
+                object.__setattr__(self, name, parse_size(getattr(self, name)))
         if self.chunk_bytes <= 0 or self.chunk_bytes % ALIGNMENT or self.chunk_bytes > 1 << 30:
             raise ValueError(f"chunk_bytes must be a multiple of 4096 between 4 KiB and 1 GiB, "
                              f"got {self.chunk_bytes}")
@@ -140,6 +145,9 @@ class Config:
         if self.max_staging_bytes <= 0 or self.snapshot_gpu_bytes < 0:
             raise ValueError(f"max_staging_bytes must be > 0 and snapshot_gpu_bytes >= 0, got "
                              f"{self.max_staging_bytes} and {self.snapshot_gpu_bytes}")
+        if self.restore_staging_bytes is not None and self.restore_staging_bytes <= 0:
+            raise ValueError(f"restore_staging_bytes must be > 0 or None (sized from free device memory), "
+                             f"got {self.restore_staging_bytes}")
         if self.io_threads < 1 or self.codec_threads < 0:
             raise ValueError("io_threads must be >= 1 and codec_threads >= 0")
 

@@ -16,6 +16,7 @@ unless ``garble_lossy`` makes its decode return other values. Faults can be inje
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 import zlib
 from collections import Counter
@@ -125,6 +126,8 @@ class FakeDevice:
         self.allocated = Counter[str]()
         self.device_threads: set[int] = set()
         self.closed = 0
+        self.free = 16 << 30
+        """What ``free_bytes`` reports."""
         self._current = threading.local()
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -164,6 +167,9 @@ class FakeDevice:
         self.allocated["arrays"] += 1
         return np.full(nbytes, GARBAGE, dtype=np.uint8)
 
+    def free_bytes(self) -> int:
+        return self.free
+
     def address(self, array: np.ndarray) -> int:
         """The array's data pointer."""
         return int(array.__array_interface__["data"][0])
@@ -177,11 +183,28 @@ class FakeDevice:
         """A copy."""
         return np.array(array)
 
+    def pinned_empty(self, nbytes: int) -> np.ndarray:
+        self.allocated["pinned"] += nbytes
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def download(self, out: np.ndarray, array: np.ndarray) -> None:
+        self._check("download")
+        out[:] = array
+
     def zero_fill(self, views: list[np.ndarray]) -> None:
         """Zero each view."""
         self._check("zero_fill")
         for view in views:
             view[...] = 0
+
+    def gather(self, ranges: list[tuple[int, int, int]], into: np.ndarray) -> None:
+        """Copy host memory at the given addresses (the fake's "device" pointers)."""
+        self._check("gather")
+        self.calls.append(("gather", "", None, None, len(ranges)))
+        base = into.ctypes.data
+        for address, position, length in ranges:
+            assert position + length <= into.nbytes
+            ctypes.memmove(base + position, address, length)
 
     def crc32c(self, buffers: list[np.ndarray]) -> list[int]:
         """The format's CRC-32C, computed on the host."""

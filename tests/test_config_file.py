@@ -192,6 +192,7 @@ fsync = false
 timeout = 30
 engine = "cpu"
 max_staging_bytes = "512MiB"
+restore_staging_bytes = "2GiB"
 snapshot_gpu_bytes = 0
 async_worker = "process"
 async_engine = "gpu"
@@ -202,8 +203,8 @@ storage_gbps = 2
     expected = Config(codec="lz4", chunk_bytes=8192, gpu_chunk_bytes=8 << 20, pack_below=4096,
                       byte_planes="never", level=3, codec_threads=2, io_threads=4,
                       max_inflight_bytes=64 << 20, o_direct=False, fsync=False, timeout=30.0, engine="cpu",
-                      max_staging_bytes=512 << 20, snapshot_gpu_bytes=0, async_worker="process", async_engine="gpu",
-                      kvikio_threads=8,
+                      max_staging_bytes=512 << 20, restore_staging_bytes=2 << 30, snapshot_gpu_bytes=0,
+                      async_worker="process", async_engine="gpu", kvikio_threads=8,
                       kvikio_task_size=1 << 20, storage_gbps=2.0)
     loaded = Config.from_toml(native, base=Config())
     assert loaded == expected

@@ -46,6 +46,14 @@ class DeviceSource:
     def device_bytes(self, start: int, stop: int) -> np.ndarray:
         return self.source.host_bytes(start, stop)
 
+    def device_span(self, start: int, stop: int) -> int | None:
+        """The "device" address of a contiguous range (the gather kernel's input), as a CUDA
+        tensor's source gives one."""
+        array = getattr(self.source, "array", None)
+        if array is None or not array.flags.c_contiguous:
+            return None
+        return int(array.ctypes.data) + start
+
 
 def weights(seed: int = 0) -> dict[str, np.ndarray]:
     """Float-like state (compressible in the high bytes), a small packed tensor, and noise."""
@@ -94,8 +102,8 @@ def chains_of(store: MemoryStore) -> list[list[dict[str, Any]]]:
 
 
 def decoder(device: FakeDevice, staging: int = 64 << 20, batch_chunks: int = 64) -> GpuDecoder:
-    return GpuDecoder(device_id=0, max_staging_bytes=staging, batch_chunks=batch_chunks, timeout=TIMEOUT,
-                      device=device)
+    return GpuDecoder(device_id=0, max_staging_bytes=staging, restore_staging_bytes=staging,
+                      batch_chunks=batch_chunks, timeout=TIMEOUT, device=device)
 
 
 def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
@@ -432,3 +440,75 @@ def test_autotune_samples_ratios_through_the_device_backend() -> None:
     sources = [DeviceSource(a.source) for a in flat.arrays]
     ratios = sample_ratios_on(FakeDevice(), sources, ["ans", "zstd"])
     assert set(ratios) == {"ans", "zstd"} and all(r > 1.0 for r in ratios.values())
+
+
+# -- restore staging sized from free device memory, host destinations through a bounce ---------
+
+def test_restore_staging_budget_rule() -> None:
+    from gdsckpt.pipeline.gpu.staging import RESTORE_STAGING_CAP, restore_staging_budget
+
+    gib = 1 << 30
+    assert restore_staging_budget(16 * gib, gib) == 4 * gib  # a quarter of what is free
+    assert restore_staging_budget(2 * gib, gib) == gib  # never below the save's budget
+    assert restore_staging_budget(100 * gib, gib) == RESTORE_STAGING_CAP  # at most the cap
+    assert restore_staging_budget(100 * gib, 12 * gib) == 12 * gib  # unless the floor is higher
+    assert restore_staging_budget(100 * gib, gib, explicit=512 << 20) == 512 << 20  # configured: as given
+
+
+def test_decoder_sizes_its_ring_from_free_memory_but_never_beyond_the_chunks() -> None:
+    state = {"big": (np.random.default_rng(4).standard_normal(300_000) * 0.02).astype(np.float32)}
+    store, flat, _ = save_through(FakeDevice(), state, codec="zstd")
+    records = open_file(MemoryReader(store, "ckpt")).index.chunks
+    device = FakeDevice()
+    device.free = 8 * 400 * KIB  # a quarter of it: 800 KiB, above the 200 KiB floor
+    dec = GpuDecoder(device_id=0, max_staging_bytes=200 * KIB, timeout=TIMEOUT, device=device)
+    assert dec.max_staging_bytes == 800 * KIB
+    assert_same(restore_through(dec, store, flat), state)
+    assert dec.ring is not None and dec.ring.nbytes <= 800 * KIB and dec.ring.slots < len(records)
+    roomy = FakeDevice()
+    roomy.free = 1 << 40
+    dec = GpuDecoder(device_id=0, max_staging_bytes=200 * KIB, timeout=TIMEOUT, device=roomy)
+    assert_same(restore_through(dec, store, flat), state)
+    assert dec.ring is not None and dec.ring.slots == len(records)  # one slot per chunk, no more
+
+
+def test_host_destinations_go_through_a_bounded_bounce_in_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gdsckpt.pipeline.gpu import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "HOST_BOUNCE_BYTES", 3 * CHUNK)
+    rng = np.random.default_rng(5)
+    state = {f"w{i}": (rng.standard_normal(CHUNK // 2) * 0.02).astype(np.float32) for i in range(6)}
+    store, flat, _ = save_through(FakeDevice(), state, codec="ans")
+    device = FakeDevice()
+    downloads = []
+    original = device.download
+
+    def counted(out: np.ndarray, array: np.ndarray) -> None:
+        downloads.append(out.nbytes)
+        original(out, array)
+
+    device.download = counted  # type: ignore[method-assign]
+    assert_same(restore_through(decoder(device), store, flat), state)
+    assert sum(downloads) == sum(a.nbytes for a in state.values())  # every byte through the bounce
+    assert device.allocated["pinned"] == 3 * CHUNK  # one bounce buffer, of the configured size
+
+
+def test_a_failed_copy_to_the_host_fails_the_restore() -> None:
+    state = {"w": (np.random.default_rng(6).standard_normal(CHUNK // 2) * 0.02).astype(np.float32)}
+    store, flat, _ = save_through(FakeDevice(), state, codec="ans")
+    device = FakeDevice()
+    device.fail["download"] = RuntimeError("copy failed")
+    with pytest.raises(RuntimeError, match="copy failed"):
+        restore_through(decoder(device), store, flat)
+
+
+def test_packed_small_device_arrays_are_gathered_by_one_kernel_per_chunk() -> None:
+    rng = np.random.default_rng(7)
+    state = {f"t{i}": rng.standard_normal(int(rng.integers(1, 38))).astype(np.float32) for i in range(500)}
+    state["strided"] = rng.standard_normal((40, 8)).astype(np.float32)[:, ::2]  # no span: copied as before
+    device = FakeDevice()
+    store, flat, _ = save_through(device, state, codec="ans")
+    gathers = [call for call in device.calls if call[0] == "gather"]
+    assert gathers and sum(call[4] for call in gathers) == 500  # every small contiguous array, none other
+    assert len(gathers) <= len(open_file(MemoryReader(store, "ckpt")).index.chunks)
+    assert_same(restore_through(decoder(FakeDevice()), store, flat), state)

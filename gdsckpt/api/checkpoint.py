@@ -120,7 +120,7 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
     engine = restore_engine(config, gpu_device)
     try:
         run_restore(reader, index, engine, targets, timeout=config.timeout, progress=progress,
-                    windows=windows, max_inflight_bytes=inflight_budget(config, gpu_device is not None))
+                    windows=windows, max_inflight_bytes=inflight_budget(config, engine))
     finally:
         engine.close()
     finished = {i: target.finish() for i, target in targets.items()}

@@ -6,6 +6,7 @@ that share memory are restored in key order, so the last key wins, as in ``load_
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -27,7 +28,7 @@ from ..state import (
 )
 from .checkpoint import new_target, restore_arrays, stored_id, warn_lossy
 from .reports import Progress
-from .resolve import PathLike, open_checked, open_reader, resolve_config, restore_gpu_device
+from .resolve import PathLike, open_checked, open_data_reader, open_reader, resolve_config, restore_gpu_device
 
 
 def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Config | None = None,
@@ -58,7 +59,8 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
     _collect_targets(target, [], existing, optimizers, plain_slots, paths, KeyPaths.ROOT)
 
     devices = {str(t.device) for t in existing.values()}
-    gpu_device = restore_gpu_device(cfg, devices.pop() if len(devices) == 1 else None)
+    device = devices.pop() if len(devices) == 1 else None
+    gpu_device = restore_gpu_device(cfg, device)
     with open_reader(path, cfg, gpu_device is not None) as reader:
         opened = open_checked(reader)
         index = opened.index
@@ -96,9 +98,16 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
             raise StateMismatchError("checkpoint does not match target:\n  " + "\n  ".join(problems))
 
         wanted = {by_key[key]: tensor for key, tensor in existing.items()}
+        # Host targets and a file only a GPU decodes (a GPU save's default codec): decoded on the
+        # GPU, its chunks read by a device reader, delivered to host memory.
+        decode_on = gpu_device
+        if decode_on is None:
+            decode_on = restore_gpu_device(cfg, device, index, [*wanted, *optimizer_ids])
         try:
-            arrays = _restore_in_target_order(reader, opened, wanted, optimizer_ids, cfg, gpu_device,
-                                              progress)
+            with open_data_reader(path, cfg, reader, decode_on) if decode_on != gpu_device else (
+                    contextlib.nullcontext(reader)) as data_reader:
+                arrays = _restore_in_target_order(data_reader, opened, wanted, optimizer_ids, cfg, decode_on,
+                                                  progress)
         finally:
             opened.close_base()
         warn_lossy(index, arrays)

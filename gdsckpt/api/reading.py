@@ -27,6 +27,7 @@ from .checkpoint import (
 from .reports import CheckpointInfo, Progress, VerifyReport, chain_label
 from .resolve import (
     PathLike,
+    inflight_budget,
     open_checked,
     open_data_reader,
     open_reader,
@@ -47,6 +48,10 @@ def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = Non
     (``"optimizer"``) to load; only the chunks holding them are read. Dict entries outside the
     selection are left out, list and tuple slots outside it are None. Unknown keys raise
     ``KeyError``. ``progress``: see ``Progress``.
+
+    ``path`` may also be a ``gdsckpt.io.StorageReader``, closed when the load ends:
+    ``gdsckpt.io.PreloadedReader(path, pinned=True)`` holds the file in memory, to measure a
+    restore without storage.
     """
     cfg = resolve_config(config)
     target_device = parse_device(device)
@@ -136,8 +141,9 @@ def _verify_chunks(path: PathLike, config: Config, progress: Progress | None) ->
         engine = restore_engine(config, gpu_device)
         try:
             with open_data_reader(path, config, reader, gpu_device) as data_reader:
-                stored = run_verify(data_reader, opened.index, engine, max_inflight_bytes=config.max_inflight_bytes,
-                                    timeout=config.timeout, progress=progress)
+                stored = run_verify(data_reader, opened.index, engine,
+                                    max_inflight_bytes=inflight_budget(config, engine), timeout=config.timeout,
+                                    progress=progress)
         finally:
             engine.close()
     return opened, stored

@@ -72,7 +72,7 @@ def open_checked(reader: StorageReader) -> OpenedFile:
     return opened
 
 
-def check_target(path: PathLike) -> None:
+def check_target(path: Any) -> None:
     """The checks a save makes of its path before writing anything: a file path whose directory
     exists (made in the caller by ``save_async``, so that a bad path fails there and not in the
     background). Anything but a path (a storage writer) passes."""
@@ -106,7 +106,8 @@ def restore_engine(config: Config, gpu_device: int | None) -> Any:
         return host_engine(config)
     from ..pipeline.gpu import GpuDecoder
 
-    return GpuDecoder(device_id=gpu_device, max_staging_bytes=config.max_staging_bytes, timeout=config.timeout)
+    return GpuDecoder(device_id=gpu_device, max_staging_bytes=config.max_staging_bytes,
+                      restore_staging_bytes=config.restore_staging_bytes, timeout=config.timeout)
 
 
 def host_engine(config: Config, sources: list[Any] | None = None, codec: str = "none") -> HostEngine:
@@ -179,10 +180,13 @@ def restore_gpu_device(config: Config, device: str | None, index: Index | None =
     return int(device.split(":")[1]) if device is not None and ":" in device else 0
 
 
-def inflight_budget(config: Config, gpu: bool) -> int:
-    """Bytes of chunks a save or restore keeps in flight: the staging budget (device memory) on
-    the GPU engine, the host budget on the CPU engine."""
-    return max(config.max_inflight_bytes, config.max_staging_bytes) if gpu else config.max_inflight_bytes
+def inflight_budget(config: Config, engine: Any) -> int:
+    """Bytes of chunks a save or restore keeps in flight: the engine's staging budget (device
+    memory: ``max_staging_bytes`` of a save, the sized budget of a restore) on the GPU engine, the
+    host budget on the CPU engine."""
+    if engine.name == "gpu":
+        return max(config.max_inflight_bytes, engine.max_staging_bytes)
+    return config.max_inflight_bytes
 
 
 @contextlib.contextmanager

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..codecs import versioned_name
 from ..config import Config
@@ -21,6 +22,7 @@ from ..errors import (
 from ..format import Index, TensorRecord, dtype_spec
 from ..format.layout import TRAILER_SIZE, unpack_trailer
 from ..io import PosixWriter, StorageWriter
+from ..pipeline.load import content_identity
 from ..pipeline.plan import plan_chunks
 from ..pipeline.save import run_save
 from ..state import (
@@ -42,7 +44,6 @@ from .resolve import (
     device_index,
     host_engine,
     inflight_budget,
-    open_checked,
     open_reader,
     posix_writer,
     resolve_config,
@@ -82,6 +83,9 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
     matches its content), ``DeltaBaseError`` lists those deltas and nothing is written;
     ``gdsckpt rebase`` them first, save elsewhere, or pass ``force=True``. Deltas in other
     directories are not searched for.
+
+    ``path`` may also be a ``gdsckpt.io.StorageWriter``: ``gdsckpt.io.NullWriter()`` keeps
+    nothing, to measure the pipeline without storage (``SaveReport.path`` is then ``"<null>"``).
 
     ``lossy`` (default None: every array bit-exact): a ``gdsckpt.lossy.LossyPolicy`` or a dict of
     key pattern -> relative error bound, e.g. ``{"*.exp_avg_sq": 1e-2}``; matching float16 /
@@ -125,8 +129,10 @@ def save_flat(flat: FlatState, path: PathLike, *, codec: str = "auto", chunk_byt
         link: dict[str, Any] | None = None
         delta: set[int] = set()
         if base is not None:
+            if isinstance(path, StorageWriter):
+                raise ValueError("a delta save (base=...) needs a file path, not a storage writer")
             link, delta = _delta_sources(flat, path, base, max_chain, cfg, stack)
-        engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, Path(path), gpu_device)
+        engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, path, gpu_device)
         chunk = cfg.gpu_chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
         plans = plan_chunks(
             [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
@@ -134,14 +140,14 @@ def save_flat(flat: FlatState, path: PathLike, *, codec: str = "auto", chunk_byt
             chunk_bytes=chunk, pack_below=min(cfg.pack_below, chunk), delta=delta,
         )
         try:
-            writer = make_writer(path, cfg)
+            writer = path if isinstance(path, StorageWriter) else make_writer(path, cfg)
             if not rename:
                 if not isinstance(writer, PosixWriter):
                     writer.abort()
                     raise ValueError(f"a save in a worker process needs a file path, not {path!r}")
                 writer.keep_temporary = True
             result = run_save(plans, engine, writer, progress=progress,
-                              max_inflight_bytes=inflight_budget(cfg, engine.name == "gpu"),
+                              max_inflight_bytes=inflight_budget(cfg, engine),
                               index=index_template(flat, link), timeout=cfg.timeout)
         finally:
             engine.close()
@@ -151,12 +157,20 @@ def save_flat(flat: FlatState, path: PathLike, *, codec: str = "auto", chunk_byt
         label = chain_label(result.chains[record.chain].to_json())
         chains[label] = chains.get(label, 0) + 1
     return SaveReport(
-        path=str(path if rename else writer.temp), logical_bytes=logical, stored_bytes=result.file_bytes,
+        path=_report_path(path, writer, rename), logical_bytes=logical, stored_bytes=result.file_bytes,
         ratio=logical / result.file_bytes if result.file_bytes else 0.0,
         seconds=time.perf_counter() - started, codec=codec_name, backend=writer.name,
         engine=engine.name, tensors=len(flat.arrays), chunks=len(result.chunks), chains=chains, auto=auto,
         base=link["path"] if link is not None else None, delta_tensors=len(delta), lossy=tuple(lossy_keys),
     )
+
+
+def _report_path(path: PathLike | StorageWriter, writer: StorageWriter, renamed: bool) -> str:
+    """What ``SaveReport.path`` says: the path written, the temporary one a worker renames, or
+    ``"<name>"`` of a storage writer given instead of a path."""
+    if isinstance(path, StorageWriter):
+        return f"<{path.name}>"
+    return str(path) if renamed else str(cast(PosixWriter, writer).temp)
 
 
 def _delta_sources(flat: FlatState, path: PathLike, base: PathLike, max_chain: int, config: Config,
@@ -251,17 +265,16 @@ def _dependents(path: Path, config: Config) -> list[Path]:
     directory by a relative one) is not found."""
     try:
         with open_reader(path, config) as reader:
-            opened = open_checked(reader)
+            identity = content_identity(reader)
     except (CheckpointError, OSError):
         return []  # not a readable checkpoint: no delta can load against it as it is
-    identity = (opened.index_sha256, opened.trailer.file_length)
     found = []
     for entry in sorted(path.parent.iterdir()):
         if entry.name.startswith(".") or not entry.is_file() or os.path.samefile(entry, path):
             continue
         # A delta written against ``path`` as it is records its index digest: files whose index
         # lacks it are passed over unparsed (parsing every index of a directory costs ~5 ms each).
-        if not _index_mentions(entry, opened.index_sha256.encode(), config):
+        if not _index_mentions(entry, identity[0].encode(), config):
             continue
         try:
             base = inspect(entry, config=config).base
@@ -308,10 +321,12 @@ class _WindowSource:
         return self.data.device(start, stop)
 
 
-def _save_engine(config: Config, flat: FlatState, codec: str, path: Path,
+def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | StorageWriter,
                  gpu_device: int | None = None) -> tuple[Any, Any, str, dict[str, Any]]:
     """The engine and writer factory of a save, the codec it runs, and how ``auto`` chose it
-    (``gpu_device``: the GPU to compress on when the arrays are not on one)."""
+    (``gpu_device``: the GPU to compress on when the arrays are not on one). ``path`` may be a
+    ``StorageWriter`` (the null sink): ``auto`` then takes ``config.storage_gbps`` as its speed,
+    or with none set treats the storage as never the bottleneck."""
     device = cuda_device_of(flat) if gpu_device is None else gpu_device
     if use_gpu(config, device is not None):
         from ..io.kvikio import KvikioWriter
@@ -336,7 +351,10 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: Path,
             else:
                 with cupy.cuda.Device(device or 0):
                     stream = cupy.cuda.Stream(non_blocking=True)
-                speed = storage_gbps(path.parent, config.storage_gbps)
+                if isinstance(path, StorageWriter):
+                    speed = config.storage_gbps if config.storage_gbps is not None else math.inf
+                else:
+                    speed = storage_gbps(Path(path).parent, config.storage_gbps)
                 ratios = sample_ratios([a.source for a in flat.arrays], device or 0, stream, candidates)
                 codec = choose_codec(speed, ratios)
                 auto = {"storage_gbps": speed, "sampled_ratios": ratios, "chose": codec, "left_out": left_out}

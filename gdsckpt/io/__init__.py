@@ -1,10 +1,11 @@
-"""Storage backends: POSIX files, an in-memory store and a null sink (kvikio in ``io.kvikio``)."""
+"""Storage backends: POSIX files, an in-memory store, a null sink and a null source (kvikio in
+``io.kvikio``)."""
 
 from .base import StorageReader, StorageWriter, aligned_empty
-from .memory import MemoryReader, MemoryStore, MemoryWriter, NullWriter
+from .memory import MemoryReader, MemoryStore, MemoryWriter, NullWriter, PreloadedReader
 from .posix import PosixReader, PosixWriter, remove_stale_temporaries
 
 __all__ = [
-    "MemoryReader", "MemoryStore", "MemoryWriter", "NullWriter", "PosixReader", "PosixWriter",
+    "MemoryReader", "MemoryStore", "MemoryWriter", "NullWriter", "PosixReader", "PosixWriter", "PreloadedReader",
     "StorageReader", "StorageWriter", "aligned_empty", "remove_stale_temporaries",
 ]

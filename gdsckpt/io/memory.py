@@ -1,13 +1,18 @@
-"""In-memory target and null sink: storage backends that measure the pipeline past the disk.
+"""In-memory target, null sink and null source: storage backends that measure the pipeline
+past the disk.
 
 ``MemoryWriter`` assembles the file in a host ``bytearray`` (device buffers are copied to the host
 by the caller's engine) and on ``commit`` publishes it in a ``MemoryStore`` under its name, where a
 ``MemoryReader`` can load it back. ``NullWriter`` accepts every write and keeps nothing: a save to
-it measures flattening, transforms, compression and checksums alone.
+it measures flattening, transforms, compression and checksums alone. ``PreloadedReader`` holds a
+whole checkpoint file in host memory (page-locked where a GPU restore reads it) and serves every
+read from there: a restore from it measures checksums, decoding and delivery (with the host to
+device copies a GPU restore needs anyway), with the storage taken out.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -16,6 +21,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from .base import StorageReader, StorageWriter
+from .pools import DRAIN_TIMEOUT, Lane
 
 
 def _done(value: Any = None) -> Future[Any]:
@@ -123,3 +129,69 @@ class MemoryReader(StorageReader):
 
     def close(self) -> None:
         pass
+
+
+class PreloadedReader(StorageReader):
+    """A checkpoint file read into host memory once, then read from there: the null source.
+
+    ``source``: a path (read whole when the reader is made) or the file's bytes. ``pinned``: hold
+    the bytes in page-locked memory (needs CuPy and a GPU), so that reads into device buffers (a
+    GPU restore) copy at the bus's speed; reads into host arrays are memory copies either way.
+    Reads run on ``threads`` threads of the shared I/O pool (each device copy makes the buffer's
+    device current on its thread first). ``gdsckpt.load(reader, ...)`` restores from it;
+    ``close`` leaves it usable, so one reader serves repeated restores."""
+
+    name = "preloaded"
+
+    def __init__(self, source: Any, *, pinned: bool = False, threads: int = 8, timeout: float = DRAIN_TIMEOUT):
+        data = memoryview(source) if isinstance(source, (bytes, bytearray, memoryview)) else None
+        size = data.nbytes if data is not None else os.path.getsize(source)
+        self.size = size
+        self.timeout = timeout
+        if pinned:
+            import cupy
+
+            self._data = np.frombuffer(cupy.cuda.alloc_pinned_memory(max(size, 1)), dtype=np.uint8, count=size)
+        else:
+            self._data = np.empty(size, dtype=np.uint8)
+        if data is not None:
+            self._data[:] = np.frombuffer(data, dtype=np.uint8)
+        else:
+            with open(source, "rb", buffering=0) as handle:
+                view, done = self._data.data, 0
+                while done < size:
+                    got = handle.readinto(view[done:])
+                    if not got:
+                        raise CorruptCheckpointError(f"{source!r} shrank while being read")
+                    done += got
+        self._lane = Lane("io", threads)
+
+    def read(self, offset: int, length: int) -> bytes:
+        if offset < 0 or offset + length > self.size:
+            raise CorruptCheckpointError(f"range [{offset}, +{length}) runs past the end of the file")
+        return self._data[offset:offset + length].tobytes()
+
+    def submit_read(self, offset: int, out: Any) -> Future[Any]:
+        """Copy ``out.nbytes`` bytes at ``offset`` into ``out``: a host array, or a CuPy array on
+        a GPU (a host-to-device copy)."""
+        nbytes = int(out.nbytes)
+        if offset < 0 or offset + nbytes > self.size:
+            raise CorruptCheckpointError(f"range [{offset}, +{nbytes}) runs past the end of the file")
+        return self._lane.submit(self._copy, self._data[offset:offset + nbytes], out)
+
+    @staticmethod
+    def _copy(source: np.ndarray, out: Any) -> Any:
+        if hasattr(out, "__cuda_array_interface__") and not hasattr(out, "__array_interface__"):
+            import cupy
+
+            with cupy.cuda.Device(out.device.id):
+                out.set(source)  # synchronous: the bytes are in place when the future completes
+        else:
+            out[:] = source
+        return out
+
+    def close(self) -> None:
+        """Wait for the reads in flight. The bytes stay: the reader serves any number of restores
+        (``load`` closes the reader it was given), and its memory goes when it does."""
+        lane, self._lane = self._lane, Lane("io", self._lane.threads)
+        lane.close(self.timeout)

@@ -100,9 +100,11 @@ class Decoder(ABC):
 
     @abstractmethod
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
-                      deliver: Callable[[Any], None]) -> Future[None]:
+                      deliver: Callable[[Any], None], *, to_host: bool = False) -> Future[None]:
         """Check ``stored`` (the padded bytes read for ``record``) against the record's checksum,
-        decode it through ``chain`` and pass the raw bytes to ``deliver``.
+        decode it through ``chain`` and pass the raw bytes to ``deliver``. ``to_host``: every
+        destination of the chunk is host memory (a device decoder then hands ``deliver`` host
+        bytes; the host engine always does).
 
         Raises ``CorruptCheckpointError`` (through the future) on a checksum mismatch or an
         undecodable stream.
@@ -201,7 +203,7 @@ class HostEngine(Engine):
 
     # -- restore ---------------------------------------------------------------------------
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
-                      deliver: Callable[[Any], None]) -> Future[None]:
+                      deliver: Callable[[Any], None], *, to_host: bool = False) -> Future[None]:
         return self._lane.submit(self._decode, record, chain, stored, deliver)
 
     def _codec(self, name: str) -> Codec:

@@ -99,6 +99,20 @@ def open_file(reader: StorageReader) -> OpenedFile:
                       _path_of(reader))
 
 
+def content_identity(reader: StorageReader) -> tuple[str, int]:
+    """(SHA-256 of the index bytes, file length): the identity a delta records of its base
+    (``OpenedFile.index_sha256``), read without parsing the index (for a file with many tensors the
+    parse is what costs: ~0.1 ms per tensor). Raises ``CorruptCheckpointError`` for a file whose
+    trailer or index checksum is wrong."""
+    if reader.size < HEADER_REGION + TRAILER_SIZE:
+        raise CorruptCheckpointError(f"file is {reader.size} bytes: truncated")
+    trailer = unpack_trailer(reader.read(reader.size - TRAILER_SIZE, TRAILER_SIZE), reader.size)
+    index_bytes = reader.read(trailer.index_offset, trailer.index_length)
+    if checksum(index_bytes) != trailer.index_crc:
+        raise CorruptCheckpointError("index checksum mismatch")
+    return hashlib.sha256(index_bytes).hexdigest(), trailer.file_length
+
+
 Delivery = tuple[int, int, int, int]
 """(array id, offset in the chunk's raw bytes, length, offset in the array's bytes)."""
 
@@ -138,9 +152,11 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: di
                     target.write_host(position, piece)
         return deliver
 
+    host_only = {chunk for chunk, wanted in deliveries.items()
+                 if not any(getattr(targets[array_id], "on_device", True) for array_id, *_rest in wanted)}
     return _stream_chunks(reader, index, engine, sorted(deliveries), deliver_to_targets,
                           max_inflight_bytes=max_inflight_bytes, timeout=timeout, direct=direct,
-                          progress=progress)
+                          progress=progress, to_host=host_only)
 
 
 NONE_CHAIN = [{"name": "none/1"}]
@@ -229,9 +245,10 @@ def chunk_owner(index: Index, chunk: int) -> str | None:
 def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: list[int],
                    make_deliver: Callable[[int], Callable[[Any], None]], *, max_inflight_bytes: int,
                    timeout: float | None, direct: dict[int, Any] | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> int:
+                   progress: Callable[[int, int], None] | None = None, to_host: set[int] | None = None) -> int:
     """Read ``chunks`` and decode each as its read lands; ``progress(done, total)`` (raw bytes
-    decoded so far) is called in this thread."""
+    decoded so far) is called in this thread. ``to_host``: the chunks whose every destination is
+    host memory (``Decoder.submit_decode``)."""
     reads: deque[tuple[int, Future[Any], Any]] = deque()
     decodes: deque[tuple[int, Future[None], int]] = deque()
     inflight = 0
@@ -265,8 +282,8 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
         except BaseException as err:  # noqa: BLE001 - reraise names the chunk, then raises it
             reraise(chunk, err)
         record = index.chunks[chunk]
-        decodes.append((chunk, engine.submit_decode(record, index.chains[record.chain], buffer,
-                                                    make_deliver(chunk)), _cost(record)))
+        decodes.append((chunk, engine.submit_decode(record, index.chains[record.chain], buffer, make_deliver(chunk),
+                                                    to_host=to_host is not None and chunk in to_host), _cost(record)))
 
     def finish_decode(block: bool) -> None:
         nonlocal inflight, raw_done

@@ -65,12 +65,15 @@ class _SourceBase:
 class TorchSource(_SourceBase):
     """Reads a torch tensor's element bytes (CPU or CUDA, any layout)."""
 
-    def __init__(self, tensor: Any, dtype_name: str):
+    def __init__(self, tensor: Any, dtype_name: str, on_device: bool | None = None):
         spec = DTYPES[dtype_name]
         super().__init__(tensor.numel() * spec.itemsize, spec.itemsize, spec.plane_width,
-                         tensor.device.type == "cuda")
+                         tensor.device.type == "cuda" if on_device is None else on_device)
         # A lazy conjugate / negative view reads as values its memory does not hold: materialize it.
-        self.tensor = tensor.detach().resolve_conj().resolve_neg()
+        tensor = tensor.detach()
+        if tensor.is_conj() or tensor.is_neg():
+            tensor = tensor.resolve_conj().resolve_neg()
+        self.tensor = tensor
 
     def _part(self, start: int, stop: int) -> Any:
         import torch
@@ -90,6 +93,15 @@ class TorchSource(_SourceBase):
 
         part = self._part(start, stop)
         return cupy.asarray(part if part.device.type == "cuda" else part.numpy())
+
+    def device_span(self, start: int, stop: int) -> int | None:
+        """The device address of bytes ``[start, stop)`` where they are one contiguous range of a
+        CUDA tensor (the GPU encoder then gathers them with a kernel, without an array object
+        per range), else None."""
+        tensor = self.tensor
+        if not self.on_device or not tensor.is_contiguous():
+            return None
+        return int(tensor.data_ptr()) + start
 
 
 class NumpySource(_SourceBase):
@@ -129,6 +141,12 @@ class CupySource(_SourceBase):
 
     def host_bytes(self, start: int, stop: int) -> np.ndarray:
         return self.device_bytes(start, stop).get()
+
+    def device_span(self, start: int, stop: int) -> int | None:
+        """As ``TorchSource.device_span``."""
+        if not self.array.flags.c_contiguous:
+            return None
+        return int(self.array.data.ptr) + start
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,6 +191,7 @@ class TorchTarget(_Target):
         self.on_device = self.tensor.device.type == "cuda"
         self._flat = self.tensor.reshape(-1).view(torch.uint8) if self.nbytes else None
         self._host = self._flat.numpy() if self._flat is not None and not self.on_device else None
+        self._device_view: Any = None
 
     def write_host(self, start: int, data: np.ndarray) -> None:
         if self._host is not None:
@@ -202,10 +221,14 @@ class TorchTarget(_Target):
             return
         # A CuPy copy on the caller's current stream (the GPU engine's), which the engine
         # synchronizes once per batch: no cross-stream hazard with torch's stream. The view must
-        # alias the tensor's memory: a silent copy would leave the tensor unwritten.
-        view = cupy.asarray(self._flat)
-        if view.data.ptr != self._flat.data_ptr():
-            raise RuntimeError("CuPy view of the destination tensor does not alias its memory")
+        # alias the tensor's memory: a silent copy would leave the tensor unwritten. Made once per
+        # target: a large tensor takes one piece per chunk.
+        view = self._device_view
+        if view is None:
+            view = cupy.asarray(self._flat)
+            if view.data.ptr != self._flat.data_ptr():
+                raise RuntimeError("CuPy view of the destination tensor does not alias its memory")
+            self._device_view = view
         view[start:start + data.nbytes] = data
 
     def finish(self) -> Any:

@@ -28,7 +28,12 @@ def escape_key(component: Any) -> str:
 def join_key(path: Iterable[Any]) -> str:
     """The key string of a path of container keys, e.g. ``["optimizer", "state", 0]`` ->
     ``"optimizer/state/0"``."""
-    return "/".join(escape_key(part) for part in path)
+    parts = [str(part) for part in path]
+    joined = "/".join(parts)
+    # Most keys need no escaping: one "/" per join and no "~" says so without a pass per part.
+    if "~" not in joined and joined.count("/") == len(parts) - 1:
+        return joined
+    return "/".join(escape_key(part) for part in parts)
 
 
 @dataclass
@@ -207,7 +212,10 @@ class _Flattener:
     def _torch(self, tensor: Any, path: list[Any]) -> dict[str, Any]:
         torch = self.torch
         assert torch is not None
-        where = join_key(path)
+        if (tensor.layout == torch.strided and tensor.device.type in ("cpu", "cuda") and not tensor.is_quantized
+                and not getattr(tensor, "is_nested", False) and type(tensor) in (torch.Tensor, torch.nn.Parameter)):
+            return self._torch_checked(tensor, path)
+        where = join_key(path)  # only an error needs it: a state of many small tensors pays per tensor
         if tensor.layout != torch.strided:
             raise TypeError(f"tensor at {where!r} has layout {tensor.layout}; only dense (strided) "
                             f"tensors are saved: convert with .to_dense()")
@@ -221,17 +229,28 @@ class _Flattener:
         if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             raise TypeError(f"tensor subclass {type(tensor).__qualname__} at {where!r} is not supported; "
                             f"pass a plain tensor (e.g. DTensor.to_local()) or use gdsckpt.dcp")
-        name = self._check_dtype(torch_dtype_name(tensor.dtype), tensor.dtype, path)
+        return self._torch_checked(tensor, path)
+
+    def _torch_checked(self, tensor: Any, path: list[Any]) -> dict[str, Any]:
+        """Register a tensor that passed ``_torch``'s checks."""
+        torch = self.torch
+        assert torch is not None
+        # Each torch attribute costs a call (a device object, a shape tuple): read each once, as a
+        # state of many small tensors pays them per tensor.
+        dtype, shape = tensor.dtype, tuple(tensor.shape)
+        where = tensor.device
+        device = "cpu" if where.type == "cpu" else f"cuda:{where.index or 0}"
+        name = self._check_dtype(torch_dtype_name(dtype), dtype, path)
         extra: dict[str, Any] = {}
-        if isinstance(tensor, torch.nn.Parameter):
+        if type(tensor) is torch.nn.Parameter:
             extra["parameter"] = {"requires_grad": bool(tensor.requires_grad)}
         view_key = None
         if tensor.numel():
-            view_key = ("torch", str(tensor.device), tensor.untyped_storage().data_ptr(),
-                        tensor.storage_offset(), tensor.dtype, tuple(tensor.shape), tensor.stride(),
-                        tensor.is_conj(), tensor.is_neg())
-        device = str(tensor.device) if tensor.device.type == "cpu" else f"cuda:{tensor.device.index or 0}"
-        return self._register(path, "torch", name, tuple(tensor.shape), device, TorchSource(tensor, name),
+            # data_ptr() is the storage's address plus the offset: the same view, found without
+            # making a storage object per tensor
+            view_key = ("torch", device, tensor.data_ptr(), dtype, shape, tensor.stride(), tensor.is_conj(),
+                        tensor.is_neg())
+        return self._register(path, "torch", name, shape, device, TorchSource(tensor, name, device != "cpu"),
                               view_key, extra)
 
     def _numpy(self, obj: Any, path: list[Any]) -> dict[str, Any]:

@@ -244,3 +244,61 @@ def test_gpu_byte_plane_trial_keeps_the_smaller_form(tmp_path, codec):
     assert sizes["auto"] <= 1.01 * min(sizes["always"], sizes["never"]), sizes
     codecs = gdsckpt.inspect(tmp_path / "auto.gdsckpt").tensors[0].codecs
     assert any("byteplanes" in c for c in codecs) == (sizes["always"] < sizes["never"]), (codecs, sizes)
+
+
+def test_gpu_only_file_loads_into_host_memory_through_the_pinned_bounce(tmp_path, monkeypatch):
+    # Several bounce rounds per batch: the bounce is smaller than a batch of chunks.
+    from gdsckpt.pipeline.gpu import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "HOST_BOUNCE_BYTES", 1 << 20)
+    state = _state()
+    state["big"] = torch.randn(3 << 20, device="cuda").bfloat16()  # 6 MiB: several chunks
+    path = tmp_path / "x.gdsckpt"
+    gdsckpt.save(state, path, codec="ans", chunk_bytes=1 << 20)
+    on_host = gdsckpt.load(path, device="cpu")
+    assert on_host["big"].device.type == "cpu"
+    _assert_same(state, on_host)
+    template = gdsckpt.load(path, device="cpu")  # a CPU model to restore into
+    for tensor in [*template["weights"].values(), template["big"]]:
+        tensor.zero_()
+    gdsckpt.load_into(template, path)
+    _assert_same(state, template)
+
+
+def test_restore_from_the_pinned_null_source_and_a_staging_budget_from_free_memory(tmp_path):
+    from gdsckpt.io import PreloadedReader
+    from gdsckpt.pipeline.gpu import GpuDecoder
+
+    state = _state()
+    path = tmp_path / "x.gdsckpt"
+    gdsckpt.save(state, path, codec="ans")
+    reader = PreloadedReader(path, pinned=True)
+    for _ in range(2):
+        _assert_same(state, gdsckpt.load(reader, device="cuda"))
+    free, _total = torch.cuda.mem_get_info()
+    decoder = GpuDecoder(device_id=0, max_staging_bytes=1 << 20)
+    try:
+        # a quarter of the free memory (measured just before), within the 8 GiB cap
+        assert 1 << 20 <= decoder.max_staging_bytes <= 8 << 30
+        assert decoder.max_staging_bytes >= min(8 << 30, free // 4) * 0.9
+    finally:
+        decoder.close()
+
+
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_device_byte_planes_kernel_matches_the_cpu_reference(width):
+    import cupy
+
+    from gdsckpt.codecs.cpu import planes_forward_reference, planes_inverse_reference
+    from gdsckpt.codecs.device import planes_forward_into, planes_inverse_into
+
+    host = np.random.default_rng(width).integers(0, 256, size=width * 100_003 + 2 * width, dtype=np.uint8)
+    on_device = cupy.asarray(host)
+    for start in (0, 1, width):  # aligned (the kernel) and misaligned (the array-API fallback)
+        data = host[start:start + width * 100_003]
+        device = on_device[start:start + width * 100_003]
+        planes = planes_forward_into(device, cupy.empty(data.nbytes + 16, dtype=cupy.uint8), width)
+        assert planes.get().tobytes() == planes_forward_reference(data, width).tobytes()
+        back = planes_inverse_into(planes, cupy.empty(data.nbytes, dtype=cupy.uint8), width)
+        assert back.get().tobytes() == data.tobytes()
+        assert planes_inverse_reference(planes.get(), width).tobytes() == data.tobytes()

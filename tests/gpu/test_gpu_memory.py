@@ -98,7 +98,8 @@ def test_gpu_memory_within_staging_budget_for_a_state_four_times_larger(tmp_path
     state = _big_state()
     logical = sum(t.nbytes for t in state.values())
     assert logical == 4 * STAGING
-    config = gdsckpt.Config(max_staging_bytes=STAGING)
+    # A restore's ring is sized from free memory unless configured: here it is held to the bound.
+    config = gdsckpt.Config(max_staging_bytes=STAGING, restore_staging_bytes=STAGING)
     path = tmp_path / "big.gdsckpt"
     bound = STAGING * 1.05
     with _Peak() as save_peak:
@@ -106,6 +107,16 @@ def test_gpu_memory_within_staging_budget_for_a_state_four_times_larger(tmp_path
     with _Peak() as load_peak:
         loaded = gdsckpt.load(path, device="cuda", config=config)
     load_beyond = load_peak.gpu - load_peak.torch_growth
+    # With the default, the ring takes what the rule allows (restore_staging_budget) and no more.
+    from gdsckpt.pipeline.gpu.staging import restore_staging_budget
+
+    free, _total = torch.cuda.mem_get_info()
+    with _Peak() as default_peak:
+        default_loaded = gdsckpt.load(path, device="cuda", config=config.replace(restore_staging_bytes=None))
+    default_beyond = default_peak.gpu - default_peak.torch_growth
+    assert all(bit_equal(state[k], default_loaded[k]) for k in state)
+    del default_loaded
+    assert default_beyond <= restore_staging_budget(free, STAGING) * 1.05
     print(f"\n{codec}: state {logical / 2**20:.0f} MiB, staging budget {STAGING / 2**20:.0f} MiB; GPU beyond "
           f"the state: save {save_peak.gpu / 2**20:.0f} MiB, load {load_beyond / 2**20:.0f} MiB "
           f"(restored tensors {load_peak.torch_growth / 2**20:.0f} MiB); host RSS growth: save "

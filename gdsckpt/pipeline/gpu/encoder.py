@@ -50,7 +50,7 @@ from ...format import align_up
 from ..engine import NONE_CHAIN, EncodedChunk, Encoder
 from ..plan import ArraySource, ChunkPlan
 from .staging import ENCODE_SCRATCH, StagingRing, ring_slots, scratch_bytes
-from .worker import BatchWorker, WorkerOwner
+from .worker import BATCH_CHUNKS, BatchWorker, WorkerOwner
 
 _log = logging.getLogger(__name__)
 TRIAL_BYTES = 1 << 20
@@ -67,6 +67,13 @@ class Rounding(Protocol):
     """The grid's step (mode ``grid``)."""
     bitcomp: bool
     """Whether the values may be stored as Bitcomp lossy streams."""
+
+
+GATHER_KERNEL_BYTES = 256 << 10
+"""Device ranges up to this size that a packed chunk gathers are copied by one kernel per chunk
+(``DeviceBackend.gather``) instead of one array object and copy each: a chunk packs up to
+thousands of small tensors, and the per-range Python cost is what a state of many small tensors
+pays (larger ranges keep the copy, which moves them at full bandwidth)."""
 
 
 @runtime_checkable
@@ -133,7 +140,7 @@ class GpuEncoder(WorkerOwner, Encoder):
     name = "gpu"
 
     def __init__(self, sources: list[ArraySource], *, codec: str, byte_planes: str, device_id: int,
-                 chunk_bytes: int, max_staging_bytes: int, batch_chunks: int = 64, timeout: float = 600.0,
+                 chunk_bytes: int, max_staging_bytes: int, batch_chunks: int = BATCH_CHUNKS, timeout: float = 600.0,
                  device: DeviceBackend | None = None):
         if codec != "none" and codec not in gpu_codec_names():
             raise ValueError(f"codec {codec!r} has no GPU implementation (expected one of: "
@@ -240,14 +247,21 @@ class GpuEncoder(WorkerOwner, Encoder):
             part = chunk.parts[0]
             return self.sources[part.array].device_bytes(part.start, part.stop)
         position = 0
+        small: list[tuple[int, int, int]] = []  # (device address, position in ``into``, length)
         for part in chunk.parts:
             source = self.sources[part.array]
             length = part.stop - part.start
-            if source.on_device:
+            span = getattr(source, "device_span", None) if source.on_device and length <= GATHER_KERNEL_BYTES else None
+            address = span(part.start, part.stop) if span is not None else None
+            if address is not None:
+                small.append((address, position, length))
+            elif source.on_device:
                 into[position:position + length] = source.device_bytes(part.start, part.stop)
             else:
                 self.device.upload(into[position:position + length], source.host_bytes(part.start, part.stop))
             position += length
+        if small:
+            self.device.gather(small, into)
         return into[:position]
 
     def _decide(self, chunk: ChunkPlan, data: Any) -> tuple[bool, str | None]:

@@ -7,9 +7,13 @@ decoder has kvikio read a stored chunk into the first area and decodes into the 
 handed out by ``acquire`` (a bounded wait) and comes back by ``release``; the drivers never keep
 more chunks outstanding than there are slots, so an ``acquire`` always finds one coming back.
 
-Sizing: the ring and nvCOMP's own scratch share ``STAGING_RING_SHARE`` of
-``Config.max_staging_bytes`` (``ring_slots``), with the scratch taken from the measured tables
-``ENCODE_SCRATCH`` / ``DECODE_SCRATCH``.
+Sizing: the ring and nvCOMP's own scratch share ``STAGING_RING_SHARE`` of the staging budget
+(``ring_slots``), with the scratch taken from the measured tables ``ENCODE_SCRATCH`` /
+``DECODE_SCRATCH``. A save's budget is ``Config.max_staging_bytes``. A restore's is sized when it
+starts (``restore_staging_budget``): restores run when a job starts or resumes, when most of the
+device's memory is still free, and on a fast tier (page cache, tmpfs, NVMe arrays at tens of GB/s)
+the number of chunks in flight is what keeps reads, decodes and deliveries overlapped (a 1 GiB
+ring held an 8 GiB restore from /dev/shm to about half the read speed, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -37,6 +41,25 @@ to compress 16 MiB chunks; the ring then keeps its minimum of two slots and the 
 (documented in docs/performance.md)."""
 DECODE_SCRATCH = {"zstd/1": (128 << 20, 44 << 20)}
 """The same for decompression, by bitstream name (the others measured 0)."""
+
+
+RESTORE_FREE_SHARE = 0.25
+"""Share of the device memory free when a restore starts that its staging ring may take: the
+restore's own destination arrays and whatever the job allocates next need the rest."""
+RESTORE_STAGING_CAP = 8 << 30
+"""The most a restore's ring takes unless ``Config.restore_staging_bytes`` says otherwise: beyond
+a few GiB more chunks in flight stop paying (the reads and the decoder are already overlapped)."""
+
+
+def restore_staging_budget(free_bytes: int, floor: int, explicit: int | None = None) -> int:
+    """Staging bytes of a restore: ``explicit`` (``Config.restore_staging_bytes``) when given, else
+    ``RESTORE_FREE_SHARE`` of ``free_bytes`` (device memory free now), at least ``floor``
+    (``Config.max_staging_bytes``) and otherwise at most ``RESTORE_STAGING_CAP``. The ring never
+    takes more slots than the restore has chunks (``ring_slots``' ``most``), so a small restore
+    allocates what it needs whatever the budget."""
+    if explicit is not None:
+        return explicit
+    return max(floor, min(RESTORE_STAGING_CAP, int(free_bytes * RESTORE_FREE_SHARE)))
 
 
 def scratch_bytes(table: dict[str, tuple[int, int]], names: Iterable[str], chunk_bytes: int) -> tuple[int, int]:
