@@ -431,3 +431,18 @@ def test_verify_checks_the_chain_of_bases(tmp_path):
     b.unlink()
     with pytest.raises(gdsckpt.BaseCheckpointError, match="missing"):
         gdsckpt.verify(c)
+
+
+def test_a_delta_source_offers_no_device_range_to_copy() -> None:
+    # The GPU encoder copies small device ranges by address (``device_span``); a delta's bytes
+    # are the XOR with the base, which no range holds: the source it wraps must not answer.
+    from gdsckpt.state.delta import XorSource
+
+    class Spanned:
+        nbytes, itemsize, plane_width, on_device = 16, 4, 4, True
+
+        def device_span(self, start: int, stop: int) -> int:
+            return 1234 + start
+
+    assert Spanned().device_span(0, 16) == 1234
+    assert XorSource(Spanned(), object()).device_span(0, 16) is None  # type: ignore[arg-type]

@@ -165,6 +165,8 @@ class PreloadedReader(StorageReader):
                         raise CorruptCheckpointError(f"{source!r} shrank while being read")
                     done += got
         self._lane = Lane("io", threads)
+        self._streams = threading.local()
+        """Per I/O thread: device id -> the CuPy stream its copies run on."""
 
     def read(self, offset: int, length: int) -> bytes:
         if offset < 0 or offset + length > self.size:
@@ -179,13 +181,20 @@ class PreloadedReader(StorageReader):
             raise CorruptCheckpointError(f"range [{offset}, +{nbytes}) runs past the end of the file")
         return self._lane.submit(self._copy, self._data[offset:offset + nbytes], out)
 
-    @staticmethod
-    def _copy(source: np.ndarray, out: Any) -> Any:
+    def _copy(self, source: np.ndarray, out: Any) -> Any:
         if hasattr(out, "__cuda_array_interface__") and not hasattr(out, "__array_interface__"):
             import cupy
 
             with cupy.cuda.Device(out.device.id):
-                out.set(source)  # synchronous: the bytes are in place when the future completes
+                # On a stream of this thread's own, waited for: CuPy copies on the current stream
+                # asynchronously, and the decoder reads the buffer on a non-blocking stream that
+                # does not wait for the default one (a restore then saw half-copied chunks).
+                streams = self._streams.__dict__
+                stream = streams.get(out.device.id)
+                if stream is None:
+                    stream = streams[out.device.id] = cupy.cuda.Stream(non_blocking=True)
+                out.set(source, stream=stream)
+                stream.synchronize()
         else:
             out[:] = source
         return out

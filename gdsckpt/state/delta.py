@@ -188,6 +188,11 @@ class XorSource:
 
         return cupy.bitwise_xor(self.source.device_bytes(start, stop), self.base.device(start, stop))
 
+    def device_span(self, start: int, stop: int) -> None:
+        """None: the XOR is computed, no range of device memory holds it (the encoder must not
+        copy the unmodified source's bytes, which ``__getattr__`` would hand it)."""
+        return None
+
     def __getattr__(self, name: str) -> Any:  # anything else the pipeline asks of a source
         return getattr(self.source, name)
 
