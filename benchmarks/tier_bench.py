@@ -269,6 +269,7 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
         times.setdefault(name, []).append(seconds)
         results[name] = {"gbps": nbytes / benchlib.median(times[name]) / GB, "runs": len(times[name]),
                          "seconds": times[name]}
+        report.write()  # a run cut short by its time limit keeps what it measured
 
     def gbps(name: str) -> float:
         return float(results[name]["gbps"]) if name in results else float("nan")

@@ -9,7 +9,7 @@ the presets in ``configs/``.
 
 | field | default | meaning |
 |---|---|---|
-| codec | ``"auto"`` | ``auto`` (CPU: byte planes + zstd; GPU: ANS or Zstd, whichever saves faster on the measured storage; Zstd only where ``max_staging_bytes`` leaves room for its ~1.1 GiB of nvCOMP scratch, so ANS under the default 1 GiB), ``zstd``, ``lz4``, ``deflate``, ``none``; GPU only, no CPU decoder: ``ans``, ``gdeflate``, ``snappy``, ``bitcomp``, ``cascaded`` |
+| codec | ``"auto"`` | ``auto`` (CPU: byte planes + zstd, except that a chunk whose turn comes while the storage has nothing left to write is stored as it is: compression never holds back storage faster than the cores; GPU: ANS or Zstd, whichever saves faster on the measured storage; Zstd only where ``max_staging_bytes`` leaves room for its ~1.1 GiB of nvCOMP scratch, so ANS under the default 1 GiB), ``zstd``, ``lz4``, ``deflate``, ``none``; GPU only, no CPU decoder: ``ans``, ``gdeflate``, ``snappy``, ``bitcomp``, ``cascaded`` |
 | chunk_bytes | 4 MiB | uncompressed bytes per chunk on the CPU engine (multiple of 4096, at most 1 GiB) |
 | gpu_chunk_bytes | 16 MiB | the same on the GPU engine (at most 16 MiB, nvCOMP's largest chunk; the GPU pipeline into a null sink runs about twice as fast with 16 MiB chunks as with 4 MiB: docs/performance.md) |
 | pack_below | 1 MiB | arrays smaller than this share chunks |

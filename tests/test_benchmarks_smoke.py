@@ -122,3 +122,18 @@ def test_gpu_probe_skips_cleanly_without_cuda() -> None:
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "needs CUDA" in json.loads(done.stdout)["skipped"]
+
+
+def test_tier_bench_cpu(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    report = run(tmp_path, "tier_bench.py", "--device", "cpu", "--size", "4MiB", "--steps", "1", "--repeat", "1",
+                 "--small", "50", "--profile", "--shm-dir", str(shm))
+    measured(report)
+    for name in ("page_cache/raw", "page_cache/gdsckpt", "tmpfs/raw", "tmpfs/gdsckpt", "null_source/gdsckpt",
+                 "null_sink/gdsckpt", "save_tmpfs/gdsckpt", "small_50/gdsckpt_save", "small_50/torch_load"):
+        assert positive(report["results"][name]["gbps"]), name
+    for name in ("page_cache/gdsckpt", "tmpfs/gdsckpt"):
+        assert positive(report["limits"][name]["fraction"]) and report["limits"][name]["target_fraction"] == 0.9
+    assert set(report["profile"]) == {"page_cache", "tmpfs", "null_source", "null_sink"}
+    assert list(shm.iterdir()) == []  # the tmpfs stand-in is left empty

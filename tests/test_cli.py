@@ -27,7 +27,19 @@ def test_demo_runs_and_restores_bit_exact(tmp_path: Path, h: Any) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "bit-exact: yes" in result.stdout
     assert "torch.save" in result.stdout and "gdsckpt" in result.stdout
+    # one plain verdict per direction, whichever side won
+    for what, baseline in (("save", "torch.save"), ("load", "torch.load")):
+        assert (f"{what}: gdsckpt faster" in result.stdout) != (f"{what}: {baseline} was faster here" in result.stdout)
     assert list(tmp_path.iterdir()) == [], "the demo cleans up its files"
+
+
+def test_demo_verdicts_name_the_winner_and_why() -> None:
+    from gdsckpt.demo import verdict
+
+    assert verdict("save", 300.0, 100.0, 1.3, "cuda") == "save: gdsckpt faster, 3.0x torch.save"
+    lost = verdict("load", 500.0, 900.0, 1.25, "cpu")
+    assert lost.startswith("load: torch.load was faster here (900 against 500 MB/s)") and "compressing" in lost
+    assert "fixed costs" in verdict("save", 10.0, 20.0, 1.0, "cpu")
 
 
 def test_inspect_prints_every_array(saved: Path, h: Any) -> None:

@@ -218,7 +218,8 @@ def training_checkpoint(tmp_path: Path, h: Any) -> Path:
         "tied": weights,
     }
     path = tmp_path / "train.gdsckpt"
-    gdsckpt.save(state, path, config=h.small_config())
+    # a named codec: auto would store chunks as they are whenever this fast disk waits for zstd
+    gdsckpt.save(state, path, codec="zstd", config=h.small_config())
     return path
 
 

@@ -273,7 +273,7 @@ def test_arguments_are_checked(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="map_location"):
         plugin.load_checkpoint(tmp_path / "missing.ckpt", map_location=lambda storage, loc: storage)
     compressible = {"w": torch.zeros(4096)}
-    plugin.save_checkpoint(compressible, tmp_path / "x.ckpt")
+    plugin.save_checkpoint(compressible, tmp_path / "x.ckpt", storage_options={"codec": "zstd"})
     assert "none/1" not in gdsckpt.inspect(tmp_path / "x.ckpt").codecs
     plugin.save_checkpoint(compressible, tmp_path / "x.ckpt",
                            storage_options={"codec": "none", "fsync": False})

@@ -209,6 +209,25 @@ def test_recommend_takes_the_fastest_save_and_breaks_ties_by_ratio_then_load() -
     assert sb.recommend(sb.TargetResult("/t", {}, 1, [raw, broken, failed])) is None
 
 
+def test_recommendation_says_plainly_when_a_baseline_was_faster() -> None:
+    chosen = _measurement("zstd", 2.0, 8 * 10**8, load_s=1.0)  # 0.5 GB/s save, 1.0 load, ratio 1.25
+    torch_faster_save = sb.Measurement("torch", "baseline", "cpu", status="ok", logical_bytes=10**9,
+                                       save_seconds=[1.25], load_seconds=[2.0], bit_exact=True)
+    safetensors_slower = sb.Measurement("safetensors", "baseline", "cpu", status="ok", logical_bytes=10**9,
+                                        save_seconds=[4.0], load_seconds=[1.5], bit_exact=True)
+    result = sb.TargetResult("/t", {}, 1, [chosen, torch_faster_save, safetensors_slower])
+    recommendation = sb.recommend(result)
+    assert recommendation is not None and recommendation.measurement is chosen
+    assert len(recommendation.baselines_faster) == 1
+    statement = recommendation.baselines_faster[0]
+    assert statement.startswith("torch saved faster") and "0.800 against 0.500 GB/s" in statement
+    assert "compressing" in statement and recommendation.to_json()["baselines_faster"] == [statement]
+    safetensors_slower.save_seconds = [1.0]  # now faster at saving too
+    assert [s.split(" ")[0] for s in sb.recommend(result).baselines_faster] == ["torch", "safetensors"]
+    text = bench.format_recommendation(sb.recommend(result), Path("/p.toml"))
+    assert text.count("note: ") == 2
+
+
 def test_format_size_round_trips_through_parse_size() -> None:
     for value in (4096, 64 << 10, 4 << 20, 3 << 30, 12345 * 4096, 1 << 40):
         assert parse_size(sb.format_size(value)) == value

@@ -27,7 +27,9 @@ class SaveReport:
     auto: dict[str, Any] = field(default_factory=dict)
     """For ``codec="auto"`` on the GPU: ``storage_gbps`` and ``sampled_ratios`` the choice used,
     ``chose``, and ``left_out`` (candidate -> why the staging budget ruled it out; with a single
-    candidate left nothing is measured and ``storage_gbps`` is None)."""
+    candidate left nothing is measured and ``storage_gbps`` is None). On the CPU: ``chose`` (the
+    codec), ``adaptive`` (True) and ``stored_as_is``: the chunks stored uncompressed because the
+    storage was waiting for the codec threads (``gdsckpt.pipeline.engine``, adaptive compression)."""
     base: str | None = None
     """The base checkpoint of a delta save (as the index records it), None for a full one."""
     delta_tensors: int = 0

@@ -110,9 +110,11 @@ def restore_engine(config: Config, gpu_device: int | None) -> Any:
                       restore_staging_bytes=config.restore_staging_bytes, timeout=config.timeout)
 
 
-def host_engine(config: Config, sources: list[Any] | None = None, codec: str = "none") -> HostEngine:
+def host_engine(config: Config, sources: list[Any] | None = None, codec: str = "none",
+                adaptive: bool = False) -> HostEngine:
     return HostEngine(sources or [], codec=codec, byte_planes=config.byte_planes,
-                      threads=config.effective_codec_threads, level=config.level, timeout=config.timeout)
+                      threads=config.effective_codec_threads, level=config.level, timeout=config.timeout,
+                      adaptive=adaptive)
 
 
 def device_index(device: str) -> int:

@@ -151,6 +151,8 @@ def save_flat(flat: FlatState, path: PathLike, *, codec: str = "auto", chunk_byt
                               index=index_template(flat, link), timeout=cfg.timeout)
         finally:
             engine.close()
+    if auto.get("adaptive"):
+        auto["stored_as_is"] = engine.stored_raw  # chunks stored uncompressed: the storage waited
     logical = sum(a.source.nbytes for a in flat.arrays if a.alias is None)
     chains: dict[str, int] = {}
     for record in result.chunks:
@@ -369,8 +371,11 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
                                 o_direct=cfg.o_direct, fsync=cfg.fsync)
 
         return engine, make_writer, codec, auto
+    adaptive = codec == "auto"
     codec = resolve_host_codec(codec)
-    return host_engine(config, [a.source for a in flat.arrays], codec), posix_writer, codec, {}
+    auto = {"chose": codec, "adaptive": True} if adaptive else {}
+    return (host_engine(config, [a.source for a in flat.arrays], codec, adaptive=adaptive), posix_writer, codec,
+            auto)
 
 
 def index_template(flat: FlatState, base: dict[str, Any] | None = None) -> Index:

@@ -304,8 +304,9 @@ def format_recommendation(recommendation: sb.Recommendation, preset: Path) -> st
     m = recommendation.measurement
     settings = ", ".join(f"{name} = {sb.format_size(value) if name.endswith('_bytes') else value}"
                          for name, value in recommendation.fields.items())
+    beaten = "".join(f"\n  note: {statement}" for statement in recommendation.baselines_faster)
     return (f"\nrecommended for {recommendation.target} ({recommendation.engine} engine): {settings}\n"
             f"  save {m.save_gbps:.3f} GB/s, load {m.load_gbps:.3f} GB/s, ratio {m.ratio:.3f}\n"
-            f"  why: {recommendation.reason}\n"
+            f"  why: {recommendation.reason}{beaten}\n"
             f"  preset written to {preset} (gdsckpt.Config.from_toml)")
 

@@ -57,6 +57,12 @@ class StorageWriter(ABC):
     def abort(self) -> None:
         """Discard everything written; the target path is left as it was."""
 
+    def backlog(self) -> int | None:
+        """Writes submitted and not finished yet, where the backend can tell (None: it cannot).
+        0 while chunks are still coming means the storage waits for the encoder: ``codec="auto"``
+        on the CPU then stores chunks uncompressed (``HostEngine``)."""
+        return None
+
 
 class StorageReader(ABC):
     """Where a checkpoint's bytes come from."""

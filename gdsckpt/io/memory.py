@@ -108,6 +108,10 @@ class NullWriter(StorageWriter):
     def abort(self) -> None:
         pass
 
+    def backlog(self) -> int | None:
+        """0: every write is done when submitted (the storage always waits for the encoder)."""
+        return 0
+
 
 class MemoryReader(StorageReader):
     """Reads a checkpoint published in a ``MemoryStore``."""

@@ -26,6 +26,7 @@ import hashlib
 import os
 import secrets
 import stat
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -271,15 +272,23 @@ class PosixWriter(StorageWriter):
         self.temp = temporary_path(self.target)
         self._fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         self._direct_fd: int | None = None
+        self._writes_show_storage = False
+        """Whether a write's completion says the storage took it: with O_DIRECT, or where the
+        filesystem refuses O_DIRECT because its pages are the storage (tmpfs). A buffered write
+        to a disk lands in the page cache at memory speed and the disk's cost shows at fsync."""
         if o_direct and hasattr(os, "O_DIRECT"):
             try:
                 self._direct_fd = os.open(self.temp, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+                self._writes_show_storage = True
             except OSError:
                 if o_direct is True:
                     self.abort()
                     raise
+                self._writes_show_storage = True  # refused O_DIRECT: memory-backed
         self.name = "posix+odirect" if self._direct_fd is not None else "posix"
         self._closed = False
+        self._backlog = 0
+        self._backlog_lock = threading.Lock()
         self.keep_temporary = False
         """When True, ``commit`` makes the temporary file durable and leaves the rename over the
         target to the caller (``gdsckpt.background.worker``: the process that owns the snapshot commits)."""
@@ -288,7 +297,21 @@ class PosixWriter(StorageWriter):
         fd = self._fd
         if self._direct_fd is not None and isinstance(data, np.ndarray) and _is_aligned(data, offset):
             fd = self._direct_fd
-        return self._lane.submit(self._write, fd, data, offset)
+        with self._backlog_lock:
+            self._backlog += 1
+        future = self._lane.submit(self._write, fd, data, offset)
+        future.add_done_callback(self._write_done)
+        return future
+
+    def _write_done(self, _future: Future[None]) -> None:
+        with self._backlog_lock:
+            self._backlog -= 1
+
+    def backlog(self) -> int | None:
+        """Host-buffer writes submitted and not finished (see ``StorageWriter.backlog``); None
+        for buffered writes to a filesystem that takes O_DIRECT (``o_direct=False`` on a disk),
+        whose completion says nothing of the disk's speed."""
+        return self._backlog if self._writes_show_storage else None
 
     def _write(self, fd: int, data: Any, offset: int) -> None:
         try:

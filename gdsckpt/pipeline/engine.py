@@ -6,6 +6,15 @@ the two directions are separate classes over one staging-ring type (``gdsckpt.pi
 ``GpuEncoder``, ``GpuDecoder``) running nvCOMP batches on a CUDA stream. An encoder returns
 ``EncodedChunk`` payloads in a buffer kind the storage writer it is paired with accepts (host
 arrays for POSIX, device arrays for kvikio).
+
+Adaptive compression (``HostEngine(adaptive=True)``, what ``codec="auto"`` runs on the CPU): each
+chunk looks at the writer's ``backlog`` when its codec thread takes it up. Writes still queued
+mean the storage is the bottleneck, and compressing makes the file smaller without slowing the
+save; no write queued means the storage is waiting for the codec threads, and the chunk is stored
+as it is (``none/1``), since compressing it would only make the storage wait longer. The share of
+compressed chunks so settles where the codec threads and the storage keep pace: all of them on a
+slow disk, few or none on tmpfs or a null sink. Which chunks were stored as they are depends on
+timing; every chunk is lossless and checksummed either way.
 """
 
 from __future__ import annotations
@@ -73,6 +82,12 @@ class Encoder(ABC):
     def submit_encode(self, chunk: ChunkPlan) -> Future[EncodedChunk]:
         """Start encoding ``chunk``; futures complete in any order."""
 
+    def watch_storage(self, backlog: Callable[[], int | None]) -> None:
+        """Called by the save driver before the first chunk with the writer's ``backlog``: an
+        engine that adapts its compression to the storage reads it (``HostEngine`` with
+        ``adaptive``); the others ignore it."""
+        return  # an optional hook: engines that do not adapt need not override it
+
     @abstractmethod
     def close(self) -> None:
         """Release threads and buffers."""
@@ -127,8 +142,15 @@ class HostEngine(Engine):
     name = "cpu"
 
     def __init__(self, sources: list[ArraySource], *, codec: str, byte_planes: str, threads: int,
-                 level: int | None = None, timeout: float = DRAIN_TIMEOUT):
+                 level: int | None = None, timeout: float = DRAIN_TIMEOUT, adaptive: bool = False):
         self.sources = sources
+        self.adaptive = adaptive and codec != "none"
+        """``codec="auto"``: a chunk that starts while the writer has nothing to write is stored
+        uncompressed, so compression never holds back storage faster than the codec threads
+        (module docstring)."""
+        self.stored_raw = 0
+        """Chunks ``adaptive`` stored uncompressed because the storage was waiting."""
+        self._backlog: Callable[[], int | None] | None = None
         self.codec = host_encoder(codec, level)
         # byte-planed chunks at the default zstd level get the compressor tuned for them
         self._planes_codec = host_planes_encoder(codec, level)
@@ -143,6 +165,13 @@ class HostEngine(Engine):
     def submit_encode(self, chunk: ChunkPlan) -> Future[EncodedChunk]:
         decision, owner = self._decision_for(chunk)
         return self._lane.submit(self._encode, chunk, decision, owner)
+
+    def watch_storage(self, backlog: Callable[[], int | None]) -> None:
+        self._backlog = backlog
+
+    def _storage_waits(self) -> bool:
+        """Whether the writer has nothing left to write now (``adaptive`` only)."""
+        return self.adaptive and self._backlog is not None and self._backlog() == 0
 
     def _decision_for(self, chunk: ChunkPlan) -> tuple[Future[bool], bool]:
         """The shared future deciding byte planes for the chunk's group; True if this chunk owns it."""
@@ -185,12 +214,17 @@ class HostEngine(Engine):
         # The owner of a group is submitted before the group's other chunks and the lane starts
         # tasks in order, so this wait never blocks on a task that has not started.
         use_planes = decision.result(timeout=self.timeout)
-        if use_planes:
+        as_is = self._storage_waits()  # compressing would only delay the writer
+        if as_is:
+            with self._decisions_lock:
+                self.stored_raw += 1
+            encoded: Any = raw
+        elif use_planes:
             encoded = self._planes_codec.encode(BYTE_PLANES.forward(raw, params))
         else:
             encoded = self.codec.encode(raw)
         stored_view = memoryview(encoded).cast("B")
-        if len(stored_view) >= raw.nbytes and self.codec.name != "none/1":
+        if as_is or (len(stored_view) >= raw.nbytes and self.codec.name != "none/1"):
             stored_view, chain = raw.data.cast("B"), NONE_CHAIN
         else:
             stages = ([{"name": BYTE_PLANES.name, "width": chunk.plane_width}] if use_planes else [])

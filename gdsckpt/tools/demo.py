@@ -154,6 +154,24 @@ def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None,
     print(f"{'torch.save':14}{figures['torch_ratio']:>8.3f}{figures['torch_save_mb_s']:>12.0f}"
           f"{figures['torch_load_mb_s']:>12.0f}")
     print("restored bit-exact: " + ("yes" if figures["bit_exact"] else f"NO ({', '.join(mismatched[:5])})"))
+    figures["verdicts"] = [verdict("save", figures["save_mb_s"], figures["torch_save_mb_s"], report.ratio, device),
+                           verdict("load", figures["load_mb_s"], figures["torch_load_mb_s"], report.ratio, device)]
+    for line in figures["verdicts"]:
+        print(line)
     return figures
 
-__all__ = ["Block", "TinyGPT", "bit_equal", "run_demo", "train_steps", "training_state"]
+
+def verdict(what: str, mine: float, theirs: float, ratio: float, device: str) -> str:
+    """One plain sentence: which side was faster at ``what`` in this run and, where torch won,
+    the likely reason (each side ran once: small differences are noise)."""
+    baseline = "torch.save" if what == "save" else "torch.load"
+    if mine >= theirs:
+        return f"{what}: gdsckpt faster, {mine / theirs:.1f}x {baseline}"
+    if device == "cpu" and ratio > 1.0:
+        why = (f"on this CPU, compressing costs more time than the {ratio:.2f}x fewer bytes save on this "
+               f"storage; the GPU engine, or codec='none', is where gdsckpt is faster")
+    else:
+        why = "a state this small is dominated by fixed costs, and each side ran once"
+    return f"{what}: {baseline} was faster here ({theirs:.0f} against {mine:.0f} MB/s): {why}"
+
+__all__ = ["Block", "TinyGPT", "bit_equal", "run_demo", "train_steps", "training_state", "verdict"]

@@ -80,7 +80,30 @@ def recommend(result: TargetResult, engine: str | None = None) -> Recommendation
         # measured here at the chosen block size and thread count
         fields["storage_gbps"] = round(raw.save_gbps, 3)
     return Recommendation(result.path, engine, fields, chosen, raw.save_gbps if raw else None,
-                          raw.load_gbps if raw else None, reason)
+                          raw.load_gbps if raw else None, reason, baselines_beating(result, chosen))
+
+
+def baselines_beating(result: TargetResult, chosen: Measurement) -> list[str]:
+    """Plain statements of every baseline that saved or loaded faster than ``chosen`` on this
+    target, in the same run, with the likely reason: a user must not take the recommendation for
+    a claim that gdsckpt wins there."""
+    statements = []
+    for m in result.measurements:
+        if m.kind != "baseline" or m.status != "ok":
+            continue
+        for what, theirs, mine in (("saved", m.save_gbps, chosen.save_gbps), ("loaded", m.load_gbps, chosen.load_gbps)):
+            if theirs is None or mine is None or theirs <= mine:
+                continue
+            if chosen.engine == "cpu" and (chosen.ratio or 1.0) > 1.0:
+                why = (f"the {chosen.codec} codec on the CPU's cores is slower than this storage, so the "
+                       f"{chosen.ratio:.2f}x fewer bytes do not pay for the time spent compressing")
+            elif chosen.engine == "cpu":
+                why = "with no compression to gain, the pipeline's per-chunk work is pure overhead here"
+            else:
+                why = "the storage here is faster than the GPU pipeline's restore of this state"
+            statements.append(f"{m.path} {what} faster than the recommendation ({theirs:.3f} against "
+                              f"{mine:.3f} GB/s): {why}")
+    return statements
 
 
 def preset_toml(recommendation: Recommendation, report: BenchReport) -> str:

@@ -178,11 +178,15 @@ class Recommendation:
     raw_write_gbps: float | None
     raw_read_gbps: float | None
     reason: str
+    baselines_faster: list[str] = field(default_factory=list)
+    """One sentence per baseline (torch.save / torch.load, safetensors) that saved or loaded faster
+    on this target than the recommendation, with the measured figures and why that happens."""
 
     def to_json(self) -> dict[str, Any]:
         """The choice, its figures and why."""
         m = self.measurement
         return {"engine": self.engine, "fields": dict(self.fields), "reason": self.reason,
+                "baselines_faster": list(self.baselines_faster),
                 "save_gbps": m.save_gbps, "load_gbps": m.load_gbps, "ratio": m.ratio,
                 "raw_write_gbps": self.raw_write_gbps, "raw_read_gbps": self.raw_read_gbps}
 

@@ -1,0 +1,104 @@
+"""``codec="auto"`` on the CPU adapts to the storage: a chunk whose codec thread starts while the
+writer has nothing queued is stored as it is (the storage waits for compression), one that starts
+while writes are queued is compressed. The decision is driven here through the writer's
+``backlog`` (a writer that reports a fixed backlog stands for fast or slow storage); the real
+writers' backlogs are checked separately."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gdsckpt
+from gdsckpt.api.saving import index_template
+from gdsckpt.io import MemoryReader, MemoryStore, MemoryWriter, NullWriter, PosixWriter
+from gdsckpt.pipeline.engine import HostEngine
+from gdsckpt.pipeline.load import open_file
+from gdsckpt.pipeline.plan import plan_chunks
+from gdsckpt.pipeline.save import run_save
+from gdsckpt.state import flatten
+
+
+class ReportingWriter(MemoryWriter):
+    """A memory writer that reports a fixed backlog: 0 = fast storage, > 0 = slow storage."""
+
+    def __init__(self, store: MemoryStore, backlog: int | None):
+        super().__init__(store, "ckpt")
+        self.reported = backlog
+
+    def backlog(self) -> int | None:
+        return self.reported
+
+
+def _state() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    return {f"w{i}": torch.randn(40_000, generator=generator) * 0.02 for i in range(6)}
+
+
+def _save(backlog: int | None, adaptive: bool) -> tuple[list[str], HostEngine, MemoryStore]:
+    flat = flatten(_state())
+    plans = plan_chunks([(a.source.nbytes, a.source.itemsize, a.source.plane_width) for a in flat.arrays],
+                        chunk_bytes=64 << 10, pack_below=16 << 10)
+    engine = HostEngine([a.source for a in flat.arrays], codec="zstd", byte_planes="auto", threads=2,
+                        adaptive=adaptive)
+    store = MemoryStore()
+    try:
+        result = run_save(plans, engine, ReportingWriter(store, backlog), max_inflight_bytes=1 << 20,
+                          index=index_template(flat))
+    finally:
+        engine.close()
+    labels = [result.chains[record.chain].to_json()[-1]["name"] for record in result.chunks]
+    return labels, engine, store
+
+
+def test_storage_waiting_stores_every_chunk_as_it_is() -> None:
+    labels, engine, store = _save(backlog=0, adaptive=True)
+    assert set(labels) == {"none/1"} and engine.stored_raw == len(labels) > 10
+    index = open_file(MemoryReader(store, "ckpt")).index
+    assert all(chunk.stored == chunk.raw for chunk in index.chunks)
+
+
+@pytest.mark.parametrize("backlog, adaptive", [(3, True), (None, True), (0, False)])
+def test_busy_or_unknown_storage_or_a_named_codec_compresses(backlog: int | None, adaptive: bool) -> None:
+    labels, engine, _store = _save(backlog=backlog, adaptive=adaptive)
+    assert set(labels) == {"zstd/1"} and engine.stored_raw == 0
+
+
+def test_auto_into_the_null_sink_stores_as_is_and_says_so(tmp_path: Path) -> None:
+    state = _state()
+    report = gdsckpt.save(state, NullWriter(), chunk_bytes=64 << 10)
+    assert report.engine == "cpu" and report.chains == {"none/1": report.chunks}
+    assert report.auto == {"chose": "zstd", "adaptive": True, "stored_as_is": report.chunks}
+    named = gdsckpt.save(state, NullWriter(), codec="zstd", chunk_bytes=64 << 10)
+    assert named.auto == {} and "none/1" not in named.chains and named.ratio > 1.0
+
+
+def test_files_written_adaptively_load_bit_exact(tmp_path: Path) -> None:
+    state = _state()
+    path = tmp_path / "x.gdsckpt"
+    report = gdsckpt.save(state, path, chunk_bytes=64 << 10)
+    assert report.auto["adaptive"] and 0 <= report.auto["stored_as_is"] <= report.chunks
+    assert report.chains.get("none/1", 0) >= report.auto["stored_as_is"]
+    loaded = gdsckpt.load(path)
+    for key, tensor in state.items():
+        assert loaded[key].view(torch.int32).equal(tensor.view(torch.int32))
+
+
+def test_posix_writer_backlog_says_only_what_writes_show(tmp_path: Path) -> None:
+    buffered = PosixWriter(tmp_path / "a.gdsckpt", o_direct=False)
+    try:
+        assert buffered.backlog() is None  # the page cache absorbs buffered writes to a disk
+    finally:
+        buffered.abort()
+    direct = PosixWriter(tmp_path / "b.gdsckpt", o_direct="auto")
+    try:
+        assert direct.backlog() == 0  # O_DIRECT, or a filesystem whose pages are the storage
+        payload = np.zeros(4096, dtype=np.uint8)
+        direct.submit_write(0, payload).result(timeout=30)
+        assert direct.backlog() == 0
+    finally:
+        direct.abort()
