@@ -154,9 +154,10 @@ def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None,
     print(f"{'torch.save':14}{figures['torch_ratio']:>8.3f}{figures['torch_save_mb_s']:>12.0f}"
           f"{figures['torch_load_mb_s']:>12.0f}")
     print("restored bit-exact: " + ("yes" if figures["bit_exact"] else f"NO ({', '.join(mismatched[:5])})"))
-    figures["verdicts"] = [verdict("save", figures["save_mb_s"], figures["torch_save_mb_s"], report.ratio, device),
-                           verdict("load", figures["load_mb_s"], figures["torch_load_mb_s"], report.ratio, device)]
-    for line in figures["verdicts"]:
+    verdicts = [verdict("save", mb / report.seconds, mb / torch_save_seconds, report.ratio, device),
+                verdict("load", mb / load_seconds, mb / torch_load_seconds, report.ratio, device)]
+    figures["verdicts"] = verdicts
+    for line in verdicts:
         print(line)
     return figures
 
