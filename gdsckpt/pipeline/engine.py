@@ -14,7 +14,8 @@ save; no write queued means the storage is waiting for the codec threads, and th
 as it is (``none/1``), since compressing it would only make the storage wait longer. The share of
 compressed chunks so settles where the codec threads and the storage keep pace: all of them on a
 slow disk, few or none on tmpfs or a null sink. Which chunks were stored as they are depends on
-timing; every chunk is lossless and checksummed either way.
+timing; every chunk is lossless and checksummed either way. A delta's chunks (XOR with a base)
+are always compressed.
 """
 
 from __future__ import annotations
@@ -214,7 +215,9 @@ class HostEngine(Engine):
         # The owner of a group is submitted before the group's other chunks and the lane starts
         # tasks in order, so this wait never blocks on a task that has not started.
         use_planes = decision.result(timeout=self.timeout)
-        as_is = self._storage_waits()  # compressing would only delay the writer
+        # Compressing would only delay a waiting writer; a delta's chunks are compressed anyway
+        # (storing little is what a delta is for, and the XOR of close weights compresses fast).
+        as_is = not chunk.delta and self._storage_waits()
         if as_is:
             with self._decisions_lock:
                 self.stored_raw += 1
