@@ -85,7 +85,9 @@ def test_tiny_run_succeeds_and_prints_a_table_per_target(tiny_run: dict[str, Any
     stdout = tiny_run["stdout"]
     for target in tiny_run["targets"]:
         assert f"{target}: " in stdout
-    assert "save GB/s" in stdout and "load GB/s" in stdout
+    assert "save GB/s" in stdout and "load GB/s" in stdout and "warm GB/s" in stdout
+    # every gdsckpt row carries its figures over ratio x raw of the same target
+    assert stdout.count(" x limit ") == 2 * 4 and "x limit: save/cold/warm" in stdout
     assert "may still serve it from its own cache" in stdout, "the cold-read caveat is printed"
     assert "not run: raw_kvikio, gdsckpt_gpu" in stdout
     assert stdout.count("recommended for ") == 2
@@ -116,7 +118,8 @@ def test_json_has_every_configuration_with_positive_figures(tiny_run: dict[str, 
         for row in rows:
             assert row["status"] == "ok" and row["bit_exact"] is True, row
             assert len(row["save_seconds"]) == 2 and len(row["load_seconds"]) == 2, row
-            for key in ("save_gbps", "load_gbps", "ratio"):
+            assert len(row["warm_load_seconds"]) == 2, row
+            for key in ("save_gbps", "load_gbps", "warm_load_gbps", "ratio"):
                 assert isinstance(row[key], float) and math.isfinite(row[key]) and row[key] > 0, (row, key)
             assert row["logical_bytes"] == data["logical_bytes"] and row["file_bytes"] > 0
         gds = {(r["codec"], r["chunk_bytes"]): r for r in rows if r["path"] == "gdsckpt"}
@@ -207,6 +210,16 @@ def test_recommend_takes_the_fastest_save_and_breaks_ties_by_ratio_then_load() -
     tied_same_ratio.load_seconds = [3.0]
     assert sb.recommend(result).measurement is tied_smaller
     assert sb.recommend(sb.TargetResult("/t", {}, 1, [raw, broken, failed])) is None
+
+
+def test_limit_fractions_put_each_figure_over_ratio_times_raw() -> None:
+    raw = sb.Measurement("raw-posix", "raw", "cpu", chunk_bytes=4 << 20, threads=8, status="ok",
+                         logical_bytes=10**9, file_bytes=10**9, save_seconds=[1.0], load_seconds=[0.5],
+                         warm_load_seconds=[0.1], bit_exact=True)  # 1, 2 and 10 GB/s
+    mine = _measurement("zstd", 1.0, 8 * 10**8, load_s=0.5, warm_load_seconds=[0.2])  # ratio 1.25
+    fractions = sb.limit_fractions(sb.TargetResult("/t", {}, 1, [raw, mine]), mine)
+    assert fractions == pytest.approx({"save": 1 / 1.25, "load": 2 / 2.5, "warm_load": 5 / 12.5})
+    assert sb.limit_fractions(sb.TargetResult("/t", {}, 1, [mine]), mine) is None  # no raw I/O ran
 
 
 def test_recommendation_says_plainly_when_a_baseline_was_faster() -> None:

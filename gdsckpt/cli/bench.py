@@ -33,9 +33,11 @@ fp32 weights and AdamW moments) for every side: raw writes and reads through gds
 backends (host memory with POSIX / O_DIRECT; with CUDA also GPU memory with kvikio), gdsckpt save
 and load for each codec x chunk size x thread count x depth, and torch.save / safetensors. Saves
 are durable (fsync inside the timing), loads cold (the file is dropped from the page cache first;
-a remote or virtual disk may still cache), each figure the median of --repeats round-robin runs,
-every load checked bit for bit. Prints a table; writes JSON and PNG plots to --out; --recommend
-writes the fastest lossless configuration as a gdsckpt.Config preset (TOML)."""
+a remote or virtual disk may still cache) and then warm (the same load again, from the page cache),
+each figure the median of --repeats round-robin runs, every load checked bit for bit. Prints a
+table with each gdsckpt figure over ratio x raw I/O of the same target (give /dev/shm as a
+--target for a tmpfs tier); writes JSON and PNG plots to --out; --recommend writes the fastest
+lossless configuration as a gdsckpt.Config preset (TOML) and notes any baseline that was faster."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +275,7 @@ def format_report(report: sb.BenchReport) -> str:
               f"({report.data['tensors']} tensors, bf16 + fp32), device {settings.device}, median of "
               f"{settings.repeats}, {report.seconds:.0f} s")]
     header = (f"  {'what':12}{'engine':>7}{'codec':>7}{'chunk':>8}{'thr':>5}{'depth':>8}{'ratio':>8}"
-              f"{'save GB/s':>11}{'load GB/s':>11}  notes")
+              f"{'save GB/s':>11}{'load GB/s':>11}{'warm GB/s':>11}  notes")
     for target in report.targets:
         fs = target.filesystem
         lines += ["", (f"{target.path}: {fs['type']} on {fs['device']} (mounted at {fs['mount_point']}), "
@@ -285,17 +287,23 @@ def format_report(report: sb.BenchReport) -> str:
                 notes = f"{m.status}: {m.reason}"
             elif m.bit_exact is False:
                 notes += " NOT BIT-EXACT"
+            fractions = sb.limit_fractions(target, m) if m.status == "ok" else None
+            if fractions:
+                notes += " x limit " + "/".join(f"{fractions.get(what, float('nan')):.2f}"
+                                                for what in ("save", "load", "warm_load"))
             lines.append(f"  {m.path:12}{m.engine or '-':>7}{m.codec or '-':>7}"
                          f"{sb.format_size(m.chunk_bytes) if m.chunk_bytes else '-':>8}{m.threads or '-':>5}"
                          f"{depth:>8}{_figure(m.ratio):>8}{_figure(m.save_gbps):>11}"
-                         f"{_figure(m.load_gbps):>11}"
+                         f"{_figure(m.load_gbps):>11}{_figure(m.warm_load_gbps):>11}"
                          f"  {notes}")
     ran = report.ran()
     lines += ["", "ran: " + ", ".join(name for name, done in ran.items() if done)
               + ("; not run: " + ", ".join(name for name, done in ran.items() if not done)
                  if not all(ran.values()) else ""),
               (f"GB/s: 10^9 logical tensor bytes per second; saves durable (fsync in the timing); "
-               f"loads cold: {sb.COLD_READ_NOTE}.")]
+               f"loads cold: {sb.COLD_READ_NOTE}; warm: the same load again, the file in the page cache."),
+              ("x limit: save/cold/warm as a fraction of ratio x raw I/O on the same target (1.00: as "
+               "fast as reading or writing the compressed bytes at the storage's raw speed).")]
     return "\n".join(lines)
 
 

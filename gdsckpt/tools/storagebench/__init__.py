@@ -14,9 +14,11 @@ state, this measures, on the same bytes and in one run:
 Method (the same for every side): every save is durable (fsync inside the timing); every load is
 cold as far as this host can make it (the file is fsynced and dropped from the page cache with
 ``posix_fadvise(DONTNEED)`` right before the read; a remote or virtual disk may still serve it from
-its own cache); each configuration runs ``repeats`` times, round-robin with the others so a slow
-phase of the storage hits all of them, and the median is reported; every load is checked bit for
-bit against the original. GB/s are logical tensor bytes (10**9) over wall seconds.
+its own cache), then repeated warm (the file now in the page cache: the tier a fast NVMe array
+or a restore right after a save reads at); each configuration runs ``repeats`` times,
+round-robin with the others so a slow phase of the storage hits all of them, and the median is
+reported; every load is checked bit for bit against the original. GB/s are logical tensor bytes
+(10**9) over wall seconds.
 
 Every file the benchmark writes lives in a private directory inside the target
 (``.gdsckpt-bench-*``), removed when the run ends, fails or is interrupted. ``recommend`` picks the
@@ -47,6 +49,7 @@ from .host import (
     space_needed,
 )
 from .report import (
+    limit_fractions,
     preset_toml,
     recommend,
     target_slug,
@@ -111,6 +114,7 @@ __all__ = [
     "fsync_file",
     "host_info",
     "human_size",
+    "limit_fractions",
     "logical_bytes_for",
     "preset_toml",
     "progress_total",

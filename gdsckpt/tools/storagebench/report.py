@@ -83,6 +83,23 @@ def recommend(result: TargetResult, engine: str | None = None) -> Recommendation
                           raw.load_gbps if raw else None, reason, baselines_beating(result, chosen))
 
 
+def limit_fractions(result: TargetResult, m: Measurement) -> dict[str, float] | None:
+    """Each figure of a gdsckpt measurement over its limit, ratio x raw I/O of the same target and
+    device (the raw run of the same block size and threads, else the fastest): ``save``,
+    ``load`` (cold) and ``warm_load``; None where no raw I/O ran."""
+    raws = [r for r in result.measurements if r.kind == "raw" and r.device == m.device and r.status == "ok"]
+    if m.kind != "gdsckpt" or not raws or not m.ratio:
+        return None
+    same = [r for r in raws if r.chunk_bytes == m.chunk_bytes and r.threads == m.threads]
+    fractions = {}
+    for what in ("save", "load", "warm_load"):
+        mine = getattr(m, f"{what}_gbps")
+        raw = max((getattr(r, f"{what}_gbps") or 0.0) for r in (same or raws))
+        if mine and raw:
+            fractions[what] = mine / (m.ratio * raw)
+    return fractions
+
+
 def baselines_beating(result: TargetResult, chosen: Measurement) -> list[str]:
     """Plain statements of every baseline that saved or loaded faster than ``chosen`` on this
     target, in the same run, with the likely reason: a user must not take the recommendation for
@@ -155,7 +172,7 @@ def target_slug(number: int, path: str) -> str:
 
 
 def write_plots(report: BenchReport, out_dir: str | os.PathLike[str]) -> list[Path]:
-    """One PNG per target and engine: save and load GB/s by codec (groups) and chunk size (bars),
+    """One PNG per target and engine: save, cold load and warm load GB/s by codec (groups) and chunk size (bars),
     each bar the best median over thread counts and depths, with raw I/O and the baselines as
     lines. Returns the files written; none (with a logged warning) without matplotlib."""
     try:
@@ -174,7 +191,7 @@ def write_plots(report: BenchReport, out_dir: str | os.PathLike[str]) -> list[Pa
             others = [m for m in target.measurements if m.kind != "gdsckpt" and m.device == device
                       and m.status == "ok"]
             path = Path(out_dir) / f"bench-{target_slug(number, target.path)}-{engine}.png"
-            figure = _plot_target(Figure(figsize=(11, 4.5)), target, engine, rows, others, report)
+            figure = _plot_target(Figure(figsize=(15, 4.5)), target, engine, rows, others, report)
             figure.savefig(path, dpi=110)
             written.append(path)
     return written
@@ -187,7 +204,8 @@ def _plot_target(figure: Any, target: TargetResult, engine: str, rows: list[Meas
     width = 0.8 / max(len(chunks), 1)
     # raw I/O is the ceiling (black, dashed); each baseline has its own colour (dotted)
     colours = {"torch": "tab:red", "safetensors": "tab:purple"}
-    for axis, what in zip(figure.subplots(1, 2), ("save", "load")):
+    titles = {"save": "durable save", "load": "cold load", "warm_load": "warm load (page cache)"}
+    for axis, what in zip(figure.subplots(1, 3), titles):
         for i, chunk in enumerate(chunks):
             values = []
             for codec in codecs:
@@ -204,7 +222,7 @@ def _plot_target(figure: Any, target: TargetResult, engine: str, rows: list[Meas
         axis.set_xticks(range(len(codecs)))
         axis.set_xticklabels(codecs)
         axis.set_ylabel("GB/s (logical bytes)")
-        axis.set_title(f"{'durable save' if what == 'save' else 'cold load'}")
+        axis.set_title(titles[what])
         axis.legend(fontsize="small")
     figure.suptitle(f"{target.path} ({target.filesystem['type']}), {engine} engine, "
                     f"{human_size(report.data['logical_bytes'])}, median of {report.settings.repeats}; "

@@ -123,6 +123,8 @@ class Measurement:
     file_bytes: int | None = None
     save_seconds: list[float] = field(default_factory=list)
     load_seconds: list[float] = field(default_factory=list)
+    warm_load_seconds: list[float] = field(default_factory=list)
+    """The load repeated right after the cold one, the file now in the page cache."""
     bit_exact: bool | None = None
     """Every load came back bit-identical to what was saved (None: nothing was loaded)."""
     backend: str | None = None
@@ -137,6 +139,11 @@ class Measurement:
     def load_gbps(self) -> float | None:
         """Logical GB over the median load time (cold)."""
         return _gbps(self.logical_bytes, self.load_seconds)
+
+    @property
+    def warm_load_gbps(self) -> float | None:
+        """Logical GB over the median warm load time (the file in the page cache)."""
+        return _gbps(self.logical_bytes, self.warm_load_seconds)
 
     @property
     def ratio(self) -> float | None:
@@ -162,7 +169,8 @@ class Measurement:
     def to_json(self) -> dict[str, Any]:
         """Every field, plus the derived medians."""
         doc = dataclasses.asdict(self)
-        doc.update(save_gbps=self.save_gbps, load_gbps=self.load_gbps, ratio=self.ratio)
+        doc.update(save_gbps=self.save_gbps, load_gbps=self.load_gbps, warm_load_gbps=self.warm_load_gbps,
+                   ratio=self.ratio)
         return doc
 
 
