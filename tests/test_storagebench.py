@@ -89,7 +89,7 @@ def test_tiny_run_succeeds_and_prints_a_table_per_target(tiny_run: dict[str, Any
     # every gdsckpt row carries its figures over ratio x raw of the same target
     assert stdout.count(" x limit ") == 2 * 4 and "x limit: save/cold/warm" in stdout
     assert "may still serve it from its own cache" in stdout, "the cold-read caveat is printed"
-    assert "not run: raw_kvikio, gdsckpt_gpu" in stdout
+    assert "not run: raw_kvikio, gdsckpt_gpu, null_gpu" in stdout
     assert stdout.count("recommended for ") == 2
 
 
@@ -98,7 +98,8 @@ def test_json_has_every_configuration_with_positive_figures(tiny_run: dict[str, 
     assert report["schema"] == sb.SCHEMA and report["gdsckpt"] == gdsckpt.__version__
     assert report["all_ok"] is True
     assert report["ran"] == {"raw_posix": True, "raw_kvikio": False, "gdsckpt_cpu": True,
-                             "gdsckpt_gpu": False, "torch": True, "safetensors": True}
+                             "gdsckpt_gpu": False, "null_cpu": True, "null_gpu": False, "torch": True,
+                             "safetensors": True}
     settings = report["settings"]
     assert settings["chunk_sizes"] == [64 << 10, 256 << 10] and settings["codecs"] == ["lz4", "none"]
     assert settings["device"] == "cpu" and settings["repeats"] == 2
@@ -110,11 +111,13 @@ def test_json_has_every_configuration_with_positive_figures(tiny_run: dict[str, 
     for target in report["targets"]:
         assert target["free_bytes_before"] > 0 and target["filesystem"]["type"] != ""
         rows = target["results"]
-        kinds = sorted((r["path"], r["codec"], r["chunk_bytes"]) for r in rows if r["path"] != "torch"
-                       and r["path"] != "safetensors")
+        kinds = sorted((r["path"], r["codec"], r["chunk_bytes"]) for r in rows
+                       if r["path"] not in ("torch", "safetensors", "gdsckpt-null"))
         assert kinds == sorted([("raw-posix", None, 64 << 10), ("raw-posix", None, 256 << 10)]
                                + [("gdsckpt", c, s) for c in ("lz4", "none") for s in (64 << 10, 256 << 10)])
-        assert {r["path"] for r in rows} == {"raw-posix", "gdsckpt", "torch", "safetensors"}
+        assert {r["path"] for r in rows} == {"raw-posix", "gdsckpt", "gdsckpt-null", "torch", "safetensors"}
+        null = next(r for r in rows if r["path"] == "gdsckpt-null")  # the pipeline without storage
+        assert null["kind"] == "null" and null["codec"] == "lz4" and null["backend"] == "null"
         for row in rows:
             assert row["status"] == "ok" and row["bit_exact"] is True, row
             assert len(row["save_seconds"]) == 2 and len(row["load_seconds"]) == 2, row
@@ -368,16 +371,16 @@ def test_time_budget_ends_the_run_with_partial_results(tmp_path: Path, monkeypat
     def run_once(case: Any, path: Path, sync: Any) -> None:
         original(case, path, sync)
         runs.append(case.measurement.label)
-        if len(runs) == 4:  # round 1 (raw, zstd, none) and one of round 2 ran: the budget is spent
+        if len(runs) == 5:  # round 1 (raw, zstd, none, null) and one of round 2 ran: the budget is spent
             clock["now"] = 7200.0
 
     monkeypatch.setattr(runner, "_run_once", run_once)
     monkeypatch.setattr(runner.time, "perf_counter", lambda: real() + clock["now"])
     report = sb.run_benchmark(settings, [tmp_path])
     measurements = report.targets[0].measurements
-    assert len(runs) == 4 and all(m.status == "ok" for m in measurements)
+    assert len(runs) == 5 and all(m.status == "ok" for m in measurements)
     repeats = sorted(len(m.save_seconds) for m in measurements)
-    assert repeats == [1, 1, 2]
+    assert repeats == [1, 1, 1, 2]
     partial = [m for m in measurements if len(m.save_seconds) == 1]
     assert all("of 3 repeats" in (m.reason or "") for m in partial)
     assert json.loads(json.dumps(report.to_json()))["targets"][0]["results"]

@@ -54,7 +54,7 @@ from .resolve import (
 log = logging.getLogger(__name__)
 
 
-def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
+def save(state: Any, path: PathLike | StorageWriter, *, codec: str = "auto", chunk_bytes: int | str | None = None,
          config: Config | None = None, progress: Progress | None = None, base: PathLike | None = None,
          max_chain: int = DEFAULT_MAX_CHAIN,
          lossy: LossyPolicy | dict[str, float] | None = None, force: bool = False) -> SaveReport:
@@ -99,9 +99,10 @@ def save(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | 
                      progress=progress, base=base, max_chain=max_chain, lossy=lossy)
 
 
-def save_flat(flat: FlatState, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
-              config: Config | None = None, devices: list[str] | None = None, progress: Progress | None = None,
-              base: PathLike | None = None, max_chain: int = DEFAULT_MAX_CHAIN,
+def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "auto",
+              chunk_bytes: int | str | None = None, config: Config | None = None,
+              devices: list[str] | None = None, progress: Progress | None = None, base: PathLike | None = None,
+              max_chain: int = DEFAULT_MAX_CHAIN,
               lossy: LossyPolicy | dict[str, float] | None = None, rename: bool = True) -> SaveReport:
     """The one save entry of the package: write a flattened state (``gdsckpt.state.flatten``) to
     ``path``. ``save`` (after its guard against replacing a delta's base), the background savers,
@@ -244,7 +245,7 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
         return save_flat(FlatState(index.tree, arrays), output, codec=codec, config=cfg)
 
 
-def refuse_replacing_base(path: PathLike, config: Config | None) -> None:
+def refuse_replacing_base(path: PathLike | StorageWriter, config: Config | None) -> None:
     """Raise ``DeltaBaseError`` when ``path`` exists and delta checkpoints in its directory
     depend on it as it is (``_dependents``): replacing it would make them unloadable. Costs
     nothing when ``path`` does not exist; else it reads the index of each file beside it."""

@@ -31,7 +31,8 @@ DESCRIPTION = """\
 Measure what a storage target does with checkpoints, on the same synthetic training state (bf16 +
 fp32 weights and AdamW moments) for every side: raw writes and reads through gdsckpt's I/O
 backends (host memory with POSIX / O_DIRECT; with CUDA also GPU memory with kvikio), gdsckpt save
-and load for each codec x chunk size x thread count x depth, and torch.save / safetensors. Saves
+and load for each codec x chunk size x thread count x depth, the pipeline alone (gdsckpt-null: the
+first codec into a null sink and from a null source, storage taken out), and torch.save / safetensors. Saves
 are durable (fsync inside the timing), loads cold (the file is dropped from the page cache first;
 a remote or virtual disk may still cache) and then warm (the same load again, from the page cache),
 each figure the median of --repeats round-robin runs, every load checked bit for bit. Prints a

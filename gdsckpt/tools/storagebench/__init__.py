@@ -9,6 +9,8 @@ state, this measures, on the same bytes and in one run:
 - ``gdsckpt.save`` / ``gdsckpt.load`` for every combination of codec, chunk size, I/O thread count
   and pipeline depth asked for (CPU engine on host memory; with CUDA also the GPU engine on GPU
   memory);
+- the pipeline alone (``gdsckpt-null``): the first codec's save into ``io.NullWriter`` and load
+  from ``io.PreloadedReader`` (the file in host memory), per engine;
 - the baselines ``torch.save`` / ``torch.load`` and safetensors ``save_file`` / ``load_file``.
 
 Method (the same for every side): every save is durable (fsync inside the timing); every load is

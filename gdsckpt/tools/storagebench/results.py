@@ -98,9 +98,10 @@ class Measurement:
     """One configuration on one target: per-repeat seconds and the medians derived from them."""
 
     path: str
-    """``raw-posix``, ``raw-kvikio``, ``gdsckpt``, ``torch`` or ``safetensors``."""
+    """``raw-posix``, ``raw-kvikio``, ``gdsckpt``, ``gdsckpt-null`` (the null sink and source),
+    ``torch`` or ``safetensors``."""
     kind: str
-    """``raw``, ``gdsckpt`` or ``baseline``."""
+    """``raw``, ``gdsckpt``, ``null`` or ``baseline``."""
     device: str
     """Where the data lives while it is saved and where it is loaded to: ``cpu`` or ``cuda``."""
     engine: str | None = None
@@ -231,6 +232,7 @@ class BenchReport:
         """Which measurement paths completed at least one configuration on some target."""
         paths = {"raw_posix": ("raw-posix", None), "raw_kvikio": ("raw-kvikio", None),
                  "gdsckpt_cpu": ("gdsckpt", "cpu"), "gdsckpt_gpu": ("gdsckpt", "gpu"),
+                 "null_cpu": ("gdsckpt-null", "cpu"), "null_gpu": ("gdsckpt-null", "gpu"),
                  "torch": ("torch", None), "safetensors": ("safetensors", None)}
         measured = [m for t in self.targets for m in t.measurements if m.status == "ok"]
         return {name: any(m.path == path and (engine is None or m.engine == engine) for m in measured)

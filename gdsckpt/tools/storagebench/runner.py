@@ -63,6 +63,8 @@ class _Case:
     save: Callable[[Path], dict[str, Any]] | None = None
     load: Callable[[Path], Any] | None = None
     check: Callable[[Any], bool] | None = None
+    after_save: Callable[[Path], None] | None = None
+    """Untimed, between the save and the loads (the null case writes the file its loads need)."""
 
 
 def _run_once(case: _Case, path: Path, sync: Callable[[], None]) -> None:
@@ -81,6 +83,8 @@ def _run_once(case: _Case, path: Path, sync: Callable[[], None]) -> None:
         details = case.save(path)
         sync()
         save_seconds = time.perf_counter() - started
+        if case.after_save is not None:
+            case.after_save(path)
         file_bytes = path.stat().st_size
         fsync_file(path, drop_cache=True)
         sync()
@@ -264,6 +268,44 @@ def _gdsckpt_case(side: _Side, codec: str, chunk: int, threads: int, depth: int 
     return case
 
 
+def _null_case(side: _Side, codec: str, base: Config, logical: int) -> _Case:
+    """The pipeline alone, storage taken out: ``gdsckpt.save`` into the null sink
+    (``io.NullWriter``), ``gdsckpt.load`` from the null source (``io.PreloadedReader``: the file
+    held in host memory, pinned for the GPU engine), with the default configuration of the engine
+    and ``codec``. Its "cold" and "warm" loads are the same: no storage is read."""
+    m = Measurement("gdsckpt-null", "null", side.device, engine=side.engine, codec=codec, logical_bytes=logical)
+    case = _Case(m, ".gdsckpt")
+    gpu = side.engine == "gpu"
+    if not gpu and codec != "auto" and codec not in PORTABLE_CODECS:
+        m.status, m.reason = "skipped", f"codec {codec!r} runs on the GPU engine only"
+        return case
+    config = base.replace(codec=codec, engine=side.engine, fsync=True)
+    source: list[Any] = []
+
+    def save(path: Path) -> dict[str, Any]:
+        from ...api import save as gdsckpt_save
+        from ...io import NullWriter
+
+        report = gdsckpt_save(side.state, NullWriter(), codec=codec, config=config)
+        return {"backend": report.backend, "codec_ran": report.codec, "chunks": report.chunks}
+
+    def after_save(path: Path) -> None:
+        from ...api import save as gdsckpt_save
+        from ...io import PreloadedReader
+
+        gdsckpt_save(side.state, path, codec=codec, config=config)
+        source[:] = [PreloadedReader(path, pinned=gpu)]
+
+    def load(path: Path) -> Any:
+        from ...api import load as gdsckpt_load
+
+        return gdsckpt_load(source[0], device=side.device, config=config)
+
+    case.save, case.after_save, case.load = save, after_save, load
+    case.check = lambda loaded: same_bits(side.tensors, flat_tensors(loaded))
+    return case
+
+
 def _baseline_case(side: _Side, name: str, logical: int) -> _Case:
     """``torch.save`` + fsync / ``torch.load``, or safetensors ``save_file`` + fsync / ``load_file``."""
     import torch
@@ -311,6 +353,8 @@ def _cases(side: _Side, settings: BenchSettings, logical: int) -> list[_Case]:
     cases += [_gdsckpt_case(side, codec, chunk, threads, depth, settings.config, logical)
               for codec in settings.codecs for chunk in settings.chunk_sizes
               for threads in settings.threads for depth in settings.depths]
+    if settings.codecs:
+        cases.append(_null_case(side, settings.codecs[0], settings.config, logical))
     cases += [_baseline_case(side, name, logical) for name in settings.baselines]
     return cases
 
@@ -411,7 +455,8 @@ def progress_total(settings: BenchSettings, targets: int) -> int:
     configuration, repeat and target (skipped configurations included)."""
     sides = 2 if settings.device == "cuda" else 1
     per_side = (len(settings.chunk_sizes) * len(settings.threads)
-                * (1 + len(settings.codecs) * len(settings.depths)) + len(settings.baselines))
+                * (1 + len(settings.codecs) * len(settings.depths)) + len(settings.baselines)
+                + (1 if settings.codecs else 0))  # the null sink and source
     return per_side * sides * settings.repeats * targets * logical_bytes_for(settings.size_bytes)
 
 
