@@ -318,7 +318,7 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
             if gpu:
                 import cupy
 
-                host = preloaded._data  # the pinned bytes: one host-to-device copy is the limit
+                host = preloaded.data  # the pinned bytes: one host-to-device copy is the limit
                 seconds, out = timed(lambda h=host: cupy.asarray(h), device)
                 record("null_source/raw_h2d", seconds, host.nbytes)
                 del out

@@ -95,7 +95,6 @@ extern "C" __global__ void inverse4(const unsigned char* p, unsigned int* d, uns
 extern "C" __global__ void inverse8(const unsigned char* p, unsigned long long* d, unsigned long long n) {
     inverse<unsigned long long, 8>(p, d, n); }
 """
-_planes_modules: dict[int, Any] = {}
 
 
 def _planes_kernel(data: Any, out: Any, width: int, direction: str, count: int) -> bool:
@@ -110,11 +109,7 @@ def _planes_kernel(data: Any, out: Any, width: int, direction: str, count: int) 
     words = data if direction == "forward" else out
     if words.data.ptr % width:
         return False
-    device = cupy.cuda.runtime.getDevice()
-    module = _planes_modules.get(device)
-    if module is None:
-        module = _planes_modules[device] = cupy.RawModule(code=_PLANES, options=("--std=c++14",))
-    kernel = module.get_function(f"{direction}{width}")
+    kernel = _raw_kernel(cupy, _PLANES, f"{direction}{width}")
     threads = 256
     blocks = min((count + threads - 1) // threads, 16384)
     kernel((blocks,), (threads,), (data, out, np.uint64(count)))
@@ -381,7 +376,8 @@ extern "C" __global__ void gather(const unsigned long long* sources, const unsig
     for (unsigned long long i = threadIdx.x; i < lengths[blockIdx.x]; i += blockDim.x) target[i] = source[i];
 }
 """
-_kernels: dict[tuple[int, str], Any] = {}
+_modules: dict[tuple[int, str], Any] = {}
+_functions: dict[tuple[int, str, str], Any] = {}
 
 
 def backend_or_cuda(device: DeviceBackend | None, device_id: int) -> DeviceBackend:
@@ -391,8 +387,13 @@ def backend_or_cuda(device: DeviceBackend | None, device_id: int) -> DeviceBacke
 
 
 def _raw_kernel(cupy: Any, source: str, name: str) -> Any:
-    """The compiled kernel ``name`` of ``source`` on the current device (compiled once per device)."""
-    key = (cupy.cuda.runtime.getDevice(), name)
-    if key not in _kernels:
-        _kernels[key] = cupy.RawKernel(source, name)
-    return _kernels[key]
+    """The kernel ``name`` of ``source`` (``_ZERO_FILL``, ``_GATHER``, ``_PLANES``) on the current
+    device: each source is compiled once per device, as one module whatever kernels it holds."""
+    device = cupy.cuda.runtime.getDevice()
+    function = _functions.get((device, source, name))
+    if function is None:
+        module = _modules.get((device, source))
+        if module is None:
+            module = _modules[(device, source)] = cupy.RawModule(code=source, options=("--std=c++14",))
+        function = _functions[(device, source, name)] = module.get_function(name)
+    return function

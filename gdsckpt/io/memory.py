@@ -172,6 +172,12 @@ class PreloadedReader(StorageReader):
         self._streams = threading.local()
         """Per I/O thread: device id -> the CuPy stream its copies run on."""
 
+    @property
+    def data(self) -> np.ndarray:
+        """The file's bytes as held (page-locked with ``pinned``): a benchmark's raw copy of the
+        same bytes is the null source's limit."""
+        return self._data
+
     def read(self, offset: int, length: int) -> bytes:
         if offset < 0 or offset + length > self.size:
             raise CorruptCheckpointError(f"range [{offset}, +{length}) runs past the end of the file")

@@ -90,10 +90,7 @@ def open_file(reader: StorageReader) -> OpenedFile:
             unpack_header(head)  # a foreign file says so before "truncated" does
         raise CorruptCheckpointError(f"file is {reader.size} bytes: truncated")
     header = unpack_header(reader.read(0, HEADER_SIZE))
-    trailer = unpack_trailer(reader.read(reader.size - TRAILER_SIZE, TRAILER_SIZE), reader.size)
-    index_bytes = reader.read(trailer.index_offset, trailer.index_length)
-    if checksum(index_bytes) != trailer.index_crc:
-        raise CorruptCheckpointError("index checksum mismatch")
+    trailer, index_bytes = _trailer_and_index(reader)
     return OpenedFile(header, trailer, parse_index(index_bytes, index_offset=trailer.index_offset),
                       hashlib.sha256(index_bytes).hexdigest(),
                       _path_of(reader))
@@ -106,11 +103,18 @@ def content_identity(reader: StorageReader) -> tuple[str, int]:
     trailer or index checksum is wrong."""
     if reader.size < HEADER_REGION + TRAILER_SIZE:
         raise CorruptCheckpointError(f"file is {reader.size} bytes: truncated")
+    trailer, index_bytes = _trailer_and_index(reader)
+    return hashlib.sha256(index_bytes).hexdigest(), trailer.file_length
+
+
+def _trailer_and_index(reader: StorageReader) -> tuple[Trailer, bytes]:
+    """The trailer and the index bytes it names, their checksum checked (the file is known to be
+    long enough for a trailer)."""
     trailer = unpack_trailer(reader.read(reader.size - TRAILER_SIZE, TRAILER_SIZE), reader.size)
     index_bytes = reader.read(trailer.index_offset, trailer.index_length)
     if checksum(index_bytes) != trailer.index_crc:
         raise CorruptCheckpointError("index checksum mismatch")
-    return hashlib.sha256(index_bytes).hexdigest(), trailer.file_length
+    return trailer, index_bytes
 
 
 Delivery = tuple[int, int, int, int]

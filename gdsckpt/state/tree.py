@@ -212,34 +212,25 @@ class _Flattener:
     def _torch(self, tensor: Any, path: list[Any]) -> dict[str, Any]:
         torch = self.torch
         assert torch is not None
-        if (tensor.layout == torch.strided and tensor.device.type in ("cpu", "cuda") and not tensor.is_quantized
-                and not getattr(tensor, "is_nested", False) and type(tensor) in (torch.Tensor, torch.nn.Parameter)):
-            return self._torch_checked(tensor, path)
-        where = join_key(path)  # only an error needs it: a state of many small tensors pays per tensor
+        # The key is spelled only in an error: a state of many small tensors would pay it per tensor.
         if tensor.layout != torch.strided:
-            raise TypeError(f"tensor at {where!r} has layout {tensor.layout}; only dense (strided) "
+            raise TypeError(f"tensor at {join_key(path)!r} has layout {tensor.layout}; only dense (strided) "
                             f"tensors are saved: convert with .to_dense()")
         if tensor.device.type == "meta":
-            raise TypeError(f"tensor at {where!r} is on the meta device and has no data to save")
+            raise TypeError(f"tensor at {join_key(path)!r} is on the meta device and has no data to save")
         if tensor.device.type not in ("cpu", "cuda"):
-            raise TypeError(f"tensor at {where!r} is on device {tensor.device}; gdsckpt saves CPU "
+            raise TypeError(f"tensor at {join_key(path)!r} is on device {tensor.device}; gdsckpt saves CPU "
                             f"and CUDA tensors")
         if tensor.is_quantized or getattr(tensor, "is_nested", False):
-            raise TypeError(f"tensor at {where!r} is quantized or nested, which gdsckpt does not save")
+            raise TypeError(f"tensor at {join_key(path)!r} is quantized or nested, which gdsckpt does not save")
         if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-            raise TypeError(f"tensor subclass {type(tensor).__qualname__} at {where!r} is not supported; "
-                            f"pass a plain tensor (e.g. DTensor.to_local()) or use gdsckpt.dcp")
-        return self._torch_checked(tensor, path)
-
-    def _torch_checked(self, tensor: Any, path: list[Any]) -> dict[str, Any]:
-        """Register a tensor that passed ``_torch``'s checks."""
-        torch = self.torch
-        assert torch is not None
+            raise TypeError(f"tensor subclass {type(tensor).__qualname__} at {join_key(path)!r} is not "
+                            f"supported; pass a plain tensor (e.g. DTensor.to_local()) or use gdsckpt.dcp")
         # Each torch attribute costs a call (a device object, a shape tuple): read each once, as a
         # state of many small tensors pays them per tensor.
         dtype, shape = tensor.dtype, tuple(tensor.shape)
-        where = tensor.device
-        device = "cpu" if where.type == "cpu" else f"cuda:{where.index or 0}"
+        on = tensor.device
+        device = "cpu" if on.type == "cpu" else f"cuda:{on.index or 0}"
         name = self._check_dtype(torch_dtype_name(dtype), dtype, path)
         extra: dict[str, Any] = {}
         if type(tensor) is torch.nn.Parameter:
