@@ -20,8 +20,9 @@ then, round-robin for ``--repeat`` rounds, on the GPU (``--device cuda``, the GP
 
 With ``--device cpu`` the same tiers run on the CPU engine (raw reads with ``readinto``).
 ``--profile`` also records where a restore's time goes: the decoder worker's time per stage
-(checksums, decoding, copies to the destinations) and the driver's waits, from one extra restore
-per tier with the stages timed (synchronized, so slower than the timed rounds).
+(queueing a checked ANS batch, waiting for the stream, other codecs' checksums and decoding,
+copies to the destinations), from one extra restore per tier with the stages timed (slower than
+the timed rounds); ``--cprofile`` adds a cProfile of the workers' batches.
 
 GB/s are logical tensor bytes (10**9) over wall seconds; every restore is compared bit for bit.
 ``limits`` gives each figure as a fraction of ratio x raw of its tier.
@@ -151,10 +152,13 @@ def small_state(count: int, device: str) -> dict[str, Any]:
 # where a restore's time goes
 
 @contextlib.contextmanager
-def stage_timer(device: str) -> Iterator[dict[str, float]]:
-    """Time the GPU decoder's stages (checksums, nvCOMP decode, host copies, the whole batch) and
-    the restore driver's waits, by wrapping them for the block; device work is synchronized at
-    each stage's end so it is counted where it runs."""
+def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float]]:
+    """Time the GPU workers' stages by wrapping them for the block: the decoder's whole batches,
+    the queued ANS batches (launches only: ``verified_ans_decode``), the waits for its stream,
+    the checksums and nvCOMP calls of other codecs, the host copies; the encoder's batches.
+    ``cprofile``: a cProfile of the batches too. Since Python 3.12 cProfile sees every thread
+    while it is enabled (it is built on ``sys.monitoring``) and slows them all, so it is a separate
+    choice."""
     totals: dict[str, float] = {}
     if device != "cuda":
         yield totals
@@ -163,6 +167,7 @@ def stage_timer(device: str) -> Iterator[dict[str, float]]:
 
     from gdsckpt.codecs import device as device_module
     from gdsckpt.pipeline.gpu import decoder as decoder_module
+    from gdsckpt.pipeline.gpu import encoder as encoder_module
 
     def wrap(owner: Any, name: str, label: str, sync: bool) -> tuple[Any, str, Any]:
         original = getattr(owner, name)
@@ -179,8 +184,6 @@ def stage_timer(device: str) -> Iterator[dict[str, float]]:
         setattr(owner, name, timed_call)
         return owner, name, original
 
-    from gdsckpt.pipeline.gpu import encoder as encoder_module
-
     profilers = {"decode": cProfile.Profile(), "encode": cProfile.Profile()}
 
     def profile(owner: Any, name: str, profiler: cProfile.Profile) -> tuple[Any, str, Any]:
@@ -195,11 +198,15 @@ def stage_timer(device: str) -> Iterator[dict[str, float]]:
         setattr(owner, name, profiled)
         return owner, name, original
 
-    patches = [
-        profile(decoder_module.GpuDecoder, "_decode_batch", profilers["decode"]),
-        profile(encoder_module.GpuEncoder, "_encode_batch", profilers["encode"]),
+    patches = []
+    if cprofile:
+        patches += [profile(decoder_module.GpuDecoder, "_decode_batch", profilers["decode"]),
+                    profile(encoder_module.GpuEncoder, "_encode_batch", profilers["encode"])]
+    patches += [
         wrap(encoder_module.GpuEncoder, "_encode_batch", "encoder_batches", False),
         wrap(decoder_module.GpuDecoder, "_decode_batch", "worker_batches", False),
+        wrap(device_module.CudaDevice, "verified_ans_decode", "worker_queue_checked", False),
+        wrap(device_module.CudaDevice, "synchronize", "stream_waits", False),
         wrap(device_module.CudaDevice, "crc32c", "worker_crc32c", False),  # returns host ints: synchronous
         wrap(decoder_module.GpuDecoder, "_decode_group", "worker_decode", True),
         wrap(decoder_module.GpuDecoder, "_deliver_to_host", "worker_host_copies", False),
@@ -209,11 +216,12 @@ def stage_timer(device: str) -> Iterator[dict[str, float]]:
     finally:
         for owner, name, original in reversed(patches):
             setattr(owner, name, original)
-        for direction, profiler in profilers.items():
-            text = io.StringIO()
-            with contextlib.suppress(TypeError):  # no data: nothing ran in that direction
-                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-            totals[f"{direction}_worker_profile"] = text.getvalue()  # type: ignore[assignment]
+        if cprofile:
+            for direction, profiler in profilers.items():
+                text = io.StringIO()
+                with contextlib.suppress(TypeError):  # no data: nothing ran in that direction
+                    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+                totals[f"{direction}_worker_profile"] = text.getvalue()  # type: ignore[assignment]
 
 
 def small_tensors(report: benchlib.Report, count: int, directory: Path, repeat: int,
@@ -336,11 +344,11 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
         if args.profile:
             for tier, path in (*files.items(), ("null_source", None)):
                 source = PreloadedReader(shm_file, pinned=gpu) if path is None else path
-                with stage_timer(device) as stages:
+                with stage_timer(device, args.cprofile) as stages:
                     seconds, got = timed(lambda s=source: gdsckpt.load(s, device=device), device)
                 del got
                 report.setdefault("profile", {})[tier] = {"seconds": seconds, **stages}
-            with stage_timer(device) as stages:
+            with stage_timer(device, args.cprofile) as stages:
                 seconds, _ = timed(lambda: gdsckpt.save(state, NullWriter()), device)
             report.setdefault("profile", {})["null_sink"] = {"seconds": seconds, **stages}
 
@@ -429,6 +437,8 @@ def main() -> int:
     parser.add_argument("--no-to-host", dest="to_host", action="store_false",
                         help="skip load(device='cpu') / load_into of the GPU-written file")
     parser.add_argument("--profile", action="store_true", help="time the restore's stages too")
+    parser.add_argument("--cprofile", action="store_true", help="with --profile: a cProfile of the GPU workers' "
+                        "batches (it slows every thread)")
     parser.add_argument("--shm-dir", default="/dev/shm")
     parser.add_argument("--dir", default="/tmp/gdsckpt-tier")
     parser.add_argument("--out", default="tier-bench.json")

@@ -3,6 +3,10 @@
 encoder's and decoder's batch size and worker count. Kernel time only (data already on the device).
 
     python3 experiments/batch_scaling.py > batch_scaling.json
+    GDSCKPT_NVCOMP_ALLOCATOR=1 python3 experiments/batch_scaling.py > batch_scaling_pooled.json
+
+The second form gives nvCOMP its scratch from CuPy's pool: the per-call time at one chunk shows
+what nvCOMP's own allocations cost.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ import time
 import cupy
 import torch
 
-from gdsckpt.codecs.gpu_crc import crc32c_batch
-from gdsckpt.codecs.nvcomp import DeviceCodec
+from gdsckpt.codecs.nvcomp_c import crc32c_batch
+from gdsckpt.codecs.nvcomp import DeviceCodec, install_nvcomp_allocator, nvcomp_allocator_installed
 
 CHUNK = 16 << 20
 
@@ -83,17 +87,20 @@ def together(fns) -> float:
 
 
 def main() -> None:
-    results: dict = {"gpu": torch.cuda.get_device_name(0), "chunk_bytes": CHUNK}
+    install_nvcomp_allocator()  # GDSCKPT_NVCOMP_ALLOCATOR=1: nvCOMP's scratch from CuPy's pool
+    results: dict = {"gpu": torch.cuda.get_device_name(0), "chunk_bytes": CHUNK,
+                     "nvcomp_allocator": nvcomp_allocator_installed()}
     bf16 = cupy.asarray((torch.randn(2 << 30, device="cuda") * 0.02).to(torch.bfloat16).view(torch.uint8))
     for label, data, data_type in (("bf16_f2", bf16, "<f2"),):
         rows = {}
-        for count in (16, 32, 64, 128, 256):
+        for count in (1, 4, 16, 32, 64, 128, 256):
             lane = Lane(data, count, data_type)
             nbytes = count * CHUNK
             encode = best(lane.encode)
             decode = best(lane.decode)
             crc = best(lane.crc)
             rows[count] = {"encode_gbps": nbytes / encode / 1e9, "decode_gbps": nbytes / decode / 1e9,
+                           "encode_ms": encode * 1e3, "decode_ms": decode * 1e3, "crc_ms": crc * 1e3,
                            "crc_gbps_of_stored": sum(lane.sizes) / crc / 1e9,
                            "ratio": nbytes / sum(lane.sizes)}
             print(label, count, rows[count], flush=True)

@@ -27,6 +27,7 @@ import numpy as np
 import zstandard
 
 from gdsckpt.codecs import codec_spec, host_codec
+from gdsckpt.codecs.device import CheckedBatch
 from gdsckpt.codecs.nvcomp import BITCOMP_LOSSY_TYPES, codec_stage
 from gdsckpt.format import checksum
 
@@ -210,6 +211,36 @@ class FakeDevice:
         """The format's CRC-32C, computed on the host."""
         self._check("crc32c")
         return [checksum(buffer) for buffer in buffers]
+
+    def verified_ans_decode(self, bodies: list[np.ndarray], expected: list[int],
+                            outputs: list[np.ndarray | None]) -> CheckedBatch:
+        """The checksums on the host, then the fake ANS decoder for the outputs whose checksum
+        matched (recorded as one "decode" call); an undecodable stream gets nvCOMP's status 12."""
+        self._check("crc32c")
+        crcs = np.array([checksum(body) for body in bodies], dtype=np.uint32)
+        which = [i for i, out in enumerate(outputs) if out is not None]
+        statuses = np.zeros(len(which), dtype=np.int32)
+        sizes = np.zeros(len(which), dtype=np.uint64)
+        if which:
+            codec = self.codec("ans")
+            codec.device.record("decode", codec, len(which))
+            for j, i in enumerate(which):
+                out = outputs[i]
+                assert out is not None
+                if int(crcs[i]) != expected[i]:
+                    statuses[j] = 12  # given no bytes, nvCOMP decodes nothing
+                    continue
+                try:
+                    raw = codec._decompress(bodies[i], out.nbytes)
+                except (RuntimeError, ValueError, zstandard.ZstdError):
+                    statuses[j] = 12
+                    continue
+                if len(raw) > out.nbytes:
+                    statuses[j] = 12
+                    continue
+                out[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+                sizes[j] = len(raw)
+        return CheckedBatch(crcs=crcs, statuses=statuses, sizes=sizes, decoded_at={i: j for j, i in enumerate(which)})
 
     def all_true(self, flags: list[Any]) -> list[bool]:
         """Host bools."""

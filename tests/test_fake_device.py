@@ -22,6 +22,7 @@ from gdsckpt.io.memory import MemoryReader, MemoryStore, MemoryWriter
 from gdsckpt.pipeline.autotune import sample_ratios_on
 from gdsckpt.pipeline.engine import HostEngine
 from gdsckpt.pipeline.gpu import GpuDecoder, GpuEncoder, RoundedArraySource
+from gdsckpt.pipeline.gpu.decoder import DecodeJob
 from gdsckpt.pipeline.load import open_file, run_restore
 from gdsckpt.pipeline.plan import ChunkPlan, Part, plan_chunks
 from gdsckpt.pipeline.save import run_save
@@ -363,6 +364,63 @@ def test_checksum_mismatch_is_corruption() -> None:
         with pytest.raises(CorruptCheckpointError, match="checksum"):
             future.result()
     assert dec.ring is not None and dec.ring.free_slots() == dec.ring.slots
+
+
+def test_one_damaged_chunk_fails_alone_and_the_batch_delivers_the_rest_bit_exact() -> None:
+    """ANS and stored chunks go on the stream as one batch and are judged after it: the chunk
+    whose bytes were flipped fails with a checksum mismatch, every other chunk of the same batch
+    is delivered intact, and the ANS chunks took one decode call."""
+    store, _flat, index = saved_chunks()
+    ans = [i for i, r in enumerate(index.chunks) if index.chains[r.chain][-1]["name"] == "nvcomp.ans/1"]
+    assert len(ans) >= 2 and len(index.chunks) <= 64
+    device = FakeDevice()
+    dec = decoder(device)
+    reader = MemoryReader(store, "ckpt")
+    dec.reserve_reads(index.chunks, ["nvcomp.ans/1"])
+    delivered: dict[int, bytes] = {}
+    try:
+        jobs = []
+        for number, record in enumerate(index.chunks):
+            buffer = dec.read_buffer(-(-record.stored // ALIGNMENT) * ALIGNMENT)
+            reader.submit_read(record.offset, buffer).result(timeout=TIMEOUT)
+            if number == ans[0]:
+                buffer[3] ^= 0x40
+            jobs.append((record, buffer, number))
+        futures = [Future() for _ in jobs]
+        batch = [DecodeJob(record, index.chains[record.chain], buffer,
+                           lambda raw, n=number: delivered.__setitem__(n, raw.tobytes()), future)
+                 for (record, buffer, number), future in zip(jobs, futures)]
+        dec._decode_batch(batch)  # the worker's call, made here so that the batch is exactly these chunks
+    finally:
+        dec.close()
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        futures[ans[0]].result(timeout=TIMEOUT)
+    intact = saved_raw_chunks(store, index)
+    for number, future in enumerate(futures):
+        if number != ans[0]:
+            future.result(timeout=TIMEOUT)
+            assert delivered[number] == intact[number], number
+    assert [c for c in device.calls if c[0] == "decode"] == [("decode", "ans", None, None, len(ans))]
+
+
+def saved_raw_chunks(store: MemoryStore, index: Index) -> dict[int, bytes]:
+    """Every chunk's raw bytes, decoded through an undamaged batch of the fake."""
+    out: dict[int, bytes] = {}
+    dec = decoder(FakeDevice())
+    reader = MemoryReader(store, "ckpt")
+    dec.reserve_reads(index.chunks, ["nvcomp.ans/1"])
+    try:
+        futures = []
+        for number, record in enumerate(index.chunks):
+            buffer = dec.read_buffer(-(-record.stored // ALIGNMENT) * ALIGNMENT)
+            reader.submit_read(record.offset, buffer).result(timeout=TIMEOUT)
+            futures.append(dec.submit_decode(record, index.chains[record.chain], buffer,
+                                             lambda raw, n=number: out.__setitem__(n, raw.tobytes())))
+        for future in futures:
+            future.result(timeout=TIMEOUT)
+    finally:
+        dec.close()
+    return out
 
 
 def test_undecodable_stream_with_a_matching_checksum_is_corruption() -> None:

@@ -4,7 +4,7 @@ the device twins of the transforms.
 Every codec of the package is registered below, once, with the implementations it has: a CPU
 class, an nvCOMP algorithm, or both (``CodecSpec``). The CPU engine, the GPU engines
 (``gdsckpt.pipeline.gpu``) and ``codec="auto"`` all look codecs up here. GPU implementations
-(``nvcomp``, ``gpu_crc``, ``device.CudaDevice``) import nvCOMP and CuPy lazily.
+(``nvcomp``, ``nvcomp_c``, ``device.CudaDevice``) import nvCOMP and CuPy lazily.
 """
 
 from . import cpu as _cpu

@@ -9,8 +9,10 @@ NumPy arrays:
   ``cpu.planes_forward_reference`` / ``planes_inverse_reference``) into a caller's buffer;
 - ``ans_data_type``: the typed-ANS map (element width -> nvCOMP ANS ``data_type``);
 - ``same_values``: the float comparison that accepts a Bitcomp lossy stream;
-- the CRC-32C of device buffers is the backend's ``crc32c`` (``gpu_crc`` on the GPU), equal to
-  ``gdsckpt.format.checksum`` on the same bytes.
+- the CRC-32C of device buffers is the backend's ``crc32c`` (nvCOMP's, ``nvcomp_c``, on the GPU),
+  equal to ``gdsckpt.format.checksum`` on the same bytes;
+- ``CheckedBatch``: what ``verified_ans_decode`` (checksums and ANS decoding queued together,
+  nothing waited for) reports once the stream has finished.
 
 ``DeviceBackend`` is everything the GPU encoder and decoder ask of a device: buffers, copies, the
 stream, nvCOMP codecs in batches, CRC-32C and padding. ``CudaDevice`` implements it with CuPy,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -127,6 +130,35 @@ def same_values(xp: Any, expected: Any, decoded: Any, itemsize: int) -> Any:
     return xp.all((a == b) | (((a | b) & magnitude) == 0))
 
 
+@dataclass
+class CheckedBatch:
+    """What ``DeviceBackend.verified_ans_decode`` queued, to read once the stream has finished:
+    the CRC-32C of every body (``crcs``) and, for the bodies it decoded (``decoded_at``: body
+    index -> position), nvCOMP's status (0: decoded) and the decoded size."""
+
+    crcs: np.ndarray
+    statuses: np.ndarray
+    sizes: np.ndarray
+    decoded_at: dict[int, int]
+    keep: list[Any] = field(default_factory=list)
+    """Device and pinned arrays the queued work still uses: held until the batch is read."""
+
+    def problem(self, i: int, expected_crc: int, raw_bytes: int) -> str | None:
+        """Why body ``i`` (whose checksum must be ``expected_crc`` and which must decode to
+        ``raw_bytes``) is damaged, or None: a checksum mismatch first (its stream was not decoded),
+        then a stream nvCOMP could not decode, then one of the wrong size."""
+        if int(self.crcs[i]) != expected_crc:
+            return "chunk checksum mismatch"
+        j = self.decoded_at.get(i)
+        if j is None:
+            return None
+        if int(self.statuses[j]) != 0:
+            return f"chunk does not decode (nvCOMP status {int(self.statuses[j])})"
+        if int(self.sizes[j]) != raw_bytes:
+            return f"chunk decoded to {int(self.sizes[j])} bytes, expected {raw_bytes}"
+        return None
+
+
 class DeviceCodecLike(Protocol):
     """One codec bound to a backend's stream (``nvcomp.DeviceCodec`` on the GPU)."""
 
@@ -215,6 +247,13 @@ class DeviceBackend(Protocol):
         """CRC-32C (``gdsckpt.format.checksum``) of each device buffer; synchronizes the stream."""
         ...
 
+    def verified_ans_decode(self, bodies: list[Any], expected: list[int], outputs: list[Any | None]) -> CheckedBatch:
+        """Queue on the stream, waiting for nothing: the CRC-32C of every body, then nvCOMP ANS
+        decompression of ``bodies[i]`` into ``outputs[i]`` (room for exactly the raw bytes) for
+        every ``i`` with an output whose checksum equals ``expected[i]``: a stream that fails its
+        checksum is never decoded. Read the returned ``CheckedBatch`` after ``synchronize``."""
+        ...
+
     def all_true(self, flags: list[Any]) -> list[bool]:
         """Device booleans (or Python bools) to host bools, with one synchronization."""
         ...
@@ -248,6 +287,8 @@ class CudaDevice:
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)
         self._codecs: dict[tuple[str, str | None, float | None], Any] = {}
+        self._ans: Any = None
+        """The C API's ANS decoder (``nvcomp_c.AnsBatchDecoder``), made on first use."""
 
     def use_in_thread(self) -> None:
         """Make the device current on the calling thread."""
@@ -319,10 +360,67 @@ class CudaDevice:
         _raw_kernel(cupy, _GATHER, "gather")((len(ranges),), (128,), (on_device[0], on_device[1], on_device[2]))
 
     def crc32c(self, buffers: list[Any]) -> list[int]:
-        """nvCOMP's batched CRC32 with the CRC-32C preset (``gpu_crc``)."""
-        from .gpu_crc import crc32c_batch
+        """nvCOMP's batched CRC32 with the CRC-32C preset (``nvcomp_c``)."""
+        from .nvcomp_c import crc32c_batch
 
         return [int(crc) for crc in crc32c_batch(buffers, self.stream)]
+
+    def verified_ans_decode(self, bodies: list[Any], expected: list[int], outputs: list[Any | None]) -> CheckedBatch:
+        """Four launches and two copies, whatever the batch holds: the batch's addresses, sizes
+        and checksums go up in one table; nvCOMP's CRC-32C; ``_GATE`` (the ANS batch's stream
+        addresses, and its stream sizes with 0 for a checksum mismatch, so that nvCOMP decodes
+        nothing of it and reports it undecodable); ``nvcompBatchedANSDecompressAsync``; the
+        checksums, statuses and sizes come back into pinned memory."""
+        from .nvcomp_c import AnsBatchDecoder, crc32c_launch
+
+        cupy = self.xp
+        count = len(bodies)
+        which = [i for i, out in enumerate(outputs) if out is not None]
+        decoded = len(which)
+        table = np.empty(3 * count + 3 * decoded, dtype=np.uint64)
+        table[:count] = [body.data.ptr for body in bodies]
+        table[count:2 * count] = [body.nbytes for body in bodies]
+        table[2 * count:3 * count] = expected
+        table[3 * count:3 * count + decoded] = which
+        chosen = [out for out in outputs if out is not None]
+        table[3 * count + decoded:3 * count + 2 * decoded] = [out.data.ptr for out in chosen]
+        table[3 * count + 2 * decoded:] = [out.nbytes for out in chosen]
+        # results: crcs (uint32, count), statuses (int32, decoded), sizes (uint64, decoded)
+        layout = count * 4 + decoded * 4
+        layout += -layout % 8
+        result_bytes = layout + decoded * 8
+        with self.xp.cuda.Device(self.device_id):
+            on_device = cupy.asarray(table)
+            results = cupy.zeros(max(result_bytes, 8), dtype=cupy.uint8)
+            crcs = results[:count * 4].view(cupy.uint32)
+            base = on_device.data.ptr
+            crc32c_launch(base, base + 8 * count, count, int(table[count:2 * count].max()), crcs.data.ptr,
+                          self.stream)
+            keep: list[Any] = [on_device, results]
+            if decoded:
+                if self._ans is None:
+                    self._ans = AnsBatchDecoder(self.stream, self.device_id)
+                misaligned = [i for i, out in zip(which, chosen) if bodies[i].data.ptr % self._ans.input_alignment
+                              or out.data.ptr % self._ans.output_alignment]
+                if misaligned:
+                    raise RuntimeError(f"ANS buffers of chunks {misaligned} miss nvCOMP's alignment "
+                                       f"({self._ans.input_alignment} / {self._ans.output_alignment} bytes)")
+                arguments = cupy.empty(2 * decoded, dtype=cupy.uint64)
+                keep.append(arguments)
+                threads = 128
+                _raw_kernel(cupy, _GATE, "gate")(((decoded + threads - 1) // threads,), (threads,),
+                                                 (on_device, crcs, np.uint64(count), np.uint64(decoded), arguments))
+                self._ans.decode(arguments.data.ptr, arguments.data.ptr + 8 * decoded,
+                                 base + 8 * (3 * count + 2 * decoded), base + 8 * (3 * count + decoded), decoded,
+                                 int(table[3 * count + 2 * decoded:].max()),
+                                 statuses=results.data.ptr + count * 4, decoded=results.data.ptr + layout)
+            host = self.pinned_empty(results.nbytes)
+            results.get(stream=self.stream, out=host, blocking=False)
+        keep.append(host)
+        return CheckedBatch(crcs=host[:count * 4].view(np.uint32),
+                            statuses=host[count * 4:count * 4 + decoded * 4].view(np.int32),
+                            sizes=host[layout:layout + decoded * 8].view(np.uint64),
+                            decoded_at={i: j for j, i in enumerate(which)}, keep=keep)
 
     def all_true(self, flags: list[Any]) -> list[bool]:
         """Stacks the device booleans and copies them to the host once."""
@@ -353,6 +451,11 @@ class CudaDevice:
         with self.xp.cuda.Device(self.device_id):
             for codec in codecs:
                 codec.close()
+            if self._ans is not None:
+                with contextlib.suppress(Exception):  # a failed device: its error is raised elsewhere
+                    self.stream.synchronize()
+                self._ans.close()
+                self._ans = None
 
     def forget_codecs(self) -> None:
         """Drop the codecs without destroying them: a worker that did not stop may still be inside
@@ -376,6 +479,21 @@ extern "C" __global__ void gather(const unsigned long long* sources, const unsig
     for (unsigned long long i = threadIdx.x; i < lengths[blockIdx.x]; i += blockDim.x) target[i] = source[i];
 }
 """
+_GATE = r"""
+// The ANS part of a checked batch. table: addresses[n], sizes[n], expected CRCs[n], then for the m
+// streams to decode: their body index[m], output addresses[m], output room[m]. Writes the m
+// stream addresses and the m stream sizes nvCOMP reads, a size of 0 where the body's CRC (crcs,
+// computed on the same stream before) is not the expected one: nvCOMP then decodes nothing.
+extern "C" __global__ void gate(const unsigned long long* table, const unsigned int* crcs, unsigned long long n,
+                                unsigned long long m, unsigned long long* arguments) {
+    unsigned long long j = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    if (j >= m) return;
+    unsigned long long i = table[3 * n + j];
+    bool intact = crcs[i] == (unsigned int)table[2 * n + i];
+    arguments[j] = table[i];
+    arguments[m + j] = intact ? table[n + i] : 0ULL;
+}
+"""
 _modules: dict[tuple[int, str], Any] = {}
 _functions: dict[tuple[int, str, str], Any] = {}
 
@@ -387,7 +505,7 @@ def backend_or_cuda(device: DeviceBackend | None, device_id: int) -> DeviceBacke
 
 
 def _raw_kernel(cupy: Any, source: str, name: str) -> Any:
-    """The kernel ``name`` of ``source`` (``_ZERO_FILL``, ``_GATHER``, ``_PLANES``) on the current
+    """The kernel ``name`` of ``source`` (``_ZERO_FILL``, ``_GATHER``, ``_PLANES``, ``_GATE``) on the current
     device: each source is compiled once per device, as one module whatever kernels it holds."""
     device = cupy.cuda.runtime.getDevice()
     function = _functions.get((device, source, name))

@@ -103,7 +103,7 @@ def test_gpu_only_codec_stages(tmp_path: Path) -> None:
 def test_gpu_crc32c_is_the_spec_checksum() -> None:
     import cupy
 
-    from gdsckpt.codecs.gpu_crc import crc32c_batch
+    from gdsckpt.codecs.nvcomp_c import crc32c_batch
 
     rng = np.random.default_rng(0)
     sizes = [1, 9, 4095, 4096, 65_537, 1 << 20]

@@ -64,7 +64,7 @@ def _assert_same(a, b) -> None:
 def test_gpu_crc32c_matches_cpu():
     import cupy
 
-    from gdsckpt.codecs.gpu_crc import crc32c_batch
+    from gdsckpt.codecs.nvcomp_c import crc32c_batch
     from gdsckpt.format import checksum
 
     rng = np.random.default_rng(1)
@@ -72,6 +72,60 @@ def test_gpu_crc32c_matches_cpu():
     stream = cupy.cuda.Stream(non_blocking=True)
     got = crc32c_batch([cupy.asarray(b) for b in buffers], stream)
     assert [int(x) for x in got] == [checksum(b) for b in buffers]
+
+
+def test_verified_ans_decode_checks_gates_and_decodes_in_one_queued_batch():
+    """The C API path: intact ANS streams of three data types decode bit-exact in one batch; a
+    stream whose checksum fails is not decoded (its output keeps its sentinel bytes); a stream
+    of garbage whose expected checksum is its own gets nvCOMP's error status; a stored chunk is
+    only checksummed; the device stays usable afterwards."""
+    import cupy
+
+    from gdsckpt.codecs.device import CudaDevice
+    from gdsckpt.format import checksum
+
+    device = CudaDevice(0)
+    try:
+        g = torch.Generator(device="cpu").manual_seed(3)
+        raws = [(torch.randn(1 << 20, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8),
+                torch.randn(300_001, generator=g).view(torch.uint8),
+                torch.randint(0, 7, (777_777,), generator=g, dtype=torch.uint8)]
+        data_types = ["<f2", "<f4", "|u1"]
+        bodies, expected = [], []
+        for raw, data_type in zip(raws, data_types):
+            codec = device.codec("ans", data_type)
+            source = cupy.asarray(raw.cuda())
+            room = codec.max_compressed_bytes(source)
+            out = cupy.empty(room + 4096, dtype=cupy.uint8)
+            with device.on_stream():
+                size = codec.encode_into([source], out, [0], room)[0]
+            device.synchronize()
+            bodies.append(out[:size])
+            expected.append(checksum(cupy.asnumpy(out[:size])))
+        damaged = bodies[0].copy()
+        damaged[5] ^= 1
+        garbage = cupy.full(bodies[1].nbytes, 0xFF, dtype=cupy.uint8)
+        stored = cupy.asarray(raws[2].numpy()[:4099].copy())
+        all_bodies = [*bodies, damaged, garbage, stored]
+        all_expected = [*expected, expected[0], checksum(np.full(garbage.nbytes, 0xFF, np.uint8)),
+                        checksum(raws[2].numpy()[:4099])]
+        outputs = [cupy.full(r.numel(), 0xA5, dtype=cupy.uint8) for r in raws]
+        outputs += [cupy.full(raws[0].numel(), 0xA5, dtype=cupy.uint8),
+                    cupy.full(raws[1].numel(), 0xA5, dtype=cupy.uint8), None]
+        with device.on_stream():
+            checked = device.verified_ans_decode(all_bodies, all_expected, outputs)
+        device.synchronize()
+        raw_sizes = [r.numel() for r in raws] + [raws[0].numel(), raws[1].numel(), 4099]
+        problems = [checked.problem(i, crc, n) for i, (crc, n) in enumerate(zip(all_expected, raw_sizes))]
+        assert problems[:3] == [None, None, None] and problems[6] is None
+        assert problems[3] == "chunk checksum mismatch"
+        assert problems[4] is not None and problems[4].startswith("chunk does not decode")
+        for raw, out in zip(raws, outputs):
+            assert cupy.asnumpy(out).tobytes() == raw.numpy().tobytes()
+        assert bool((outputs[3] == 0xA5).all())
+        assert float(cupy.asarray(torch.ones(4, device="cuda")).sum()) == 4.0
+    finally:
+        device.close()
 
 
 @pytest.mark.parametrize("codec", ["zstd", "lz4", "deflate"])

@@ -43,6 +43,11 @@ from ..engine import Decoder
 from .staging import DECODE_SCRATCH, StagingRing, restore_staging_budget, ring_slots, scratch_bytes
 from .worker import BATCH_CHUNKS, BatchWorker, WorkerOwner
 
+_QUEUED_CODECS = frozenset({"nvcomp.ans/1", "none/1"})
+"""Bitstreams whose batches go on the stream whole (``_decode_queued``): nvCOMP's ANS decoder
+validates every stream (a damaged one gets an error status, never a fault), and a stored chunk
+needs no decoder. Others decode only after their checksums are known on the host: a garbled Zstd,
+GDeflate or Snappy stream faulted the device."""
 HOST_BOUNCE_BYTES = 256 << 20
 """Pinned host memory a decoder holds, once a chunk goes to host memory, to copy decoded chunks
 out of the device (grown to the largest raw chunk where one is larger)."""
@@ -173,9 +178,25 @@ class GpuDecoder(WorkerOwner, Decoder):
             return self.device.empty(align_up(raw)), self.device.empty(align_up(raw))
         return self.ring.first(slot), self.ring.second(slot)
 
+    def _undo_transforms(self, job: DecodeJob, raw: Any, read_area: Any, out_area: Any) -> Any:
+        """Undo the chain's transforms before its codec on the device (byte planes; a delta's XOR
+        is applied per array as the bytes are delivered, ``gdsckpt.state.delta``)."""
+        for stage in reversed(job.chain[:-1]):
+            if stage["name"] == XOR_BASE:
+                continue
+            if stage["name"] != BYTE_PLANES.name:
+                raise UnsupportedFormatError(f"transform {stage['name']!r} is not known here")
+            # into whichever area does not hold the planes (a decoded stream is in the output
+            # area; a stored ``none/1`` one is still in the read area)
+            holds_read = self.device.address(raw) == self.device.address(read_area)
+            raw = planes_inverse_into(raw, out_area if holds_read else read_area, int(stage["width"]))
+        return raw
+
     def _decode_on_stream(self, jobs: list[DecodeJob], slots: list[int | None]) -> list[Future[None]]:
         """Verify, decode and deliver a batch on the stream; returns the futures to complete once
         the stream has finished."""
+        if all(job.chain[-1]["name"] in _QUEUED_CODECS for job in jobs):
+            return self._decode_queued(jobs, slots)
         bodies = [job.stored[:job.record.stored] for job in jobs]
         crcs = self.device.crc32c(bodies)
         live: list[_Live] = []
@@ -210,22 +231,60 @@ class GpuDecoder(WorkerOwner, Decoder):
                 job.future.set_exception(CorruptCheckpointError(
                     f"chunk decoded to {raw.nbytes} bytes, expected {job.record.raw}"))
                 continue
-            for stage in reversed(job.chain[:-1]):
-                if stage["name"] == XOR_BASE:
-                    continue  # applied per array as the bytes are delivered (gdsckpt.state.delta)
-                if stage["name"] != BYTE_PLANES.name:
-                    raise UnsupportedFormatError(f"transform {stage['name']!r} is not known here")
-                # into whichever area does not hold the planes (a decoded stream is in the
-                # output area; a stored ``none/1`` one is still in the read area)
-                holds_read = self.device.address(raw) == self.device.address(entry.read_area)
-                raw = planes_inverse_into(raw, entry.out_area if holds_read else entry.read_area,
-                                          int(stage["width"]))
+            raw = self._undo_transforms(job, raw, entry.read_area, entry.out_area)
             if job.to_host:
                 to_host.append((job, raw))
             else:
                 job.deliver(raw)
             delivered.append(job.future)
         self._deliver_to_host(to_host)
+        return delivered
+
+    def _decode_queued(self, jobs: list[DecodeJob], slots: list[int | None]) -> list[Future[None]]:
+        """A batch of ANS and stored chunks, queued whole and waited for once: checksums and
+        decoding (``verified_ans_decode``), byte planes and deliveries go on the stream, then the
+        stream is synchronized and every chunk's checksum, status and size is looked at. The
+        bytes of a damaged chunk may have reached its destination by then; its future fails, so
+        the restore does (as when any chunk of a restore is damaged, a ``load_into`` target holds
+        what was delivered before the error)."""
+        valid: list[tuple[DecodeJob, int | None]] = []
+        for job, slot in zip(jobs, slots):
+            try:
+                decoder_key(job.chain[-1])  # its parameters checked, though ANS reads its type from the stream
+            except ValueError as err:
+                job.future.set_exception(CorruptCheckpointError(f"invalid codec stage: {err}"))
+                continue
+            valid.append((job, slot))
+        if not valid:
+            return []
+        jobs = [job for job, _slot in valid]
+        areas = [self._slot_areas(slot, job.record.raw) for job, slot in valid]
+        bodies = [job.stored[:job.record.stored] for job in jobs]
+        stored_as_is = [job.chain[-1]["name"] == "none/1" for job in jobs]
+        outputs = [None if as_is else out_area[:job.record.raw]
+                   for job, as_is, (_read_area, out_area) in zip(jobs, stored_as_is, areas)]
+        checked = self.device.verified_ans_decode(bodies, [job.record.crc for job in jobs], outputs)
+        to_host: list[tuple[DecodeJob, Any]] = []
+        wrong_size: dict[int, str] = {}
+        for i, (job, body, out, (read_area, out_area)) in enumerate(zip(jobs, bodies, outputs, areas)):
+            raw = body if out is None else out
+            if raw.nbytes != job.record.raw:  # a stored chunk whose index sizes disagree
+                wrong_size[i] = f"chunk decoded to {raw.nbytes} bytes, expected {job.record.raw}"
+                continue
+            raw = self._undo_transforms(job, raw, read_area, out_area)
+            if job.to_host:
+                to_host.append((job, raw))
+            else:
+                job.deliver(raw)
+        self._deliver_to_host(to_host)
+        self.device.synchronize()
+        delivered = []
+        for i, job in enumerate(jobs):
+            problem = checked.problem(i, job.record.crc, job.record.raw) or wrong_size.get(i)
+            if problem is not None:
+                job.future.set_exception(CorruptCheckpointError(problem))
+            else:
+                delivered.append(job.future)
         return delivered
 
     def _deliver_to_host(self, jobs: list[tuple[DecodeJob, Any]]) -> None:

@@ -1,0 +1,180 @@
+"""nvCOMP's C API through ctypes: the batched CRC-32C, and ANS decompression without a wait.
+
+nvCOMP's Python package does not expose its CRC32 API, and its ``Codec.decode`` waits for the
+stream before it returns (it hands back the decoded sizes as host numbers): on an H200 a batch
+call cost 2.3-3.7 ms whether it held 1 chunk or 64 (``experiments/batch_scaling.py``), and the
+restore's worker spent that wait with the GPU's copy engines busy and its own thread idle. This
+module binds the C functions of ``libnvcomp`` (the library the Python package ships):
+
+- ``nvcompBatchedCRC32Async`` with nvCOMP's CRC32-C preset (poly 0x1EDC6F41, init and xorout
+  0xFFFFFFFF, reflected), exactly the checksum format v1 defines (``tests/gpu`` checks it against
+  the CPU's ``crc32c``);
+- ``nvcompBatchedANSDecompressAsync``, which queues a batch on a stream and leaves the statuses and
+  decoded sizes in device memory (``AnsBatchDecoder``). ANS validates every stream it decodes (a
+  damaged one ends with ``nvcompErrorCannotDecompress`` in its status) and the data type is read
+  from the stream, so one call decodes every ANS chunk of a batch whatever its element type.
+
+Imported only on machines with nvCOMP and CuPy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any
+
+import cupy
+import numpy as np
+
+
+class _Spec(ctypes.Structure):
+    _fields_ = [("poly", ctypes.c_uint32), ("init", ctypes.c_uint32), ("ref_in", ctypes.c_bool),
+                ("ref_out", ctypes.c_bool), ("xorout", ctypes.c_uint32), ("reserved", ctypes.c_char * 16)]
+
+
+class _KernelConf(ctypes.Structure):
+    _fields_ = [("kernel_kind", ctypes.c_int), ("bytes_per_read", ctypes.c_int32),
+                ("blocks_per_msg", ctypes.c_int32), ("reserved", ctypes.c_char * 20)]
+
+
+class _CrcOpts(ctypes.Structure):
+    _fields_ = [("spec", _Spec), ("kernel_conf", _KernelConf), ("reserved", ctypes.c_char * 64)]
+
+
+class _AnsDecompressOpts(ctypes.Structure):
+    """``nvcompBatchedANSDecompressOpts_t`` (nvcomp/ans.h): 64 bytes."""
+
+    _fields_ = [("backend", ctypes.c_int), ("data_type", ctypes.c_int), ("max_sub_chunk_count", ctypes.c_uint8),
+                ("states_per_lane", ctypes.c_uint8), ("skip_validate", ctypes.c_uint8),
+                ("reserved", ctypes.c_char * 53)]
+
+
+class _Alignments(ctypes.Structure):
+    """``nvcompAlignmentRequirements_t``."""
+
+    _fields_ = [("input", ctypes.c_size_t), ("output", ctypes.c_size_t), ("temp", ctypes.c_size_t)]
+
+
+_ONLY_SEGMENT = 0
+_TYPE_FROM_STREAM = 0xFF
+"""``NVCOMP_TYPE_BITS``: the ANS decoder reads the data type from each stream."""
+_SUCCESS = 0
+_lock = threading.Lock()
+_lib: Any = None
+
+
+def _library() -> Any:
+    """``libnvcomp`` with the signatures used here declared (loaded once)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            from nvidia import libnvcomp
+
+            directory = os.path.join(os.path.dirname(libnvcomp.__file__), "lib64")
+            names = sorted(n for n in os.listdir(directory) if n.startswith("libnvcomp.so"))
+            lib = ctypes.CDLL(os.path.join(directory, names[0]))
+            pointer, size = ctypes.c_void_p, ctypes.c_size_t
+            lib.nvcompBatchedCRC32Async.restype = ctypes.c_int
+            lib.nvcompBatchedCRC32Async.argtypes = [pointer, pointer, size, pointer, _CrcOpts, ctypes.c_int,
+                                                    pointer, pointer]
+            lib.nvcompBatchedCRC32GetHeuristicConf.restype = ctypes.c_int
+            lib.nvcompBatchedCRC32GetHeuristicConf.argtypes = [pointer, size, ctypes.POINTER(_KernelConf), size,
+                                                               pointer]
+            lib.nvcompBatchedANSDecompressGetRequiredAlignments.restype = ctypes.c_int
+            lib.nvcompBatchedANSDecompressGetRequiredAlignments.argtypes = [_AnsDecompressOpts,
+                                                                            ctypes.POINTER(_Alignments)]
+            lib.nvcompBatchedANSDecompressGetTempSize.restype = ctypes.c_int
+            lib.nvcompBatchedANSDecompressGetTempSize.argtypes = [size, size, _AnsDecompressOpts,
+                                                                  ctypes.POINTER(size), size, pointer]
+            lib.nvcompBatchedANSDecompressAsync.restype = ctypes.c_int
+            lib.nvcompBatchedANSDecompressAsync.argtypes = [pointer, pointer, pointer, pointer, size, pointer, size,
+                                                            pointer, _AnsDecompressOpts, pointer, pointer]
+            _lib = lib
+    return _lib
+
+
+def _check(status: int, what: str) -> None:
+    """A launch that nvCOMP refused is a programming or device error, never damage."""
+    if status != _SUCCESS:
+        raise RuntimeError(f"{what} failed with nvCOMP status {status}")
+
+
+def crc32c_launch(pointers: int, sizes: int, count: int, largest: int, out: int, stream: Any) -> None:
+    """Queue the CRC-32C of ``count`` device buffers on ``stream``: ``pointers`` and ``sizes`` are
+    device arrays of ``count`` uint64 (addresses, lengths), ``out`` a device array of ``count``
+    uint32 that receives the checksums; ``largest`` is the longest length."""
+    lib = _library()
+    opts = _CrcOpts()
+    opts.spec = _Spec(0x1EDC6F41, 0xFFFFFFFF, True, True, 0xFFFFFFFF, b"")
+    conf = _KernelConf()
+    _check(lib.nvcompBatchedCRC32GetHeuristicConf(None, count, ctypes.byref(conf), max(1, largest),
+                                                  ctypes.c_void_p(stream.ptr)), "nvcompBatchedCRC32GetHeuristicConf")
+    opts.kernel_conf = conf
+    _check(lib.nvcompBatchedCRC32Async(pointers, sizes, count, out, opts, _ONLY_SEGMENT, None,
+                                       ctypes.c_void_p(stream.ptr)), "nvcompBatchedCRC32Async")
+
+
+def crc32c_batch(buffers: list[Any], stream: Any) -> np.ndarray:
+    """CRC-32C of each CuPy uint8 array in ``buffers``, computed on ``stream``; returns a host
+    uint32 array (this synchronizes ``stream``)."""
+    count = len(buffers)
+    if count == 0:
+        return np.zeros(0, dtype=np.uint32)
+    table = np.array([[b.data.ptr for b in buffers], [b.nbytes for b in buffers]], dtype=np.uint64)
+    with cupy.cuda.Device(buffers[0].device.id):
+        on_device = cupy.asarray(table)
+        out = cupy.zeros(count, dtype=np.uint32)
+        crc32c_launch(on_device[0].data.ptr, on_device[1].data.ptr, count, int(table[1].max()), out.data.ptr,
+                      stream)
+        host: np.ndarray = out.get(stream=stream)
+        stream.synchronize()
+    return host
+
+
+class AnsBatchDecoder:
+    """Queues batches of nvCOMP ANS streams for decompression on one stream, without waiting.
+
+    ``decode(pointers, sizes, capacities, outputs, count, largest)`` takes device arrays (uint64
+    addresses and lengths of the streams, room of each output, output addresses) and device
+    arrays it fills: ``statuses`` (int32, 0 where a stream decoded) and ``decoded`` (uint64
+    sizes). Its temporary memory is allocated once and grown when a batch needs more; it is freed
+    with the decoder."""
+
+    def __init__(self, stream: Any, device_id: int):
+        self.stream = stream
+        self.device_id = device_id
+        self._lib = _library()
+        self._opts = _AnsDecompressOpts()
+        self._opts.data_type = _TYPE_FROM_STREAM
+        alignments = _Alignments()
+        _check(self._lib.nvcompBatchedANSDecompressGetRequiredAlignments(self._opts, ctypes.byref(alignments)),
+               "nvcompBatchedANSDecompressGetRequiredAlignments")
+        self.input_alignment = max(1, int(alignments.input))
+        self.output_alignment = max(1, int(alignments.output))
+        self._temp: Any = None
+
+    def temp_bytes(self, count: int, largest: int) -> int:
+        """nvCOMP's temporary bytes for a batch of ``count`` outputs of at most ``largest`` bytes."""
+        temp = ctypes.c_size_t(0)
+        _check(self._lib.nvcompBatchedANSDecompressGetTempSize(count, largest, self._opts, ctypes.byref(temp),
+                                                               count * largest, ctypes.c_void_p(self.stream.ptr)),
+               "nvcompBatchedANSDecompressGetTempSize")
+        return int(temp.value)
+
+    def decode(self, pointers: int, sizes: int, capacities: int, outputs: int, count: int, largest: int, *,
+               statuses: int, decoded: int) -> None:
+        """Queue the batch (see the class docstring); nothing is waited for."""
+        need = self.temp_bytes(count, largest)
+        if need and (self._temp is None or self._temp.nbytes < need):
+            with cupy.cuda.Device(self.device_id):
+                self._temp = cupy.empty(need, dtype=cupy.uint8)
+        temp = self._temp.data.ptr if need else None
+        _check(self._lib.nvcompBatchedANSDecompressAsync(pointers, sizes, capacities, decoded, count, temp, need,
+                                                         outputs, self._opts, statuses,
+                                                         ctypes.c_void_p(self.stream.ptr)),
+               "nvcompBatchedANSDecompressAsync")
+
+    def close(self) -> None:
+        """Release the temporary memory (after the work queued on the stream)."""
+        self._temp = None
