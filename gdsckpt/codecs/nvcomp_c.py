@@ -73,7 +73,10 @@ def _library() -> Any:
 
             directory = os.path.join(os.path.dirname(libnvcomp.__file__), "lib64")
             names = sorted(n for n in os.listdir(directory) if n.startswith("libnvcomp.so"))
-            lib = ctypes.CDLL(os.path.join(directory, names[0]))
+            # PyDLL: the calls keep the GIL. Each only queues work or computes a size (microseconds);
+            # releasing the GIL around it, as CDLL does, lets the restore's other Python threads
+            # take it, and the worker then waits for it once per call.
+            lib = ctypes.PyDLL(os.path.join(directory, names[0]))
             pointer, size = ctypes.c_void_p, ctypes.c_size_t
             lib.nvcompBatchedCRC32Async.restype = ctypes.c_int
             lib.nvcompBatchedCRC32Async.argtypes = [pointer, pointer, size, pointer, _CrcOpts, ctypes.c_int,

@@ -117,7 +117,7 @@ def test_verified_ans_decode_checks_gates_and_decodes_in_one_queued_batch():
         device.synchronize()
         raw_sizes = [r.numel() for r in raws] + [raws[0].numel(), raws[1].numel(), 4099]
         problems = [checked.problem(i, crc, n) for i, (crc, n) in enumerate(zip(all_expected, raw_sizes))]
-        assert problems[:3] == [None, None, None] and problems[6] is None
+        assert problems[:3] == [None, None, None] and problems[5] is None
         assert problems[3] == "chunk checksum mismatch"
         assert problems[4] is not None and problems[4].startswith("chunk does not decode")
         for raw, out in zip(raws, outputs):
