@@ -453,14 +453,20 @@ class CudaDevice:
         return result
 
     def codec(self, user_name: str, data_type: str | None = None, delta: float | None = None) -> Any:
-        """An ``nvcomp.DeviceCodec`` on the stream, cached by its parameters."""
+        """The codec on the stream, cached by its parameters: ANS through nvCOMP's C API
+        (``nvcomp_c.AnsCodec``), the others through its Python API (``nvcomp.DeviceCodec``)."""
         from .nvcomp import DeviceCodec
+        from .nvcomp_c import AnsCodec
 
         key = (user_name, data_type, delta)
         codec = self._codecs.get(key)
         if codec is None:
-            codec = self._codecs[key] = DeviceCodec(user_name, stream=self.stream, device_id=self.device_id,
-                                                    data_type=data_type, delta=delta)
+            if user_name == "ans" and delta is None:
+                codec = AnsCodec(stream=self.stream, device_id=self.device_id, data_type=data_type)
+            else:
+                codec = DeviceCodec(user_name, stream=self.stream, device_id=self.device_id, data_type=data_type,
+                                    delta=delta)
+            self._codecs[key] = codec
         return codec
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ Imported only on machines with nvCOMP and CuPy.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -50,6 +51,14 @@ class _AnsDecompressOpts(ctypes.Structure):
                 ("reserved", ctypes.c_char * 53)]
 
 
+class _AnsCompressOpts(ctypes.Structure):
+    """``nvcompBatchedANSCompressOpts_t`` (nvcomp/ans.h): 64 bytes."""
+
+    _fields_ = [("type", ctypes.c_int), ("data_type", ctypes.c_int), ("max_sub_chunk_count", ctypes.c_uint8),
+                ("states_per_lane", ctypes.c_uint8), ("histogram_reduction_log2", ctypes.c_uint8),
+                ("reserved", ctypes.c_char * 53)]
+
+
 class _Alignments(ctypes.Structure):
     """``nvcompAlignmentRequirements_t``."""
 
@@ -60,6 +69,9 @@ _ONLY_SEGMENT = 0
 _TYPE_FROM_STREAM = 0xFF
 """``NVCOMP_TYPE_BITS``: the ANS decoder reads the data type from each stream."""
 _SUCCESS = 0
+_DATA_TYPES = {None: 1, "|u1": 1, "|i1": 0, "<f2": 10, "<f4": 11}
+"""ANS data types (the array-protocol strings of nvCOMP's Python API) -> ``nvcompType_t``; None:
+bytes, as the Python API's default."""
 _lock = threading.Lock()
 _lib: Any = None
 
@@ -84,6 +96,18 @@ def _library() -> Any:
             lib.nvcompBatchedCRC32GetHeuristicConf.restype = ctypes.c_int
             lib.nvcompBatchedCRC32GetHeuristicConf.argtypes = [pointer, size, ctypes.POINTER(_KernelConf), size,
                                                                pointer]
+            lib.nvcompBatchedANSCompressGetRequiredAlignments.restype = ctypes.c_int
+            lib.nvcompBatchedANSCompressGetRequiredAlignments.argtypes = [_AnsCompressOpts,
+                                                                          ctypes.POINTER(_Alignments)]
+            lib.nvcompBatchedANSCompressGetMaxOutputChunkSize.restype = ctypes.c_int
+            lib.nvcompBatchedANSCompressGetMaxOutputChunkSize.argtypes = [size, _AnsCompressOpts,
+                                                                          ctypes.POINTER(size)]
+            lib.nvcompBatchedANSCompressGetTempSize.restype = ctypes.c_int
+            lib.nvcompBatchedANSCompressGetTempSize.argtypes = [size, size, _AnsCompressOpts, ctypes.POINTER(size),
+                                                                size, pointer]
+            lib.nvcompBatchedANSCompressAsync.restype = ctypes.c_int
+            lib.nvcompBatchedANSCompressAsync.argtypes = [pointer, pointer, size, size, pointer, size, pointer,
+                                                          pointer, _AnsCompressOpts, pointer, pointer]
             lib.nvcompBatchedANSDecompressGetRequiredAlignments.restype = ctypes.c_int
             lib.nvcompBatchedANSDecompressGetRequiredAlignments.argtypes = [_AnsDecompressOpts,
                                                                             ctypes.POINTER(_Alignments)]
@@ -181,3 +205,135 @@ class AnsBatchDecoder:
     def close(self) -> None:
         """Release the temporary memory (after the work queued on the stream)."""
         self._temp = None
+
+
+class AnsCodec:
+    """nvCOMP ANS through the C API, with the interface of ``nvcomp.DeviceCodec`` (the GPU
+    encoder and the decoder's synchronous path use it as they use any device codec): one table
+    upload, one launch and one wait per batch, where the Python API's ``Codec`` cost 2.3-4.5 ms
+    per call (``experiments/batch_scaling.py``). Writes the RAW bitstream nvCOMP's Python API
+    writes for the same ``data_type`` (``tests/gpu`` compares the two); ``nvcomp.ans/1``."""
+
+    user_name = "ans"
+    delta = None
+
+    def __init__(self, *, stream: Any, device_id: int, data_type: str | None = None):
+        if data_type not in _DATA_TYPES:
+            raise ValueError(f"ANS data type {data_type!r} is not one of {sorted(map(str, _DATA_TYPES))}")
+        self.stream = stream
+        self.device_id = device_id
+        self.data_type = data_type
+        self._lib = _library()
+        self._opts = _AnsCompressOpts()
+        self._opts.data_type = _DATA_TYPES[data_type]
+        alignments = _Alignments()
+        _check(self._lib.nvcompBatchedANSCompressGetRequiredAlignments(self._opts, ctypes.byref(alignments)),
+               "nvcompBatchedANSCompressGetRequiredAlignments")
+        self._alignments = (max(1, int(alignments.input)), max(1, int(alignments.output)))
+        self._decoder = AnsBatchDecoder(stream, device_id)
+        self._temp: Any = None
+        self._fallback: Any = None
+        """The Python API's codec, for inputs the C API's alignment rule refuses (made when needed)."""
+
+    def stage(self) -> dict[str, Any]:
+        """``{"name": "nvcomp.ans/1"}`` plus the data type, as ``nvcomp.codec_stage`` writes it."""
+        from .nvcomp import codec_stage
+
+        return codec_stage("ans", self.data_type)
+
+    def max_compressed_bytes(self, probe: Any) -> int:
+        """nvCOMP's bound on the stream of one input the size of ``probe``."""
+        bound = ctypes.c_size_t(0)
+        _check(self._lib.nvcompBatchedANSCompressGetMaxOutputChunkSize(int(probe.nbytes), self._opts,
+                                                                       ctypes.byref(bound)),
+               "nvcompBatchedANSCompressGetMaxOutputChunkSize")
+        return int(bound.value)
+
+    def _python_codec(self) -> Any:
+        if self._fallback is None:
+            from .nvcomp import DeviceCodec
+
+            self._fallback = DeviceCodec("ans", stream=self.stream, device_id=self.device_id, data_type=self.data_type)
+        return self._fallback
+
+    def encode_into(self, inputs: list[Any], buffer: Any, offsets: list[int], capacity: int) -> list[int]:
+        """Compress CuPy uint8 arrays into ``buffer`` at ``offsets`` (``capacity`` bytes each);
+        returns the stream sizes (waits for the stream once)."""
+        count = len(inputs)
+        if count == 0:
+            return []
+        in_align, out_align = self._alignments
+        base = int(buffer.data.ptr)
+        if any(int(data.data.ptr) % in_align for data in inputs) or any((base + o) % out_align for o in offsets):
+            return self._python_codec().encode_into(inputs, buffer, offsets, capacity)  # type: ignore[no-any-return]
+        if any(int(o) + capacity > buffer.nbytes for o in offsets):
+            raise ValueError("an ANS output runs past its buffer")
+        sizes_in = [int(data.nbytes) for data in inputs]
+        table = np.array([[int(data.data.ptr) for data in inputs], sizes_in, [base + int(o) for o in offsets]],
+                         dtype=np.uint64)
+        largest = max(sizes_in)
+        with cupy.cuda.Device(self.device_id):
+            on_device = cupy.asarray(table)
+            results = cupy.zeros(2 * count, dtype=cupy.uint64)  # sizes, then the int32 statuses
+            temp_bytes = ctypes.c_size_t(0)
+            _check(self._lib.nvcompBatchedANSCompressGetTempSize(count, largest, self._opts, ctypes.byref(temp_bytes),
+                                                                 sum(sizes_in), ctypes.c_void_p(self.stream.ptr)),
+                   "nvcompBatchedANSCompressGetTempSize")
+            need = int(temp_bytes.value)
+            if need and (self._temp is None or self._temp.nbytes < need):
+                self._temp = cupy.empty(need, dtype=cupy.uint8)
+            first = on_device.data.ptr
+            _check(self._lib.nvcompBatchedANSCompressAsync(
+                first, first + 8 * count, largest, count, self._temp.data.ptr if need else None, need,
+                first + 16 * count, results.data.ptr, self._opts, results.data.ptr + 8 * count,
+                ctypes.c_void_p(self.stream.ptr)), "nvcompBatchedANSCompressAsync")
+            host = results.get(stream=self.stream)
+            self.stream.synchronize()
+        statuses = host[count:].view(np.int32)[:count]
+        failed = [int(status) for status in statuses if status != _SUCCESS]
+        if failed:
+            raise RuntimeError(f"nvCOMP ANS compression failed with status {failed[0]}")
+        sizes = [int(size) for size in host[:count]]
+        if max(sizes) > capacity:
+            raise RuntimeError(f"nvCOMP ANS wrote a stream of {max(sizes)} bytes into room for {capacity}")
+        return sizes
+
+    def decode_into(self, inputs: list[Any], buffer: Any, offsets: list[int], sizes: list[int]) -> list[int]:
+        """Decompress streams into ``buffer`` at ``offsets`` (room for ``sizes`` bytes each); the
+        decoded sizes (waits for the stream). A stream nvCOMP cannot decode raises a
+        ``RuntimeError`` naming ``nvcompErrorCannotDecompress`` (what ``nvcomp.reports_undecodable``
+        recognises), as the Python API does."""
+        count = len(inputs)
+        if count == 0:
+            return []
+        base = int(buffer.data.ptr)
+        if (any(int(data.data.ptr) % self._decoder.input_alignment for data in inputs)
+                or any((base + o) % self._decoder.output_alignment for o in offsets)):
+            return self._python_codec().decode_into(inputs, buffer, offsets, sizes)  # type: ignore[no-any-return]
+        table = np.array([[int(data.data.ptr) for data in inputs], [int(data.nbytes) for data in inputs],
+                          [int(size) for size in sizes], [base + int(o) for o in offsets]], dtype=np.uint64)
+        with cupy.cuda.Device(self.device_id):
+            on_device = cupy.asarray(table)
+            results = cupy.zeros(2 * count, dtype=cupy.uint64)  # decoded sizes, then statuses
+            first = on_device.data.ptr
+            self._decoder.decode(first, first + 8 * count, first + 16 * count, first + 24 * count, count,
+                                 max(int(size) for size in sizes), statuses=results.data.ptr + 8 * count,
+                                 decoded=results.data.ptr)
+            host = results.get(stream=self.stream)
+            self.stream.synchronize()
+        statuses = host[count:].view(np.int32)[:count]
+        failed = [int(status) for status in statuses if status != _SUCCESS]
+        if failed:
+            raise RuntimeError(f"nvcompErrorCannotDecompress: ANS status {failed[0]} for "
+                               f"{len(failed)} of {count} streams")
+        return [int(size) for size in host[:count]]
+
+    def close(self) -> None:
+        """Release the temporary memory after the work queued on the stream."""
+        with contextlib.suppress(Exception):  # a failed device: its error is raised elsewhere
+            self.stream.synchronize()
+        self._temp = None
+        self._decoder.close()
+        if self._fallback is not None:
+            self._fallback.close()
+            self._fallback = None
