@@ -162,15 +162,6 @@ class FakeDevice:
     def synchronize(self) -> None:
         """Nothing queued: the fake is synchronous."""
 
-    def record_event(self) -> tuple[str, int]:
-        """A marker (the fake has no queued work)."""
-        self._check("record_event")
-        return ("event", len(self.calls))
-
-    def wait_event(self, event: Any) -> None:
-        """Nothing to wait for; faults can be injected ("wait_event")."""
-        self._check("wait_event")
-
     def empty(self, nbytes: int) -> np.ndarray:
         """New "device" memory, filled with ``GARBAGE``."""
         self.allocated["bytes"] += nbytes

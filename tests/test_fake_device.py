@@ -403,23 +403,6 @@ def test_one_damaged_chunk_fails_alone_and_the_batch_delivers_the_rest_bit_exact
     assert [c for c in device.calls if c[0] == "decode"] == [("decode", "ans", None, None, len(ans))]
 
 
-def test_a_failed_wait_for_a_queued_batch_fails_its_chunks_as_itself_and_returns_the_slots() -> None:
-    """The finisher's wait for a queued batch is where a device fault shows: every chunk of the
-    batch gets that error (not a corruption verdict) and every slot comes back."""
-    store, _flat, index = saved_chunks()
-    device = FakeDevice()
-    device.fail["wait_event"] = RuntimeError("CUDA error: an illegal memory access was encountered")
-    dec = decoder(device)
-    try:
-        futures = decode_all(dec, store, index)
-    finally:
-        dec.close()
-    errors = [f.exception() for f in futures]
-    assert any(isinstance(e, RuntimeError) and "illegal memory access" in str(e) for e in errors)
-    assert not any(isinstance(e, CorruptCheckpointError) for e in errors)
-    assert dec.ring is not None and dec.ring.free_slots() == dec.ring.slots
-
-
 def saved_raw_chunks(store: MemoryStore, index: Index) -> dict[int, bytes]:
     """Every chunk's raw bytes, decoded through an undamaged batch of the fake."""
     out: dict[int, bytes] = {}

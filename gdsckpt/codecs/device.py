@@ -254,15 +254,6 @@ class DeviceBackend(Protocol):
         checksum is never decoded. Read the returned ``CheckedBatch`` after ``synchronize``."""
         ...
 
-    def record_event(self) -> Any:
-        """An event marking the work queued on the stream so far."""
-        ...
-
-    def wait_event(self, event: Any) -> None:
-        """Wait until the work before ``event`` has finished (from any thread that made the
-        device current)."""
-        ...
-
     def all_true(self, flags: list[Any]) -> list[bool]:
         """Device booleans (or Python bools) to host bools, with one synchronization."""
         ...
@@ -312,17 +303,6 @@ class CudaDevice:
     def synchronize(self) -> None:
         """Wait for the stream."""
         self.stream.synchronize()
-
-    def record_event(self) -> Any:
-        """A ``cupy.cuda.Event`` (no timing) recorded on the stream."""
-        with self.xp.cuda.Device(self.device_id):
-            event = self.xp.cuda.Event(disable_timing=True)
-            event.record(self.stream)
-        return event
-
-    def wait_event(self, event: Any) -> None:
-        """``event.synchronize()``."""
-        event.synchronize()
 
     def empty(self, nbytes: int) -> Any:
         """A new uint8 CuPy array on the device."""

@@ -29,11 +29,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any
 
 from ...codecs import BYTE_PLANES
-from ...codecs.device import CheckedBatch, DeviceBackend, backend_or_cuda, planes_inverse_into
+from ...codecs.device import DeviceBackend, backend_or_cuda, planes_inverse_into
 from ...codecs.nvcomp import DecoderKey, decoder_key, device_decoder_name, reports_undecodable
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ...format import XOR_BASE, align_up
@@ -70,19 +70,6 @@ class DecodeJob:
 
 
 @dataclass
-class _Queued:
-    """A batch on the stream, handed to the finisher: its jobs, what the device reports for
-    them, the chunks already known damaged (``wrong_size``), the event after its work, its slots."""
-
-    jobs: list[DecodeJob]
-    checked: CheckedBatch
-    wrong_size: dict[int, str]
-    event: Any
-    slots: list[int | None] = field(default_factory=list)
-    future: Future[None] = field(default_factory=Future)
-
-
-@dataclass
 class _Live:
     """A job whose checksum matched, with the two areas it may use."""
 
@@ -112,9 +99,6 @@ class GpuDecoder(WorkerOwner, Decoder):
         """Device address of a handed-out read buffer -> its slot."""
         self._worker = BatchWorker("gdsckpt-gpu-decode", device.use_in_thread, self._decode_batch,
                                    batch_size=batch_chunks, timeout=timeout)
-        self._finisher = BatchWorker("gdsckpt-gpu-decode-finish", device.use_in_thread, self._finish_queued,
-                                     batch_size=BATCH_CHUNKS, timeout=timeout)
-        """Waits for queued batches and completes their chunks (``_finish_queued``)."""
         self._closed = False
         self._bounce: Any = None
         """Pinned host buffer for host destinations (``HOST_BOUNCE_BYTES``), made on first use."""
@@ -173,57 +157,20 @@ class GpuDecoder(WorkerOwner, Decoder):
     def _decode_batch(self, jobs: list[DecodeJob]) -> None:
         slots = [self._read_slots.pop(self.device.address(job.stored), None) for job in jobs]
         delivered: list[Future[None]] = []
-        handed_over = False
         try:
             with self.device.on_stream():
-                outcome = self._decode_on_stream(jobs, slots)
-            if isinstance(outcome, _Queued):
-                # the finisher waits for the stream, judges the chunks and returns the slots,
-                # while this thread queues the next batch
-                outcome.slots = slots
-                cast(BatchWorker, self._finisher).submit(outcome)
-                handed_over = True
-            else:
-                delivered = outcome
+                delivered = self._decode_on_stream(jobs, slots)
         finally:
-            if not handed_over:
-                # The stream is idle (or the batch failed before queueing work on it): the slots'
-                # bytes are no longer needed. Returned before any future completes, so a driver
-                # that sees a finished decode always finds its slot free.
-                with contextlib.suppress(Exception):  # a broken device: the batch's own error is raised
-                    self.device.synchronize()
-                self._release(slots)
+            # The stream is idle (or the batch failed before queueing work on it): the slots'
+            # bytes are no longer needed. Returned before any future completes, so a driver that
+            # sees a finished decode always finds its slot free.
+            with contextlib.suppress(Exception):  # a broken device: the batch's own error is raised
+                self.device.synchronize()
+            for slot in slots:
+                if slot is not None:
+                    self.ring.release(slot)  # type: ignore[union-attr]  # slots come from the ring
         for future in delivered:
             future.set_result(None)
-
-    def _release(self, slots: list[int | None]) -> None:
-        for slot in slots:
-            if slot is not None:
-                self.ring.release(slot)  # type: ignore[union-attr]  # slots come from the ring
-
-    def _finish_queued(self, batches: list[_Queued]) -> None:
-        """The finisher thread: for each queued batch, wait for its event, return its slots, then
-        complete its chunks' futures (a damaged chunk's with ``CorruptCheckpointError``). A failed
-        wait (a device fault) reaches every chunk of the batch as itself."""
-        for batch in batches:
-            try:
-                try:
-                    self.device.wait_event(batch.event)
-                finally:
-                    self._release(batch.slots)
-                for i, job in enumerate(batch.jobs):
-                    if job.future.done():
-                        continue
-                    problem = batch.checked.problem(i, job.record.crc, job.record.raw) or batch.wrong_size.get(i)
-                    if problem is not None:
-                        job.future.set_exception(CorruptCheckpointError(problem))
-                    else:
-                        job.future.set_result(None)
-            except BaseException as err:  # noqa: BLE001 - delivered to every chunk not yet judged
-                for job in batch.jobs:
-                    if not job.future.done():
-                        job.future.set_exception(err)
-            batch.future.set_result(None)
 
     def _slot_areas(self, slot: int | None, raw: int) -> tuple[Any, Any]:
         """(read area, output area) of a restore slot, or new arrays without a ring."""
@@ -245,9 +192,9 @@ class GpuDecoder(WorkerOwner, Decoder):
             raw = planes_inverse_into(raw, out_area if holds_read else read_area, int(stage["width"]))
         return raw
 
-    def _decode_on_stream(self, jobs: list[DecodeJob], slots: list[int | None]) -> list[Future[None]] | _Queued:
+    def _decode_on_stream(self, jobs: list[DecodeJob], slots: list[int | None]) -> list[Future[None]]:
         """Verify, decode and deliver a batch on the stream; returns the futures to complete once
-        the stream has finished, or (ANS and stored chunks) the queued batch for the finisher."""
+        the stream has finished."""
         if all(job.chain[-1]["name"] in _QUEUED_CODECS for job in jobs):
             return self._decode_queued(jobs, slots)
         bodies = [job.stored[:job.record.stored] for job in jobs]
@@ -293,13 +240,13 @@ class GpuDecoder(WorkerOwner, Decoder):
         self._deliver_to_host(to_host)
         return delivered
 
-    def _decode_queued(self, jobs: list[DecodeJob], slots: list[int | None]) -> list[Future[None]] | _Queued:
-        """A batch of ANS and stored chunks, queued whole: checksums and decoding
-        (``verified_ans_decode``), byte planes and deliveries go on the stream, followed by an
-        event; the finisher thread waits for the event and looks at every chunk's checksum,
-        status and size (``_finish_queued``). The bytes of a damaged chunk may have reached its
-        destination by then; its future fails, so the restore does (as when any chunk of a
-        restore is damaged, a ``load_into`` target holds what was delivered before the error)."""
+    def _decode_queued(self, jobs: list[DecodeJob], slots: list[int | None]) -> list[Future[None]]:
+        """A batch of ANS and stored chunks, queued whole and waited for once: checksums and
+        decoding (``verified_ans_decode``), byte planes and deliveries go on the stream, then the
+        stream is synchronized and every chunk's checksum, status and size is looked at. The
+        bytes of a damaged chunk may have reached its destination by then; its future fails, so
+        the restore does (as when any chunk of a restore is damaged, a ``load_into`` target holds
+        what was delivered before the error)."""
         valid: list[tuple[DecodeJob, int | None]] = []
         for job, slot in zip(jobs, slots):
             try:
@@ -330,7 +277,15 @@ class GpuDecoder(WorkerOwner, Decoder):
             else:
                 job.deliver(raw)
         self._deliver_to_host(to_host)
-        return _Queued(jobs, checked, wrong_size, self.device.record_event())
+        self.device.synchronize()
+        delivered = []
+        for i, job in enumerate(jobs):
+            problem = checked.problem(i, job.record.crc, job.record.raw) or wrong_size.get(i)
+            if problem is not None:
+                job.future.set_exception(CorruptCheckpointError(problem))
+            else:
+                delivered.append(job.future)
+        return delivered
 
     def _deliver_to_host(self, jobs: list[tuple[DecodeJob, Any]]) -> None:
         """Hand decoded chunks (device arrays) to host destinations through the pinned bounce

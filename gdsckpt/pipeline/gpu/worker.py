@@ -114,22 +114,16 @@ class WorkerOwner:
     device: Any
     ring: Any
     _worker: BatchWorker
-    _finisher: BatchWorker | None = None
-    """A second thread completing what the worker queued on the device (the decoder's)."""
     _closed: bool = False
 
     def close(self) -> None:
-        """Stop the worker and the finisher (each bounded by its timeout), then release the codecs
-        and the ring: codecs
+        """Stop the worker (bounded by its timeout), then release the codecs and the ring: codecs
         are destroyed when the worker stopped (before the stream they run on), merely dropped
         when it is still running, since it may be inside one of them."""
         if self._closed:
             return
         self._closed = True
-        stopped = self._worker.close()
-        if self._finisher is not None:  # after the worker: it may still hand the finisher a batch
-            stopped = self._finisher.close() and stopped
-        if stopped:
+        if self._worker.close():
             self.device.close()
         else:
             self.device.forget_codecs()
