@@ -274,7 +274,8 @@ class DeviceBackend(Protocol):
 
 class CudaDevice:
     """``DeviceBackend`` on a CUDA device: CuPy arrays, one non-blocking stream, nvCOMP codecs
-    (``nvcomp.DeviceCodec``) and nvCOMP's batched CRC-32C (``gpu_crc``)."""
+    (ANS through the C API, ``nvcomp_c.AnsCodec``; the others ``nvcomp.DeviceCodec``) and nvCOMP's
+    batched CRC-32C (``nvcomp_c``)."""
 
     def __init__(self, device_id: int):
         import cupy

@@ -1,5 +1,8 @@
 """GPU codecs through nvCOMP's Python API (``nvidia.nvcomp``), RAW bitstreams, batched.
 
+(ANS, the default, runs through nvCOMP's C API instead: ``nvcomp_c.AnsCodec``, the same
+bitstream for a fraction of the per-call cost; ``device.CudaDevice.codec`` picks it.)
+
 Bitstream names: nvCOMP's Zstd, LZ4 and Deflate RAW streams are the standard zstd frames, raw
 LZ4 blocks and raw deflate streams, so they are written under the portable names ``zstd/1``,
 ``lz4/1`` and ``deflate/1`` and a checkpoint written on the GPU loads without one. ANS, GDeflate,
