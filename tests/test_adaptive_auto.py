@@ -1,8 +1,9 @@
 """``codec="auto"`` on the CPU adapts to the storage: a chunk whose codec thread starts while the
-writer has nothing queued is stored as it is (the storage waits for compression), one that starts
-while writes are queued is compressed. The decision is driven here through the writer's
-``backlog`` (a writer that reports a fixed backlog stands for fast or slow storage); the real
-writers' backlogs are checked separately."""
+writer has nothing queued is stored as it is (the storage waits for compression); while writes
+are queued, the writer's measured pace against the codec's measured speed decides (compressed
+when the storage stays busy meanwhile or the bytes saved pay for the wait). The decision is
+driven here through a writer that reports a fixed backlog and pace (standing for fast or slow
+storage); the real writers' reports are checked separately."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 import gdsckpt
 from gdsckpt.api.saving import index_template
 from gdsckpt.io import MemoryReader, MemoryStore, MemoryWriter, NullWriter, PosixWriter
+from gdsckpt.io.base import WritePace
 from gdsckpt.pipeline.engine import HostEngine
 from gdsckpt.pipeline.load import open_file
 from gdsckpt.pipeline.plan import plan_chunks
@@ -24,14 +26,19 @@ from gdsckpt.state import flatten
 
 
 class ReportingWriter(MemoryWriter):
-    """A memory writer that reports a fixed backlog: 0 = fast storage, > 0 = slow storage."""
+    """A memory writer that reports a fixed backlog (0: the storage waits) and pace (None: none
+    measured)."""
 
-    def __init__(self, store: MemoryStore, backlog: int | None):
+    def __init__(self, store: MemoryStore, backlog: int | None, pace: WritePace | None = None):
         super().__init__(store, "ckpt")
         self.reported = backlog
+        self.reported_pace = pace
 
     def backlog(self) -> int | None:
         return self.reported
+
+    def pace(self) -> WritePace | None:
+        return self.reported_pace
 
 
 def _state() -> dict[str, Any]:
@@ -39,7 +46,8 @@ def _state() -> dict[str, Any]:
     return {f"w{i}": torch.randn(40_000, generator=generator) * 0.02 for i in range(6)}
 
 
-def _save(backlog: int | None, adaptive: bool) -> tuple[list[str], HostEngine, MemoryStore]:
+def _save(backlog: int | None, adaptive: bool, pace: WritePace | None = None) -> tuple[list[str], HostEngine,
+                                                                                      MemoryStore]:
     flat = flatten(_state())
     plans = plan_chunks([(a.source.nbytes, a.source.itemsize, a.source.plane_width) for a in flat.arrays],
                         chunk_bytes=64 << 10, pack_below=16 << 10)
@@ -47,7 +55,7 @@ def _save(backlog: int | None, adaptive: bool) -> tuple[list[str], HostEngine, M
                         adaptive=adaptive)
     store = MemoryStore()
     try:
-        result = run_save(plans, engine, ReportingWriter(store, backlog), max_inflight_bytes=1 << 20,
+        result = run_save(plans, engine, ReportingWriter(store, backlog, pace), max_inflight_bytes=1 << 20,
                           index=index_template(flat))
     finally:
         engine.close()
@@ -66,6 +74,64 @@ def test_storage_waiting_stores_every_chunk_as_it_is() -> None:
 def test_busy_or_unknown_storage_or_a_named_codec_compresses(backlog: int | None, adaptive: bool) -> None:
     labels, engine, _store = _save(backlog=backlog, adaptive=adaptive)
     assert set(labels) == {"zstd/1"} and engine.stored_raw == 0
+
+
+def test_storage_faster_than_the_codec_gets_chunks_as_they_are_once_the_codec_is_measured() -> None:
+    """Writes queued, but the storage drains them in no time at 100 GB/s: after the first chunks
+    (compressed: nothing measured yet, one per codec thread at most before a measurement lands)
+    every chunk is stored as it is."""
+    labels, engine, _store = _save(backlog=2, adaptive=True, pace=WritePace(64 << 10, 100e9))
+    compressed = labels.count("zstd/1")
+    assert 1 <= compressed <= 4 and labels.count("none/1") == engine.stored_raw == len(labels) - compressed
+    assert labels[0] == "zstd/1"
+
+
+def test_slow_storage_with_writes_pending_gets_every_chunk_compressed() -> None:
+    """1 MB/s with 8 MiB pending: draining takes seconds, compressing a chunk milliseconds."""
+    labels, engine, _store = _save(backlog=2, adaptive=True, pace=WritePace(8 << 20, 1e6))
+    assert set(labels) == {"zstd/1"} and engine.stored_raw == 0
+
+
+def test_compressed_exactly_while_the_bytes_saved_pay_for_the_wait() -> None:
+    """Nothing pending but the writes in progress: a chunk compressed is on storage after
+    ``encode + write / ratio``, stored as it is after ``write``, so it is compressed exactly when
+    ``write * (1 - 1 / ratio)`` exceeds ``encode``. With the codec's measured speed and ratio, a
+    storage ten times slower than that break-even gets compressed chunks, ten times faster
+    chunks as they are."""
+    speed, ratio = _codec_pace()
+    even = speed * (1 - 1 / ratio)  # storage speed at which the bytes saved just pay
+    fast = _save(backlog=1, adaptive=True, pace=WritePace(0, even * 10))[0]
+    slow = _save(backlog=1, adaptive=True, pace=WritePace(0, even / 10))[0]
+    assert fast.count("none/1") >= len(fast) - 4
+    assert set(slow) == {"zstd/1"}
+
+
+def _codec_pace() -> tuple[float, float]:
+    """(raw bytes per second, ratio) of the engine's codec on this state's chunks."""
+    _labels, engine, _store = _save(backlog=3, adaptive=True)
+    measured = engine.codec_pace()
+    assert measured is not None and measured[1] > 1.0
+    return measured
+
+
+def test_posix_writer_reports_pending_bytes_and_its_measured_speed(tmp_path: Path) -> None:
+    buffered = PosixWriter(tmp_path / "a.gdsckpt", o_direct=False)
+    try:
+        assert buffered.pace() is None  # buffered writes to a disk show the page cache
+    finally:
+        buffered.abort()
+    direct = PosixWriter(tmp_path / "b.gdsckpt", o_direct="auto")
+    try:
+        pace = direct.pace()
+        assert pace is not None and pace.pending_bytes == 0 and pace.bytes_per_second is None
+        futures = [direct.submit_write(i << 20, np.ones(1 << 20, dtype=np.uint8)) for i in range(4)]
+        for future in futures:
+            future.result(timeout=30)
+        pace = direct.pace()
+        assert pace is not None and pace.pending_bytes == 0
+        assert pace.bytes_per_second is not None and pace.bytes_per_second > 0
+    finally:
+        direct.abort()
 
 
 def test_auto_into_the_null_sink_stores_as_is_and_says_so(tmp_path: Path) -> None:

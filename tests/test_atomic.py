@@ -22,6 +22,13 @@ from gdsckpt.io import posix
 TEMP_GLOB = ".*.gdsckpt-tmp-*"
 
 
+@pytest.fixture(autouse=True)
+def one_pwrite_per_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests aim faults at single ``os.pwrite`` calls: no O_DIRECT writes are joined into
+    one ``pwritev`` here (``tests/reliability/test_coalesced_writes.py`` covers joined writes)."""
+    monkeypatch.setattr(posix, "COALESCE_BYTES", 0)
+
+
 def _old_state() -> dict[str, Any]:
     return {"w": torch.arange(4000, dtype=torch.float32), "step": 1}
 

@@ -13,7 +13,7 @@ import pytest
 
 import gdsckpt
 from gdsckpt.codecs import PORTABLE_CODECS
-from gdsckpt.config import Config, parse_size, resolve_config
+from gdsckpt.config import Config, default_io_threads, parse_size, resolve_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -68,6 +68,8 @@ def _doc_cell(cell: str, default: Any) -> Any:
     text = cell.strip().strip("`")
     if text == "—":
         return default
+    if text == "min(8, cores)":
+        return default_io_threads()
     if text.startswith('"'):
         return text.strip('"')
     if text in ("true", "false"):
@@ -274,6 +276,8 @@ def _table_rows(text: str) -> list[str]:
 
 def _default_from_doc(text: str) -> Any:
     value = text.strip("`")
+    if value == "min(8, cores)":
+        return default_io_threads()
     if value.startswith('"'):
         return value.strip('"')
     if value in ("None", "True", "False"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -62,6 +63,22 @@ class StorageWriter(ABC):
         0 while chunks are still coming means the storage waits for the encoder: ``codec="auto"``
         on the CPU then stores chunks uncompressed (``HostEngine``)."""
         return None
+
+    def pace(self) -> WritePace | None:
+        """The bytes of the writes submitted and not finished, and the speed the writes have
+        reached, where the backend can tell (None: it cannot). ``HostEngine``'s adaptive
+        ``codec="auto"`` weighs them against its codec's speed."""
+        return None
+
+
+@dataclass(frozen=True)
+class WritePace:
+    """What a ``StorageWriter`` measured of its storage (``StorageWriter.pace``)."""
+
+    pending_bytes: int
+    """Bytes submitted and not on storage yet."""
+    bytes_per_second: float | None
+    """Bytes written per second while writes were running (None before any finished)."""
 
 
 class StorageReader(ABC):

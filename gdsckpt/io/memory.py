@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from .base import StorageReader, StorageWriter
+from .base import StorageReader, StorageWriter, WritePace
 from .pools import DRAIN_TIMEOUT, Lane
 
 
@@ -111,6 +111,10 @@ class NullWriter(StorageWriter):
     def backlog(self) -> int | None:
         """0: every write is done when submitted (the storage always waits for the encoder)."""
         return 0
+
+    def pace(self) -> WritePace | None:
+        """Nothing pending, at no measurable cost."""
+        return WritePace(0, None)
 
 
 class MemoryReader(StorageReader):

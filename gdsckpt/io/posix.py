@@ -15,7 +15,13 @@ cap (``latest`` symlinked to ``/dev/zero`` or to a huge file is refused, not rea
 
 O_DIRECT: used where the filesystem accepts it (not tmpfs) and the buffer, offset and length are
 4 KiB aligned, which the pipeline guarantees for chunk payloads. It skips the page cache, which on
-the measured hosts nearly doubles durable write throughput (1.9 vs 1.0 GB/s).
+the measured hosts nearly doubles durable write throughput (1.9 vs 1.0 GB/s). Consecutive O_DIRECT
+chunk writes that arrive while ``HOLD_WHILE_RUNNING`` writes are running wait and go to storage as
+one ``pwritev`` of up to ``COALESCE_BYTES``: the size of each write is what a small virtual disk
+rewards, and a write never waits while the storage is idle.
+
+The writer also measures its storage (``PosixWriter.pace``: bytes pending, bytes per second while
+writing), which the adaptive ``codec="auto"`` of the CPU engine weighs against its codec's speed.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ import os
 import secrets
 import stat
 import threading
+import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +44,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..format.layout import ALIGNMENT
-from .base import StorageReader, StorageWriter
+from .base import StorageReader, StorageWriter, WritePace
 from .pools import DRAIN_TIMEOUT, Lane
 
 TEMP_MARKER = ".gdsckpt-tmp-"
@@ -256,6 +265,48 @@ def pwrite_all(fd: int, data: Any, offset: int) -> None:
         offset += written
 
 
+def pwritev_all(fd: int, buffers: list[Any], offset: int) -> None:
+    """Write ``buffers`` (bytes-like objects) back to back from ``offset`` of ``fd`` with
+    ``pwritev``, looping over short writes; ``OSError`` as ``pwrite_all``."""
+    views = [memoryview(buffer).cast("B") for buffer in buffers]
+    views = [view for view in views if view.nbytes]
+    while views:
+        written = os.pwritev(fd, views, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += written
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
+
+
+COALESCE_BYTES = 64 << 20
+"""The largest O_DIRECT write a ``PosixWriter`` makes of consecutive chunks (``pwritev``). On the
+2-core virtio host, durable O_DIRECT writes ran at 0.38 GB/s in 4 MiB pieces on 8 threads, 0.52 in
+16 MiB pieces and 0.61 in 64 MiB ones, against 0.61-0.69 for one buffered sequential write: the
+size of each write, not the number in flight, was the limit. NVMe splits a large write into
+requests of its own, so it loses nothing."""
+COALESCE_BUFFERS = 512
+"""The most buffers one ``pwritev`` takes (Linux's IOV_MAX is 1024)."""
+HOLD_WHILE_RUNNING = 2
+"""Writes running at which a ``PosixWriter`` holds the next O_DIRECT write back to join it with
+those that follow, instead of starting it: fewer running, it starts at once (the storage is never
+left idle to fill a larger write)."""
+
+
+@dataclass
+class _Group:
+    """Consecutive writes that go to storage as one ``pwritev``."""
+
+    fd: int
+    offset: int
+    end: int
+    buffers: list[Any] = field(default_factory=list)
+    futures: list[Future[None]] = field(default_factory=list)
+
+
 class PosixWriter(StorageWriter):
     """Writes a checkpoint to ``target`` through a temporary file and an atomic rename, at most
     ``threads`` writes at once on the process's shared I/O threads. ``timeout``: seconds
@@ -289,23 +340,97 @@ class PosixWriter(StorageWriter):
         self._closed = False
         self._backlog = 0
         self._backlog_lock = threading.Lock()
+        self._running = 0
+        """Writes (groups) started and not finished."""
+        self._pending_bytes = 0
+        self._written_bytes = 0
+        self._busy_seconds = 0.0
+        self._busy_since = 0.0
+        """When ``_running`` last went from 0 to more (``time.monotonic``)."""
+        self._open: _Group | None = None
+        """O_DIRECT writes held back to be joined with the next ones (``submit_write``)."""
         self.keep_temporary = False
         """When True, ``commit`` makes the temporary file durable and leaves the rename over the
         target to the caller (``gdsckpt.background.worker``: the process that owns the snapshot commits)."""
 
     def submit_write(self, offset: int, data: Any) -> Future[None]:
-        fd = self._fd
-        if self._direct_fd is not None and isinstance(data, np.ndarray) and _is_aligned(data, offset):
-            fd = self._direct_fd
+        """Write ``data`` at ``offset``. An aligned host array goes through the O_DIRECT
+        descriptor, joined with the O_DIRECT writes that follow it while ``HOLD_WHILE_RUNNING``
+        writes are running (up to ``COALESCE_BYTES``); anything else is written as it comes."""
+        future: Future[None] = Future()
+        direct = self._direct_fd is not None and isinstance(data, np.ndarray) and _is_aligned(data, offset)
+        fd = self._direct_fd if direct else self._fd
+        assert fd is not None
+        start: list[_Group] = []
+        nbytes = memoryview(data).nbytes
         with self._backlog_lock:
             self._backlog += 1
-        future = self._lane.submit(self._write, fd, data, offset)
-        future.add_done_callback(self._write_done)
+            self._pending_bytes += nbytes
+            group = self._open
+            if group is not None and (not direct or group.end != offset
+                                      or group.end - group.offset + data.nbytes > COALESCE_BYTES
+                                      or len(group.buffers) >= COALESCE_BUFFERS):
+                start.append(group)
+                group = self._open = None
+            if not direct:
+                start.append(_Group(fd, offset, offset + nbytes, [data], [future]))
+            else:
+                if group is None:
+                    group = self._open = _Group(fd, offset, offset)
+                group.buffers.append(data)
+                group.futures.append(future)
+                group.end += data.nbytes
+                if (self._running + len(start) < HOLD_WHILE_RUNNING
+                        or group.end - group.offset >= COALESCE_BYTES):
+                    start.append(group)
+                    self._open = None
+            if start and self._running == 0:
+                self._busy_since = time.monotonic()
+            self._running += len(start)
+        for each in start:
+            self._start(each)
         return future
 
-    def _write_done(self, _future: Future[None]) -> None:
+    def _start(self, group: _Group) -> None:
+        task = self._lane.submit(self._write, group)
+        task.add_done_callback(partial(self._written, group))
+
+    def _written(self, group: _Group, task: Future[None]) -> None:
+        """A group's write finished: settle its writes' futures, start a held group if the
+        writes running fell below ``HOLD_WHILE_RUNNING``."""
+        error = None if task.cancelled() else task.exception()
+        start = None
         with self._backlog_lock:
-            self._backlog -= 1
+            self._backlog -= len(group.futures)
+            self._pending_bytes -= group.end - group.offset
+            if error is None and not task.cancelled():
+                self._written_bytes += group.end - group.offset
+            self._running -= 1
+            if self._open is not None and self._running < HOLD_WHILE_RUNNING and not self._closed:
+                start, self._open = self._open, None
+                self._running += 1
+            elif self._running == 0:
+                self._busy_seconds += time.monotonic() - self._busy_since
+        for future in group.futures:
+            if task.cancelled():
+                future.cancel()
+            elif error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(None)
+        if start is not None:
+            self._start(start)
+
+    def _flush(self) -> None:
+        """Start the held group, if any."""
+        with self._backlog_lock:
+            group, self._open = self._open, None
+            if group is not None:
+                if self._running == 0:
+                    self._busy_since = time.monotonic()
+                self._running += 1
+        if group is not None:
+            self._start(group)
 
     def backlog(self) -> int | None:
         """Host-buffer writes submitted and not finished (see ``StorageWriter.backlog``); None
@@ -313,12 +438,24 @@ class PosixWriter(StorageWriter):
         whose completion says nothing of the disk's speed."""
         return self._backlog if self._writes_show_storage else None
 
-    def _write(self, fd: int, data: Any, offset: int) -> None:
+    def pace(self) -> WritePace | None:
+        """Pending bytes and the speed of the writes so far: bytes written over the time at
+        least one write was running (None, like ``backlog``, where writes do not show the storage)."""
+        if not self._writes_show_storage:
+            return None
+        with self._backlog_lock:
+            busy = self._busy_seconds + (time.monotonic() - self._busy_since if self._running else 0.0)
+            speed = self._written_bytes / busy if self._written_bytes and busy > 0 else None
+            return WritePace(self._pending_bytes, speed)
+
+    def _write(self, group: _Group) -> None:
+        write = pwrite_all if len(group.buffers) == 1 else pwritev_all
+        data: Any = group.buffers[0] if len(group.buffers) == 1 else group.buffers
         try:
-            pwrite_all(fd, data, offset)
+            write(group.fd, data, group.offset)
         except OSError as err:
-            if fd == self._direct_fd and err.errno == errno.EINVAL:
-                pwrite_all(self._fd, data, offset)  # the filesystem refused this O_DIRECT write
+            if group.fd == self._direct_fd and err.errno == errno.EINVAL:
+                write(self._fd, data, group.offset)  # the filesystem refused this O_DIRECT write
             else:
                 raise
 
@@ -327,6 +464,7 @@ class PosixWriter(StorageWriter):
         os.ftruncate(self._fd, offset + len(data))
 
     def commit(self) -> None:
+        self._flush()
         if not self._lane.close(self.timeout):
             raise TimeoutError(f"writes to {str(self.temp)!r} still running after {self.timeout} s")
         if self.fsync:
@@ -342,6 +480,10 @@ class PosixWriter(StorageWriter):
         if self._closed:
             return
         self._closed = True
+        with self._backlog_lock:
+            held, self._open = self._open, None
+        for future in held.futures if held is not None else []:
+            future.cancel()
         if self._lane.close(self.timeout):
             self._close_fds()
         # else a write still running keeps its descriptor: closing it could let the number be

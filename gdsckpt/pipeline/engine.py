@@ -8,13 +8,18 @@ the two directions are separate classes over one staging-ring type (``gdsckpt.pi
 arrays for POSIX, device arrays for kvikio).
 
 Adaptive compression (``HostEngine(adaptive=True)``, what ``codec="auto"`` runs on the CPU): each
-chunk looks at the writer's ``backlog`` when its codec thread takes it up. Writes still queued
-mean the storage is the bottleneck, and compressing makes the file smaller without slowing the
-save; no write queued means the storage is waiting for the codec threads, and the chunk is stored
-as it is (``none/1``), since compressing it would only make the storage wait longer. The share of
-compressed chunks so settles where the codec threads and the storage keep pace: all of them on a
-slow disk, few or none on tmpfs or a null sink. Which chunks were stored as they are depends on
-timing; every chunk is lossless and checksummed either way. A delta's chunks (XOR with a base)
+chunk looks at the writer when its codec thread takes it up. No write queued means the storage is
+waiting for the codec threads, and the chunk is stored as it is (``none/1``). Writes queued: the
+writer's ``pace`` (pending bytes, measured write speed) against the engine's measured codec speed
+and ratio decides. Stored as it is, the chunk is on storage after the pending writes (``drain``)
+plus its own write (``write``); compressed, after ``max(drain, encode) + write / ratio``. So it is
+compressed exactly when ``encode < drain + write * (1 - 1 / ratio)``: whenever the storage stays
+busy meanwhile, and beyond that while the bytes saved pay for the wait. (Chunks are placed in
+plan order, so a chunk still compressing holds back the writes of the chunks after it: waiting
+for it is real idle storage.) The share of compressed chunks so settles where the codec threads
+and the storage keep pace: all of them on a slow disk, few or none on tmpfs or a null sink.
+Before anything is measured, chunks are compressed. Which chunks were stored as they are depends
+on timing; every chunk is lossless and checksummed either way. A delta's chunks (XOR with a base)
 are always compressed.
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -46,11 +52,13 @@ from ..codecs import (
 from ..errors import CorruptCheckpointError
 from ..format import align_up, checksum
 from ..format.index import ChunkRecord
-from ..io.base import aligned_empty
+from ..io.base import WritePace, aligned_empty
 from ..io.pools import DRAIN_TIMEOUT, Lane
 from .plan import ArraySource, ChunkPlan
 
 NONE_CHAIN = Chain.of({"name": "none/1"})
+PACE_WEIGHT = 0.25
+"""Weight of the newest compressed chunk in the codec's measured speed and ratio."""
 TRIAL_BYTES = 128 * 1024
 """Bytes of an array compressed both ways to decide whether byte planes help it."""
 
@@ -83,10 +91,11 @@ class Encoder(ABC):
     def submit_encode(self, chunk: ChunkPlan) -> Future[EncodedChunk]:
         """Start encoding ``chunk``; futures complete in any order."""
 
-    def watch_storage(self, backlog: Callable[[], int | None]) -> None:
-        """Called by the save driver before the first chunk with the writer's ``backlog``: an
-        engine that adapts its compression to the storage reads it (``HostEngine`` with
-        ``adaptive``); the others ignore it."""
+    def watch_storage(self, backlog: Callable[[], int | None],
+                      pace: Callable[[], WritePace | None] | None = None) -> None:
+        """Called by the save driver before the first chunk with the writer's ``backlog`` and
+        ``pace``: an engine that adapts its compression to the storage reads them (``HostEngine``
+        with ``adaptive``); the others ignore them."""
         return  # an optional hook: engines that do not adapt need not override it
 
     @abstractmethod
@@ -152,6 +161,11 @@ class HostEngine(Engine):
         self.stored_raw = 0
         """Chunks ``adaptive`` stored uncompressed because the storage was waiting."""
         self._backlog: Callable[[], int | None] | None = None
+        self._pace: Callable[[], WritePace | None] | None = None
+        self._encode_seconds_per_byte: float | None = None
+        """Seconds one codec thread took per raw byte of a compressed chunk (moving average)."""
+        self._ratio = 1.0
+        """Raw over stored bytes of the compressed chunks (moving average)."""
         self.codec = host_encoder(codec, level)
         # byte-planed chunks at the default zstd level get the compressor tuned for them
         self._planes_codec = host_planes_encoder(codec, level)
@@ -167,12 +181,52 @@ class HostEngine(Engine):
         decision, owner = self._decision_for(chunk)
         return self._lane.submit(self._encode, chunk, decision, owner)
 
-    def watch_storage(self, backlog: Callable[[], int | None]) -> None:
+    def watch_storage(self, backlog: Callable[[], int | None],
+                      pace: Callable[[], WritePace | None] | None = None) -> None:
         self._backlog = backlog
+        self._pace = pace
 
-    def _storage_waits(self) -> bool:
-        """Whether the writer has nothing left to write now (``adaptive`` only)."""
-        return self.adaptive and self._backlog is not None and self._backlog() == 0
+    def _store_as_is(self, raw_bytes: int) -> bool:
+        """Whether a chunk of ``raw_bytes`` starting now is better stored as it is (``adaptive``
+        only; module docstring): yes when the writer has nothing left to write, or when its
+        measured pace says the chunk stored as it is would be on storage before its compressed
+        form: compressing takes ``encode`` seconds (this engine's measured speed), while the
+        pending writes take ``drain`` and the chunk's own write shrinks by ``saved``."""
+        if not self.adaptive or self._backlog is None:
+            return False
+        count = self._backlog()
+        if count is None:
+            return False
+        if count == 0:
+            return True
+        pace = self._pace() if self._pace is not None else None
+        with self._decisions_lock:
+            seconds_per_byte, ratio = self._encode_seconds_per_byte, self._ratio
+        if pace is None or not pace.bytes_per_second or seconds_per_byte is None:
+            return False  # nothing measured yet: compress, which measures the codec
+        drain = pace.pending_bytes / pace.bytes_per_second
+        saved = raw_bytes / pace.bytes_per_second * (1 - 1 / max(ratio, 1.0))
+        return raw_bytes * seconds_per_byte > drain + saved
+
+    def codec_pace(self) -> tuple[float, float] | None:
+        """(raw bytes per second of one codec thread, ratio) measured on the chunks this engine
+        compressed adaptively; None before the first."""
+        with self._decisions_lock:
+            if self._encode_seconds_per_byte is None or self._encode_seconds_per_byte <= 0:
+                return None
+            return 1.0 / self._encode_seconds_per_byte, self._ratio
+
+    def _measured(self, raw_bytes: int, stored_bytes: int, seconds: float) -> None:
+        """Fold one compressed chunk into the codec's speed and ratio (moving averages)."""
+        if raw_bytes <= 0 or stored_bytes <= 0:
+            return
+        with self._decisions_lock:
+            speed, ratio = seconds / raw_bytes, raw_bytes / stored_bytes
+            if self._encode_seconds_per_byte is None:
+                self._encode_seconds_per_byte, self._ratio = speed, ratio
+            else:
+                self._encode_seconds_per_byte += PACE_WEIGHT * (speed - self._encode_seconds_per_byte)
+                self._ratio += PACE_WEIGHT * (ratio - self._ratio)
 
     def _decision_for(self, chunk: ChunkPlan) -> tuple[Future[bool], bool]:
         """The shared future deciding byte planes for the chunk's group; True if this chunk owns it."""
@@ -217,7 +271,8 @@ class HostEngine(Engine):
         use_planes = decision.result(timeout=self.timeout)
         # Compressing would only delay a waiting writer; a delta's chunks are compressed anyway
         # (storing little is what a delta is for, and the XOR of close weights compresses fast).
-        as_is = not chunk.delta and self._storage_waits()
+        as_is = not chunk.delta and self._store_as_is(raw.nbytes)
+        started = time.perf_counter()
         if as_is:
             with self._decisions_lock:
                 self.stored_raw += 1
@@ -226,6 +281,8 @@ class HostEngine(Engine):
             encoded = self._planes_codec.encode(BYTE_PLANES.forward(raw, params))
         else:
             encoded = self.codec.encode(raw)
+        if not as_is and self.adaptive:
+            self._measured(raw.nbytes, len(memoryview(encoded).cast("B")), time.perf_counter() - started)
         stored_view = memoryview(encoded).cast("B")
         if as_is or (len(stored_view) >= raw.nbytes and self.codec.name != "none/1"):
             stored_view, chain = raw.data.cast("B"), NONE_CHAIN

@@ -99,7 +99,7 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
                 progress(done, total)
             block = False
 
-    engine.watch_storage(writer.backlog)
+    engine.watch_storage(writer.backlog, writer.pace)
     try:
         writer.submit_write(0, pack_header(index.minor)).result(timeout=timeout)
         for plan in plans:

@@ -35,6 +35,7 @@ import pytest
 import gdsckpt
 from gdsckpt import CheckpointManager
 from gdsckpt.format.layout import TRAILER_MAGIC, unpack_trailer
+from gdsckpt.io import posix
 from gdsckpt.io.posix import TEMP_MARKER
 from gdsckpt.pipeline.load import chunk_owner
 
@@ -43,6 +44,13 @@ from .worker import state_for
 
 ELEMENTS = 20_000  # with 4 KiB chunks: 31 chunks
 CODES = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO}
+
+
+@pytest.fixture(autouse=True)
+def one_pwrite_per_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests aim faults at single ``os.pwrite`` calls: no O_DIRECT writes are joined into
+    one ``pwritev`` here (``tests/reliability/test_coalesced_writes.py`` covers joined writes)."""
+    monkeypatch.setattr(posix, "COALESCE_BYTES", 0)
 
 
 class Fault:
