@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,6 +51,30 @@ def test_inspect_prints_every_array(saved: Path, h: Any) -> None:
         assert key in result.stdout
     assert "alias of model/embed.weight" in result.stdout
     assert "3 arrays" in result.stdout
+
+
+def test_inspect_says_whether_a_file_is_portable(saved: Path, tmp_path: Path, h: Any) -> None:
+    """A file whose chunks all decode on a CPU says so; one with a GPU-only bitstream names it and
+    the command that writes a portable copy, in the text and in ``--json``."""
+    assert gdsckpt.inspect(saved).portable
+    text = h.run_cli("inspect", str(saved))
+    assert text.returncode == 0 and "portable: every chunk decodes without a GPU" in text.stdout
+    assert json.loads(h.run_cli("inspect", "--json", str(saved)).stdout)["portable"] is True
+    gpu_only = tmp_path / "gpu.gdsckpt"
+    gdsckpt.save({"w": np.arange(3000, dtype=np.float32)}, gpu_only, codec="zstd", config=h.small_config())
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["chains"] = [[{"name": "nvcomp.ans/1"}] if chain[-1]["name"] == "zstd/1" else chain
+                         for chain in doc["chains"]]
+
+    h.rewrite_index(gpu_only, edit)
+    info = gdsckpt.inspect(gpu_only)
+    assert not info.portable and info.gpu_only == ("nvcomp.ans/1",)
+    text = h.run_cli("inspect", str(gpu_only))
+    assert text.returncode == 0
+    assert "not portable: nvcomp.ans/1" in text.stdout and "gdsckpt convert" in text.stdout
+    doc = json.loads(h.run_cli("inspect", "--json", str(gpu_only)).stdout)
+    assert doc["portable"] is False and doc["gpu_only"] == ["nvcomp.ans/1"]
 
 
 def test_inspect_json_is_valid_and_complete(saved: Path, h: Any) -> None:

@@ -244,9 +244,11 @@ def test_file_naming_a_gpu_only_codec_cannot_be_decoded_on_cpu(stage: dict[str, 
 
     h.rewrite_index(ckpt_path, edit)
     assert stage["name"] in gdsckpt.inspect(ckpt_path).codecs
+    assert not gdsckpt.inspect(ckpt_path).portable
     for operation in (gdsckpt.load, gdsckpt.verify):
-        with pytest.raises(gdsckpt.CodecUnavailableError, match="zstd, lz4, deflate, none"):
+        with pytest.raises(gdsckpt.CodecUnavailableError, match="zstd, lz4, deflate, none") as caught:
             operation(ckpt_path)
+        assert "gdsckpt convert FILE COPY.gdsckpt --codec zstd" in str(caught.value)
 
 
 def test_file_naming_an_unknown_codec_is_unsupported(ckpt_path: Path, h: Any) -> None:

@@ -8,7 +8,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from ..codecs import codec_spec
 from ..config import Config
+from ..errors import UnsupportedFormatError
 from ..format import Index
 from ..pipeline.load import OpenedFile, run_verify
 from ..state import (
@@ -96,8 +98,18 @@ def inspect(path: PathLike, *, config: Config | None = None) -> CheckpointInfo:
     for chunk in index.chunks:
         label = chain_label(index.chains[chunk.chain])
         codecs[label] = codecs.get(label, 0) + 1
+    used = {index.chains[chunk.chain][-1]["name"] for chunk in index.chunks}
     return CheckpointInfo(str(path), (opened.header.major, index.minor), index.writer, size, logical,
-                          logical / size if size else 0.0, tuple(tensor_infos(index)), codecs, index.base)
+                          logical / size if size else 0.0, tuple(tensor_infos(index)), codecs, index.base,
+                          tuple(sorted(name for name in used if not _cpu_decodes(name))))
+
+
+def _cpu_decodes(versioned: str) -> bool:
+    """Whether bitstream ``versioned`` has a CPU decoder (unknown names count as not)."""
+    try:
+        return codec_spec(versioned).cpu_readable
+    except (ValueError, UnsupportedFormatError):
+        return False
 
 
 def verify(path: PathLike, *, config: Config | None = None, progress: Progress | None = None,

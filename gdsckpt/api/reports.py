@@ -78,6 +78,14 @@ class CheckpointInfo:
     codecs: dict[str, int]
     base: dict[str, Any] | None = None
     """A delta checkpoint's base (path, index SHA-256, file length, chain depth); None if full."""
+    gpu_only: tuple[str, ...] = ()
+    """Bitstreams of the file that only a GPU decodes (nvCOMP's ANS, GDeflate, ...); empty when
+    every chunk decodes on any machine."""
+
+    @property
+    def portable(self) -> bool:
+        """Whether every chunk decodes without a GPU."""
+        return not self.gpu_only
 
 
 @dataclass(frozen=True)

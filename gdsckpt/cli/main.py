@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..codecs import CONVERT_TO_PORTABLE
 from ..config import Config, resolve_config
 from ..errors import CheckpointError
 from ..tools.costmodel import group_of
@@ -56,7 +57,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps({
             "path": info.path, "format_version": list(info.format_version), "writer": info.writer,
             "file_bytes": info.file_bytes, "logical_bytes": info.logical_bytes, "ratio": info.ratio,
-            "codecs": info.codecs, "groups": groups, "base": info.base,
+            "codecs": info.codecs, "portable": info.portable, "gpu_only": list(info.gpu_only),
+            "groups": groups, "base": info.base,
             "tensors": [{"key": t.key, "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape),
                          "device": t.device, "nbytes": t.nbytes, "stored_bytes": t.stored_bytes,
                          "codecs": list(t.codecs), "alias_of": t.alias_of, "lossy": t.lossy,
@@ -67,6 +69,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{info.path}: format {info.format_version[0]}.{info.format_version[1]}, written by {info.writer}")
     print(f"{len(info.tensors)} arrays, {info.logical_bytes} logical bytes, {info.file_bytes} bytes on disk, "
           f"ratio {info.ratio:.3f}")
+    if info.portable:
+        print("portable: every chunk decodes without a GPU")
+    else:
+        print(f"not portable: {', '.join(info.gpu_only)} decode only on an NVIDIA GPU with nvCOMP; "
+              f"{CONVERT_TO_PORTABLE}")
     if info.base is not None:
         deltas = sum(t.delta for t in info.tensors)
         print(f"delta checkpoint: {deltas} arrays stored as the XOR with base {info.base['path']!r} "

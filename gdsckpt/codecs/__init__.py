@@ -9,6 +9,7 @@ class, an nvCOMP algorithm, or both (``CodecSpec``). The CPU engine, the GPU eng
 
 from . import cpu as _cpu
 from .base import (
+    CONVERT_TO_PORTABLE,
     PORTABLE_CODECS,
     Chain,
     Codec,
@@ -53,7 +54,8 @@ register_transform(BYTE_PLANES)
 register_transform(_cpu.XorBase())
 
 __all__ = [
-    "BITCOMP_LOSSY", "BYTE_PLANES", "DEFAULT_ZSTD_LEVEL", "HOST_ZSTD_LEVEL", "MAX_CHUNK_BYTES", "PORTABLE_CODECS",
+    "BITCOMP_LOSSY", "BYTE_PLANES", "CONVERT_TO_PORTABLE", "DEFAULT_ZSTD_LEVEL", "HOST_ZSTD_LEVEL", "MAX_CHUNK_BYTES",
+    "PORTABLE_CODECS",
     "Chain",
     "Codec", "CodecSpec", "Transform", "ZstdCodec", "codec_spec", "gpu_codec_by_versioned",
     "gpu_codec_names", "host_codec", "host_encoder", "host_planes_encoder", "known_codec_names", "registered_codecs",

@@ -23,6 +23,8 @@ import numpy as np
 from ..errors import CodecUnavailableError, UnsupportedFormatError
 
 PORTABLE_CODECS = ("zstd", "lz4", "deflate", "none")
+CONVERT_TO_PORTABLE = "gdsckpt convert FILE COPY.gdsckpt --codec zstd writes a copy any machine can read"
+"""The command that turns a file only a GPU decodes into a portable one (named in errors)."""
 """User-facing codec names whose bitstreams both the CPU and the GPU decode."""
 
 
@@ -193,7 +195,8 @@ def host_codec(name: str) -> Codec:
     if spec.host is None:
         raise CodecUnavailableError(
             f"codec {name!r} ({spec.versioned}) needs an NVIDIA GPU with nvCOMP and has no CPU decoder; "
-            f"portable codecs that run anywhere: {', '.join(PORTABLE_CODECS)}"
+            f"portable codecs that run anywhere: {', '.join(PORTABLE_CODECS)}. For a file written "
+            f"with it, on a machine with such a GPU: {CONVERT_TO_PORTABLE}"
         )
     return spec.host()
 
