@@ -134,8 +134,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--chunk-sizes", type=_chunk_sizes, default=(4 << 20, 16 << 20), metavar="LIST",
                         help="chunk sizes of gdsckpt and block sizes of raw I/O (default 4MiB,16MiB; "
                              "the GPU engine takes at most 16MiB)")
-    parser.add_argument("--threads", type=_counts, default=(8, 16), metavar="LIST",
-                        help="I/O threads: io_threads, and kvikio_threads on the GPU (default 8,16)")
+    parser.add_argument("--threads", type=_counts, default=sb.default_thread_counts(), metavar="LIST",
+                        help="I/O threads: io_threads, and kvikio_threads on the GPU (default: "
+                             "min(8, cores),16)")
     parser.add_argument("--depth", type=_depths, default=(None,), metavar="LIST",
                         help="chunks in flight: max_inflight_bytes (CPU) / max_staging_bytes (GPU) = depth x "
                              "chunk size; 'default' keeps the config's budgets (default: default)")

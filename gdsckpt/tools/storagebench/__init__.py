@@ -76,6 +76,7 @@ from .results import (
     Measurement,
     Recommendation,
     TargetResult,
+    default_thread_counts,
     format_size,
     human_size,
 )
@@ -109,6 +110,7 @@ __all__ = [
     "available_memory",
     "bench_directory",
     "check_target",
+    "default_thread_counts",
     "describe_data",
     "filesystem_of",
     "flat_tensors",

@@ -10,7 +10,7 @@ from typing import Any
 
 from ...codecs import known_codec_names
 from ...codecs.nvcomp import MAX_CHUNK_BYTES
-from ...config import Config
+from ...config import Config, default_io_threads
 from ...version import __version__
 
 SCHEMA = "gdsckpt.storagebench/1"
@@ -39,6 +39,11 @@ DATA_DESCRIPTION = ("synthetic GPT-style mixed-precision training state: bf16 we
 # ---------------------------------------------------------------------------------------------
 # settings and results
 
+def default_thread_counts() -> tuple[int, ...]:
+    """The I/O thread counts swept unless told: the configuration's default (min(8, cores)) and 16."""
+    return tuple(sorted({default_io_threads(), 16}))
+
+
 @dataclass(frozen=True)
 class BenchSettings:
     """What to measure. ``depths`` entries of None mean the config's own budgets
@@ -47,7 +52,7 @@ class BenchSettings:
     size_bytes: int = GIB
     codecs: tuple[str, ...] = DEFAULT_CODECS
     chunk_sizes: tuple[int, ...] = (4 * MIB, 16 * MIB)
-    threads: tuple[int, ...] = (8, 16)
+    threads: tuple[int, ...] = field(default_factory=lambda: default_thread_counts())
     depths: tuple[int | None, ...] = (None,)
     repeats: int = 3
     device: str = "cpu"
