@@ -358,9 +358,9 @@ class PosixWriter(StorageWriter):
         descriptor, joined with the O_DIRECT writes that follow it while ``HOLD_WHILE_RUNNING``
         writes are running (up to ``COALESCE_BYTES``); anything else is written as it comes."""
         future: Future[None] = Future()
-        direct = self._direct_fd is not None and isinstance(data, np.ndarray) and _is_aligned(data, offset)
-        fd = self._direct_fd if direct else self._fd
-        assert fd is not None
+        direct_fd = self._direct_fd
+        direct = direct_fd is not None and isinstance(data, np.ndarray) and _is_aligned(data, offset)
+        fd = direct_fd if direct and direct_fd is not None else self._fd
         start: list[_Group] = []
         nbytes = memoryview(data).nbytes
         with self._backlog_lock:
@@ -392,7 +392,17 @@ class PosixWriter(StorageWriter):
         return future
 
     def _start(self, group: _Group) -> None:
-        task = self._lane.submit(self._write, group)
+        try:
+            task = self._lane.submit(self._write, group)
+        except BaseException:
+            # no thread takes it (a closed writer): its writes will never run
+            with self._backlog_lock:
+                self._running -= 1
+                self._backlog -= len(group.futures)
+                self._pending_bytes -= group.end - group.offset
+            for future in group.futures:
+                future.cancel()
+            raise
         task.add_done_callback(partial(self._written, group))
 
     def _written(self, group: _Group, task: Future[None]) -> None:
@@ -419,7 +429,8 @@ class PosixWriter(StorageWriter):
             else:
                 future.set_result(None)
         if start is not None:
-            self._start(start)
+            with contextlib.suppress(RuntimeError):  # the writer closed meanwhile: _start cancelled it
+                self._start(start)
 
     def _flush(self) -> None:
         """Start the held group, if any."""

@@ -177,3 +177,15 @@ def test_a_refused_joined_o_direct_write_is_written_buffered(ckpt_path: Path, mo
     monkeypatch.undo()
     assert slow.vectors and max(slow.vectors) > 1  # the buffered retries of joined writes
     h.assert_same(_state(), gdsckpt.load(ckpt_path))
+
+
+def test_a_write_submitted_after_abort_is_refused_and_counts_nothing(tmp_path: Path) -> None:
+    writer = PosixWriter(tmp_path / "x.gdsckpt")
+    writer.submit_write(0, np.zeros(4096, dtype=np.uint8)).result(timeout=30)
+    writer.abort()
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.submit_write(4096, np.zeros(4096, dtype=np.uint8))
+    assert writer.backlog() in (0, None)
+    pace = writer.pace()
+    assert pace is None or pace.pending_bytes == 0
+    assert not list(tmp_path.iterdir())
