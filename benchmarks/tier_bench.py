@@ -131,11 +131,7 @@ def raw_device_write(state: Any, path: Path, threads: int) -> Callable[[], None]
                 offset += view.numel()
             for future in futures:
                 future.get()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        benchlib.fsync_tree(path)
     return write
 
 

@@ -16,7 +16,7 @@ the presets in ``configs/``.
 | byte_planes | ``"auto"`` | ``auto`` (per array, kept where it compresses better), ``always``, ``never`` |
 | level | ``None`` | compression level for zstd/deflate (None: the engine's default; CPU: zstd 1, deflate 6) |
 | codec_threads | 0 | CPU threads for codecs (0: one per core) |
-| io_threads | min(8, cores) | threads issuing reads and writes (POSIX I/O: the CPU engine, loads into host memory); on the 2-core virtio host cold reads of 4 MiB pieces ran at 1.4 GB/s on 2 threads and 0.75 on 8 (docs/performance.md) |
+| io_threads | min(8, cores) | threads issuing reads and writes (POSIX I/O: the CPU engine, loads into host memory); small hosts' virtual disks read slower with more threads than cores (docs/performance.md, "Save and load on the CPU") |
 | max_inflight_bytes | 256 MiB | bound on chunk bytes between read/encode and write/decode (at least ``chunk_bytes``) |
 | o_direct | ``"auto"`` | O_DIRECT for aligned chunk writes: ``auto`` (where the filesystem allows), true, false. Reads stay buffered: measured, O_DIRECT reads did not speed cold loads and slowed warm ones |
 | fsync | True | fsync the file and its directory before a save returns |
@@ -108,7 +108,7 @@ def available_cores() -> int:
 def default_io_threads() -> int:
     """``io_threads`` unless configured: one per core, at most ``IO_THREADS_MOST``. Fast NVMe
     wants several requests in flight; the small virtual disks of small hosts did worse with more
-    threads than cores (the measured case is in the ``Config`` table)."""
+    threads than cores (docs/performance.md, "Save and load on the CPU")."""
     return max(1, min(IO_THREADS_MOST, available_cores()))
 
 

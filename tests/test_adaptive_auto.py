@@ -114,26 +114,6 @@ def _codec_pace() -> tuple[float, float]:
     return measured
 
 
-def test_posix_writer_reports_pending_bytes_and_its_measured_speed(tmp_path: Path) -> None:
-    buffered = PosixWriter(tmp_path / "a.gdsckpt", o_direct=False)
-    try:
-        assert buffered.pace() is None  # buffered writes to a disk show the page cache
-    finally:
-        buffered.abort()
-    direct = PosixWriter(tmp_path / "b.gdsckpt", o_direct="auto")
-    try:
-        pace = direct.pace()
-        assert pace is not None and pace.pending_bytes == 0 and pace.bytes_per_second is None
-        futures = [direct.submit_write(i << 20, np.ones(1 << 20, dtype=np.uint8)) for i in range(4)]
-        for future in futures:
-            future.result(timeout=30)
-        pace = direct.pace()
-        assert pace is not None and pace.pending_bytes == 0
-        assert pace.bytes_per_second is not None and pace.bytes_per_second > 0
-    finally:
-        direct.abort()
-
-
 def test_auto_into_the_null_sink_stores_as_is_and_says_so(tmp_path: Path) -> None:
     state = _state()
     report = gdsckpt.save(state, NullWriter(), chunk_bytes=64 << 10)
@@ -154,18 +134,26 @@ def test_files_written_adaptively_load_bit_exact(tmp_path: Path) -> None:
         assert loaded[key].view(torch.int32).equal(tensor.view(torch.int32))
 
 
-def test_posix_writer_backlog_says_only_what_writes_show(tmp_path: Path) -> None:
+def test_posix_writer_backlog_and_pace_say_only_what_writes_show(tmp_path: Path) -> None:
     buffered = PosixWriter(tmp_path / "a.gdsckpt", o_direct=False)
     try:
-        assert buffered.backlog() is None  # the page cache absorbs buffered writes to a disk
+        # the page cache absorbs buffered writes to a disk
+        assert buffered.backlog() is None and buffered.pace() is None
     finally:
         buffered.abort()
     direct = PosixWriter(tmp_path / "b.gdsckpt", o_direct="auto")
     try:
         assert direct.backlog() == 0  # O_DIRECT, or a filesystem whose pages are the storage
-        payload = np.zeros(4096, dtype=np.uint8)
-        direct.submit_write(0, payload).result(timeout=30)
+        pace = direct.pace()
+        assert pace is not None and pace.pending_bytes == 0 and pace.bytes_per_second is None
+        direct.submit_write(0, np.zeros(4096, dtype=np.uint8)).result(timeout=30)
         assert direct.backlog() == 0
+        futures = [direct.submit_write(4096 + (i << 20), np.ones(1 << 20, dtype=np.uint8)) for i in range(4)]
+        for future in futures:
+            future.result(timeout=30)
+        pace = direct.pace()
+        assert pace is not None and pace.pending_bytes == 0
+        assert pace.bytes_per_second is not None and pace.bytes_per_second > 0
     finally:
         direct.abort()
 

@@ -288,8 +288,6 @@ class CudaDevice:
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)
         self._codecs: dict[tuple[str, str | None, float | None], Any] = {}
-        self._ans: Any = None
-        """The C API's ANS decoder (``nvcomp_c.AnsBatchDecoder``), made on first use."""
 
     def use_in_thread(self) -> None:
         """Make the device current on the calling thread."""
@@ -372,7 +370,7 @@ class CudaDevice:
         addresses, and its stream sizes with 0 for a checksum mismatch, so that nvCOMP decodes
         nothing of it and reports it undecodable); ``nvcompBatchedANSDecompressAsync``; the
         checksums, statuses and sizes come back into pinned memory."""
-        from .nvcomp_c import AnsBatchDecoder, crc32c_launch
+        from .nvcomp_c import crc32c_launch
 
         cupy = self.xp
         count = len(bodies)
@@ -399,19 +397,18 @@ class CudaDevice:
                           self.stream)
             keep: list[Any] = [on_device, results]
             if decoded:
-                if self._ans is None:
-                    self._ans = AnsBatchDecoder(self.stream, self.device_id)
-                misaligned = [i for i, out in zip(which, chosen) if bodies[i].data.ptr % self._ans.input_alignment
-                              or out.data.ptr % self._ans.output_alignment]
+                ans = self.codec("ans").decoder
+                misaligned = [i for i, out in zip(which, chosen) if bodies[i].data.ptr % ans.input_alignment
+                              or out.data.ptr % ans.output_alignment]
                 if misaligned:
                     raise RuntimeError(f"ANS buffers of chunks {misaligned} miss nvCOMP's alignment "
-                                       f"({self._ans.input_alignment} / {self._ans.output_alignment} bytes)")
+                                       f"({ans.input_alignment} / {ans.output_alignment} bytes)")
                 arguments = cupy.empty(2 * decoded, dtype=cupy.uint64)
                 keep.append(arguments)
                 threads = 128
                 _raw_kernel(cupy, _GATE, "gate")(((decoded + threads - 1) // threads,), (threads,),
                                                  (on_device, crcs, np.uint64(count), np.uint64(decoded), arguments))
-                self._ans.decode(arguments.data.ptr, arguments.data.ptr + 8 * decoded,
+                ans.decode(arguments.data.ptr, arguments.data.ptr + 8 * decoded,
                                  base + 8 * (3 * count + 2 * decoded), base + 8 * (3 * count + decoded), decoded,
                                  int(table[3 * count + 2 * decoded:].max()),
                                  statuses=results.data.ptr + count * 4, decoded=results.data.ptr + layout)
@@ -458,11 +455,6 @@ class CudaDevice:
         with self.xp.cuda.Device(self.device_id):
             for codec in codecs:
                 codec.close()
-            if self._ans is not None:
-                with contextlib.suppress(Exception):  # a failed device: its error is raised elsewhere
-                    self.stream.synchronize()
-                self._ans.close()
-                self._ans = None
 
     def forget_codecs(self) -> None:
         """Drop the codecs without destroying them: a worker that did not stop may still be inside

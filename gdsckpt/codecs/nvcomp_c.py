@@ -1,9 +1,9 @@
 """nvCOMP's C API through ctypes: the batched CRC-32C, and ANS decompression without a wait.
 
 nvCOMP's Python package does not expose its CRC32 API, and its ``Codec.decode`` waits for the
-stream before it returns (it hands back the decoded sizes as host numbers): on an H200 a batch
-call cost 2.3-3.7 ms whether it held 1 chunk or 64 (``experiments/batch_scaling.py``), and the
-restore's worker spent that wait with the GPU's copy engines busy and its own thread idle. This
+stream before it returns (it hands back the decoded sizes as host numbers), at a cost per call
+that does not shrink with the batch (docs/performance.md, "Fast tiers";
+``experiments/batch_scaling.py`` measures it); a restore's worker spent that wait idle. This
 module binds the C functions of ``libnvcomp`` (the library the Python package ships):
 
 - ``nvcompBatchedCRC32Async`` with nvCOMP's CRC32-C preset (poly 0x1EDC6F41, init and xorout
@@ -127,6 +127,30 @@ def _check(status: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with nvCOMP status {status}")
 
 
+def _aligned(inputs: list[Any], base: int, offsets: list[int], input_alignment: int, output_alignment: int) -> bool:
+    """Whether every input and every output (``base`` + offset) meets nvCOMP's alignment."""
+    return (all(int(data.data.ptr) % input_alignment == 0 for data in inputs)
+            and all((base + int(offset)) % output_alignment == 0 for offset in offsets))
+
+
+def _at_least(buffer: Any, nbytes: int, device_id: int) -> Any:
+    """``buffer`` when it holds ``nbytes`` (or none are needed), else a new device buffer of
+    ``nbytes``: the temporary memory of a batch, kept and grown across batches."""
+    if nbytes == 0 or (buffer is not None and buffer.nbytes >= nbytes):
+        return buffer
+    with cupy.cuda.Device(device_id):
+        return cupy.empty(nbytes, dtype=cupy.uint8)
+
+
+def _waited(results: Any, count: int, stream: Any) -> tuple[list[int], list[int]]:
+    """(sizes, failed statuses) of a batch whose ``results`` hold ``count`` uint64 sizes followed
+    by ``count`` int32 statuses, once ``stream`` has finished."""
+    host = results.get(stream=stream)
+    stream.synchronize()
+    statuses = host[count:].view(np.int32)[:count]
+    return [int(size) for size in host[:count]], [int(status) for status in statuses if status != _SUCCESS]
+
+
 def crc32c_launch(pointers: int, sizes: int, count: int, largest: int, out: int, stream: Any) -> None:
     """Queue the CRC-32C of ``count`` device buffers on ``stream``: ``pointers`` and ``sizes`` are
     device arrays of ``count`` uint64 (addresses, lengths), ``out`` a device array of ``count``
@@ -193,9 +217,7 @@ class AnsBatchDecoder:
                statuses: int, decoded: int) -> None:
         """Queue the batch (see the class docstring); nothing is waited for."""
         need = self.temp_bytes(count, largest)
-        if need and (self._temp is None or self._temp.nbytes < need):
-            with cupy.cuda.Device(self.device_id):
-                self._temp = cupy.empty(need, dtype=cupy.uint8)
+        self._temp = _at_least(self._temp, need, self.device_id)
         temp = self._temp.data.ptr if need else None
         _check(self._lib.nvcompBatchedANSDecompressAsync(pointers, sizes, capacities, decoded, count, temp, need,
                                                          outputs, self._opts, statuses,
@@ -210,9 +232,9 @@ class AnsBatchDecoder:
 class AnsCodec:
     """nvCOMP ANS through the C API, with the interface of ``nvcomp.DeviceCodec`` (the GPU
     encoder and the decoder's synchronous path use it as they use any device codec): one table
-    upload, one launch and one wait per batch, where the Python API's ``Codec`` cost 2.3-4.5 ms
-    per call (``experiments/batch_scaling.py``). Writes the RAW bitstream nvCOMP's Python API
-    writes for the same ``data_type`` (``tests/gpu`` compares the two); ``nvcomp.ans/1``."""
+    upload, one launch and one wait per batch, a fraction of the Python API's ``Codec`` call
+    (docs/performance.md). Writes the RAW bitstream nvCOMP's Python API writes for the same
+    ``data_type`` (``tests/gpu`` compares the two); ``nvcomp.ans/1``."""
 
     user_name = "ans"
     delta = None
@@ -230,7 +252,8 @@ class AnsCodec:
         _check(self._lib.nvcompBatchedANSCompressGetRequiredAlignments(self._opts, ctypes.byref(alignments)),
                "nvcompBatchedANSCompressGetRequiredAlignments")
         self._alignments = (max(1, int(alignments.input)), max(1, int(alignments.output)))
-        self._decoder = AnsBatchDecoder(stream, device_id)
+        self.decoder = AnsBatchDecoder(stream, device_id)
+        """This codec's queued decoder (also what ``CudaDevice.verified_ans_decode`` runs)."""
         self._temp: Any = None
         self._fallback: Any = None
         """The Python API's codec, for inputs the C API's alignment rule refuses (made when needed)."""
@@ -262,9 +285,8 @@ class AnsCodec:
         count = len(inputs)
         if count == 0:
             return []
-        in_align, out_align = self._alignments
         base = int(buffer.data.ptr)
-        if any(int(data.data.ptr) % in_align for data in inputs) or any((base + o) % out_align for o in offsets):
+        if not _aligned(inputs, base, offsets, *self._alignments):
             return self._python_codec().encode_into(inputs, buffer, offsets, capacity)  # type: ignore[no-any-return]
         if any(int(o) + capacity > buffer.nbytes for o in offsets):
             raise ValueError("an ANS output runs past its buffer")
@@ -280,20 +302,15 @@ class AnsCodec:
                                                                  sum(sizes_in), ctypes.c_void_p(self.stream.ptr)),
                    "nvcompBatchedANSCompressGetTempSize")
             need = int(temp_bytes.value)
-            if need and (self._temp is None or self._temp.nbytes < need):
-                self._temp = cupy.empty(need, dtype=cupy.uint8)
+            self._temp = _at_least(self._temp, need, self.device_id)
             first = on_device.data.ptr
             _check(self._lib.nvcompBatchedANSCompressAsync(
                 first, first + 8 * count, largest, count, self._temp.data.ptr if need else None, need,
                 first + 16 * count, results.data.ptr, self._opts, results.data.ptr + 8 * count,
                 ctypes.c_void_p(self.stream.ptr)), "nvcompBatchedANSCompressAsync")
-            host = results.get(stream=self.stream)
-            self.stream.synchronize()
-        statuses = host[count:].view(np.int32)[:count]
-        failed = [int(status) for status in statuses if status != _SUCCESS]
+            sizes, failed = _waited(results, count, self.stream)
         if failed:
             raise RuntimeError(f"nvCOMP ANS compression failed with status {failed[0]}")
-        sizes = [int(size) for size in host[:count]]
         if max(sizes) > capacity:
             raise RuntimeError(f"nvCOMP ANS wrote a stream of {max(sizes)} bytes into room for {capacity}")
         return sizes
@@ -307,8 +324,7 @@ class AnsCodec:
         if count == 0:
             return []
         base = int(buffer.data.ptr)
-        if (any(int(data.data.ptr) % self._decoder.input_alignment for data in inputs)
-                or any((base + o) % self._decoder.output_alignment for o in offsets)):
+        if not _aligned(inputs, base, offsets, self.decoder.input_alignment, self.decoder.output_alignment):
             return self._python_codec().decode_into(inputs, buffer, offsets, sizes)  # type: ignore[no-any-return]
         table = np.array([[int(data.data.ptr) for data in inputs], [int(data.nbytes) for data in inputs],
                           [int(size) for size in sizes], [base + int(o) for o in offsets]], dtype=np.uint64)
@@ -316,24 +332,21 @@ class AnsCodec:
             on_device = cupy.asarray(table)
             results = cupy.zeros(2 * count, dtype=cupy.uint64)  # decoded sizes, then statuses
             first = on_device.data.ptr
-            self._decoder.decode(first, first + 8 * count, first + 16 * count, first + 24 * count, count,
+            self.decoder.decode(first, first + 8 * count, first + 16 * count, first + 24 * count, count,
                                  max(int(size) for size in sizes), statuses=results.data.ptr + 8 * count,
                                  decoded=results.data.ptr)
-            host = results.get(stream=self.stream)
-            self.stream.synchronize()
-        statuses = host[count:].view(np.int32)[:count]
-        failed = [int(status) for status in statuses if status != _SUCCESS]
+            decoded, failed = _waited(results, count, self.stream)
         if failed:
             raise RuntimeError(f"nvcompErrorCannotDecompress: ANS status {failed[0]} for "
                                f"{len(failed)} of {count} streams")
-        return [int(size) for size in host[:count]]
+        return decoded
 
     def close(self) -> None:
         """Release the temporary memory after the work queued on the stream."""
         with contextlib.suppress(Exception):  # a failed device: its error is raised elsewhere
             self.stream.synchronize()
         self._temp = None
-        self._decoder.close()
+        self.decoder.close()
         if self._fallback is not None:
             self._fallback.close()
             self._fallback = None

@@ -283,11 +283,10 @@ def pwritev_all(fd: int, buffers: list[Any], offset: int) -> None:
 
 
 COALESCE_BYTES = 64 << 20
-"""The largest O_DIRECT write a ``PosixWriter`` makes of consecutive chunks (``pwritev``). On the
-2-core virtio host, durable O_DIRECT writes ran at 0.38 GB/s in 4 MiB pieces on 8 threads, 0.52 in
-16 MiB pieces and 0.61 in 64 MiB ones, against 0.61-0.69 for one buffered sequential write: the
-size of each write, not the number in flight, was the limit. NVMe splits a large write into
-requests of its own, so it loses nothing."""
+"""The largest O_DIRECT write a ``PosixWriter`` makes of consecutive chunks (``pwritev``). On a
+small virtual disk the size of each write, not the number in flight, limited durable writes
+(docs/performance.md, "Save and load on the CPU"); NVMe splits a large write into requests of its
+own, so it loses nothing."""
 COALESCE_BUFFERS = 512
 """The most buffers one ``pwritev`` takes (Linux's IOV_MAX is 1024)."""
 HOLD_WHILE_RUNNING = 2

@@ -12,8 +12,8 @@ slots, so device memory beyond the destination arrays is the ring plus nvCOMP's 
 the checkpoint's size.
 
 Host destinations (``load(device="cpu")`` of a file only a GPU decodes): a copy from device memory
-into pageable host memory runs at a small fraction of one into pinned memory (measured 1.2
-against 55 GB/s on an H200 host), so decoded chunks bound for host memory are copied into a pinned
+into pageable host memory runs at a small fraction of one into pinned memory (docs/performance.md,
+"Fast tiers"), so decoded chunks bound for host memory are copied into a pinned
 bounce buffer of ``HOST_BOUNCE_BYTES`` (allocated on the first such chunk), and from there into
 the destinations by ``HOST_COPY_THREADS`` threads at once, a bounce-full at a time.
 

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 BATCH_CHUNKS = 256
 """Most chunks a worker hands nvCOMP in one batch (fewer when fewer are queued or the ring has
-fewer slots). A batch call costs nearly the same whatever it holds: ANS on 16 MiB chunks of an
-H200 decoded 16 chunks at 68 GB/s, 64 at 337 and 256 at 859 GB/s, while two batches on two streams
-at once were no faster than one (``experiments/batch_scaling.py``, docs/performance.md)."""
+fewer slots). A batch call costs nearly the same whatever it holds, and two batches on two
+streams at once were no faster than one (``experiments/batch_scaling.py``; figures in
+docs/performance.md, "Fast tiers")."""
 IDLE_POLL_SECONDS = 1.0
 """How long the idle worker waits for a job before looking whether it was closed."""
 
