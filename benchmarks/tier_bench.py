@@ -19,10 +19,14 @@ then, round-robin for ``--repeat`` rounds, on the GPU (``--device cuda``, the GP
   against ``torch.save`` / ``torch.load`` of the same dict, files in ``--shm-dir``.
 
 With ``--device cpu`` the same tiers run on the CPU engine (raw reads with ``readinto``).
-``--profile`` also records where a restore's time goes: the decoder worker's time per stage
-(queueing a checked ANS batch, waiting for the stream, other codecs' checksums and decoding,
-copies to the destinations), from one extra restore per tier with the stages timed (slower than
-the timed rounds); ``--cprofile`` adds a cProfile of the workers' batches.
+``--profile`` also records where a restore's time goes, from one extra restore per tier with the
+stages timed (slower than the timed rounds): the setup (``setup_open``: reading and validating the
+index; ``setup_targets``: making the destination arrays; ``setup_to_stream``: from opening to the
+first chunk read), the chunk stream's timeline (``t_*``: seconds from its start to the first and
+last read seen landed, the worker's first batch and last batch end, the stream's end), what
+follows it (``after_stream``), and the decoder worker's time per stage (queueing a checked ANS
+batch, waiting for the stream, other codecs' checksums and decoding, copies to host memory);
+``--cprofile`` adds a cProfile of the workers' batches.
 
 GB/s are logical tensor bytes (10**9) over wall seconds; every restore is compared bit for bit.
 ``limits`` gives each figure as a fraction of ratio x raw of its tier.
@@ -194,7 +198,55 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
         setattr(owner, name, profiled)
         return owner, name, original
 
+    # A timeline of the restore (seconds from the start of its chunk stream): when the driver saw
+    # the first and last read land (each ``submit_decode``), when the worker's batches ran, when
+    # the stream ended; and the setup before it: opening the file (reading and validating the
+    # index), making the destination tensors, starting the decoder.
+    marks: dict[str, list[float]] = {"stream": [], "submits": [], "batches": [], "open": [], "restore": [],
+                                     "engine": []}
+    sizes: list[int] = []
+
+    def mark_submit(original: Any) -> Any:
+        def submitted(*args: Any, **kwargs: Any) -> Any:
+            marks["submits"].append(time.perf_counter())
+            return original(*args, **kwargs)
+        return submitted
+
+    def mark_batch(original: Any) -> Any:
+        def batch(self: Any, jobs: list[Any]) -> None:
+            started = time.perf_counter()
+            try:
+                original(self, jobs)
+            finally:
+                marks["batches"] += [started, time.perf_counter()]
+                sizes.append(len(jobs))
+        return batch
+
+    def mark_span(label: str) -> Callable[[Any], Any]:
+        def wrapper(original: Any) -> Any:
+            def spanned(*args: Any, **kwargs: Any) -> Any:
+                marks[label].append(time.perf_counter())
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    marks[label].append(time.perf_counter())
+            return spanned
+        return wrapper
+
+    from gdsckpt.api import checkpoint as checkpoint_module
+    from gdsckpt.api import reading as reading_module
+    from gdsckpt.pipeline import load as load_module
+
     patches = []
+    for owner, name, wrapper in ((reading_module, "open_checked", mark_span("open")),
+                                 (reading_module, "restore_arrays", mark_span("restore")),
+                                 (checkpoint_module, "restore_engine", mark_span("engine")),
+                                 (load_module, "_stream_chunks", mark_span("stream")),
+                                 (decoder_module.GpuDecoder, "submit_decode", mark_submit),
+                                 (decoder_module.GpuDecoder, "_decode_batch", mark_batch)):
+        original = getattr(owner, name)
+        setattr(owner, name, wrapper(original))
+        patches.append((owner, name, original))
     if cprofile:
         patches += [profile(decoder_module.GpuDecoder, "_decode_batch", profilers["decode"]),
                     profile(encoder_module.GpuEncoder, "_encode_batch", profilers["encode"])]
@@ -212,6 +264,17 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
     finally:
         for owner, name, original in reversed(patches):
             setattr(owner, name, original)
+        if len(marks["stream"]) >= 2 and marks["submits"] and marks["batches"]:
+            zero, batches = marks["stream"][0], marks["batches"]
+            busy = sum(batches[i + 1] - batches[i] for i in range(0, len(batches), 2))
+            totals.update(t_first_read=marks["submits"][0] - zero, t_last_read=marks["submits"][-1] - zero,
+                          t_first_batch=batches[0] - zero, t_last_batch_end=batches[-1] - zero,
+                          t_stream_end=marks["stream"][1] - zero, worker_busy=busy,
+                          setup_open=marks["open"][1] - marks["open"][0] if marks["open"] else float("nan"),
+                          setup_targets=(marks["engine"][0] - marks["restore"][0]) if marks["engine"] else float("nan"),
+                          setup_to_stream=zero - marks["open"][0] if marks["open"] else float("nan"),
+                          after_stream=(marks["restore"][1] - marks["stream"][1]) if marks["restore"] else float("nan"),
+                          batch_chunks_mean=float(np.mean(sizes)), batch_chunks_max=float(max(sizes)))
         if cprofile:
             for direction, profiler in profilers.items():
                 text = io.StringIO()

@@ -27,7 +27,7 @@ import numpy as np
 import zstandard
 
 from gdsckpt.codecs import codec_spec, host_codec
-from gdsckpt.codecs.device import CheckedBatch
+from gdsckpt.codecs.device import CheckedBatch, planes_inverse_into
 from gdsckpt.codecs.nvcomp import BITCOMP_LOSSY_TYPES, codec_stage
 from gdsckpt.format import checksum
 
@@ -197,6 +197,23 @@ class FakeDevice:
         self._check("zero_fill")
         for view in views:
             view[...] = 0
+
+    def planes_inverse_to(self, planes: np.ndarray, address: int, width: int) -> None:
+        """Undo the planes on the host, then copy to the address (host memory: the fake's
+        "device" pointers)."""
+        self._check("planes_inverse_to")
+        self.calls.append(("planes_inverse_to", "", None, None, 1))
+        assert address % width == 0
+        out = planes_inverse_into(planes, np.empty(planes.nbytes, dtype=np.uint8), width)
+        ctypes.memmove(address, out.ctypes.data, out.nbytes)
+
+    def copy_out(self, raw: np.ndarray, places: list[tuple[int, int, int]]) -> None:
+        """Copy each range to its address."""
+        self._check("copy_out")
+        self.calls.append(("copy_out", "", None, None, len(places)))
+        for offset, length, address in places:
+            assert offset + length <= raw.nbytes
+            ctypes.memmove(address, raw.ctypes.data + offset, length)
 
     def gather(self, ranges: list[tuple[int, int, int]], into: np.ndarray) -> None:
         """Copy host memory at the given addresses (the fake's "device" pointers)."""

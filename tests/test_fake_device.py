@@ -133,6 +133,97 @@ def test_portable_bitstreams_cross_between_the_fake_gpu_and_the_cpu_engine() -> 
     assert_same(restore_through(HostEngine([], codec="none", byte_planes="never", threads=2), store, flat), state)
 
 
+class DeviceMemoryTarget(NumpyTarget):
+    """A destination in the fake's "device" memory (host memory: its pointers are the fake's
+    device addresses) on CUDA device ``device``, which the decoder may write itself
+    (``device_address``); ``calls`` counts the bytes handed to it through ``write_*`` instead."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, device: int = 0):
+        super().__init__(shape, np.dtype(dtype).name)
+        self.device = device
+        self.delivered = 0
+
+    def device_address(self, start: int) -> tuple[int, int] | None:
+        return (self.device, int(self._flat.ctypes.data) + start) if self.nbytes else None
+
+    def write_device(self, start: int, data: Any) -> None:
+        self.delivered += data.nbytes
+        super().write_device(start, data)
+
+    def write_host(self, start: int, data: np.ndarray) -> None:
+        self.delivered += data.nbytes
+        super().write_host(start, data)
+
+
+def restore_into(device: FakeDevice, store: MemoryStore, flat: Any,
+                 make_target: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    reader = MemoryReader(store, "ckpt")
+    index = open_file(reader).index
+    targets = {i: make_target(a) for i, a in enumerate(flat.arrays)}
+    dec = decoder(device)
+    try:
+        run_restore(reader, index, dec, targets, max_inflight_bytes=1 << 30, timeout=TIMEOUT)
+    finally:
+        dec.close()
+    return ({a.key: targets[i].finish() for i, a in enumerate(flat.arrays)},
+            {a.key: targets[i] for i, a in enumerate(flat.arrays)})
+
+
+@pytest.mark.parametrize("codec", ["ans", "zstd", "none"])
+@pytest.mark.parametrize("byte_planes", ["auto", "never"])
+def test_decoder_writes_device_destinations_itself_bit_exact(codec: str, byte_planes: str) -> None:
+    """Every destination in the decoder's device memory: the decoder writes each chunk there
+    (byte planes undone straight into a destination that takes a whole chunk, copies into the
+    packed ones) and hands nothing to ``write_device``."""
+    state = weights(4)
+    store, flat, _ = save_through(FakeDevice(), state, codec=codec, byte_planes=byte_planes)
+    device = FakeDevice()
+    got, targets = restore_into(device, store, flat, lambda a: DeviceMemoryTarget(a.shape, a.dtype))
+    assert_same(got, state)
+    assert all(target.delivered == 0 for target in targets.values())
+    operations = {call[0] for call in device.calls}
+    assert "copy_out" in operations  # the packed small arrays
+    planed = any(chain[0]["name"] == "byteplanes/1" for chain in chains_of(store))
+    assert ("planes_inverse_to" in operations) == planed
+
+
+def test_chunks_with_a_destination_elsewhere_are_delivered_whole_through_the_callback() -> None:
+    """A chunk is placed only when every destination of it is on the decoder's device: a packed
+    chunk shared with an ordinary target, and one whose array is on another device, go through
+    ``write_device`` whole; the other chunks are written in place; all bit-exact."""
+    rng = np.random.default_rng(5)
+    state = {**weights(5), "a": rng.standard_normal(100).astype(np.float32),
+             "b": rng.standard_normal(50).astype(np.float32)}
+    store, flat, _ = save_through(FakeDevice(), state, codec="ans", byte_planes="always")
+    index = open_file(MemoryReader(store, "ckpt")).index
+    chunk_of = {record.key: {segment.chunk for segment in record.segments} for record in index.tensors}
+    assert chunk_of["a"] == chunk_of["b"]  # packed together
+
+    def make(array: Any) -> Any:
+        if array.key == "steps":
+            return DeviceMemoryTarget(array.shape, array.dtype, device=1)
+        if array.key == "b":
+            return NumpyTarget(array.shape, np.dtype(array.dtype).name)
+        return DeviceMemoryTarget(array.shape, array.dtype)
+
+    got, targets = restore_into(FakeDevice(), store, flat, make)
+    assert_same(got, state)
+    assert targets["steps"].delivered == state["steps"].nbytes
+    assert targets["a"].delivered == state["a"].nbytes  # its chunk holds "b" too
+    assert targets["w32"].delivered == 0 and targets["zeros"].delivered == 0
+
+
+def test_damaged_chunk_with_device_destinations_is_corruption() -> None:
+    state = weights(6)
+    store, flat, _ = save_through(FakeDevice(), state, codec="ans")
+    blob = bytearray(store.get("ckpt"))
+    first = open_file(MemoryReader(store, "ckpt")).index.chunks[0]
+    blob[first.offset + first.stored // 2] ^= 0x40
+    store.put("ckpt", bytes(blob))
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        restore_into(FakeDevice(), store, flat, lambda a: DeviceMemoryTarget(a.shape, a.dtype))
+
+
 def test_gpu_only_streams_are_marked_fake() -> None:
     store, _flat, _ = save_through(FakeDevice(), weights(), codec="ans")
     blob = store.get("ckpt")

@@ -249,6 +249,17 @@ def test_state_that_is_a_bare_tensor_or_value(ckpt_path: Path, h: Any) -> None:
         h.assert_same(state, gdsckpt.load(ckpt_path))
 
 
+def test_keys_with_empty_and_escaped_components_open_and_load(ckpt_path: Path, h: Any) -> None:
+    """Opening a file checks every tensor's key against its place in the structure: empty
+    components at the root and below, and components that need escaping ("/", "~"), pass."""
+    state = {"": {"": torch.arange(3), "a/b": [torch.ones(2), {"~x": torch.zeros(4)}]},
+             "~": (torch.full((2,), 7.0),), "top": torch.eye(2)}
+    gdsckpt.save(state, ckpt_path)
+    keys = [t.key for t in gdsckpt.inspect(ckpt_path).tensors]
+    assert sorted(keys) == sorted(["/", "/a~1b/0", "/a~1b/1/~0x", "~0/0", "top"])
+    h.assert_same(state, gdsckpt.load(ckpt_path))
+
+
 def test_model_and_optimizer_state_dicts_round_trip(ckpt_path: Path, h: Any) -> None:
     from gdsckpt.demo import training_state
 

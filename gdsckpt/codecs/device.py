@@ -238,6 +238,16 @@ class DeviceBackend(Protocol):
         """Set every byte of each device array in ``views`` to zero, in one launch."""
         ...
 
+    def planes_inverse_to(self, planes: Any, address: int, width: int) -> None:
+        """Queue ``planes_inverse_into`` of the device array ``planes`` into device memory at
+        ``address`` (aligned to ``width``; room for ``planes.nbytes``), on the stream."""
+        ...
+
+    def copy_out(self, raw: Any, places: list[tuple[int, int, int]]) -> None:
+        """Queue copies of ``raw[offset:offset + length]`` to device memory at ``address`` for
+        each ``(offset, length, address)`` of ``places``, on the stream."""
+        ...
+
     def gather(self, ranges: list[tuple[int, int, int]], into: Any) -> None:
         """Copy device ranges ``(address, position, length)`` into ``into[position:position +
         length]`` on the stream, in one launch (``address``: a device pointer on this device)."""
@@ -346,6 +356,21 @@ class CudaDevice:
         starts = cupy.asarray(np.array([v.data.ptr for v in views], dtype=np.uint64))
         lengths = cupy.asarray(np.array([v.nbytes for v in views], dtype=np.int32))
         _raw_kernel(cupy, _ZERO_FILL, "zero_fill")((len(views),), (256,), (starts, lengths))
+
+    def planes_inverse_to(self, planes: Any, address: int, width: int) -> None:
+        """``_PLANES``' inverse kernel, its output a raw address (a destination tensor's memory:
+        no array object is made for it)."""
+        count = planes.nbytes // width
+        threads = 256
+        _raw_kernel(self.xp, _PLANES, f"inverse{width}")((min((count + threads - 1) // threads, 16384),), (threads,),
+                                                         (planes, np.uint64(address), np.uint64(count)))
+
+    def copy_out(self, raw: Any, places: list[tuple[int, int, int]]) -> None:
+        """One ``cudaMemcpyAsync`` per place (device to device, on the stream)."""
+        runtime = self.xp.cuda.runtime
+        source, stream = int(raw.data.ptr), self.stream.ptr
+        for offset, length, address in places:
+            runtime.memcpyAsync(address, source + offset, length, runtime.memcpyDeviceToDevice, stream)
 
     def gather(self, ranges: list[tuple[int, int, int]], into: Any) -> None:
         """One kernel launch, one block per range (``_GATHER``)."""

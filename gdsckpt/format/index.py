@@ -287,15 +287,22 @@ def _parse_chunks(raw: Any, n_chains: int, index_offset: int) -> list[ChunkRecor
     chunks: list[ChunkRecord] = []
     previous_end = HEADER_REGION
     for i, entry in enumerate(raw):
-        if not isinstance(entry, list) or len(entry) != 5:
+        if type(entry) is not list or len(entry) != 5:
             raise _fail("chunk record must be [offset, stored, raw, crc, chain]", chunk=i)
-        offset = _int(entry[0], f"chunk {i} offset", HEADER_REGION, index_offset + 1)
-        stored = _int(entry[1], f"chunk {i} stored length", 0, index_offset + 1)
-        raw_len = _int(entry[2], f"chunk {i} raw length", 0, MAX_CHUNK_RAW_BYTES + 1)
-        crc = _int(entry[3], f"chunk {i} checksum", 0, 1 << 32)
-        chain = _int(entry[4], f"chunk {i} chain", 0, max(n_chains, 1))
-        if chain >= n_chains:
-            raise _fail(f"chunk {i} names chain {chain} of {n_chains}", chunk=i)
+        offset, stored, raw_len, crc, chain = entry
+        # The common case in one expression (JSON integers are exactly ``int``); anything else goes
+        # through the field-by-field checks, which name what is wrong.
+        if not (type(offset) is int and HEADER_REGION <= offset <= index_offset
+                and type(stored) is int and 0 <= stored <= index_offset
+                and type(raw_len) is int and 0 <= raw_len <= MAX_CHUNK_RAW_BYTES
+                and type(crc) is int and 0 <= crc < 1 << 32 and type(chain) is int and 0 <= chain < n_chains):
+            offset = _int(entry[0], f"chunk {i} offset", HEADER_REGION, index_offset + 1)
+            stored = _int(entry[1], f"chunk {i} stored length", 0, index_offset + 1)
+            raw_len = _int(entry[2], f"chunk {i} raw length", 0, MAX_CHUNK_RAW_BYTES + 1)
+            crc = _int(entry[3], f"chunk {i} checksum", 0, 1 << 32)
+            chain = _int(entry[4], f"chunk {i} chain", 0, max(n_chains, 1))
+            if chain >= n_chains:
+                raise _fail(f"chunk {i} names chain {chain} of {n_chains}", chunk=i)
         if offset % ALIGNMENT:
             raise _fail(f"chunk offset {offset} is not a multiple of {ALIGNMENT}", chunk=i)
         if offset < previous_end:
@@ -329,14 +336,16 @@ def _parse_tensors(raw: Any, chunks: list[ChunkRecord]) -> list[TensorRecord]:
             raise _fail(f"unknown dtype {dtype!r:.40}", key=key)
         if not isinstance(shape_raw, list) or len(shape_raw) > 64:
             raise _fail("shape must be a list of at most 64 dimensions", key=key)
-        shape = tuple(_int(d, f"tensor {key!r} dimension", 0, MAX_TENSOR_BYTES) for d in shape_raw)
+        shape = tuple(shape_raw)
+        if not all(type(d) is int and 0 < d < MAX_TENSOR_BYTES for d in shape):
+            shape = tuple(_int(d, f"tensor {key!r} dimension", 0, MAX_TENSOR_BYTES) for d in shape_raw)
+            # An empty array's other dimensions still set its strides: torch and NumPy refuse a
+            # shape whose nonzero dimensions multiply past int64 (e.g. [0, 2^59, 2^59]).
+            if math.prod(max(d, 1) for d in shape) * DTYPES[dtype].itemsize > MAX_TENSOR_BYTES:
+                raise _fail(f"shape {list(shape)!r:.80} spans more than {MAX_TENSOR_BYTES} bytes", key=key)
         nbytes = math.prod(shape) * DTYPES[dtype].itemsize
         if nbytes > MAX_TENSOR_BYTES:
             raise _fail(f"tensor claims {nbytes} bytes", key=key)
-        # An empty array's other dimensions still set its strides: torch and NumPy refuse a shape
-        # whose nonzero dimensions multiply past int64 (e.g. [0, 2^59, 2^59]), so bound them too.
-        if math.prod(max(d, 1) for d in shape) * DTYPES[dtype].itemsize > MAX_TENSOR_BYTES:
-            raise _fail(f"shape {list(shape)!r:.80} spans more than {MAX_TENSOR_BYTES} bytes", key=key)
         device = entry.get("device", "cpu")
         if not isinstance(device, str):
             raise _fail("device must be a string", key=key)
@@ -392,14 +401,18 @@ def _parse_segments(raw: Any, chunks: list[ChunkRecord], key: str, nbytes: int, 
         raise _fail("segments must be a list", key=key)
     segments = []
     total = 0
+    count = len(chunks)
     for entry in raw:
-        if not isinstance(entry, list) or len(entry) != 3:
+        if type(entry) is not list or len(entry) != 3:
             raise _fail("segment must be [chunk, raw_offset, length]", key=key)
-        chunk = _int(entry[0], "segment chunk", 0, max(len(chunks), 1))
-        if chunk >= len(chunks):
-            raise _fail(f"segment names chunk {chunk} of {len(chunks)}", key=key)
-        start = _int(entry[1], "segment offset", 0, MAX_CHUNK_RAW_BYTES + 1)
-        length = _int(entry[2], "segment length", 1, MAX_CHUNK_RAW_BYTES + 1)
+        chunk, start, length = entry
+        if not (type(chunk) is int and 0 <= chunk < count and type(start) is int and start >= 0
+                and type(length) is int and length >= 1 and start + length <= MAX_CHUNK_RAW_BYTES):
+            chunk = _int(entry[0], "segment chunk", 0, max(count, 1))
+            if chunk >= count:
+                raise _fail(f"segment names chunk {chunk} of {count}", key=key)
+            start = _int(entry[1], "segment offset", 0, MAX_CHUNK_RAW_BYTES + 1)
+            length = _int(entry[2], "segment length", 1, MAX_CHUNK_RAW_BYTES + 1)
         if start + length > chunks[chunk].raw:
             raise _fail(f"segment [{start}, +{length}) runs past the chunk's {chunks[chunk].raw} bytes",
                         key=key, chunk=chunk)

@@ -110,6 +110,9 @@ class Decoder(ABC):
     returned; then ``close()``."""
 
     name: str
+    device_places: int | None = None
+    """The CUDA device whose memory this decoder writes itself when ``submit_decode`` names
+    ``places`` there; None for a decoder that only hands bytes to ``deliver``."""
 
     def reserve_reads(self, records: list[ChunkRecord], codecs: Any = ()) -> int | None:
         """Prepare to restore ``records`` (the chunks about to be read, in order; ``codecs``: the
@@ -125,11 +128,15 @@ class Decoder(ABC):
 
     @abstractmethod
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
-                      deliver: Callable[[Any], None], *, to_host: bool = False) -> Future[None]:
+                      deliver: Callable[[Any], None], *, to_host: bool = False,
+                      places: list[tuple[int, int, int]] | None = None) -> Future[None]:
         """Check ``stored`` (the padded bytes read for ``record``) against the record's checksum,
         decode it through ``chain`` and pass the raw bytes to ``deliver``. ``to_host``: every
         destination of the chunk is host memory (a device decoder then hands ``deliver`` host
-        bytes; the host engine always does).
+        bytes; the host engine always does). ``places``: only for a decoder with
+        ``device_places``, every destination of the chunk as ``(raw offset, length, address)`` on
+        that device: the decoder may write the raw bytes there itself instead of calling
+        ``deliver`` (either reaches the same bytes).
 
         Raises ``CorruptCheckpointError`` (through the future) on a checksum mismatch or an
         undecodable stream.
@@ -297,7 +304,8 @@ class HostEngine(Engine):
 
     # -- restore ---------------------------------------------------------------------------
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
-                      deliver: Callable[[Any], None], *, to_host: bool = False) -> Future[None]:
+                      deliver: Callable[[Any], None], *, to_host: bool = False,
+                      places: list[tuple[int, int, int]] | None = None) -> Future[None]:
         return self._lane.submit(self._decode, record, chain, stored, deliver)
 
     def _codec(self, name: str) -> Codec:

@@ -160,7 +160,33 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: di
                  if not any(getattr(targets[array_id], "on_device", True) for array_id, *_rest in wanted)}
     return _stream_chunks(reader, index, engine, sorted(deliveries), deliver_to_targets,
                           max_inflight_bytes=max_inflight_bytes, timeout=timeout, direct=direct,
-                          progress=progress, to_host=host_only)
+                          progress=progress, to_host=host_only,
+                          places=_device_places(engine, targets, deliveries))
+
+
+def _device_places(engine: Engine, targets: dict[int, ArrayTarget],
+                   deliveries: dict[int, list[Delivery]]) -> dict[int, list[tuple[int, int, int]]]:
+    """Chunk -> its destinations as ``(raw offset, length, device address)``, for a decoder that
+    writes device memory itself (``Decoder.device_places``): the chunks whose every destination is
+    a target in that device's memory (``device_address``). The decoder then writes the decoded
+    bytes where they belong (with byte planes undone on the way where one destination takes the
+    whole chunk) instead of handing a view to ``write_device``, a copy and several array objects
+    per destination."""
+    device = engine.device_places
+    if device is None:
+        return {}
+    places: dict[int, list[tuple[int, int, int]]] = {}
+    for chunk, wanted in deliveries.items():
+        chunk_places = []
+        for array_id, raw_offset, length, position in wanted:
+            device_address = getattr(targets[array_id], "device_address", None)
+            found = device_address(position) if device_address is not None else None
+            if found is None or found[0] != device:
+                break
+            chunk_places.append((raw_offset, length, found[1]))
+        else:
+            places[chunk] = chunk_places
+    return places
 
 
 NONE_CHAIN = [{"name": "none/1"}]
@@ -249,10 +275,11 @@ def chunk_owner(index: Index, chunk: int) -> str | None:
 def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: list[int],
                    make_deliver: Callable[[int], Callable[[Any], None]], *, max_inflight_bytes: int,
                    timeout: float | None, direct: dict[int, Any] | None = None,
-                   progress: Callable[[int, int], None] | None = None, to_host: set[int] | None = None) -> int:
+                   progress: Callable[[int, int], None] | None = None, to_host: set[int] | None = None,
+                   places: dict[int, list[tuple[int, int, int]]] | None = None) -> int:
     """Read ``chunks`` and decode each as its read lands; ``progress(done, total)`` (raw bytes
     decoded so far) is called in this thread. ``to_host``: the chunks whose every destination is
-    host memory (``Decoder.submit_decode``)."""
+    host memory; ``places``: chunk -> its device destinations (both ``Decoder.submit_decode``)."""
     reads: deque[tuple[int, Future[Any], Any]] = deque()
     decodes: deque[tuple[int, Future[None], int]] = deque()
     inflight = 0
@@ -286,8 +313,11 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
         except BaseException as err:  # noqa: BLE001 - reraise names the chunk, then raises it
             reraise(chunk, err)
         record = index.chunks[chunk]
+        chunk_places = places.get(chunk) if places else None
+        extra = {"places": chunk_places} if chunk_places is not None else {}
         decodes.append((chunk, engine.submit_decode(record, index.chains[record.chain], buffer, make_deliver(chunk),
-                                                    to_host=to_host is not None and chunk in to_host), _cost(record)))
+                                                    to_host=to_host is not None and chunk in to_host, **extra),
+                        _cost(record)))
 
     def finish_decode(block: bool) -> None:
         nonlocal inflight, raw_done

@@ -4,6 +4,7 @@ library (JAX through DLPack)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from dataclasses import dataclass
@@ -173,6 +174,12 @@ class _Target:
         hands out none): a restore reads into no memory that another of its targets writes."""
         return None
 
+    def device_address(self, start: int) -> tuple[int, int] | None:
+        """(CUDA device index, address of byte ``start``) where the destination is contiguous
+        device memory a GPU decoder may write itself (``Decoder.submit_decode``'s ``places``);
+        None where it is not (the restore then writes through ``write_device``)."""
+        return None
+
 
 class TorchTarget(_Target):
     """A torch tensor to fill: a new one, or an existing one (``load_into``) written in place."""
@@ -188,10 +195,21 @@ class TorchTarget(_Target):
         else:
             self.tensor = torch.empty(shape, dtype=torch_dtype(dtype_name), device=device)
         self.nbytes = self.tensor.numel() * self.tensor.element_size()
-        self.on_device = self.tensor.device.type == "cuda"
-        self._flat = self.tensor.reshape(-1).view(torch.uint8) if self.nbytes else None
-        self._host = self._flat.numpy() if self._flat is not None and not self.on_device else None
+        self.on_device = self.tensor.is_cuda
         self._device_view: Any = None
+
+    # The byte views are made on first use: a restore makes a target per tensor before reading
+    # anything, and a GPU decoder that writes the tensor's memory itself (``device_address``)
+    # never needs them.
+    @functools.cached_property
+    def _flat(self) -> Any:
+        import torch
+
+        return self.tensor.reshape(-1).view(torch.uint8) if self.nbytes else None
+
+    @functools.cached_property
+    def _host(self) -> np.ndarray | None:
+        return self._flat.numpy() if self.nbytes and not self.on_device else None
 
     def write_host(self, start: int, data: np.ndarray) -> None:
         if self._host is not None:
@@ -211,6 +229,11 @@ class TorchTarget(_Target):
             return None
         start = self.tensor.data_ptr()
         return start, start + self.nbytes
+
+    def device_address(self, start: int) -> tuple[int, int] | None:
+        if not self.on_device or not self.nbytes:
+            return None
+        return self.tensor.get_device(), self.tensor.data_ptr() + start
 
     def write_device(self, start: int, data: Any) -> None:
         import cupy
@@ -287,6 +310,9 @@ class CupyTarget(_Target):
 
     def write_device(self, start: int, data: Any) -> None:
         self._flat[start:start + data.nbytes] = data
+
+    def device_address(self, start: int) -> tuple[int, int] | None:
+        return (self.array.device.id, self.array.data.ptr + start) if self.nbytes else None
 
     def finish(self) -> Any:
         return self.array

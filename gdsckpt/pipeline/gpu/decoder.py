@@ -7,7 +7,11 @@ which kvikio reads into) and the largest raw chunk (its second area). The worker
 (``BatchWorker``) checks each batch's CRC-32C on the device, decodes the batch with nvCOMP into
 the slots' output areas, undoes byte planes on the device (into the read area, whose stream is
 spent) and hands the bytes to the destination on the same stream, then synchronizes once per
-batch and returns the slots. The restore driver keeps no more chunks outstanding than there are
+batch and returns the slots. Where every destination of a chunk is memory on this device (a
+job's ``places``), the worker writes there itself: byte planes undone straight into a
+destination that takes the whole chunk, a device copy per destination otherwise; a restore of
+hundreds of tensors then makes no array object per destination (docs/performance.md, "Fast
+tiers"). The restore driver keeps no more chunks outstanding than there are
 slots, so device memory beyond the destination arrays is the ring plus nvCOMP's scratch, whatever
 the checkpoint's size.
 
@@ -67,6 +71,9 @@ class DecodeJob:
     deliver: Callable[[Any], None]
     future: Future[None]
     to_host: bool = False
+    places: list[tuple[int, int, int]] | None = None
+    """Where the raw bytes go on this device, ``(raw offset, length, address)``: written by the
+    decoder itself (``_place``) instead of through ``deliver``."""
 
 
 @dataclass
@@ -84,11 +91,13 @@ class GpuDecoder(WorkerOwner, Decoder):
     ``CudaDevice(device_id)``; tests pass a NumPy stand-in)."""
 
     name = "gpu"
+    device_places: int | None
 
     def __init__(self, *, device_id: int, max_staging_bytes: int, restore_staging_bytes: int | None = None,
                  batch_chunks: int = BATCH_CHUNKS, timeout: float = 600.0, device: DeviceBackend | None = None):
         self.device = device = backend_or_cuda(device, device_id)
         self.device_id = device_id
+        self.device_places = device_id
         self.max_staging_bytes = restore_staging_budget(device.free_bytes(), max_staging_bytes,
                                                         restore_staging_bytes)
         """The staging budget of this decoder's restores (``restore_staging_budget``)."""
@@ -138,10 +147,11 @@ class GpuDecoder(WorkerOwner, Decoder):
         return buffer
 
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
-                      deliver: Callable[[Any], None], *, to_host: bool = False) -> Future[None]:
+                      deliver: Callable[[Any], None], *, to_host: bool = False,
+                      places: list[tuple[int, int, int]] | None = None) -> Future[None]:
         """Queue a stored chunk for the worker (see ``Decoder.submit_decode``)."""
         future: Future[None] = Future()
-        self._worker.submit(DecodeJob(record, chain, stored, deliver, future, to_host))
+        self._worker.submit(DecodeJob(record, chain, stored, deliver, future, to_host, places))
         return future
 
     def close(self) -> None:
@@ -231,14 +241,42 @@ class GpuDecoder(WorkerOwner, Decoder):
                 job.future.set_exception(CorruptCheckpointError(
                     f"chunk decoded to {raw.nbytes} bytes, expected {job.record.raw}"))
                 continue
-            raw = self._undo_transforms(job, raw, entry.read_area, entry.out_area)
-            if job.to_host:
-                to_host.append((job, raw))
-            else:
-                job.deliver(raw)
+            self._hand_over(job, raw, entry.read_area, entry.out_area, to_host)
             delivered.append(job.future)
         self._deliver_to_host(to_host)
         return delivered
+
+    def _hand_over(self, job: DecodeJob, raw: Any, read_area: Any, out_area: Any,
+                   to_host: list[tuple[DecodeJob, Any]]) -> None:
+        """Send a decoded chunk (transforms not yet undone) to its destinations: written to its
+        ``places`` where it has them, else, transforms undone, to ``deliver`` (host destinations
+        through the bounce buffer: queued in ``to_host``)."""
+        if job.places is not None and self._place(job, raw, read_area, out_area):
+            return
+        raw = self._undo_transforms(job, raw, read_area, out_area)
+        if job.to_host:
+            to_host.append((job, raw))
+        else:
+            job.deliver(raw)
+
+    def _place(self, job: DecodeJob, raw: Any, read_area: Any, out_area: Any) -> bool:
+        """Write a decoded chunk to its device ``places`` on the stream; False (nothing done) for
+        a chain with transforms other than byte planes. A chunk whose one destination takes all
+        of it has its byte planes undone straight into the destination; otherwise the planes are
+        undone in the slot and each destination gets a copy of its range."""
+        places = job.places
+        assert places is not None
+        transforms = job.chain[:-1]
+        if any(stage["name"] != BYTE_PLANES.name for stage in transforms):
+            return False
+        if len(transforms) == 1 and len(places) == 1:
+            offset, length, address = places[0]
+            width = int(transforms[0]["width"])
+            if offset == 0 and length == job.record.raw and address % width == 0:
+                self.device.planes_inverse_to(raw, address, width)
+                return True
+        self.device.copy_out(self._undo_transforms(job, raw, read_area, out_area), places)
+        return True
 
     def _decode_queued(self, jobs: list[DecodeJob], slots: list[int | None]) -> list[Future[None]]:
         """A batch of ANS and stored chunks, queued whole and waited for once: checksums and
@@ -271,11 +309,7 @@ class GpuDecoder(WorkerOwner, Decoder):
             if raw.nbytes != job.record.raw:  # a stored chunk whose index sizes disagree
                 wrong_size[i] = f"chunk decoded to {raw.nbytes} bytes, expected {job.record.raw}"
                 continue
-            raw = self._undo_transforms(job, raw, read_area, out_area)
-            if job.to_host:
-                to_host.append((job, raw))
-            else:
-                job.deliver(raw)
+            self._hand_over(job, raw, read_area, out_area, to_host)
         self._deliver_to_host(to_host)
         self.device.synchronize()
         delivered = []
