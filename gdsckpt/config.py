@@ -30,6 +30,7 @@ the presets in ``configs/``.
 | kvikio_threads | 16 | kvikio thread pool size (GPU engine) |
 | kvikio_task_size | ``None`` | kvikio task size in bytes (None: kvikio's default) |
 | storage_gbps | ``None`` | storage write speed for ``codec="auto"`` on the GPU (None: measured once per filesystem and cached) |
+| portable | False | write only codecs with a CPU decoder (``zstd``, ``lz4``, ``deflate``, ``none``), so that any machine reads the file: ``codec="auto"`` chooses among them and a GPU-only codec is refused; CUDA state is then compressed by the CPU engine unless ``engine="gpu"`` (see ``gdsckpt.save``) |
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ _KINDS = {
     "max_inflight_bytes": "size", "o_direct": "switch", "fsync": "bool", "timeout": "float",
     "engine": "text", "max_staging_bytes": "size", "restore_staging_bytes": "size", "snapshot_gpu_bytes": "size", "async_worker": "text",
     "async_engine": "text", "kvikio_threads": "int",
-    "kvikio_task_size": "size", "storage_gbps": "float",
+    "kvikio_task_size": "size", "storage_gbps": "float", "portable": "bool",
 }
 _OPTIONAL = frozenset({"level", "kvikio_task_size", "storage_gbps", "restore_staging_bytes"})
 """Fields that may be None, written ``none`` (or empty) as text: TOML itself has no null."""
@@ -137,6 +138,7 @@ class Config:
     kvikio_threads: int = 16
     kvikio_task_size: int | None = None
     storage_gbps: float | None = None
+    portable: bool = False
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -168,6 +170,8 @@ class Config:
                              f"got {self.restore_staging_bytes}")
         if self.io_threads < 1 or self.codec_threads < 0:
             raise ValueError("io_threads must be >= 1 and codec_threads >= 0")
+        if not isinstance(self.portable, bool):
+            raise ValueError(f"portable must be True or False, got {self.portable!r}")
 
     @property
     def effective_codec_threads(self) -> int:

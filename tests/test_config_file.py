@@ -25,7 +25,8 @@ PRESETS = {
                        "max_staging_bytes": 2 << 30, "kvikio_threads": 32},
     "shared-filesystem.toml": {"codec": "zstd", "engine": "auto", "gpu_chunk_bytes": 4 << 20,
                                "io_threads": 16, "fsync": True},
-    "portable.toml": {"codec": "zstd", "engine": "auto", "byte_planes": "auto", "gpu_chunk_bytes": 4 << 20},
+    "portable.toml": {"codec": "zstd", "engine": "auto", "byte_planes": "auto", "gpu_chunk_bytes": 4 << 20,
+                      "portable": True},
     "async-training.toml": {"async_worker": "process", "async_engine": "cpu", "snapshot_gpu_bytes": 16 << 30},
 }
 
@@ -201,13 +202,14 @@ async_engine = "gpu"
 kvikio_threads = 8
 kvikio_task_size = "1MiB"
 storage_gbps = 2
+portable = true
 """)
     expected = Config(codec="lz4", chunk_bytes=8192, gpu_chunk_bytes=8 << 20, pack_below=4096,
                       byte_planes="never", level=3, codec_threads=2, io_threads=4,
                       max_inflight_bytes=64 << 20, o_direct=False, fsync=False, timeout=30.0, engine="cpu",
                       max_staging_bytes=512 << 20, restore_staging_bytes=2 << 30, snapshot_gpu_bytes=0,
                       async_worker="process", async_engine="gpu", kvikio_threads=8,
-                      kvikio_task_size=1 << 20, storage_gbps=2.0)
+                      kvikio_task_size=1 << 20, storage_gbps=2.0, portable=True)
     loaded = Config.from_toml(native, base=Config())
     assert loaded == expected
     assert {f.name for f in fields(Config)} == set(_keys_set_by(native))

@@ -128,6 +128,44 @@ def cuda_device_of(flat: FlatState) -> int | None:
     return None
 
 
+HOST_ROUTED_CODECS = ("zstd", "lz4", "deflate")
+"""Portable codecs that a ``portable`` save of CUDA state runs on the CPU engine unless
+``engine="gpu"``. nvCOMP's Zstd needs ~1.1 GiB of scratch and saved at 0.11 GB/s within the
+default 1 GiB staging budget where the CPU engine saved the same kind of state with zstd at
+1.72 GB/s (host memory, the H200's disk, one ``gdsckpt bench`` run); its LZ4 and Deflate compress
+16 MiB chunks at 0.4-0.8 GB/s (docs/performance.md, "nvCOMP codecs" and "`gdsckpt bench` on the
+H200")."""
+
+
+def check_portable(config: Config, codec: str) -> None:
+    """``ValueError`` when ``config.portable`` asks for a file any machine reads and ``codec``
+    (``"auto"`` or a name; ``"auto"`` defers to ``config.codec``) has no CPU decoder."""
+    name = config.codec if codec == "auto" else codec
+    if config.portable and name != "auto" and name not in PORTABLE_CODECS:
+        raise ValueError(f"codec {name!r} has no CPU decoder, but portable=True asks for a file any machine "
+                         f"reads: choose one of {', '.join(PORTABLE_CODECS)} (or codec='auto')")
+
+
+def choose_save_engine(config: Config, codec: str, on_gpu: bool, gpu_usable: bool) -> tuple[str, str]:
+    """(``"gpu"`` or ``"cpu"``, why) for a save of ``codec`` (``"auto"`` or a name) whose arrays
+    are on a GPU (``on_gpu``) or not, with the GPU engine usable here or not. ``Config.portable``
+    refuses a codec without a CPU decoder (``ValueError``) and keeps CUDA state on the CPU engine
+    for ``auto`` and the compressing portable codecs, unless ``engine="gpu"``."""
+    check_portable(config, codec)
+    if config.engine == "cpu":
+        return "cpu", "engine='cpu'"
+    if config.engine == "gpu":
+        return "gpu", "engine='gpu'"
+    if not on_gpu:
+        return "cpu", "no array is on a GPU"
+    if not gpu_usable:
+        return "cpu", "the GPU engine is not usable here (CuPy, nvCOMP or kvikio missing)"
+    if config.portable and codec in ("auto", *HOST_ROUTED_CODECS):
+        return "cpu", ("portable=True: the CPU engine compresses CUDA state with the portable codecs faster "
+                       "than nvCOMP does (docs/performance.md)")
+    return "gpu", "arrays on a GPU"
+
+
 def use_gpu(config: Config, wants_gpu: bool) -> bool:
     """Whether the GPU engine runs: ``engine="gpu"`` demands it, ``"auto"`` takes it when the data
     is on a GPU and nvCOMP, CuPy and kvikio are usable."""

@@ -40,6 +40,7 @@ from .reports import Progress, SaveReport, chain_label
 from .resolve import (
     PathLike,
     check_target,
+    choose_save_engine,
     cuda_device_of,
     device_index,
     host_engine,
@@ -57,7 +58,8 @@ log = logging.getLogger(__name__)
 def save(state: Any, path: PathLike | StorageWriter, *, codec: str = "auto", chunk_bytes: int | str | None = None,
          config: Config | None = None, progress: Progress | None = None, base: PathLike | None = None,
          max_chain: int = DEFAULT_MAX_CHAIN,
-         lossy: LossyPolicy | dict[str, float] | None = None, force: bool = False) -> SaveReport:
+         lossy: LossyPolicy | dict[str, float] | None = None, force: bool = False,
+         portable: bool | None = None) -> SaveReport:
     """Save ``state`` (nested dicts/lists/tuples of tensors, arrays and plain values) to ``path``.
 
     The file appears at ``path`` atomically and durably (fsync of file and directory) when this
@@ -92,7 +94,16 @@ def save(state: Any, path: PathLike | StorageWriter, *, codec: str = "auto", chu
     bfloat16 / float32 / float64 torch and NumPy arrays are stored rounded to within
     ``rel * max(|finite x|)`` of their values (NaN and inf kept), see ``gdsckpt.lossy``;
     ``SaveReport.lossy`` lists them and loading them warns (``LossyWarning``).
+
+    ``portable`` (default ``config.portable``, itself False unless ``GDSCKPT_PORTABLE`` says
+    otherwise): True writes only codecs that decode without a GPU (``zstd``, ``lz4``, ``deflate``,
+    ``none``), so that a CPU-only machine reads the file; a GPU-only ``codec`` then raises
+    ``ValueError``, and CUDA state is compressed by the CPU engine (byte planes + zstd for
+    ``"auto"``) unless ``config.engine == "gpu"``. ``SaveReport.auto`` records the engine a save
+    of CUDA state ran on and why (``"engine"``, ``"engine_reason"``).
     """
+    if portable is not None:
+        config = resolve_config(config, portable=portable)
     if not force:
         refuse_replacing_base(path, config)
     return save_flat(flatten(state), path, codec=codec, chunk_bytes=chunk_bytes, config=config,
@@ -331,7 +342,9 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
     ``StorageWriter`` (the null sink): ``auto`` then takes ``config.storage_gbps`` as its speed,
     or with none set treats the storage as never the bottleneck."""
     device = cuda_device_of(flat) if gpu_device is None else gpu_device
-    if use_gpu(config, device is not None):
+    chosen, why = choose_save_engine(config, codec, device is not None, use_gpu(config, device is not None))
+    decision = {"engine": chosen, "engine_reason": why} if device is not None else {}
+    if chosen == "gpu":
         from ..io.kvikio import KvikioWriter
         from ..pipeline.gpu import GpuEncoder
 
@@ -340,8 +353,11 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
         torch = sys.modules.get("torch")
         if torch is not None and device is not None:
             torch.cuda.synchronize(device)  # the snapshot: every queued update has landed
-        auto: dict[str, Any] = {}
-        if codec == "auto":
+        auto: dict[str, Any] = dict(decision)
+        if codec == "auto" and config.portable:  # engine="gpu" and portable: nvCOMP's Zstd, whatever its budget
+            codec = "zstd"
+            auto.update(chose=codec, portable=True)
+        elif codec == "auto":
             import cupy
 
             from ..pipeline.autotune import choose_codec, runnable_candidates, sample_ratios, storage_gbps
@@ -350,7 +366,7 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
             candidates, left_out = runnable_candidates(config.max_staging_bytes, config.gpu_chunk_bytes)
             if len(candidates) == 1:  # nothing to compare: no storage probe, no sample
                 codec = candidates[0]
-                auto = {"storage_gbps": None, "sampled_ratios": {}, "chose": codec, "left_out": left_out}
+                auto.update(storage_gbps=None, sampled_ratios={}, chose=codec, left_out=left_out)
             else:
                 with cupy.cuda.Device(device or 0):
                     stream = cupy.cuda.Stream(non_blocking=True)
@@ -360,7 +376,7 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
                     speed = storage_gbps(Path(path).parent, config.storage_gbps)
                 ratios = sample_ratios([a.source for a in flat.arrays], device or 0, stream, candidates)
                 codec = choose_codec(speed, ratios)
-                auto = {"storage_gbps": speed, "sampled_ratios": ratios, "chose": codec, "left_out": left_out}
+                auto.update(storage_gbps=speed, sampled_ratios=ratios, chose=codec, left_out=left_out)
         engine = GpuEncoder([a.source for a in flat.arrays], codec=codec, byte_planes=config.byte_planes,
                             device_id=device or 0,
                             chunk_bytes=config.gpu_chunk_bytes, max_staging_bytes=config.max_staging_bytes,
@@ -374,7 +390,7 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
         return engine, make_writer, codec, auto
     adaptive = codec == "auto"
     codec = resolve_host_codec(codec)
-    auto = {"chose": codec, "adaptive": True} if adaptive else {}
+    auto = {"chose": codec, "adaptive": True, **decision} if adaptive else decision
     return (host_engine(config, [a.source for a in flat.arrays], codec, adaptive=adaptive), posix_writer, codec,
             auto)
 

@@ -423,10 +423,11 @@ _default_saver = AsyncSaver()
 
 def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
                config: Config | None = None, max_inflight: int = 1, base: PathLike | None = None,
-               max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None, force: bool = False) -> SaveHandle:
+               max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None, force: bool = False,
+               portable: bool | None = None) -> SaveHandle:
     """Start saving ``state`` to ``path`` in the background; return once a snapshot exists.
 
-    Arguments as for ``gdsckpt.save`` (``base``: write a delta against that checkpoint; ``force``:
+    Arguments as for ``gdsckpt.save`` (``portable``; ``base``: write a delta against that checkpoint; ``force``:
     replace a checkpoint that deltas use as their base, else refused here; ``lossy``:
     round the snapshot's selected arrays, in the background). When this returns, every tensor and array of ``state`` has
     been copied into reused snapshot buffers (CUDA tensors on their GPU when they fit
@@ -450,6 +451,8 @@ def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: 
 
     Returns a ``SaveHandle``: ``wait(timeout=None) -> SaveReport``, ``done()``, ``exception()``.
     """
+    if portable is not None:
+        config = (config if config is not None else Config.from_env()).replace(portable=portable)
     return _default_saver.save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config,
                                max_inflight=max_inflight, base=base, max_chain=max_chain, lossy=lossy,
                                force=force)

@@ -70,7 +70,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .. import api
-from ..api.resolve import resolve_config
+from ..api.resolve import check_portable, resolve_config
 from ..config import Config
 from ..errors import CheckpointError, CorruptCheckpointError, PickleOnlyMetadataWarning
 from ..io.posix import fsync_directory, read_small_file, write_atomically
@@ -156,6 +156,7 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         self.path = Path(path)
         self.codec = codec
         self.config = resolve_config(config, **options)
+        check_portable(self.config, codec)  # here, not in every rank's write
         self.rank: int | None = None
         self.use_collectives = True
         self.is_coordinator = False

@@ -68,6 +68,7 @@ from typing import Any, cast
 import numpy as np
 
 from .. import api as _api
+from ..api.resolve import check_portable
 from ..background.async_save import AsyncSaver, SaveHandle
 from ..codecs import versioned_name
 from ..config import Config
@@ -121,6 +122,8 @@ class GdsCheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
             raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
         if convert is not None and not callable(convert):
             raise TypeError(f"convert must be callable or None, got {type(convert).__qualname__}")
+        if config is not None:
+            check_portable(config, codec)
         self.codec = codec
         self.config = config
         self.async_save = bool(async_save)

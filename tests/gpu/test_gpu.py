@@ -229,6 +229,22 @@ def test_gpu_written_portable_codecs_load_on_cpu_engine(tmp_path, codec):
     _assert_same(state, cpu)
 
 
+@pytest.mark.parametrize("engine", ["auto", "gpu"])
+def test_portable_save_of_cuda_state(tmp_path, engine):
+    """``portable=True`` on CUDA state: the CPU engine compresses it (``engine="auto"``) or nvCOMP's
+    Zstd does (``engine="gpu"``); either file is portable and loads bit-exact on both engines."""
+    state = _state()
+    path = tmp_path / "p.gdsckpt"
+    report = gdsckpt.save(state, path, portable=True, config=gdsckpt.Config(engine=engine, gpu_chunk_bytes=4 << 20))
+    assert report.engine == ("cpu" if engine == "auto" else "gpu")
+    assert report.auto["engine"] == report.engine and report.auto["engine_reason"]
+    assert gdsckpt.inspect(path).portable
+    _assert_same(state, gdsckpt.load(path, device="cuda"))
+    _assert_same(state, gdsckpt.load(path, config=gdsckpt.Config(engine="cpu")))
+    with pytest.raises(ValueError, match="no CPU decoder"):
+        gdsckpt.save(state, tmp_path / "q.gdsckpt", codec="ans", portable=True)
+
+
 @pytest.mark.parametrize("codec", PORTABLE)
 def test_cpu_written_checkpoint_loads_on_gpu(tmp_path, codec):
     state = _state("cpu")

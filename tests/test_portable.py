@@ -1,0 +1,154 @@
+"""Portable mode (``portable=True``, ``Config.portable``, ``GDSCKPT_PORTABLE``): a save writes only
+codecs that decode without a GPU, refuses a GPU-only codec before anything is written, and keeps
+CUDA state on the CPU engine (``choose_save_engine``). The engine rule runs here on every
+combination; saving real CUDA state through it is a GPU-host test (``tests/gpu``)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gdsckpt
+from gdsckpt.api.resolve import choose_save_engine
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(4096, generator=g), "h": torch.randn(300, generator=g).to(torch.bfloat16),
+            "step": 7}
+
+
+# -- the setting -------------------------------------------------------------------------------
+
+def test_portable_is_a_config_field_with_an_environment_variable() -> None:
+    assert gdsckpt.Config().portable is False
+    assert gdsckpt.Config.from_env({"GDSCKPT_PORTABLE": "1"}).portable is True
+    assert gdsckpt.Config.from_env({"GDSCKPT_PORTABLE": "false"}).portable is False
+    with pytest.raises(ValueError, match="GDSCKPT_PORTABLE"):
+        gdsckpt.Config.from_env({"GDSCKPT_PORTABLE": "maybe"})
+    with pytest.raises(ValueError, match="portable must be True or False"):
+        gdsckpt.Config(portable="yes")  # type: ignore[arg-type]
+
+
+def test_portable_in_a_config_file(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text("portable = true\n")
+    assert gdsckpt.Config.from_toml(toml, base=gdsckpt.Config()).portable is True
+
+
+# -- the engine rule ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("engine", "portable", "codec", "on_gpu", "usable", "expected"), [
+    ("auto", False, "auto", True, True, "gpu"),
+    ("auto", False, "zstd", True, True, "gpu"),  # named without portable: unchanged
+    ("auto", True, "auto", True, True, "cpu"),
+    ("auto", True, "zstd", True, True, "cpu"),
+    ("auto", True, "lz4", True, True, "cpu"),
+    ("auto", True, "deflate", True, True, "cpu"),
+    ("auto", True, "none", True, True, "gpu"),  # nothing to compress: kvikio writes the raw bytes
+    ("auto", True, "auto", False, True, "cpu"),
+    ("auto", False, "auto", True, False, "cpu"),
+    ("gpu", True, "auto", True, True, "gpu"),
+    ("gpu", True, "zstd", False, True, "gpu"),
+    ("cpu", False, "auto", True, True, "cpu"),
+])
+def test_save_engine_rule(engine: str, portable: bool, codec: str, on_gpu: bool, usable: bool,
+                          expected: str) -> None:
+    config = gdsckpt.Config(engine=engine, portable=portable)
+    chosen, why = choose_save_engine(config, codec, on_gpu, usable)
+    assert chosen == expected and why
+
+
+@pytest.mark.parametrize("codec", ["ans", "bitcomp", "gdeflate", "snappy", "cascaded"])
+@pytest.mark.parametrize("engine", ["auto", "cpu", "gpu"])
+def test_portable_refuses_every_gpu_only_codec_whatever_the_engine(codec: str, engine: str) -> None:
+    with pytest.raises(ValueError, match=f"codec '{codec}' has no CPU decoder.*zstd, lz4, deflate, none"):
+        choose_save_engine(gdsckpt.Config(engine=engine, portable=True), codec, True, True)
+
+
+# -- saves ---------------------------------------------------------------------------------------
+
+def test_gpu_only_codec_with_portable_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    path = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"old": torch.ones(3)}, path)
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="no CPU decoder"):
+        gdsckpt.save(_state(), path, codec="ans", portable=True)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["a.gdsckpt"]
+
+
+@pytest.mark.parametrize("how", ["argument", "config", "environment"])
+def test_portable_save_writes_a_file_any_machine_reads(tmp_path: Path, how: str, h: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "p.gdsckpt"
+    state = _state()
+    if how == "argument":
+        report = gdsckpt.save(state, path, portable=True)
+    elif how == "config":
+        report = gdsckpt.save(state, path, config=gdsckpt.Config(portable=True))
+    else:
+        monkeypatch.setenv("GDSCKPT_PORTABLE", "1")
+        report = gdsckpt.save(state, path)
+    info = gdsckpt.inspect(path)
+    assert info.portable and not info.gpu_only and report.engine == "cpu"
+    h.assert_same(state, gdsckpt.load(path))
+
+
+def test_portable_false_argument_overrides_the_environment(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The argument wins over ``GDSCKPT_PORTABLE``: with portable=False the GPU-only codec is not
+    refused for being GPU-only (on a host without nvCOMP it is refused as unavailable instead)."""
+    monkeypatch.setenv("GDSCKPT_PORTABLE", "1")
+    with pytest.raises(gdsckpt.CodecUnavailableError):
+        gdsckpt.save(_state(), tmp_path / "x.gdsckpt", codec="ans", portable=False,
+                     config=gdsckpt.Config(engine="cpu"))
+
+
+def test_save_async_takes_portable(tmp_path: Path, h: Any) -> None:
+    with pytest.raises(ValueError, match="no CPU decoder"):
+        gdsckpt.save_async(_state(), tmp_path / "x.gdsckpt", codec="ans", portable=True).wait(timeout=60)
+    handle = gdsckpt.save_async(_state(), tmp_path / "y.gdsckpt", portable=True)
+    handle.wait(timeout=60)
+    assert gdsckpt.inspect(tmp_path / "y.gdsckpt").portable
+
+
+def test_manager_with_a_portable_config(tmp_path: Path) -> None:
+    manager = gdsckpt.CheckpointManager(tmp_path / "run", config=gdsckpt.Config(portable=True))
+    with pytest.raises(ValueError, match="no CPU decoder"):
+        manager.save(1, _state(), codec="ans")
+    manager.save(2, _state())
+    assert manager.latest_step() == 2 and gdsckpt.inspect(manager.path(2)).portable
+
+
+def test_dcp_writer_takes_portable_as_an_option(tmp_path: Path) -> None:
+    from torch.distributed import checkpoint as dcp
+
+    from gdsckpt.dcp import GdsStorageWriter
+
+    with pytest.raises(ValueError, match="no CPU decoder"):  # at construction, before any rank writes
+        GdsStorageWriter(tmp_path / "e", codec="ans", portable=True)
+    writer = GdsStorageWriter(tmp_path / "d", portable=True)
+    assert writer.config.portable
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: "torch.distributed is disabled ..."
+        dcp.save({"w": torch.ones(8)}, storage_writer=writer)
+    files = [p for p in (tmp_path / "d").iterdir() if p.suffix == ".gdsckpt"]
+    assert files and all(gdsckpt.inspect(p).portable for p in files)
+
+
+def test_lightning_plugin_takes_portable_per_save_and_from_its_config(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    from gdsckpt.lightning import GdsCheckpointIO
+
+    with pytest.raises(ValueError, match="no CPU decoder"):  # at construction
+        GdsCheckpointIO(codec="ans", config=gdsckpt.Config(portable=True))
+    with pytest.raises(ValueError, match="no CPU decoder"):  # or at the save that asks for it
+        GdsCheckpointIO(codec="ans").save_checkpoint({"w": torch.ones(4)}, tmp_path / "a.ckpt",
+                                                     storage_options={"portable": True})
+    GdsCheckpointIO().save_checkpoint({"w": torch.ones(4)}, tmp_path / "b.ckpt",
+                                      storage_options={"portable": True})
+    assert gdsckpt.inspect(tmp_path / "b.ckpt").portable
