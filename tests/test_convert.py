@@ -225,6 +225,35 @@ def test_gdsckpt_to_gdsckpt_recompresses_with_the_codec(tmp_path: Path, h: Any) 
     assert_same_tensors(expected, gdsckpt.load(dst), h)
 
 
+def test_gdsckpt_to_gdsckpt_streams_a_delta_into_a_full_file_with_empty_and_tied_arrays(tmp_path: Path,
+                                                                                        h: Any) -> None:
+    """The gdsckpt-to-gdsckpt path reads in windows (``api.saving.rewrite``): a delta source
+    becomes a full file, and zero-size arrays, ties, parameters and plain values come through."""
+    w = torch.nn.Parameter(torch.randn(64, 33))
+    state = {"w": w, "tied": w, "empty": torch.empty(0, 5), "step": 3, "lr": [1e-3, None]}
+    base, delta, out = tmp_path / "base.gdsckpt", tmp_path / "delta.gdsckpt", tmp_path / "out.gdsckpt"
+    gdsckpt.save(state, base, config=h.small_config())
+    with torch.no_grad():
+        w[0, 0] += 1
+    gdsckpt.save(state, delta, base=base, config=h.small_config())
+    assert gdsckpt.inspect(delta).base is not None
+    report = convert(delta, out, codec="lz4", config=h.small_config())
+    assert report.src_format == report.dst_format == "gdsckpt" and report.codec == "lz4"
+    assert report.tensors == 3 and report.logical_bytes == 64 * 33 * 4  # the tie counted once in bytes
+    assert gdsckpt.inspect(out).base is None
+    loaded = gdsckpt.load(out)
+    h.assert_same(state, loaded)
+    assert loaded["tied"] is loaded["w"] and isinstance(loaded["w"], torch.nn.Parameter)
+
+
+def test_rebase_of_a_state_with_a_zero_size_array(tmp_path: Path, h: Any) -> None:
+    state = {"w": torch.randn(100), "empty": torch.empty(0, dtype=torch.float16)}
+    path = tmp_path / "a.gdsckpt"
+    gdsckpt.save(state, path, config=h.small_config())
+    gdsckpt.rebase(path, tmp_path / "b.gdsckpt", codec="none")
+    h.assert_same(state, gdsckpt.load(tmp_path / "b.gdsckpt"))
+
+
 @pytest.mark.parametrize(("src_fmt", "dst_fmt"), [("pt", "safetensors"), ("gdsckpt", "pt"), ("pt", "gdsckpt")])
 def test_progress_moves_forward_to_the_total(tmp_path: Path, h: Any, src_fmt: str, dst_fmt: str) -> None:
     calls: list[tuple[int, int]] = []

@@ -283,8 +283,7 @@ class Checkpoint:
     def _base_reader(self) -> BaseReader:
         """A ``BaseReader`` of this checkpoint's arrays (deltas resolved): what a delta built on it
         XORs with, and what ``rebase`` writes out."""
-        sizes = {record.key: record.nbytes for record in self._opened.index.tensors
-                 if record.alias is None and record.nbytes}
+        sizes = {record.key: record.nbytes for record in self._opened.index.tensors if record.alias is None}
         return BaseReader(_CheckpointArrays(self), sizes)
 
     def _read_many(self, requests: list[tuple[str, int, int]], device: Any = None) -> list[Any]:

@@ -243,6 +243,18 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
                 f"force=True")
     elif not force:
         refuse_replacing_base(output, cfg)  # an existing output may be another delta's base
+    return rewrite(path, output, codec=codec, config=cfg)
+
+
+def rewrite(path: PathLike, output: PathLike, *, codec: str = "auto", config: Config | None = None,
+            progress: Progress | None = None) -> SaveReport:
+    """Write every array of the checkpoint ``path`` in full to ``output`` with ``codec`` (a delta's
+    arrays resolved through its chain of bases), the structure and the records' metadata kept:
+    what ``rebase`` and a gdsckpt-to-gdsckpt ``convert`` do. Memory stays bounded whatever the
+    checkpoint's size: the arrays are read in windows of a few chunks (``state.delta.BaseReader``,
+    decoded by whichever engine their codecs need) while the save pipeline writes the previous
+    ones. ``output`` is written as ``save`` writes (atomically, replacing a file there)."""
+    cfg = resolve_config(config)
     with Checkpoint(path, cfg) as checkpoint:
         index = opened_file(checkpoint).index
         reader = base_arrays(checkpoint)
@@ -253,7 +265,7 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
                 source = _WindowSource(reader.view(record.key), record.dtype)
             arrays.append(FlatArray(record.key, record.kind, record.dtype, record.shape, record.device, source,
                                     record.alias, dict(record.extra), lossy=record.lossy))
-        return save_flat(FlatState(index.tree, arrays), output, codec=codec, config=cfg)
+        return save_flat(FlatState(index.tree, arrays), output, codec=codec, config=cfg, progress=progress)
 
 
 def refuse_replacing_base(path: PathLike | StorageWriter, config: Config | None) -> None:

@@ -37,7 +37,9 @@ fsynced (``Config.fsync``) and renamed into place, so a failure at any point lea
 file and an existing destination untouched. An existing destination is refused unless
 ``overwrite=True`` (and ``force=True`` where deltas beside it use it as their base); without it
 the final step is a hard link, which also refuses a destination created during the conversion.
-A conversion holds the whole state in host memory.
+A conversion between gdsckpt files streams the arrays in windows (``api.saving.rewrite``: memory
+bounded whatever the size; a delta becomes a full file); the other directions hold the whole
+state in host memory.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from ..api import SaveReport
 from ..api import load as _load_gdsckpt
 from ..api import save as _save_gdsckpt
 from ..api.resolve import resolve_config
-from ..api.saving import refuse_replacing_base
+from ..api.saving import refuse_replacing_base, rewrite
 from ..codecs import known_codec_names
 from ..config import Config
 from ..errors import CheckpointError, ConvertError, UnsafePickleError
@@ -162,6 +164,8 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
     if overwrite and not force:
         refuse_replacing_base(dst_path, cfg)
 
+    if src_kind == dst_kind == "gdsckpt":
+        return _recompress(src_path, dst_path, codec, cfg, overwrite, progress, started)
     phases = _Phases(progress)
     state, metadata = _READERS[src_kind](src_path, cfg, phases.reading)
     if src_kind == "gdsckpt" and dst_kind != "gdsckpt":
@@ -196,6 +200,33 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
         logical_bytes=logical, src_bytes=src_path.stat().st_size, dst_bytes=dst_path.stat().st_size,
         seconds=time.perf_counter() - started, codec=save_report.codec if save_report else None,
         cloned=cloned, save_report=save_report,
+    )
+
+
+def _recompress(src: Path, dst: Path, codec: str, config: Config, overwrite: bool, progress: Progress | None,
+                started: float) -> ConvertReport:
+    """gdsckpt to gdsckpt: the arrays streamed from ``src`` into a new file in windows
+    (``api.saving.rewrite``), never the whole state in memory: a file only a GPU decodes becomes a
+    portable copy (``codec="zstd"``) on a GPU host chunk by chunk. A delta becomes a full file."""
+    remove_stale_temporaries(dst)
+    temp = temporary_path(dst)
+    try:
+        try:
+            report = rewrite(src, temp, codec=codec, config=config, progress=progress)
+        except (TypeError, ValueError) as err:  # a codec the configuration refuses (portable=True)
+            raise ConvertError(f"{str(src)!r} cannot be written as gdsckpt: {err}") from err
+        except CheckpointError as err:  # e.g. corrupt: say which file (the original is the cause)
+            raise ConvertError(f"cannot read {str(src)!r} as gdsckpt: {err}") from err
+        _publish(temp, dst, overwrite=overwrite, fsync=config.fsync)
+    finally:
+        try:
+            temp.unlink()
+        except FileNotFoundError:
+            pass
+    return ConvertReport(
+        src=str(src), dst=str(dst), src_format="gdsckpt", dst_format="gdsckpt", tensors=report.tensors,
+        logical_bytes=report.logical_bytes, src_bytes=src.stat().st_size, dst_bytes=dst.stat().st_size,
+        seconds=time.perf_counter() - started, codec=report.codec, cloned=0, save_report=report,
     )
 
 

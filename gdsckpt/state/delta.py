@@ -115,6 +115,12 @@ class BaseReader:
 
     def read(self, key: str, start: int, stop: int, device: Any) -> Any:
         """Bytes ``[start, stop)`` of array ``key`` (host for ``device`` None, else ``"cuda:N"``)."""
+        if stop <= start:  # nothing to fetch (a zero-size array)
+            if device is None:
+                return np.empty(0, dtype=np.uint8)
+            import cupy
+
+            return cupy.empty(0, dtype=cupy.uint8)
         size = HOST_WINDOW_BYTES if device is None else DEVICE_WINDOW_BYTES
         with self._lock:
             for (kind, cached_key, low, high), data in self._cache.items():

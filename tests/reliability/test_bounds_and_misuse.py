@@ -114,11 +114,17 @@ def _memory_child(mode: str, directory: str, inflight: int) -> None:
     gdsckpt.load(warm, config=config)
     path = root / "big.gdsckpt"
     state = _big_state() if mode == "save" else None
+    if mode == "convert":  # windows far smaller than the state, so that a bound shows
+        from gdsckpt.state import delta
+
+        delta.HOST_WINDOW_BYTES = CONVERT_WINDOW
     gc.collect()
     sampler = RssSampler()
     sampler.start()
     if mode == "save":
         gdsckpt.save(state, path, codec="zstd", config=config)
+    elif mode == "convert":
+        gdsckpt.convert(path, root / "converted.gdsckpt", codec="lz4", config=config, overwrite=True)
     else:
         loaded = gdsckpt.load(path, config=config)
     sampler.stop()
@@ -133,6 +139,27 @@ def _measure(h: Any, mode: str, directory: Path, inflight: int = INFLIGHT) -> di
                          cwd=h.REPO_ROOT / "tests", timeout=300)
     assert child.returncode == 0, child.stderr[-4000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+CONVERT_WINDOW = 2 * MIB
+
+
+def test_gdsckpt_to_gdsckpt_convert_streams_within_the_bounds(tmp_path: Path, h: Any) -> None:
+    """A gdsckpt-to-gdsckpt conversion reads the arrays in windows while the save pipeline writes:
+    its memory is the in-flight bound and a few windows, not the state (64 MiB here)."""
+    _measure(h, "save", tmp_path)
+    inflight = 2 * MIB
+    converted = _measure(h, "convert", tmp_path, inflight)
+    # the reading restore keeps up to 2 x max_inflight_bytes, the save as much again plus the
+    # compressed copies; the window cache two windows, with one being filled and one copied out
+    bound = 6 * inflight + 4 * CONVERT_WINDOW + 16 * MIB
+    record_figure("convert memory bound", f"gdsckpt -> gdsckpt (zstd -> lz4) of a {STATE_BYTES // MIB} MiB state: "
+                  f"RSS growth {converted['growth'] / MIB:.1f} MiB, asserted <= {bound // MIB} MiB "
+                  f"(6 x max_inflight_bytes of {inflight // MIB} MiB + 4 windows of {CONVERT_WINDOW // MIB} MiB "
+                  f"+ 16 MiB)")
+    assert converted["growth"] <= bound < STATE_BYTES, converted
+    h.assert_same(gdsckpt.load(tmp_path / "big.gdsckpt"), gdsckpt.load(tmp_path / "converted.gdsckpt"))
+    assert set(gdsckpt.inspect(tmp_path / "converted.gdsckpt").codecs) <= {"lz4/1", "byteplanes/1+lz4/1", "none/1"}
 
 
 def test_host_memory_stays_within_the_inflight_bound(tmp_path: Path, h: Any) -> None:
