@@ -44,13 +44,14 @@ state in host memory.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,11 +177,9 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
                     src_path, ", ".join(dropped), dst_kind)
     tensors, logical = _tensor_stats(state)
 
-    remove_stale_temporaries(dst_path)
-    temp = temporary_path(dst_path)
     save_report: SaveReport | None = None
     cloned = 0
-    try:
+    with _temporary_beside(dst_path) as temp:
         phases.writing(0, logical)
         if dst_kind == "gdsckpt":
             save_report = _write_gdsckpt(state, temp, codec, cfg, src_path, phases.writing)
@@ -190,11 +189,6 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
             cloned = _write_safetensors(state, temp, metadata, cfg, src_path)
         phases.writing(logical, logical)
         _publish(temp, dst_path, overwrite=overwrite, fsync=cfg.fsync)
-    finally:
-        try:
-            temp.unlink()
-        except FileNotFoundError:
-            pass
     return ConvertReport(
         src=str(src_path), dst=str(dst_path), src_format=src_kind, dst_format=dst_kind, tensors=tensors,
         logical_bytes=logical, src_bytes=src_path.stat().st_size, dst_bytes=dst_path.stat().st_size,
@@ -203,14 +197,27 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
     )
 
 
+@contextlib.contextmanager
+def _temporary_beside(dst: Path) -> Iterator[Path]:
+    """A temporary path beside ``dst`` (earlier runs' stale ones removed first), gone on exit
+    whether or not it was published."""
+    remove_stale_temporaries(dst)
+    temp = temporary_path(dst)
+    try:
+        yield temp
+    finally:
+        try:
+            temp.unlink()
+        except FileNotFoundError:
+            pass
+
+
 def _recompress(src: Path, dst: Path, codec: str, config: Config, overwrite: bool, progress: Progress | None,
                 started: float) -> ConvertReport:
     """gdsckpt to gdsckpt: the arrays streamed from ``src`` into a new file in windows
     (``api.saving.rewrite``), never the whole state in memory: a file only a GPU decodes becomes a
     portable copy (``codec="zstd"``) on a GPU host chunk by chunk. A delta becomes a full file."""
-    remove_stale_temporaries(dst)
-    temp = temporary_path(dst)
-    try:
+    with _temporary_beside(dst) as temp:
         try:
             report = rewrite(src, temp, codec=codec, config=config, progress=progress)
         except (TypeError, ValueError) as err:  # a codec the configuration refuses (portable=True)
@@ -218,11 +225,6 @@ def _recompress(src: Path, dst: Path, codec: str, config: Config, overwrite: boo
         except CheckpointError as err:  # e.g. corrupt: say which file (the original is the cause)
             raise ConvertError(f"cannot read {str(src)!r} as gdsckpt: {err}") from err
         _publish(temp, dst, overwrite=overwrite, fsync=config.fsync)
-    finally:
-        try:
-            temp.unlink()
-        except FileNotFoundError:
-            pass
     return ConvertReport(
         src=str(src), dst=str(dst), src_format="gdsckpt", dst_format="gdsckpt", tensors=report.tensors,
         logical_bytes=report.logical_bytes, src_bytes=src.stat().st_size, dst_bytes=dst.stat().st_size,
