@@ -30,6 +30,7 @@ the presets in ``configs/``.
 | kvikio_threads | 16 | kvikio thread pool size (GPU engine) |
 | kvikio_task_size | ``None`` | kvikio task size in bytes (None: kvikio's default) |
 | storage_gbps | ``None`` | storage write speed for ``codec="auto"`` on the GPU (None: measured once per filesystem and cached) |
+| s3_endpoint | ``None`` | the S3 server of ``s3://`` checkpoints (e.g. ``http://minio:9000``; None: ``AWS_ENDPOINT_URL``, else AWS itself); credentials and region from the AWS environment (docs/object-storage.md) |
 | portable | False | write only codecs with a CPU decoder (``zstd``, ``lz4``, ``deflate``, ``none``), so that any machine reads the file: ``codec="auto"`` chooses among them and a GPU-only codec is refused; CUDA state is then compressed by the CPU engine unless ``engine="gpu"`` (see ``gdsckpt.save``) |
 """
 
@@ -78,9 +79,9 @@ _KINDS = {
     "max_inflight_bytes": "size", "o_direct": "switch", "fsync": "bool", "timeout": "float",
     "engine": "text", "max_staging_bytes": "size", "restore_staging_bytes": "size", "snapshot_gpu_bytes": "size", "async_worker": "text",
     "async_engine": "text", "kvikio_threads": "int",
-    "kvikio_task_size": "size", "storage_gbps": "float", "portable": "bool",
+    "kvikio_task_size": "size", "storage_gbps": "float", "s3_endpoint": "text", "portable": "bool",
 }
-_OPTIONAL = frozenset({"level", "kvikio_task_size", "storage_gbps", "restore_staging_bytes"})
+_OPTIONAL = frozenset({"level", "kvikio_task_size", "storage_gbps", "restore_staging_bytes", "s3_endpoint"})
 """Fields that may be None, written ``none`` (or empty) as text: TOML itself has no null."""
 _SIZE_FIELDS = tuple(name for name, kind in _KINDS.items() if kind == "size" and name not in _OPTIONAL)
 _EXPECTED = {
@@ -138,6 +139,7 @@ class Config:
     kvikio_threads: int = 16
     kvikio_task_size: int | None = None
     storage_gbps: float | None = None
+    s3_endpoint: str | None = None
     portable: bool = False
 
     def __post_init__(self) -> None:

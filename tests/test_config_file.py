@@ -202,6 +202,7 @@ async_engine = "gpu"
 kvikio_threads = 8
 kvikio_task_size = "1MiB"
 storage_gbps = 2
+s3_endpoint = "http://127.0.0.1:9000"
 portable = true
 """)
     expected = Config(codec="lz4", chunk_bytes=8192, gpu_chunk_bytes=8 << 20, pack_below=4096,
@@ -209,7 +210,8 @@ portable = true
                       max_inflight_bytes=64 << 20, o_direct=False, fsync=False, timeout=30.0, engine="cpu",
                       max_staging_bytes=512 << 20, restore_staging_bytes=2 << 30, snapshot_gpu_bytes=0,
                       async_worker="process", async_engine="gpu", kvikio_threads=8,
-                      kvikio_task_size=1 << 20, storage_gbps=2.0, portable=True)
+                      kvikio_task_size=1 << 20, storage_gbps=2.0, s3_endpoint="http://127.0.0.1:9000",
+                      portable=True)
     loaded = Config.from_toml(native, base=Config())
     assert loaded == expected
     assert {f.name for f in fields(Config)} == set(_keys_set_by(native))

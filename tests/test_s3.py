@@ -134,3 +134,17 @@ def test_load_into_open_save_async_and_the_command_line_take_urls(s3: str, h: An
         done = h.run_python("-m", "gdsckpt", *command, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "model/w" in done.stdout or "OK" in done.stdout, done.stdout
+
+
+def test_endpoint_from_the_config_and_the_upload_bound(s3: str, monkeypatch: pytest.MonkeyPatch, h: Any) -> None:
+    """``Config.s3_endpoint`` stands in for ``AWS_ENDPOINT_URL``; a save's parts in flight fit its
+    ``max_inflight_bytes``."""
+    from gdsckpt.io.s3 import CONCURRENCY, PART_BYTES, upload_concurrency
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    config = gdsckpt.Config(s3_endpoint=s3)
+    url = f"s3://{BUCKET}/from-config.gdsckpt"
+    gdsckpt.save(_state(7), url, config=config)
+    h.assert_same(_state(7), gdsckpt.load(url, config=config))
+    assert upload_concurrency(256 << 20) == CONCURRENCY
+    assert upload_concurrency(3 * PART_BYTES) == 3 and upload_concurrency(1 << 20) == 1

@@ -22,7 +22,7 @@ from ..errors import (
 )
 from ..format import Index
 from ..io import PosixReader, PosixWriter, StorageReader, StorageWriter
-from ..io.s3 import S3Reader, S3Writer, is_url, split_url
+from ..io.s3 import S3Reader, S3Writer, is_url, split_url, upload_concurrency
 from ..pipeline.engine import HostEngine
 from ..pipeline.load import OpenedFile, open_file
 from ..state import (
@@ -93,7 +93,8 @@ def posix_writer(path: PathLike, config: Config) -> StorageWriter:
     """The writer of a save on the CPU engine: a POSIX file, or an object for an ``s3://`` URL."""
     check_target(path)
     if is_url(path):
-        return S3Writer(str(path), timeout=config.timeout)
+        return S3Writer(str(path), timeout=config.timeout, endpoint=config.s3_endpoint,
+                        concurrency=upload_concurrency(config.max_inflight_bytes))
     return PosixWriter(path, threads=config.io_threads, o_direct=config.o_direct, fsync=config.fsync,
                        timeout=config.timeout)
 
@@ -102,7 +103,7 @@ def open_reader(path: PathLike, config: Config, gpu: bool = False) -> StorageRea
     if isinstance(path, StorageReader):
         return path
     if is_url(path):
-        return S3Reader(str(path), threads=config.io_threads, timeout=config.timeout)
+        return S3Reader(str(path), threads=config.io_threads, timeout=config.timeout, endpoint=config.s3_endpoint)
     if gpu:
         from ..io.kvikio import KvikioReader
 

@@ -3,8 +3,9 @@
 Through obstore (Rust's ``object_store``), which moved checkpoint bytes faster than boto3 on the
 same server (docs/performance.md, "Object storage clients"). Credentials, region and endpoint
 come from the standard AWS environment: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` (and
-``AWS_SESSION_TOKEN``), ``AWS_REGION`` (or ``AWS_DEFAULT_REGION``), ``AWS_ENDPOINT_URL`` for a
-server other than AWS (MinIO, SeaweedFS, Ceph; ``http://`` endpoints are allowed).
+``AWS_SESSION_TOKEN``), ``AWS_REGION`` (or ``AWS_DEFAULT_REGION``), ``AWS_ENDPOINT_URL`` (or
+``Config.s3_endpoint``) for a server other than AWS (MinIO, SeaweedFS, Ceph; ``http://``
+endpoints are allowed).
 
 Writing (``S3Writer``): the pipeline's writes arrive in file order (the header, then each chunk
 at its placed offset, then the index and trailer), so they form one stream: the alignment gaps
@@ -12,8 +13,9 @@ between chunks are filled with zeros and the stream is one multipart upload (``o
 an iterator, parts of ``part_bytes``, ``concurrency`` at once). Nothing is kept on local disk.
 The object appears only when ``commit`` completes the upload; ``abort`` (or any failure) makes
 the iterator raise, and obstore then aborts the upload, so a reader never sees a partial object
-and no parts are left behind. Memory: the parts in flight (``concurrency`` x ``part_bytes``) and
-copies of at most ``QUEUED_WRITES`` writes waiting for it.
+and no parts are left behind. Memory: the parts in flight (``concurrency`` x ``part_bytes``, within
+``Config.max_inflight_bytes``: ``upload_concurrency``) and copies of at most ``QUEUED_WRITES``
+writes waiting for them.
 
 Reading (``S3Reader``): the size from one HEAD; the header, trailer and index with ranged GETs;
 each chunk with its own ranged GET on one of ``threads`` threads, into the caller's buffer.
@@ -37,11 +39,18 @@ SCHEME = "s3://"
 PART_BYTES = 16 << 20
 """Multipart part size (S3 needs at least 5 MiB for every part but the last)."""
 CONCURRENCY = 8
-"""Parts uploaded at once."""
+"""The most parts uploaded at once; fewer where ``Config.max_inflight_bytes`` holds fewer parts
+(``upload_concurrency``)."""
 QUEUED_WRITES = 4
 """Writes waiting for the upload's iterator; a further ``submit_write`` waits for room."""
 _END = object()
 _ABORT = object()
+
+
+def upload_concurrency(max_inflight_bytes: int, part_bytes: int = PART_BYTES) -> int:
+    """Parts a save uploads at once: as many as ``max_inflight_bytes`` holds, at least one, at most
+    ``CONCURRENCY``, so that the upload's buffers stay within the save's in-flight bound."""
+    return max(1, min(CONCURRENCY, max_inflight_bytes // part_bytes))
 
 
 class _Aborted(Exception):
@@ -62,15 +71,16 @@ def split_url(url: str) -> tuple[str, str]:
     return bucket, key
 
 
-def open_store(bucket: str) -> Any:
+def open_store(bucket: str, endpoint: str | None = None) -> Any:
     """An obstore ``S3Store`` for ``bucket`` configured from the AWS environment (module
-    docstring). ``ImportError`` naming the extra to install when obstore is missing."""
+    docstring); ``endpoint`` (``Config.s3_endpoint``) before ``AWS_ENDPOINT_URL``. ``ImportError``
+    naming the extra to install when obstore is missing."""
     try:
         from obstore.store import S3Store
     except ImportError as err:
         raise ImportError("s3:// checkpoints need obstore: pip install 'gdsckpt[s3]'") from err
     options: dict[str, Any] = {}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         options["endpoint"] = endpoint
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
@@ -91,12 +101,12 @@ class S3Writer(StorageWriter):
     name = "s3"
 
     def __init__(self, url: str, *, part_bytes: int = PART_BYTES, concurrency: int = CONCURRENCY,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, endpoint: str | None = None):
         import obstore
 
         self.url = url
         bucket, self.key = split_url(url)
-        self.store = open_store(bucket)
+        self.store = open_store(bucket, endpoint)
         self.timeout = timeout
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=QUEUED_WRITES)
         self._position = 0
@@ -194,13 +204,13 @@ class S3Reader(StorageReader):
 
     name = "s3"
 
-    def __init__(self, url: str, *, threads: int = 8, timeout: float = 600.0):
+    def __init__(self, url: str, *, threads: int = 8, timeout: float = 600.0, endpoint: str | None = None):
         import obstore
 
         self._obstore = obstore
         self.url = url
         bucket, self.key = split_url(url)
-        self.store = open_store(bucket)
+        self.store = open_store(bucket, endpoint)
         self.timeout = timeout
         try:
             self.size = int(obstore.head(self.store, self.key)["size"])
