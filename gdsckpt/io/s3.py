@@ -240,10 +240,12 @@ class S3Reader(StorageReader):
         def fetch() -> Any:
             data = np.frombuffer(memoryview(self._get(offset, out.nbytes)), dtype=np.uint8)
             if hasattr(out, "__cuda_array_interface__"):
-                out.set(data)
                 import cupy
 
-                cupy.cuda.get_current_stream().synchronize()
+                # this is a pool thread: it makes the buffer's device current before touching it
+                with cupy.cuda.Device(out.device.id):
+                    out.set(data)
+                    cupy.cuda.get_current_stream().synchronize()
             else:
                 out[...] = data
             return out
