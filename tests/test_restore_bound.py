@@ -45,12 +45,13 @@ class SlotCountingEngine(HostEngine):
         return super().read_buffer(nbytes)
 
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
-                      deliver: Callable[[Any], None], *, to_host: bool = False) -> Future[None]:
+                      deliver: Callable[[Any], None], *, to_host: bool = False,
+                      places: list[tuple[int, int, int]] | None = None) -> Future[None]:
         def counted(raw: Any) -> None:
             deliver(raw)
             with self.lock:  # the slot is free before the future completes, as on the GPU
                 self.outstanding -= 1
-        return super().submit_decode(record, chain, stored, counted, to_host=to_host)
+        return super().submit_decode(record, chain, stored, counted, to_host=to_host, places=places)
 
 
 @pytest.mark.parametrize("slots", [1, 2, 5])

@@ -140,11 +140,10 @@ def cuda_device_of(flat: FlatState) -> int | None:
 
 HOST_ROUTED_CODECS = ("zstd", "lz4", "deflate")
 """Portable codecs that a ``portable`` save of CUDA state runs on the CPU engine unless
-``engine="gpu"``. nvCOMP's Zstd needs ~1.1 GiB of scratch and saved at 0.11 GB/s within the
-default 1 GiB staging budget where the CPU engine saved the same kind of state with zstd at
-1.72 GB/s (host memory, the H200's disk, one ``gdsckpt bench`` run); its LZ4 and Deflate compress
-16 MiB chunks at 0.4-0.8 GB/s (docs/performance.md, "nvCOMP codecs" and "`gdsckpt bench` on the
-H200")."""
+``engine="gpu"``: within the default staging budget nvCOMP's Zstd (about 1.1 GiB of scratch)
+compresses one or two chunks per call, and its LZ4 and Deflate are slow on 16 MiB chunks, so the
+CPU engine's codec threads save such state faster (docs/performance.md measures both: "nvCOMP
+codecs" and the ``gdsckpt bench`` section)."""
 
 
 def check_portable(config: Config, codec: str) -> None:

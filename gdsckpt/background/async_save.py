@@ -64,7 +64,7 @@ from typing import Any
 
 from .. import api as _api
 from ..api import saving as api_saving
-from ..api.resolve import check_target
+from ..api.resolve import check_target, resolve_config
 from ..api.saving import refuse_replacing_base
 from ..config import Config
 from ..state import flatten
@@ -452,7 +452,7 @@ def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: 
     Returns a ``SaveHandle``: ``wait(timeout=None) -> SaveReport``, ``done()``, ``exception()``.
     """
     if portable is not None:
-        config = (config if config is not None else Config.from_env()).replace(portable=portable)
+        config = resolve_config(config, portable=portable)
     return _default_saver.save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config,
                                max_inflight=max_inflight, base=base, max_chain=max_chain, lossy=lossy,
                                force=force)

@@ -133,10 +133,10 @@ class S3Writer(StorageWriter):
                         max_concurrency=concurrency)
         except BaseException as err:  # noqa: BLE001 - reported by commit / the futures
             self._error = err
-            self._fail_queued(err)
+            self._drop_queued()
 
-    def _fail_queued(self, err: BaseException) -> None:
-        """Drop the writes still queued (the upload stopped taking them: ``commit`` raises)."""
+    def _drop_queued(self) -> None:
+        """Drop the writes still queued (the upload stopped taking them, or was aborted)."""
         while True:
             try:
                 self._queue.get_nowait()
@@ -194,7 +194,7 @@ class S3Writer(StorageWriter):
             return
         self._finished = True
         if self._thread.is_alive():
-            self._fail_queued(_Aborted("aborted"))  # make room: the writes queued will not be sent
+            self._drop_queued()  # make room: the writes queued will not be sent
             self._queue.put(_ABORT)
             self._thread.join(self.timeout)
 

@@ -313,10 +313,9 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
         except BaseException as err:  # noqa: BLE001 - reraise names the chunk, then raises it
             reraise(chunk, err)
         record = index.chunks[chunk]
-        chunk_places = places.get(chunk) if places else None
-        extra = {"places": chunk_places} if chunk_places is not None else {}
         decodes.append((chunk, engine.submit_decode(record, index.chains[record.chain], buffer, make_deliver(chunk),
-                                                    to_host=to_host is not None and chunk in to_host, **extra),
+                                                    to_host=to_host is not None and chunk in to_host,
+                                                    places=places.get(chunk) if places else None),
                         _cost(record)))
 
     def finish_decode(block: bool) -> None:
