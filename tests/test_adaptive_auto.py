@@ -95,13 +95,34 @@ def test_slow_storage_with_writes_pending_gets_every_chunk_compressed() -> None:
 def test_compressed_exactly_while_the_bytes_saved_pay_for_the_wait() -> None:
     """Nothing pending but the writes in progress: a chunk compressed is on storage after
     ``encode + write / ratio``, stored as it is after ``write``, so it is compressed exactly when
-    ``write * (1 - 1 / ratio)`` exceeds ``encode``. With the codec's measured speed and ratio, a
-    storage ten times slower than that break-even gets compressed chunks, ten times faster
-    chunks as they are."""
+    ``write * (1 - 1 / ratio)`` exceeds ``encode``. With a codec measured at 100 MB/s and ratio 2
+    the break-even storage speed is 50 MB/s: just above it chunks are stored as they are, just
+    below compressed."""
+    engine = HostEngine([], codec="zstd", byte_planes="auto", threads=1, adaptive=True)
+    try:
+        engine._measured(raw_bytes=100 << 20, stored_bytes=50 << 20, seconds=(100 << 20) / 100e6)
+        storage = [0.0]
+        engine.watch_storage(lambda: 1, lambda: WritePace(0, storage[0]))
+        chunk = 4 << 20
+        decisions = {}
+        for factor in (0.5, 0.99, 1.01, 2.0):
+            storage[0] = 50e6 * factor
+            decisions[factor] = engine._store_as_is(chunk)
+        assert decisions == {0.5: False, 0.99: False, 1.01: True, 2.0: True}
+    finally:
+        engine.close()
+
+
+def test_storage_far_beyond_or_below_the_break_even_decides_in_a_real_save() -> None:
+    """The same rule with the codec's speed measured live during the save: storage a thousand
+    times faster than the break-even measured beforehand gets chunks as they are (after the first
+    ones, compressed to measure the codec), a thousand times slower gets them compressed. The
+    margins are wide because the live measurement on a shared machine can differ from the
+    calibration several-fold."""
     speed, ratio = _codec_pace()
     even = speed * (1 - 1 / ratio)  # storage speed at which the bytes saved just pay
-    fast = _save(backlog=1, adaptive=True, pace=WritePace(0, even * 10))[0]
-    slow = _save(backlog=1, adaptive=True, pace=WritePace(0, even / 10))[0]
+    fast = _save(backlog=1, adaptive=True, pace=WritePace(0, even * 1000))[0]
+    slow = _save(backlog=1, adaptive=True, pace=WritePace(0, even / 1000))[0]
     assert fast.count("none/1") >= len(fast) - 4
     assert set(slow) == {"zstd/1"}
 
