@@ -5,7 +5,7 @@ the CLI's ``--config``) or a ``Config`` passed as ``config=`` > a ``GDSCKPT_<FIE
 variable (e.g. ``GDSCKPT_CHUNK_BYTES=8MiB``) > the default. A config file is applied over the
 environment (``from_toml`` starts from ``from_env``), whereas ``Config(...)`` built in code starts
 from the defaults alone. ``docs/configuration.md`` has the same field table, the file format and
-the presets in ``configs/``.
+the presets shipped in the package (``Config.preset("fast-nvme")``, ``gdsckpt --config fast-nvme``).
 
 | field | default | meaning |
 |---|---|---|
@@ -26,7 +26,7 @@ the presets in ``configs/``.
 | restore_staging_bytes | ``None`` | GPU staging ring of a restore (chunks being read and decoded). None: sized when the restore starts, a quarter of the device memory free then, at least ``max_staging_bytes`` and at most 8 GiB (``RESTORE_STAGING_CAP``); never more than the chunks to read fill |
 | snapshot_gpu_bytes | 1 GiB | ``save_async``: a state whose CUDA tensors hold at most this many bytes is snapshotted by a copy on its GPU (kept in the snapshot pool between saves); a larger one into pinned host memory |
 | async_worker | ``"thread"`` | ``save_async`` / ``CheckpointManager.save_async``: where the background save runs: ``thread`` (a thread of the training process) or ``process`` (a spawned worker process reading the snapshot through shared memory: the training process's GIL stays free; see ``gdsckpt.background.worker``) |
-| async_engine | ``"auto"`` | ``save_async``: the engine of the background save: ``auto`` (as ``engine``), ``cpu``, ``gpu``. With ``async_worker="process"``, ``cpu`` leaves the GPU and the training process to training: 0.96-0.97 of the steps per second without checkpoints, against 0.90 for the defaults (docs/performance.md) (``configs/async-training.toml``) |
+| async_engine | ``"auto"`` | ``save_async``: the engine of the background save: ``auto`` (as ``engine``), ``cpu``, ``gpu``. With ``async_worker="process"``, ``cpu`` leaves the GPU and the training process to training: 0.96-0.97 of the steps per second without checkpoints, against 0.90 for the defaults (docs/performance.md) (preset ``async-training``) |
 | kvikio_threads | 16 | kvikio thread pool size (GPU engine) |
 | kvikio_task_size | ``None`` | kvikio task size in bytes (None: kvikio's default) |
 | storage_gbps | ``None`` | storage write speed for ``codec="auto"`` on the GPU (None: measured once per filesystem and cached) |
@@ -212,13 +212,46 @@ class Config:
         ``"auto"``). Raises ``ValueError`` naming the file and the key for an unknown key, a
         value of the wrong type, or a value the field does not allow (listing what it does),
         and for a file that is not valid TOML; ``FileNotFoundError`` for a missing file.
+
+        A relative ``path`` is relative to the current directory, as ``open`` takes it; the
+        presets shipped with gdsckpt are read by name from anywhere with ``Config.preset``.
         """
         where = os.fspath(path)
-        with open(where, "rb") as handle:
-            try:
-                document = _toml_module().load(handle)
-            except ValueError as err:  # TOMLDecodeError and UnicodeDecodeError both are
-                raise ValueError(f"{where}: not valid TOML: {err}") from err
+        try:
+            with open(where, "rb") as handle:
+                data = handle.read()
+        except FileNotFoundError as err:
+            stem = os.path.splitext(os.path.basename(where))[0]
+            if stem in preset_names():
+                # The presets once lived in the repository's configs/ folder: an old path learns the name.
+                raise FileNotFoundError(err.errno, f"{err.strerror} (the preset {stem!r} ships inside "
+                                                   f"gdsckpt: Config.preset({stem!r}), --config {stem})",
+                                        where) from err
+            raise
+        return cls._from_document(where, data, base)
+
+    @classmethod
+    def preset(cls, name: str, *, base: Config | None = None) -> Config:
+        """``base`` (default: ``Config.from_env()``) with the values of the preset ``name``, one of
+        the commented TOML files shipped inside the package (``preset_names()``: ``fast-nvme``,
+        ``shared-filesystem``, ``portable``, ``async-training``; docs/configuration.md says what
+        each sets and why). Works from any directory and in a wheel install. Raises ``ValueError``
+        listing the presets for an unknown name."""
+        names = preset_names()
+        if name not in names:
+            guess = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {guess[0]!r}? " if guess else ""
+            raise ValueError(f"preset {name!r} is unknown ({hint}expected one of: {', '.join(names)})")
+        resource = _presets_folder().joinpath(f"{name}{PRESET_SUFFIX}")
+        return cls._from_document(f"preset {name}", resource.read_bytes(), base)
+
+    @classmethod
+    def _from_document(cls, where: str, data: bytes, base: Config | None) -> Config:
+        """``base`` (default: ``from_env()``) with the TOML document ``data``; ``where`` names it in errors."""
+        try:
+            document = _toml_module().loads(data.decode("utf-8"))
+        except ValueError as err:  # TOMLDecodeError and UnicodeDecodeError both are
+            raise ValueError(f"{where}: not valid TOML: {err}") from err
         changes = {key: _file_value(where, key, value) for key, value in document.items()}
         start = base if base is not None else cls.from_env()
         try:
@@ -227,10 +260,39 @@ class Config:
             raise ValueError(f"{where}: {err}") from err
 
 
+PRESET_SUFFIX = ".toml"
+"""The presets are ``gdsckpt/presets/<name>.toml``, package data of the wheel."""
+
+
+def _presets_folder() -> Any:
+    """The presets' folder as an ``importlib.resources`` traversable (a plain folder, or inside a zip)."""
+    from importlib.resources import files
+
+    return files(__package__ or "gdsckpt").joinpath("presets")
+
+
+def preset_names() -> tuple[str, ...]:
+    """The names ``Config.preset`` and ``--config`` take, sorted (each a TOML file shipped in the package)."""
+    return tuple(sorted(entry.name[: -len(PRESET_SUFFIX)] for entry in _presets_folder().iterdir()
+                        if entry.name.endswith(PRESET_SUFFIX)))
+
+
 def resolve_config(path: str | os.PathLike[str] | None) -> Config:
-    """The configuration of a command that takes ``--config PATH``: the file applied over the
-    environment (``Config.from_toml``), or with no file the environment alone (``from_env``)."""
-    return Config.from_env() if path is None else Config.from_toml(path)
+    """The configuration of a command that takes ``--config PATH|PRESET``: with nothing, the
+    environment alone (``from_env``); a path to an existing file, or anything that looks like a
+    path (a folder in it, a ``.toml`` suffix), is read with ``Config.from_toml``; otherwise a
+    preset's name (``Config.preset``). Raises ``ValueError`` for a name that is neither."""
+    if path is None:
+        return Config.from_env()
+    text = os.fspath(path)
+    looks_like_path = os.sep in text or "/" in text or text.endswith(PRESET_SUFFIX)
+    if os.path.exists(text) or looks_like_path:
+        return Config.from_toml(text)
+    if text in preset_names():
+        return Config.preset(text)
+    guess = difflib.get_close_matches(text, preset_names(), n=1)
+    hint = f"did you mean {guess[0]!r}? " if guess else ""
+    raise ValueError(f"{text!r} is neither a file nor a preset ({hint}presets: {', '.join(preset_names())})")
 
 
 def _toml_module() -> Any:

@@ -1,4 +1,5 @@
-"""Config files (``Config.from_toml``, ``resolve_config``), the presets in ``configs/``, and the
+"""Config files (``Config.from_toml``, ``resolve_config``), the presets shipped in ``gdsckpt/presets/``
+(``Config.preset``), and the
 precedence of argument > config file > environment > default."""
 
 from __future__ import annotations
@@ -13,21 +14,21 @@ import pytest
 
 import gdsckpt
 from gdsckpt.codecs import PORTABLE_CODECS
-from gdsckpt.config import Config, default_io_threads, parse_size, resolve_config
+from gdsckpt.config import Config, default_io_threads, parse_size, preset_names, resolve_config
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ROOT / "configs"
+PRESETS_DIR = ROOT / "gdsckpt" / "presets"
 DOC = ROOT / "docs" / "configuration.md"
 
 # What each preset sets, as docs/configuration.md states it; every other field keeps its default.
 PRESETS = {
-    "fast-nvme.toml": {"codec": "ans", "engine": "gpu", "gpu_chunk_bytes": 16 << 20,
+    "fast-nvme": {"codec": "ans", "engine": "gpu", "gpu_chunk_bytes": 16 << 20,
                        "max_staging_bytes": 2 << 30, "kvikio_threads": 32},
-    "shared-filesystem.toml": {"codec": "zstd", "engine": "auto", "gpu_chunk_bytes": 4 << 20,
+    "shared-filesystem": {"codec": "zstd", "engine": "auto", "gpu_chunk_bytes": 4 << 20,
                                "io_threads": 16, "fsync": True},
-    "portable.toml": {"codec": "zstd", "engine": "auto", "byte_planes": "auto", "gpu_chunk_bytes": 4 << 20,
+    "portable": {"codec": "zstd", "engine": "auto", "byte_planes": "auto", "gpu_chunk_bytes": 4 << 20,
                       "portable": True},
-    "async-training.toml": {"async_worker": "process", "async_engine": "cpu", "snapshot_gpu_bytes": 16 << 30},
+    "async-training": {"async_worker": "process", "async_engine": "cpu", "snapshot_gpu_bytes": 16 << 30},
 }
 
 
@@ -44,21 +45,60 @@ def _keys_set_by(path: Path) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # the presets
 
-def test_configs_directory_holds_exactly_the_documented_presets() -> None:
-    assert sorted(p.name for p in CONFIGS.glob("*.toml")) == sorted(PRESETS)
+def test_presets_folder_holds_exactly_the_documented_presets() -> None:
+    assert sorted(p.stem for p in PRESETS_DIR.glob("*.toml")) == sorted(PRESETS)
+    assert preset_names() == tuple(sorted(PRESETS))
+    # one copy only: the old configs/ folder points to the package and holds no preset to drift
+    assert list((ROOT / "configs").glob("*.toml")) == []
+
+
+def test_preset_by_name_works_from_any_directory(tmp_path: Path, h: Any) -> None:
+    probe = ("import gdsckpt, os; c = gdsckpt.Config.preset('shared-filesystem'); "
+             "print(os.getcwd(), c.codec, c.io_threads)")
+    result = h.run_python("-c", probe, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(tmp_path), "zstd", "16"]
+
+
+def test_unknown_preset_names_the_presets() -> None:
+    with pytest.raises(ValueError, match=r"preset 'fast-nvm' is unknown \(did you mean 'fast-nvme'\? expected one "
+                                         r"of: async-training, fast-nvme, portable, shared-filesystem\)"):
+        Config.preset("fast-nvm")
+
+
+def test_resolve_config_takes_a_file_or_a_preset_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config("portable") == Config.preset("portable")
+    (tmp_path / "portable").write_text('codec = "lz4"\n', encoding="utf-8")  # a file of that name wins
+    assert resolve_config("portable").codec == "lz4"
+    assert resolve_config(str(PRESETS_DIR / "fast-nvme.toml")) == Config.preset("fast-nvme")
+    with pytest.raises(ValueError, match="neither a file nor a preset"):
+        resolve_config("no-such-preset")
+    with pytest.raises(FileNotFoundError):
+        resolve_config("settings.toml")  # looks like a path: read as one
+
+
+def test_from_toml_of_the_old_preset_path_points_to_the_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative path is relative to the current directory; where it named a preset's old file,
+    the error says how to get the preset from anywhere."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"Config.preset\('fast-nvme'\), --config fast-nvme"):
+        Config.from_toml("configs/fast-nvme.toml")
+    _write(tmp_path, "io_threads = 3\n", "mine.toml")
+    assert Config.from_toml("mine.toml").io_threads == 3
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_loads_with_the_documented_values(name: str) -> None:
-    path = CONFIGS / name
+    path = PRESETS_DIR / f"{name}.toml"
     assert sorted(_keys_set_by(path)) == sorted(PRESETS[name])
-    loaded = Config.from_toml(path, base=Config())
-    assert loaded == Config().replace(**PRESETS[name])
+    loaded = Config.preset(name, base=Config())
+    assert loaded == Config().replace(**PRESETS[name]) == Config.from_toml(path, base=Config())
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_explains_every_value_in_a_comment_above_it(name: str) -> None:
-    lines = (CONFIGS / name).read_text(encoding="utf-8").splitlines()
+    lines = (PRESETS_DIR / f"{name}.toml").read_text(encoding="utf-8").splitlines()
     for number, line in enumerate(lines):
         if re.match(r"^\w+\s*=", line):
             assert number > 0 and lines[number - 1].startswith("#"), f"{name}:{number + 1}: no comment"
@@ -83,7 +123,7 @@ def test_presets_table_of_the_docs_matches_the_files_and_the_defaults() -> None:
     header, *rows = [line for line in section.splitlines() if line.startswith("| ")]
     columns = [cell.strip().strip("`") for cell in header.strip("|").split("|")]
     assert columns == ["field", "default", *PRESETS]
-    loaded = {name: Config.from_toml(CONFIGS / name, base=Config()) for name in PRESETS}
+    loaded = {name: Config.preset(name, base=Config()) for name in PRESETS}
     documented: set[str] = set()
     for row in rows:
         field, default, *values = [cell.strip() for cell in row.strip("|").split("|")]
@@ -98,7 +138,7 @@ def test_presets_table_of_the_docs_matches_the_files_and_the_defaults() -> None:
 def test_portable_preset_saves_on_the_cpu_engine_in_portable_codecs_and_loads_bit_exact(
         tmp_path: Path, h: Any) -> None:
     torch = pytest.importorskip("torch")
-    config = Config.from_toml(CONFIGS / "portable.toml")
+    config = Config.preset("portable")
     generator = torch.Generator().manual_seed(7)
     state = {
         "model": {"w": (torch.randn(256, 512, generator=generator) * 0.02).to(torch.bfloat16),
@@ -122,7 +162,7 @@ def test_fast_nvme_preset_refuses_to_save_without_a_gpu(tmp_path: Path) -> None:
 
     if gpu_available():
         pytest.skip("a GPU is usable here: the preset saves on it")
-    config = Config.from_toml(CONFIGS / "fast-nvme.toml")
+    config = Config.preset("fast-nvme")
     with pytest.raises(gdsckpt.CodecUnavailableError, match="engine='gpu'"):
         gdsckpt.save({"w": np.ones(1024, dtype=np.float32)}, tmp_path / "x.gdsckpt", config=config)
     assert not (tmp_path / "x.gdsckpt").exists()

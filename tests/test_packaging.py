@@ -97,6 +97,62 @@ def test_readme_demo_command_uses_the_module_entry_point() -> None:
     assert lines and all("python3 -m gdsckpt demo" in line for line in lines)
 
 
+def test_readme_demo_command_installs_the_demo_extra_only() -> None:
+    """The first command installs what the demo needs, not the test extra (pytest, lightning, ...)."""
+    lines = [line for block in _readme_code_blocks() for line in block.splitlines() if "gdsckpt demo" in line]
+    assert lines[0].startswith('python3 -m pip install -q -e ".[demo]" && '), lines[0]
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    """Top-level names of the modules ``path`` imports, other than gdsckpt's own and the standard library's."""
+    import ast
+    import sys
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return {name for name in names if name not in sys.stdlib_module_names and name != "gdsckpt"}
+
+
+def test_demo_extra_holds_what_the_demo_imports(pyproject: dict[str, Any], h: Any) -> None:
+    project = pyproject["project"]
+    demo = _names(project["optional-dependencies"]["demo"])
+    imported = _third_party_imports(h.REPO_ROOT / "gdsckpt" / "tools" / "demo.py")
+    assert imported and imported <= demo | _names(project["dependencies"]), imported
+    assert demo <= _names(project["optional-dependencies"]["test"]), "the tests run the demo too"
+    assert len(demo) < len(project["optional-dependencies"]["test"])
+
+
+def test_wheel_ships_the_presets(tmp_path: Path, h: Any) -> None:
+    """A wheel built from this checkout holds the presets, so ``Config.preset`` works in a wheel install."""
+    import shutil
+    import zipfile
+
+    from gdsckpt.config import preset_names
+
+    pytest.importorskip("setuptools")
+    source = tmp_path / "src"
+    source.mkdir()
+    # A copy: building writes build/ and egg-info beside the sources.
+    for name in ("pyproject.toml", "README.md", "MANIFEST.in"):
+        shutil.copy2(h.REPO_ROOT / name, source / name)
+    shutil.copytree(h.REPO_ROOT / "gdsckpt", source / "gdsckpt",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (tmp_path / "dist").mkdir()
+    build = ("import sys; from setuptools import build_meta; "
+             "print(build_meta.build_wheel(sys.argv[1]))")
+    result = h.run_python("-c", build, str(tmp_path / "dist"), cwd=source, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    wheel = tmp_path / "dist" / result.stdout.strip().splitlines()[-1]
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {name for name in archive.namelist() if name.startswith("gdsckpt/presets/")}
+    assert shipped == {f"gdsckpt/presets/{name}.toml" for name in preset_names()}
+    assert len(shipped) == 4
+
+
 @pytest.fixture(scope="module")
 def pyproject(h: Any) -> dict[str, Any]:
     try:
