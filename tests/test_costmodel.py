@@ -110,10 +110,11 @@ def test_job_rejects_bad_values(changes: dict[str, Any], message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the three scenarios
+# the scenarios
 
 def test_scenarios_hand_computed() -> None:
-    base, sync, asynchronous = costmodel.plan(uniform(ONE_B, 1.25), JOB).scenarios
+    base, sync, dcp, asynchronous = costmodel.plan(uniform(ONE_B, 1.25), JOB).scenarios
+    assert dcp.name == "DCP async_save"
     assert JOB.checkpoints_per_month == pytest.approx(1440)  # 720 h x 3600 / 1800 s
 
     # without gdsckpt: 14 GB at 2 GB/s = 7 s; 7 x 1440 x 8 / 3600 = 22.4 GPU-hours, x $2.5 = $56
@@ -141,6 +142,31 @@ def test_scenarios_hand_computed() -> None:
     assert asynchronous.gpu_hours_per_month == pytest.approx(4.590236220)  # 1.434449 x 1440 x 8 / 3600
     assert asynchronous.cost_per_month == pytest.approx(11.47559055)
     assert asynchronous.storage_bytes == pytest.approx(33.6 * GB)
+
+    # DCP async_save, pinned staging: each writer stages 1.75 GB at 50.5 GB/s; the uncompressed
+    # 14 GB are written behind training in 7 s at no measured cost to it
+    assert (dcp.snapshot, dcp.stored_bytes) == ("pinned", pytest.approx(14 * GB))
+    assert dcp.blocked_s == pytest.approx(1.75 / 50.5)
+    assert (dcp.write_s, dcp.background_s, dcp.backlog_s) == (pytest.approx(7.0), 0.0, 0.0)
+    assert dcp.gpu_hours_per_month == pytest.approx(1.75 / 50.5 * 1440 * 8 / 3600)
+    assert dcp.storage_bytes == pytest.approx(42 * GB)
+
+
+def test_async_gain_compares_gdsckpt_async_with_dcp_async_save() -> None:
+    """The gain of gdsckpt itself: its async save against DCP's, not against a synchronous save."""
+    result = costmodel.plan(uniform(ONE_B, 1.25), JOB)
+    gain = result.async_gain()
+    dcp, ours = result.scenario("DCP async_save"), result.scenario("gdsckpt async")
+    assert gain["gpu_hours_per_month"] == pytest.approx(dcp.gpu_hours_per_month - ours.gpu_hours_per_month)
+    assert gain["gpu_hours_per_month"] < 0  # the measured slowdown behind training costs more than DCP's
+    assert gain["storage_bytes"] == pytest.approx(8.4 * GB)  # (14 - 11.2) GB x 3 kept
+    assert gain["cost_per_month"] == pytest.approx(dcp.cost_per_month - ours.cost_per_month)
+    pageable = costmodel.plan(uniform(ONE_B, 1.25), Job(interval_s=1800, gpus=8, storage_gbps=2.0,
+                                                        dcp_staging="pageable"))
+    assert pageable.scenario("DCP async_save").blocked_s == pytest.approx(1.75 / 1.74)
+    assert pageable.scenario("DCP async_save").blocked_s > pageable.scenario("gdsckpt async").blocked_s
+    with pytest.raises(ValueError, match="dcp_staging='disk' is invalid"):
+        Job(interval_s=1800, gpus=8, storage_gbps=2.0, dcp_staging="disk")
 
 
 def test_no_price_gives_no_money() -> None:
@@ -189,7 +215,9 @@ def test_plan_json_round_trips() -> None:
     doc = json.loads(json.dumps(costmodel.plan(uniform(ONE_B, 1.25), JOB).to_json()))
     assert doc["logical_bytes"] == 14 * 10**9
     assert doc["ratio"] == pytest.approx(1.25)
-    assert list(doc["scenarios"]) == ["without_gdsckpt", "gdsckpt_sync", "gdsckpt_async"]
+    assert list(doc["scenarios"]) == ["without_gdsckpt", "gdsckpt_sync", "dcp_async_save", "gdsckpt_async"]
+    assert list(doc["savings"]) == ["gdsckpt_sync", "gdsckpt_async"]
+    assert doc["async_gain_over_dcp_async_save"]["storage_bytes"] == pytest.approx(8.4e9)
     assert doc["scenarios"]["gdsckpt_sync"]["gpu_hours_per_month"] == pytest.approx(17.92)
     assert doc["job"]["shard_writers"] == 8
 
@@ -309,8 +337,10 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "checkpoint of 1B parameters: bf16 weights, fp32 master copy, AdamW: 14.0 GB" in out
     assert "8 GPUs writing a shard each, storage 2 GB/s, 3 kept, $2.5 a GPU-hour" in out
     cost = next(line for line in out.splitlines() if line.startswith("cost a month"))
-    assert cost.split()[3:] == ["$56.00", "$44.80", "$11.48"]
+    assert cost.split()[3:] == ["$56.00", "$44.80", "$0.28", "$11.48"]
     assert "gdsckpt sync: 4.48 GPU-hours ($11.20) a month and 8.40 GB of storage less" in out
+    assert ("gdsckpt async against DCP async_save (pinned staging), the gain of gdsckpt itself: 4.48 "
+            "GPU-hours ($11.20) a month more and 8.40 GB of storage less") in out
 
 
 def test_cli_quiet_prints_only_the_comparison(capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from ..codecs import known_codec_names
 from ..config import Config, parse_size
 from ..tools import storagebench as sb
+from .common import nonempty_path, require_module
 from .progress import progress_bar
 
 logger = logging.getLogger("gdsckpt")
@@ -123,7 +124,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("bench", description=DESCRIPTION,
                                    help="measure storage throughput: raw I/O, gdsckpt, torch, safetensors",
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", action="append", required=True, metavar="DIR",
+    parser.add_argument("--target", action="append", required=True, metavar="DIR", type=nonempty_path,
                         help="directory on the storage to measure (repeatable: local NVMe, a shared "
                              "filesystem, tmpfs, ...)")
     parser.add_argument("--size", type=_size, default=sb.GIB, metavar="SIZE",
@@ -150,12 +151,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-seconds", type=_seconds, default=None, metavar="S",
                         help="time budget for the measurements, shared over the targets: what is not "
                              "measured by then is skipped, partial repeats are kept (default: none)")
-    parser.add_argument("--out", default=None, metavar="DIR",
+    parser.add_argument("--out", type=nonempty_path, default=None, metavar="DIR",
                         help="directory for bench.json and the PNG plots (default ./gdsckpt-bench-<time>)")
     parser.add_argument("--recommend", action="store_true",
                         help="print the fastest lossless configuration of each target and write it as a "
                              "config preset")
-    parser.add_argument("--preset-out", default=None, metavar="PATH",
+    parser.add_argument("--preset-out", type=nonempty_path, default=None, metavar="PATH",
                         help="where --recommend writes the TOML preset (default <out>/preset-{target}.toml; "
                              "{target} is replaced by the target's name, needed with several targets)")
     parser.set_defaults(run=run)
@@ -199,7 +200,10 @@ def _progress(total: int, quiet: bool) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark the parsed ``args`` describe; returns the exit code."""
+    """Run the benchmark the parsed ``args`` describe; returns the exit code (errors are logged to
+    the ``gdsckpt`` logger, one line each). Raises ``CommandError`` where PyTorch is not installed."""
+    # The synthetic training state and the torch/safetensors baselines are torch tensors.
+    require_module("torch", extra="bench", needed_by="gdsckpt bench")
     base = getattr(args, "config", None) or Config.from_env()
     try:
         settings = sb.BenchSettings(size_bytes=args.size, codecs=tuple(args.codecs),
@@ -208,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
                                     device=sb.resolve_device(args.device), baselines=tuple(args.baselines),
                                     config=base, max_seconds=args.max_seconds)
     except ValueError as err:
-        logger.error("bench: %s", err)
+        logger.error("%s", err)
         return 2
     out = Path(args.out) if args.out else Path(f"gdsckpt-bench-{_dt.datetime.now():%Y%m%d-%H%M%S}")
     preset_pattern = args.preset_out or str(out / "preset-{target}.toml")
@@ -220,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.recommend and not _writable_destination(Path(preset_pattern).parent):
         problem = f"--preset-out {preset_pattern!r} cannot be written"
     if problem:
-        logger.error("bench: %s", problem)
+        logger.error("%s", problem)
         return 2
 
     quiet = bool(getattr(args, "quiet", False))
@@ -229,13 +233,13 @@ def run(args: argparse.Namespace) -> int:
         with _sigterm_as_interrupt(), _progress(total, quiet) as advance:
             report = sb.run_benchmark(settings, args.target, advance=advance)
     except sb.InsufficientSpaceError as err:
-        logger.error("bench: %s", err)
+        logger.error("%s", err)
         return 2
     except (FileNotFoundError, NotADirectoryError, PermissionError) as err:
-        logger.error("bench: %s", err)
+        logger.error("%s", err)
         return 1
     except KeyboardInterrupt:
-        logger.error("bench: interrupted; every file the benchmark wrote has been removed")
+        logger.error("interrupted; every file the benchmark wrote has been removed")
         return 130
 
     recommendations = [sb.recommend(target) for target in report.targets] if args.recommend else []
@@ -252,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     status = 0 if report.all_ok else 1
     for number, (target, recommendation) in enumerate(zip(report.targets, recommendations), 1):
         if recommendation is None:
-            logger.error("bench: no lossless gdsckpt configuration ran on %s: nothing to recommend",
+            logger.error("no lossless gdsckpt configuration ran on %s: nothing to recommend",
                          target.path)
             status = 1
             continue

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CheckpointError
 from ..integrations.convert import FORMATS, ConvertReport, check_codec, convert, detect_format
+from .common import nonempty_path, print_error
 
 
 def register(subparsers: Any) -> None:
@@ -25,8 +25,9 @@ def register(subparsers: Any) -> None:
         "convert", help="convert between .pt/.pth/.bin, .safetensors and .gdsckpt, bit-exact",
         description="Convert a checkpoint between torch pickles (.pt/.pth/.bin, read only with "
                     "torch.load(weights_only=True)), safetensors and gdsckpt, bit-exact.")
-    parser.add_argument("src", help="the checkpoint to read")
-    parser.add_argument("dst", help="the file to write (refused if it exists, unless --overwrite)")
+    parser.add_argument("src", type=nonempty_path, help="the checkpoint to read")
+    parser.add_argument("dst", type=nonempty_path,
+                        help="the file to write (refused if it exists, unless --overwrite)")
     parser.add_argument("--from", dest="src_format", choices=FORMATS, default=None,
                         help="format of SRC (default: from its extension)")
     parser.add_argument("--to", dest="dst_format", choices=FORMATS, default=None,
@@ -74,7 +75,7 @@ def _summary(report: ConvertReport) -> str:
 
 
 def _error(message: str) -> None:
-    print(f"gdsckpt convert: error: {message}", file=sys.stderr)
+    print_error("convert", message)
 
 
 @contextlib.contextmanager

@@ -1,9 +1,12 @@
 """``gdsckpt`` / ``python -m gdsckpt``: thin subcommands over the library.
 
-Exit codes: 0 success, 1 the operation failed (e.g. a corrupt checkpoint), 2 bad arguments.
-Global options (before the subcommand): ``--quiet`` (no progress bars, warnings only),
-``--verbose`` (the library's INFO log), ``--config PATH`` (a TOML preset, see
-docs/configuration.md). Long operations draw a progress bar on a terminal only.
+Exit codes: 0 success, 1 the operation failed (e.g. a corrupt checkpoint), 2 bad arguments, 130
+interrupted, 141 stdout closed early (``gdsckpt inspect f | head``, quietly, as ``cat`` would).
+Every error is one line on stderr, ``gdsckpt <command>: error: <message>`` (``gdsckpt.cli.common``);
+a traceback follows only with ``--verbose``. Global options (before the subcommand): ``--quiet``
+(no progress bars, warnings only), ``--verbose`` (the library's INFO log, tracebacks of errors),
+``--config PATH|PRESET`` (a TOML file or a preset's name, see docs/configuration.md),
+``--version``. Long operations draw a progress bar on a terminal only.
 """
 
 from __future__ import annotations
@@ -12,25 +15,52 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
+import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from ..codecs import CONVERT_TO_PORTABLE
-from ..config import Config, resolve_config
+from ..config import Config, preset_names, resolve_config
 from ..errors import CheckpointError
 from ..tools.costmodel import group_of
+from ..version import __version__
+from .common import (
+    EXIT_FAILED,
+    CommandError,
+    LineFormatter,
+    Parser,
+    UsageError,
+    nonempty_path,
+    positive_int,
+    print_error,
+    require_module,
+    show_warning,
+)
 from .progress import byte_progress, progress_bar
 
 _SUBCOMMAND_MODULES: tuple[str, ...] = ("bench", "convert", "plan")
 """Modules of ``gdsckpt.cli`` that add a subcommand through ``register(subparsers)``."""
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from ..tools.demo import run_demo
+EXIT_INTERRUPTED = 130
+EXIT_STDOUT_CLOSED = 141
+"""128 + SIGPIPE: what a shell reports for ``cat`` or ``yes`` whose reader went away."""
 
-    figures = run_demo(width=args.width, depth=args.depth, directory=args.dir, device=args.device)
-    return 0 if figures["bit_exact"] else 1
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    require_module("torch", extra="demo", needed_by="gdsckpt demo")
+    from ..tools.demo import check_demo_options, run_demo
+
+    try:
+        device = check_demo_options(width=args.width, depth=args.depth, device=args.device)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    figures = run_demo(width=args.width, depth=args.depth, directory=args.dir, device=device,
+                       rounds=args.rounds)
+    return 0 if figures["bit_exact"] else EXIT_FAILED
 
 
 def group_totals(tensors: Any) -> dict[str, dict[str, Any]]:
@@ -123,31 +153,55 @@ def _cmd_rebase(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``gdsckpt`` command."""
-    parser = argparse.ArgumentParser(prog="gdsckpt", description=__doc__.splitlines()[0])
+    parser = Parser(prog="gdsckpt", description="gdsckpt: save, load, inspect and verify compressed "
+                                                "checkpoints of training state; thin subcommands over "
+                                                "the library.",
+                    epilog="Exit codes: 0 success, 1 the operation failed, 2 bad arguments.")
+    parser.add_argument("--version", action="version", version=f"gdsckpt {__version__}",
+                        help="print the version and exit")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bars; warnings and errors only")
-    parser.add_argument("--verbose", "-v", action="store_true", help="log what the library does (INFO)")
-    parser.add_argument("--config", metavar="PATH", default=None,
-                        help="TOML preset (configs/*.toml); arguments > this file > GDSCKPT_* > defaults")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="save, restore and verify a small transformer + AdamW state")
-    demo.add_argument("--width", type=int, default=512)
-    demo.add_argument("--depth", type=int, default=6)
-    demo.add_argument("--dir", default=None, help="directory for the temporary files")
-    demo.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="log what the library does (INFO) and print the traceback of an error")
+    parser.add_argument("--config", metavar="PATH|PRESET", default=None,
+                        help=f"a TOML config file, or a preset shipped with gdsckpt ({', '.join(preset_names())}); "
+                             f"arguments > this > GDSCKPT_* variables > defaults")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser("demo", help="save, restore and verify a small transformer + AdamW state",
+                          description="Save a small GPT-style model and its AdamW state with gdsckpt and "
+                                      "with torch.save, restore both, check the restore bit-exact, and "
+                                      "print the median ratio and speed of each side over a few rounds. "
+                                      "Needs PyTorch: pip install 'gdsckpt[demo]'.")
+    demo.add_argument("--width", type=positive_int, default=512, metavar="N",
+                      help="the model's hidden size, a multiple of 4 (default 512: about 44 MB of model "
+                           "and AdamW state with --depth 6)")
+    demo.add_argument("--depth", type=positive_int, default=6, metavar="N",
+                      help="transformer blocks (default 6)")
+    demo.add_argument("--rounds", type=positive_int, default=3, metavar="N",
+                      help="save and load rounds of each side; the medians are printed (default 3)")
+    demo.add_argument("--dir", type=nonempty_path, default=None, metavar="DIR",
+                      help="directory for the temporary files (default: the system's temporary directory)")
+    demo.add_argument("--device", default=None,
+                      help="cpu, cuda or cuda:N (default: cuda when torch sees a GPU, else cpu)")
     demo.set_defaults(run=_cmd_demo)
-    inspect = sub.add_parser("inspect", help="list a checkpoint's arrays, codecs and ratios")
-    inspect.add_argument("path")
-    inspect.add_argument("--json", action="store_true")
+    inspect = sub.add_parser("inspect", help="list a checkpoint's arrays, codecs and ratios",
+                             description="List a checkpoint's arrays, codecs and compression ratios, "
+                                         "per array and per group; reads the index only.")
+    inspect.add_argument("path", type=nonempty_path, metavar="PATH", help="the checkpoint to inspect")
+    inspect.add_argument("--json", action="store_true", help="print everything as one JSON document")
     inspect.set_defaults(run=_cmd_inspect)
-    verify = sub.add_parser("verify", help="read every chunk and check every checksum")
-    verify.add_argument("path")
+    verify = sub.add_parser("verify", help="read every chunk and check every checksum",
+                            description="Read every chunk of a checkpoint and check every checksum; "
+                                        "exit code 1 names the first damaged array and chunk.")
+    verify.add_argument("path", type=nonempty_path, metavar="PATH", help="the checkpoint to verify")
     verify.add_argument("--chain", action="store_true",
                         help="for a delta checkpoint, verify every base's chunks too (they are always "
                              "checked to be present and unchanged)")
     verify.set_defaults(run=_cmd_verify)
-    rebase = sub.add_parser("rebase", help="turn a delta checkpoint into a full one (resolving its bases)")
-    rebase.add_argument("path")
-    rebase.add_argument("--output", "-o", default=None, help="write here instead of replacing PATH")
+    rebase = sub.add_parser("rebase", help="turn a delta checkpoint into a full one (resolving its bases)",
+                            description="Write a delta checkpoint as a full one, resolving its chain of bases.")
+    rebase.add_argument("path", type=nonempty_path, metavar="PATH", help="the delta checkpoint")
+    rebase.add_argument("--output", "-o", type=nonempty_path, default=None, metavar="PATH",
+                        help="write here instead of replacing PATH")
     rebase.add_argument("--codec", default="auto", help="codec of the full checkpoint (default: auto)")
     rebase.add_argument("--force", action="store_true",
                         help="replace PATH even when other checkpoints beside it are deltas on it")
@@ -157,27 +211,73 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve_config(parser: argparse.ArgumentParser, path: str | None) -> Config:
-    """The ``Config`` for ``--config`` (over the environment); a bad file is a usage error."""
+def _resolve_config(value: str | None) -> Config:
+    """The ``Config`` for ``--config`` (over the environment); a bad file or name is a usage error."""
     try:
-        return resolve_config(path)
+        return resolve_config(value)
     except (OSError, ValueError) as err:
-        parser.error(f"--config: {err}")
-        raise  # unreachable: parser.error exits
+        raise UsageError(f"--config: {err}") from err
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``gdsckpt inspect f | head``): end quietly. stdout is
+    pointed at /dev/null so that the interpreter's final flush does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no file descriptor (a test's capture): nothing to flush
+        pass
+    return EXIT_STDOUT_CLOSED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit code."""
+    """Entry point; returns the exit code (0, 1 failed, 2 bad arguments, 130 interrupted, 141
+    stdout closed). Errors are one line, ``gdsckpt <command>: error: <message>``."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(format="gdsckpt: %(levelname)s: %(message)s", stream=sys.stderr,
-                        level=logging.INFO if args.verbose and not args.quiet else logging.WARNING)
-    args.config = _resolve_config(parser, args.config)
+    # The library's records (and an error a subcommand logs) in the command's own line format,
+    # for this call only: main() also runs inside other programs' processes (tests).
+    logger = logging.getLogger("gdsckpt")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LineFormatter(args.command))
+    previous_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if args.verbose and not args.quiet else logging.WARNING)
     try:
-        return int(args.run(args))
-    except (CheckpointError, FileNotFoundError, IsADirectoryError, PermissionError) as err:
-        print(f"gdsckpt {args.command}: error: {err}", file=sys.stderr)
-        return 1
+        with warnings.catch_warnings():
+            warnings.showwarning = show_warning(args.command)
+            return _run(args)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the parsed command; every failure becomes one error line and an exit code."""
+    try:
+        args.config = _resolve_config(args.config)
+        code = int(args.run(args))
+        sys.stdout.flush()  # inside the try: a closed pipe shows here rather than at exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
+    except KeyboardInterrupt:
+        print_error(args.command, "interrupted")
+        return EXIT_INTERRUPTED
+    except CommandError as err:
+        return _failed(args, err, str(err), err.code)
+    except (CheckpointError, OSError) as err:
+        return _failed(args, err, str(err), EXIT_FAILED)
+    except Exception as err:  # noqa: BLE001 - any other failure is still one line (--verbose: the traceback)
+        return _failed(args, err, f"{type(err).__name__}: {err}", EXIT_FAILED)
+
+
+def _failed(args: argparse.Namespace, err: BaseException, message: str, code: int) -> int:
+    """Print the error line (after the traceback with ``--verbose``) and return ``code``."""
+    if args.verbose:
+        traceback.print_exception(err, file=sys.stderr)
+    print_error(args.command, message)
+    return code
 
 
 if __name__ == "__main__":

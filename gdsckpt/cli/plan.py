@@ -1,5 +1,6 @@
 """``gdsckpt plan``: the GPU time, money and storage a training job spends on checkpoints a month,
-without gdsckpt, with ``gdsckpt.save`` and with ``save_async`` (model: ``gdsckpt.tools.costmodel``).
+without gdsckpt, with ``gdsckpt.save``, with DCP ``async_save`` (the asynchronous baseline) and with
+gdsckpt's ``save_async`` (model: ``gdsckpt.tools.costmodel``).
 
 The checkpoint is described by a model size (``--params`` with dtypes and optimizer), with the
 per-part ratios gdsckpt measured on a GPU (docs/performance.md), or taken from a real checkpoint (``--from PATH``:
@@ -19,6 +20,7 @@ from typing import Any
 from ..config import Config
 from ..errors import CheckpointError
 from ..tools import costmodel
+from .common import nonempty_path, positive_int
 
 log = logging.getLogger("gdsckpt")
 
@@ -84,13 +86,6 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    value = int(_number(text, int, "a whole number"))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
-
-
 def _ratio(text: str) -> tuple[str, float]:
     name, sep, value = text.partition("=")
     if not sep or not name.strip():
@@ -103,10 +98,15 @@ def register(subparsers: Any) -> None:
     ratios = ", ".join(f"{name} {ratio}" for name, ratio in costmodel.MEASURED_RATIOS.items())
     parser = subparsers.add_parser(
         "plan", help="GPU time, money and storage spent on checkpoints a month, with and without gdsckpt",
-        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        description="The GPU time, money and storage a training job spends on checkpoints a month: without "
+                    "gdsckpt, with gdsckpt.save, with torch.distributed.checkpoint's async_save (the "
+                    "asynchronous baseline) and with gdsckpt's save_async. The checkpoint is described "
+                    "by a model size (--params), or taken from a real checkpoint (--from).",
         epilog=f"Measured defaults (docs/performance.md): ratios {ratios}; compression "
                f"{costmodel.PIPELINE_GBPS_PER_GPU} GB/s per GPU; snapshot GB/s "
-               f"{costmodel.SNAPSHOT_GBPS}; background slowdown {costmodel.BACKGROUND_SLOWDOWN}. "
+               f"{costmodel.SNAPSHOT_GBPS}; background slowdown {costmodel.BACKGROUND_SLOWDOWN}; DCP "
+               f"async_save staging GB/s {costmodel.DCP_STAGING_GBPS}, its background slowdown "
+               f"{costmodel.DCP_BACKGROUND_SLOWDOWN}. "
                f"A month is {costmodel.HOURS_PER_MONTH:.0f} hours.")
     model = parser.add_argument_group("the checkpoint")
     model.add_argument("--params", type=parse_count, help="parameter count (7e9, 7B, 70M)")
@@ -118,15 +118,15 @@ def register(subparsers: Any) -> None:
                        help="adamw: 2 fp32 moments, sgd: 1 fp32 momentum buffer (default adamw)")
     model.add_argument("--grads", choices=("none", "bf16", "fp16", "fp32"),
                        help="gradients saved with the state (default none)")
-    model.add_argument("--from", dest="from_path", metavar="PATH",
+    model.add_argument("--from", dest="from_path", metavar="PATH", type=nonempty_path,
                        help="a gdsckpt checkpoint: its per-part ratios (and, without --params, its sizes)")
     model.add_argument("--ratio", type=_ratio, action="append", default=[], metavar="PART=RATIO",
                        help="override one part's ratio (repeatable), e.g. --ratio exp_avg=1.19")
     job = parser.add_argument_group("the job")
     job.add_argument("--interval", type=parse_duration, default=1800.0,
                      help="time between checkpoints: 30m, 2h, 1800s (default 30m)")
-    job.add_argument("--gpus", type=_positive_int, default=8, help="GPUs of the job (default 8)")
-    job.add_argument("--writers", type=_positive_int,
+    job.add_argument("--gpus", type=positive_int, default=8, help="GPUs of the job (default 8)")
+    job.add_argument("--writers", type=positive_int,
                      help="GPUs that each save a shard (default: all, as DCP/FSDP; 1 for rank 0 only)")
     job.add_argument("--storage-gbps", type=_positive_float,
                      help=f"storage write speed, GB/s, all writers together (default: the config's "
@@ -135,7 +135,7 @@ def register(subparsers: Any) -> None:
                      help="observed speed of the current save, GB/s (default: the storage's speed)")
     job.add_argument("--gpu-hour-price", type=_non_negative_float, metavar="USD",
                      help="price of one GPU-hour (without it: no money figures)")
-    job.add_argument("--keep-last", type=_positive_int, default=3, help="checkpoints kept (default 3)")
+    job.add_argument("--keep-last", type=positive_int, default=3, help="checkpoints kept (default 3)")
     figures = parser.add_argument_group("gdsckpt's figures (defaults measured on a GPU: docs/performance.md)")
     figures.add_argument("--snapshot", choices=costmodel.SNAPSHOTS, default="auto",
                                   help="where save_async copies the state (auto: GPU when a shard fits "
@@ -147,6 +147,9 @@ def register(subparsers: Any) -> None:
     figures.add_argument("--background-slowdown", type=_non_negative_float,
                                   default=costmodel.BACKGROUND_SLOWDOWN,
                                   help="seconds of training lost per second an async save runs behind it")
+    figures.add_argument("--dcp-staging", choices=costmodel.DCP_STAGINGS, default="pinned",
+                         help="how the DCP async_save baseline stages the state: pinned (pinned memory, "
+                              "its fastest measured setup; default) or pageable (DCP's default staging)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run_plan)
 
@@ -206,7 +209,8 @@ def _job(args: argparse.Namespace, config: Config) -> costmodel.Job:
             interval_s=args.interval, gpus=args.gpus, storage_gbps=storage, gpu_hour_price=args.gpu_hour_price,
             keep_last=args.keep_last, writers=args.writers, torch_save_gbps=args.torch_save_gbps,
             pipeline_gbps_per_gpu=args.pipeline_gbps, snapshot=args.snapshot, snapshot_gbps=args.snapshot_gbps,
-            snapshot_gpu_bytes=config.snapshot_gpu_bytes, background_slowdown=args.background_slowdown)
+            snapshot_gpu_bytes=config.snapshot_gpu_bytes, background_slowdown=args.background_slowdown,
+            dcp_staging=args.dcp_staging)
     except ValueError as err:
         raise _BadArguments(str(err)) from err
 
@@ -219,10 +223,10 @@ def run_plan(args: argparse.Namespace) -> int:
         parts, described = _parts(args)
         result = costmodel.plan(parts, _job(args, config))
     except _BadArguments as err:
-        log.error("gdsckpt plan: error: %s", err)
+        log.error("%s", err)
         return 2
     except (CheckpointError, OSError) as err:
-        log.error("gdsckpt plan: error: %s", err)
+        log.error("%s", err)
         return 1
     for scenario in result.scenarios:
         if scenario.lost_fraction >= 1:
@@ -280,8 +284,8 @@ def _money(value: float | None) -> str:
 
 def render(result: costmodel.Plan, described: str, quiet: bool = False) -> str:
     """The plan as text: the checkpoint's parts and the job (left out when ``quiet``), then the
-    three scenarios side by side and what gdsckpt saves."""
-    job, (base, sync, asynchronous) = result.job, result.scenarios
+    scenarios side by side, what gdsckpt saves, and what its async save gains over DCP's."""
+    job, base = result.job, result.baseline
     logical = costmodel.logical_bytes(result.parts)
     compressed = costmodel.compressed_bytes(result.parts)
     lines = []
@@ -306,31 +310,49 @@ def render(result: costmodel.Plan, described: str, quiet: bool = False) -> str:
                      + ("" if job.torch_save_gbps is None else f", current save {job.torch_save_gbps:g} GB/s")
                      + ("" if job.gpu_hour_price is None else f", ${job.gpu_hour_price:g} a GPU-hour"))
         lines.append("")
-    snapshot = f"{asynchronous.snapshot} snapshot"
+
+    def blocked(s: costmodel.Scenario) -> str:
+        if s.snapshot is None:
+            return _seconds(s.blocked_s)
+        how = "staging" if s.name == costmodel.DCP_ASYNC else "snapshot"
+        return f"{_seconds(s.blocked_s)} ({s.snapshot} {how})"
+
+    scenarios = result.scenarios
     rows = [
-        ("", base.name, sync.name, asynchronous.name),
-        ("stored per checkpoint", _bytes(base.stored_bytes), _bytes(sync.stored_bytes),
-         _bytes(asynchronous.stored_bytes)),
-        ("write time (bound by)", f"{_seconds(base.write_s)} ({base.bound})",
-         f"{_seconds(sync.write_s)} ({sync.bound})", f"{_seconds(asynchronous.write_s)} ({asynchronous.bound})"),
-        ("training blocked", _seconds(base.blocked_s), _seconds(sync.blocked_s),
-         f"{_seconds(asynchronous.blocked_s)} ({snapshot})"),
-        ("slowed by the save behind", "-", "-", _seconds(asynchronous.background_s)),
-        ("share of GPU time lost", *(f"{s.lost_fraction:.2%}" for s in result.scenarios)),
-        ("GPU-hours lost a month", *(_hours(s.gpu_hours_per_month) for s in result.scenarios)),
-        ("cost a month", *(_money(s.cost_per_month) for s in result.scenarios)),
-        (f"storage for {job.keep_last} kept", *(_bytes(s.storage_bytes) for s in result.scenarios)),
-        ("written a month", *(_bytes(s.written_bytes_per_month) for s in result.scenarios)),
+        ("", *(s.name for s in scenarios)),
+        ("stored per checkpoint", *(_bytes(s.stored_bytes) for s in scenarios)),
+        ("write time (bound by)", *(f"{_seconds(s.write_s)} ({s.bound})" for s in scenarios)),
+        ("training blocked", *(blocked(s) for s in scenarios)),
+        ("slowed by the save behind", *(_seconds(s.background_s) if s.snapshot else "-" for s in scenarios)),
+        ("share of GPU time lost", *(f"{s.lost_fraction:.2%}" for s in scenarios)),
+        ("GPU-hours lost a month", *(_hours(s.gpu_hours_per_month) for s in scenarios)),
+        ("cost a month", *(_money(s.cost_per_month) for s in scenarios)),
+        (f"storage for {job.keep_last} kept", *(_bytes(s.storage_bytes) for s in scenarios)),
+        ("written a month", *(_bytes(s.written_bytes_per_month) for s in scenarios)),
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         lines.append(f"{row[0]:{widths[0]}}" + "".join(f"  {cell:>{widths[i + 1]}}"
                                                         for i, cell in enumerate(row[1:])))
-    if asynchronous.backlog_s:
-        lines.append(f"note: an async save takes longer than the interval; each call waits "
-                     f"{_seconds(asynchronous.backlog_s)} for the previous one")
-    for scenario, saved in zip(result.scenarios[1:], result.savings().values()):
-        money = "" if saved["cost_per_month"] is None else f" ({_money(saved['cost_per_month'])})"
-        lines.append(f"{scenario.name}: {_hours(saved['gpu_hours_per_month'] or 0)} GPU-hours{money} a month "
-                     f"and {_bytes(saved['storage_bytes'] or 0)} of storage less than without gdsckpt")
+    for scenario in scenarios:
+        if scenario.backlog_s:
+            lines.append(f"note: a {scenario.name} save takes longer than the interval; each call waits "
+                         f"{_seconds(scenario.backlog_s)} for the previous one")
+    for scenario in scenarios:
+        if scenario.name.startswith("gdsckpt"):
+            lines.append(f"{scenario.name}: {_less(costmodel.spent_less(base, scenario))} than without gdsckpt")
+    lines.append(f"gdsckpt async against DCP async_save ({job.dcp_staging} staging), the gain of gdsckpt "
+                 f"itself: {_less(result.async_gain())}")
     return "\n".join(lines)
+
+
+def _less(saved: dict[str, float | None]) -> str:
+    """``4.48 GPU-hours ($11.20) a month and 8.40 GB of storage less`` (``more`` where negative)."""
+    hours = saved["gpu_hours_per_month"] or 0.0
+    cost = saved["cost_per_month"]
+    money = "" if cost is None else f" ({_money(abs(cost))})"
+    storage = saved["storage_bytes"] or 0.0
+    time_text, storage_text = f"{_hours(abs(hours))} GPU-hours{money} a month", f"{_bytes(abs(storage))} of storage"
+    if hours >= 0 and storage >= 0:
+        return f"{time_text} and {storage_text} less"
+    return f"{time_text} {'less' if hours >= 0 else 'more'} and {storage_text} {'less' if storage >= 0 else 'more'}"

@@ -19,6 +19,10 @@ compressor keeps ahead of the storage. Where this module departs from the post:
   real gdsckpt checkpoint (``group_sizes``), not one figure per architecture.
 - A third column models gdsckpt's asynchronous save, which blocks training only while the state
   is copied into a snapshot, plus the measured slowdown of training while the save runs behind it.
+- Its fair comparison is another asynchronous save, not a synchronous one: a column models
+  torch.distributed.checkpoint's ``async_save`` (staging into host memory, then an uncompressed
+  write behind training) with the figures measured for it on the same host, so that the gain of
+  gdsckpt itself shows apart from the gain of saving asynchronously at all.
 
 Everything here is arithmetic on dataclasses; only ``group_sizes`` reads a file.
 
@@ -74,6 +78,18 @@ SNAPSHOT_GBPS: dict[str, float] = {"gpu": 261.0, "pinned": 50.8}
 #: a larger model with longer steps is likely slowed less; set 0 to leave the effect out.
 BACKGROUND_SLOWDOWN = 0.25
 
+#: GB/s at which DCP ``async_save`` stages the state into host memory before returning, measured in
+#: the same run as ``SNAPSHOT_GBPS`` (9.40 GB, steady state: the second of two rounds): ``pinned``
+#: (pinned staging memory and a writer kept between calls, ``dcp_async_save_pinned``) 0.186 s,
+#: ``pageable`` (a new FileSystemWriter per call, DCP's default staging) 5.39 s.
+DCP_STAGING_GBPS: dict[str, float] = {"pinned": 50.5, "pageable": 1.74}
+
+#: Seconds of training lost per second DCP's background write runs, measured in the same run: 200
+#: steps took 25.22 s with an ``async_save`` every 100 steps, of which 11.85 s blocked, leaving
+#: 13.37 s against 13.31-13.36 s without checkpoints. Its writer thread spends its time in file
+#: writes, which release the GIL; counted as 0, the baseline's most favourable case.
+DCP_BACKGROUND_SLOWDOWN = 0.0
+
 #: A month of 30 days, as in the NVIDIA post (48 checkpoints a day at 30 minutes = 1440).
 HOURS_PER_MONTH = 720.0
 
@@ -84,6 +100,7 @@ OPTIMIZER_MOMENTS: dict[str, tuple[str, ...]] = {
     "none": (),
 }
 SNAPSHOTS = ("auto", "gpu", "pinned")
+DCP_STAGINGS = tuple(DCP_STAGING_GBPS)
 
 #: The groups of a checkpoint (``group_sizes``) whose ratio a part of ``ModelSpec`` takes with
 #: ``--from``: the layout of ``benchmarks/save_load_bench.py`` and of a torch optimizer's state_dict.
@@ -284,6 +301,8 @@ class Job:
     or ``auto`` (``gpu`` when a writer's shard fits ``snapshot_gpu_bytes``, gdsckpt's own rule).
     ``snapshot_gbps``: overrides the measured copy speed. ``background_slowdown``: seconds of
     training lost per second a background save runs. ``hours_per_month``: the month's length.
+    ``dcp_staging``: how the DCP ``async_save`` baseline stages the state (``pinned``, its fastest
+    measured setup and the default, or ``pageable``; ``DCP_STAGING_GBPS``).
     """
 
     interval_s: float
@@ -299,6 +318,7 @@ class Job:
     snapshot_gpu_bytes: int = 1 << 30
     background_slowdown: float = BACKGROUND_SLOWDOWN
     hours_per_month: float = HOURS_PER_MONTH
+    dcp_staging: str = "pinned"
 
     def __post_init__(self) -> None:
         positive = {"interval_s": self.interval_s, "storage_gbps": self.storage_gbps,
@@ -319,6 +339,9 @@ class Job:
             raise ValueError(f"snapshot={self.snapshot!r} is invalid (expected one of: {', '.join(SNAPSHOTS)})")
         if self.background_slowdown < 0:
             raise ValueError(f"background_slowdown must be >= 0, got {self.background_slowdown}")
+        if self.dcp_staging not in DCP_STAGINGS:
+            raise ValueError(f"dcp_staging={self.dcp_staging!r} is invalid (expected one of: "
+                             f"{', '.join(DCP_STAGINGS)})")
 
     @property
     def shard_writers(self) -> int:
@@ -332,7 +355,7 @@ class Job:
 
 
 # ---------------------------------------------------------------------------------------------
-# the three ways of saving
+# the ways of saving
 
 @dataclass(frozen=True)
 class Scenario:
@@ -465,9 +488,31 @@ def gdsckpt_async(parts: list[Part], job: Job) -> Scenario:
                      background_s=background_s, snapshot=kind, backlog_s=backlog_s)
 
 
+def dcp_async(parts: list[Part], job: Job) -> Scenario:
+    """torch.distributed.checkpoint ``async_save``: the asynchronous save without gdsckpt.
+
+    Each writer stages its shard into host memory, blocking training for ``shard / staging speed``
+    (``DCP_STAGING_GBPS[job.dcp_staging]``); the uncompressed bytes are then written behind training
+    at the storage's speed, costing ``DCP_BACKGROUND_SLOWDOWN`` of the overlap. As for gdsckpt's
+    async save, a write longer than the interval makes the next call wait for the difference.
+    """
+    total = logical_bytes(parts)
+    staging_s = total / job.shard_writers / (DCP_STAGING_GBPS[job.dcp_staging] * 1e9)
+    write_s = total / (job.storage_gbps * 1e9)
+    backlog_s = max(0.0, write_s - job.interval_s)
+    background_s = DCP_BACKGROUND_SLOWDOWN * min(write_s, job.interval_s)
+    return _scenario(DCP_ASYNC, job, total, write_s, staging_s + backlog_s, "storage",
+                     background_s=background_s, snapshot=job.dcp_staging, backlog_s=backlog_s)
+
+
+DCP_ASYNC = "DCP async_save"
+"""The name of the async baseline's scenario (``dcp_async``)."""
+
+
 @dataclass(frozen=True)
 class Plan:
-    """The three scenarios for one checkpoint and one job."""
+    """The scenarios for one checkpoint and one job: without gdsckpt, gdsckpt sync, DCP async_save
+    (the asynchronous baseline) and gdsckpt async."""
 
     parts: tuple[Part, ...]
     job: Job
@@ -478,20 +523,20 @@ class Plan:
         """Without gdsckpt."""
         return self.scenarios[0]
 
+    def scenario(self, name: str) -> Scenario:
+        """The scenario called ``name`` (``without gdsckpt``, ``gdsckpt sync``, ``DCP async_save``,
+        ``gdsckpt async``)."""
+        return next(s for s in self.scenarios if s.name == name)
+
     def savings(self) -> dict[str, dict[str, float | None]]:
         """Per gdsckpt scenario (keyed as in ``to_json``): GPU-hours and money a month, and bytes of
         storage, less than without gdsckpt (money None without a price)."""
-        base = self.baseline
-        out: dict[str, dict[str, float | None]] = {}
-        for scenario in self.scenarios[1:]:
-            cost = (None if base.cost_per_month is None or scenario.cost_per_month is None
-                    else base.cost_per_month - scenario.cost_per_month)
-            out[_json_key(scenario.name)] = {
-                "gpu_hours_per_month": base.gpu_hours_per_month - scenario.gpu_hours_per_month,
-                "cost_per_month": cost,
-                "storage_bytes": base.storage_bytes - scenario.storage_bytes,
-            }
-        return out
+        return {_json_key(s.name): spent_less(self.baseline, s) for s in self.scenarios if s.name.startswith("gdsckpt")}
+
+    def async_gain(self) -> dict[str, float | None]:
+        """What gdsckpt's async save spends less than DCP ``async_save`` (negative: more): the gain
+        of gdsckpt itself, apart from that of saving asynchronously at all."""
+        return spent_less(self.scenario(DCP_ASYNC), self.scenario("gdsckpt async"))
 
     def to_json(self) -> dict[str, object]:
         """Inputs, parts, scenarios and savings as plain JSON values."""
@@ -504,24 +549,38 @@ class Plan:
             "ratio": logical_bytes(self.parts) / compressed_bytes(self.parts),
             "scenarios": {_json_key(s.name): s.to_json() for s in self.scenarios},
             "savings": self.savings(),
+            "async_gain_over_dcp_async_save": self.async_gain(),
         }
 
 
+def spent_less(base: Scenario, scenario: Scenario) -> dict[str, float | None]:
+    """GPU-hours and money a month, and bytes of storage, ``scenario`` spends less than ``base``."""
+    cost = (None if base.cost_per_month is None or scenario.cost_per_month is None
+            else base.cost_per_month - scenario.cost_per_month)
+    return {"gpu_hours_per_month": base.gpu_hours_per_month - scenario.gpu_hours_per_month,
+            "cost_per_month": cost, "storage_bytes": base.storage_bytes - scenario.storage_bytes}
+
+
 def _json_key(name: str) -> str:
-    return name.replace(" ", "_")
+    return name.replace(" ", "_").replace(".", "_").lower()
 
 
 def plan(parts: Iterable[Part], job: Job) -> Plan:
-    """The cost of checkpointing ``parts`` in ``job``: without gdsckpt, gdsckpt sync, gdsckpt async."""
+    """The cost of checkpointing ``parts`` in ``job``: without gdsckpt, gdsckpt sync, DCP
+    async_save and gdsckpt async."""
     parts = list(parts)
     if not parts or logical_bytes(parts) <= 0:
         raise ValueError("a plan needs a checkpoint of at least one byte")
     return Plan(tuple(parts), job, (without_gdsckpt(parts, job), gdsckpt_sync(parts, job),
-                                    gdsckpt_async(parts, job)))
+                                    dcp_async(parts, job), gdsckpt_async(parts, job)))
 
 
 __all__ = [
     "BACKGROUND_SLOWDOWN",
+    "DCP_ASYNC",
+    "DCP_BACKGROUND_SLOWDOWN",
+    "DCP_STAGINGS",
+    "DCP_STAGING_GBPS",
     "DTYPE_BYTES",
     "HOURS_PER_MONTH",
     "MEASURED_RATIOS",
@@ -537,6 +596,7 @@ __all__ = [
     "Scenario",
     "checkpoint_parts",
     "compressed_bytes",
+    "dcp_async",
     "default_ratio",
     "gdsckpt_async",
     "gdsckpt_sync",
@@ -548,6 +608,7 @@ __all__ = [
     "plan",
     "ratios_from_groups",
     "snapshot_kind",
+    "spent_less",
     "with_ratios",
     "without_gdsckpt",
 ]

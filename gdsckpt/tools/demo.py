@@ -8,6 +8,7 @@ steps on random tokens" state that tests and benchmarks share.
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -84,11 +85,69 @@ def training_state(*, width: int = 128, depth: int = 2, steps: int = 3, device: 
     return model, optimizer
 
 
+HEADS = 4
+"""Attention heads of the demo's TinyGPT: its width must be a multiple of this."""
+
+
+def check_demo_options(*, width: int, depth: int, device: str | None) -> str:
+    """Check the demo's options before any work; returns the device to run on (``None``: cuda when
+    torch sees a GPU, else cpu). Raises ``ValueError`` saying what is wrong and what would do."""
+    if width < HEADS or width % HEADS:
+        raise ValueError(f"width must be a positive multiple of {HEADS} (the model's attention heads), got {width}")
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is invalid (expected one of: cpu, cuda, cuda:N)")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} ({build}) sees no "
+                             f"CUDA device; use cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} asked for, but torch sees {torch.cuda.device_count()} CUDA "
+                             f"device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    return str(parsed)
+
+
 def _durable_torch_save(state: Any, path: Path) -> None:
+    """torch.save made as durable as ``gdsckpt.save`` (fsync of the file and of its directory)."""
     with path.open("wb") as handle:
         torch.save(state, handle)
         handle.flush()
         os.fsync(handle.fileno())
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _evict(path: Path) -> bool:
+    """Drop ``path`` from this host's page cache so the next load reads storage; False where the OS
+    has no ``posix_fadvise`` (the loads are then warm, for both sides alike)."""
+    from .storagebench import fsync_file
+
+    fsync_file(path, drop_cache=True)
+    return hasattr(os, "posix_fadvise")
+
+
+def _timed(call: Any, device: str) -> float:
+    """Seconds ``call()`` takes, until the device has finished the work it queued."""
+    started = time.perf_counter()
+    call()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -108,30 +167,57 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None,
-             device: str | None = None) -> dict[str, Any]:
-    """Run the demo and return its figures (also printed)."""
+             device: str | None = None, rounds: int = 3) -> dict[str, Any]:
+    """Run the demo and return its figures (also printed).
+
+    Both sides are measured the same way over ``rounds`` rounds, taking turns at going first:
+    durable saves (fsync of the file and its directory inside the timing), then cold loads (the
+    file dropped from the page cache first) into a fresh model and optimizer (torch: ``torch.load``
+    + ``load_state_dict``). The medians are printed with the conditions and which side won.
+    """
     from .. import api
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = check_demo_options(width=width, depth=depth, device=device)
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     model, optimizer = training_state(width=width, depth=depth, steps=3, device=device, vocab=4096)
     state: dict[str, Any] = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 3}
+    fresh_model, _ = training_state(width=width, depth=depth, steps=0, device=device, seed=1, vocab=4096)
+    fresh_optimizer = torch.optim.AdamW(fresh_model.parameters(), lr=1e-3)
+    target: dict[str, Any] = {"model": fresh_model, "optimizer": fresh_optimizer, "step": 0}
+    times: dict[str, list[float]] = {"save": [], "torch_save": [], "load": [], "torch_load": []}
+    cold = True
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         ours, theirs = Path(tmp) / "demo.gdsckpt", Path(tmp) / "demo.pt"
-        report = api.save(state, ours)
-        started = time.perf_counter()
-        _durable_torch_save(state, theirs)
-        torch_save_seconds = time.perf_counter() - started
+        reports: list[Any] = []
 
-        fresh_model, _ = training_state(width=width, depth=depth, steps=0, device=device, seed=1, vocab=4096)
-        fresh_optimizer = torch.optim.AdamW(fresh_model.parameters(), lr=1e-3)
-        target = {"model": fresh_model, "optimizer": fresh_optimizer, "step": 0}
-        started = time.perf_counter()
+        def torch_restore() -> None:
+            loaded = torch.load(theirs, map_location=device, weights_only=True)
+            fresh_model.load_state_dict(loaded["model"])
+            fresh_optimizer.load_state_dict(loaded["optimizer"])
+
+        sides = {
+            "save": lambda: reports.append(api.save(state, ours)),
+            "torch_save": lambda: _durable_torch_save(state, theirs),
+            "load": lambda: api.load_into(target, ours),
+            "torch_load": torch_restore,
+        }
+        for number in range(rounds):
+            # Taking turns at going first: a slow phase of the storage or a cache the first one warms
+            # up falls on both sides alike.
+            order = ("", "torch_") if number % 2 == 0 else ("torch_", "")
+            for what in ("save", "load"):
+                for prefix in order:
+                    if what == "load":
+                        cold = _evict(ours if prefix == "" else theirs) and cold
+                    times[prefix + what].append(_timed(sides[prefix + what], device))
+            target["step"] = 0
+        # torch's restore may have been the last to fill the model: restore from gdsckpt once more so
+        # that the comparison below checks gdsckpt's restore.
         api.load_into(target, ours)
-        load_seconds = time.perf_counter() - started
-        started = time.perf_counter()
-        torch.load(theirs, map_location=device, weights_only=True)
-        torch_load_seconds = time.perf_counter() - started
+        report = reports[-1]
         torch_bytes = theirs.stat().st_size
+        filesystem = _filesystem_of(Path(tmp))
 
     restored = {"model": fresh_model.state_dict(), "optimizer": fresh_optimizer.state_dict()}
     mismatched = [key for key, value in state["model"].items() if not bit_equal(value, restored["model"][key])]
@@ -140,39 +226,57 @@ def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None,
             if not bit_equal(torch.as_tensor(value), torch.as_tensor(restored["optimizer"]["state"][param_id][name])):
                 mismatched.append(f"optimizer/state/{param_id}/{name}")
     mb = report.logical_bytes / 1e6
-    figures = {
+    medians = {what: statistics.median(seconds) for what, seconds in times.items()}
+    figures: dict[str, Any] = {
         "device": device, "logical_mb": mb, "ratio": report.ratio, "torch_ratio": report.logical_bytes / torch_bytes,
-        "save_mb_s": mb / report.seconds, "torch_save_mb_s": mb / torch_save_seconds,
-        "load_mb_s": mb / load_seconds, "torch_load_mb_s": mb / torch_load_seconds,
+        "rounds": rounds, "cold_loads": cold, "seconds": times,
+        "save_mb_s": mb / medians["save"], "torch_save_mb_s": mb / medians["torch_save"],
+        "load_mb_s": mb / medians["load"], "torch_load_mb_s": mb / medians["torch_load"],
         "bit_exact": not mismatched and target["step"] == 3, "codec": report.codec, "backend": report.backend,
     }
+    loads = ("cold (this host's page cache dropped for the file before each load; a virtual or network "
+             "disk may still cache it)" if cold else "warm (this OS cannot drop a file from the page cache)")
     print(f"gdsckpt demo: TinyGPT width={width} depth={depth} + AdamW after 3 steps on {device}, "
           f"{mb:.1f} MB of tensors")
+    print(f"conditions: median of {rounds} round(s), the sides taking turns at going first, files on "
+          f"{filesystem};\n  saves durable (fsync of the file and its directory inside the timing);\n"
+          f"  loads {loads},\n  into a fresh model and optimizer (torch: torch.load + load_state_dict)")
     print(f"{'':14}{'ratio':>8}{'save MB/s':>12}{'load MB/s':>12}")
     print(f"{'gdsckpt':14}{report.ratio:>8.3f}{figures['save_mb_s']:>12.0f}{figures['load_mb_s']:>12.0f}"
           f"   ({report.codec}, {report.backend})")
     print(f"{'torch.save':14}{figures['torch_ratio']:>8.3f}{figures['torch_save_mb_s']:>12.0f}"
           f"{figures['torch_load_mb_s']:>12.0f}")
     print("restored bit-exact: " + ("yes" if figures["bit_exact"] else f"NO ({', '.join(mismatched[:5])})"))
-    verdicts = [verdict("save", mb / report.seconds, mb / torch_save_seconds, report.ratio, device),
-                verdict("load", mb / load_seconds, mb / torch_load_seconds, report.ratio, device)]
+    verdicts = [verdict("save", figures["save_mb_s"], figures["torch_save_mb_s"], report.ratio, device, rounds),
+                verdict("load", figures["load_mb_s"], figures["torch_load_mb_s"], report.ratio, device, rounds)]
     figures["verdicts"] = verdicts
     for line in verdicts:
         print(line)
     return figures
 
 
-def verdict(what: str, mine: float, theirs: float, ratio: float, device: str) -> str:
-    """One plain sentence: which side was faster at ``what`` in this run and, where torch won,
-    the likely reason (each side ran once: small differences are noise)."""
+def _filesystem_of(directory: Path) -> str:
+    """``<type> (<directory>)`` from /proc/mounts where there is one, else the directory alone."""
+    from .storagebench.host import filesystem_of
+
+    kind = filesystem_of(directory)["type"]
+    return str(directory.parent) if kind == "?" else f"{kind} ({directory.parent})"
+
+
+def verdict(what: str, mine: float, theirs: float, ratio: float, device: str, rounds: int = 1) -> str:
+    """One plain sentence: which side was faster at ``what`` (medians of ``rounds`` rounds) and,
+    where torch won, the likely reason."""
     baseline = "torch.save" if what == "save" else "torch.load"
+    of = f"median of {rounds} rounds" if rounds > 1 else "one round"
     if mine >= theirs:
-        return f"{what}: gdsckpt faster, {mine / theirs:.1f}x {baseline}"
+        return f"{what}: gdsckpt faster, {mine / theirs:.1f}x {baseline} ({of})"
     if device == "cpu" and ratio > 1.0:
-        why = (f"on this CPU, compressing costs more time than the {ratio:.2f}x fewer bytes save on this "
+        work = "compressing" if what == "save" else "decompressing"
+        why = (f"on this CPU, {work} costs more time than the {ratio:.2f}x fewer bytes save on this "
                f"storage; the GPU engine, or codec='none', is where gdsckpt is faster")
     else:
-        why = "a state this small is dominated by fixed costs, and each side ran once"
-    return f"{what}: {baseline} was faster here ({theirs:.0f} against {mine:.0f} MB/s): {why}"
+        why = "a state this small is dominated by fixed costs"
+    return f"{what}: {baseline} was faster here ({theirs:.0f} against {mine:.0f} MB/s, {of}): {why}"
 
-__all__ = ["Block", "TinyGPT", "bit_equal", "run_demo", "train_steps", "training_state", "verdict"]
+__all__ = ["Block", "TinyGPT", "bit_equal", "check_demo_options", "run_demo", "train_steps", "training_state",
+           "verdict"]

@@ -1,0 +1,207 @@
+"""The command line's manners, through the installed ``gdsckpt`` console script in a subprocess:
+``--version``, help text for every option without markup, one error line with one prefix, exit
+code 2 for bad arguments and 1 for failures, tracebacks only with ``--verbose``, a quiet exit
+when stdout's reader goes away, and a clear message where PyTorch is not installed."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gdsckpt
+from gdsckpt.cli.main import build_parser
+from gdsckpt.codecs.nvcomp import gpu_available
+
+SCRIPT = Path(sysconfig.get_path("scripts")) / "gdsckpt"
+COMMANDS = ("demo", "inspect", "verify", "rebase", "bench", "convert", "plan")
+
+
+def gdsckpt_command(*args: str, h: Any, pythonpath: Path | None = None, cwd: Path | None = None,
+                    timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the ``gdsckpt`` console script (``python -m gdsckpt`` where it is not installed) against
+    this checkout; ``pythonpath`` goes first on the import path (to shadow a module)."""
+    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "gdsckpt"]
+    env = h.subprocess_env()
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env["PYTHONPATH"]])
+    return subprocess.run([*command, *args], check=False, capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=str(cwd or h.REPO_ROOT))
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess[str], command: str | None, code: int,
+                          *fragments: str) -> str:
+    """``result`` exited with ``code`` and printed exactly one line on stderr, ``gdsckpt <command>:
+    error: ...``, holding every fragment; returns that line."""
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    prefix = f"gdsckpt {command}: error: " if command else "gdsckpt: error: "
+    assert lines[0].startswith(prefix), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"w": np.arange(5000, dtype=np.float32)}, path, chunk_bytes=4096)
+    return path
+
+
+def test_version(h: Any) -> None:
+    result = gdsckpt_command("--version", h=h)
+    assert result.returncode == 0 and result.stdout.strip() == f"gdsckpt {gdsckpt.__version__}", result
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_option_and_argument_has_help_text() -> None:
+    parser = build_parser()
+    commands = _subparsers(parser)
+    assert set(commands) == set(COMMANDS)
+    missing = [f"{name} {action.dest}" for name, sub in [("gdsckpt", parser), *commands.items()]
+               for action in sub._actions
+               if not isinstance(action, argparse._SubParsersAction) and not action.help]
+    assert missing == []
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_is_plain_text(command: str | None, h: Any) -> None:
+    result = gdsckpt_command(*([command] if command else []), "--help", h=h)
+    assert result.returncode == 0, result.stderr
+    for markup in ("``", ":mod:", ":func:", ":class:", ":meth:"):
+        assert markup not in result.stdout, (markup, result.stdout)
+    if command is None:
+        assert "--version" in result.stdout and "PRESET" in result.stdout
+
+
+@pytest.mark.parametrize("args, command, fragments", [
+    ([], None, ["required: COMMAND"]),
+    (["frobnicate"], None, ["invalid choice: 'frobnicate'"]),
+    (["inspect"], "inspect", ["required: PATH"]),
+    (["inspect", ""], "inspect", ["the path is empty"]),
+    (["verify", ""], "verify", ["the path is empty"]),
+    (["verify", "a", "b"], None, ["unrecognized arguments: b"]),
+    (["demo", "--width", "-5"], "demo", ["--width", "must be >= 1, got '-5'"]),
+    (["demo", "--width=-5"], "demo", ["--width", "must be >= 1, got '-5'"]),
+    (["demo", "--width", "6"], "demo", ["width must be a positive multiple of 4"]),
+    (["demo", "--depth", "0"], "demo", ["--depth", "must be >= 1"]),
+    (["demo", "--device", "tpu"], "demo", ["device 'tpu' is invalid"]),
+    (["bench", "--target", ".", "--size", "-1MiB"], "bench", ["--size", "not a byte size: '-1MiB'"]),
+    (["bench", "--target", ".", "--size=-1MiB"], "bench", ["--size", "not a byte size: '-1MiB'"]),
+    (["bench", "--target", ".", "--size", "-4096"], "bench", ["--size", "not a byte size: '-4096'"]),
+    (["bench", "--target", ""], "bench", ["the path is empty"]),
+    (["plan", "--params", "-7B"], "plan", ["--params", "not a count: '-7B'"]),
+    (["plan"], "plan", ["give --params"]),
+    (["convert", "", "x.gdsckpt"], "convert", ["the path is empty"]),
+    (["--config", "fast-nvm", "verify", "x"], "verify", ["--config", "did you mean 'fast-nvme'?"]),
+    (["--config", "missing.toml", "verify", "x"], "verify", ["--config", "missing.toml"]),
+])
+def test_usage_errors_exit_2_with_one_line(args: list[str], command: str | None, fragments: list[str],
+                                           h: Any) -> None:
+    assert_one_error_line(gdsckpt_command(*args, h=h), command, 2, *fragments)
+
+
+def test_demo_cuda_without_cuda_is_a_usage_error(h: Any) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a CUDA device here")
+    assert_one_error_line(gdsckpt_command("demo", "--device", "cuda", h=h), "demo", 2,
+                          "device 'cuda' asked for", "sees no CUDA device")
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "rebase"])
+def test_failures_exit_1_with_one_line_and_a_traceback_only_when_verbose(command: str, tmp_path: Path,
+                                                                          h: Any) -> None:
+    foreign = tmp_path / "foreign.gdsckpt"
+    foreign.write_bytes(b"\x00" * 9000)
+    assert_one_error_line(gdsckpt_command(command, str(foreign), h=h), command, 1, "not a gdsckpt checkpoint")
+    missing = gdsckpt_command(command, str(tmp_path / "absent.gdsckpt"), h=h)
+    assert_one_error_line(missing, command, 1, "absent.gdsckpt")
+    verbose = gdsckpt_command("--verbose", command, str(foreign), h=h)
+    assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
+    assert verbose.stderr.splitlines()[-1].startswith(f"gdsckpt {command}: error: ")
+
+
+def test_a_directory_is_a_failure_not_a_traceback(tmp_path: Path, h: Any) -> None:
+    assert_one_error_line(gdsckpt_command("verify", str(tmp_path), h=h), "verify", 1, str(tmp_path))
+
+
+def test_subcommand_errors_share_the_prefix(tmp_path: Path, h: Any) -> None:
+    """bench and plan report through the library's logger: the line reads like every other."""
+    missing = tmp_path / "no-such-dir"
+    assert_one_error_line(gdsckpt_command("bench", "--target", str(missing), "--size", "1MiB", "--device",
+                                          "cpu", "--out", str(tmp_path / "out"), h=h),
+                          "bench", 1, "does not exist")
+    assert_one_error_line(gdsckpt_command("plan", "--from", str(tmp_path / "absent.gdsckpt"), h=h),
+                          "plan", 1, "absent.gdsckpt")
+    assert_one_error_line(gdsckpt_command("plan", "--params", "7B", "--gpus", "8", "--writers", "9", h=h),
+                          "plan", 2, "writers must be between 1 and gpus")
+
+
+def test_stdout_closed_early_exits_quietly(tmp_path: Path, h: Any) -> None:
+    """``gdsckpt inspect f | head -2``: far more output than a pipe holds, the reader gone after two
+    lines: no BrokenPipeError, nothing on stderr, 141 as for ``cat``."""
+    path = tmp_path / "many.gdsckpt"
+    gdsckpt.save({f"layer{i}": np.full(4, i, dtype=np.float32) for i in range(3000)}, path, chunk_bytes=4096)
+    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "gdsckpt"]
+    process = subprocess.Popen([*command, "inspect", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=h.subprocess_env(), cwd=str(h.REPO_ROOT))
+    assert process.stdout is not None and process.stderr is not None
+    head = [process.stdout.readline() for _ in range(2)]
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    process.stderr.close()
+    assert process.wait(timeout=120) == 141, stderr
+    assert all(head) and stderr == ""
+
+
+def _without_torch(tmp_path: Path) -> Path:
+    """A folder that, first on the import path, makes ``import torch`` fail as on a machine
+    without PyTorch."""
+    shadow = tmp_path / "no-torch"
+    (shadow / "torch").mkdir(parents=True)
+    (shadow / "torch" / "__init__.py").write_text(
+        'raise ModuleNotFoundError("No module named \'torch\'", name="torch")\n', encoding="utf-8")
+    return shadow
+
+
+@pytest.mark.parametrize("args, extra", [
+    (["demo", "--width", "64", "--depth", "1"], "demo"),
+    (["bench", "--target", "{tmp}", "--size", "1MiB", "--device", "cpu"], "bench"),
+])
+def test_commands_that_need_torch_name_the_extra(args: list[str], extra: str, tmp_path: Path, h: Any) -> None:
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    result = gdsckpt_command(*args, h=h, pythonpath=_without_torch(tmp_path))
+    assert_one_error_line(result, args[0], 1, "needs torch", f"pip install 'gdsckpt[{extra}]'")
+    assert "Traceback" not in result.stderr
+
+
+def test_inspect_and_verify_work_without_torch(saved: Path, tmp_path: Path, h: Any) -> None:
+    shadow = _without_torch(tmp_path)
+    for command in ("inspect", "verify"):
+        result = gdsckpt_command(command, str(saved), h=h, pythonpath=shadow)
+        assert result.returncode == 0, result.stderr
+
+
+def test_config_takes_a_preset_name_from_any_directory(saved: Path, tmp_path: Path, h: Any) -> None:
+    assert gdsckpt.config.preset_names() == ("async-training", "fast-nvme", "portable", "shared-filesystem")
+    for name in ("portable", "shared-filesystem", "async-training"):
+        result = gdsckpt_command("--config", name, "verify", str(saved), h=h, cwd=tmp_path)
+        assert result.returncode == 0, (name, result.stderr)
+    # fast-nvme asks for the GPU engine: that it is refused on a CPU machine shows it was applied
+    if not gpu_available():
+        assert_one_error_line(gdsckpt_command("--config", "fast-nvme", "verify", str(saved), h=h, cwd=tmp_path),
+                              "verify", 1, "engine='gpu'")
