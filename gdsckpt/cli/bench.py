@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed ``args`` describe; returns the exit code (errors are logged to
     the ``gdsckpt`` logger, one line each). Raises ``CommandError`` where PyTorch is not installed."""
     # The synthetic training state and the torch/safetensors baselines are torch tensors.
-    require_module("torch", extra="bench", needed_by="gdsckpt bench")
+    require_module("torch", extra="bench", needed_by="the benchmark")
     base = getattr(args, "config", None) or Config.from_env()
     try:
         settings = sb.BenchSettings(size_bytes=args.size, codecs=tuple(args.codecs),

@@ -51,7 +51,7 @@ EXIT_STDOUT_CLOSED = 141
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    require_module("torch", extra="demo", needed_by="gdsckpt demo")
+    require_module("torch", extra="demo", needed_by="the demo")
     from ..tools.demo import check_demo_options, run_demo
 
     try:

@@ -26,7 +26,7 @@ compressor keeps ahead of the storage. Where this module departs from the post:
 
 Everything here is arithmetic on dataclasses; only ``group_sizes`` reads a file.
 
-Why one module of about 550 lines: the measured defaults, the inputs and the arithmetic are one
+Why one module of about 600 lines: the measured defaults, the inputs and the arithmetic are one
 model, read top to bottom against the blog post it follows; most of the length is the commented
 provenance of each default.
 """
