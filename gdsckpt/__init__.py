@@ -30,6 +30,8 @@ from .errors import (
     InsufficientSpaceError,
     LossyWarning,
     PickleOnlyMetadataWarning,
+    RemoteUploadError,
+    RemoteUploadWarning,
     SaveWorkerError,
     SkippedCheckpointWarning,
     StateMismatchError,
@@ -45,7 +47,8 @@ __all__ = [
     "BaseCheckpointError", "Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointManager",
     "CodecUnavailableError", "Config", "ConvertError", "ConvertReport", "CorruptCheckpointError",
     "DeltaBaseError", "InsufficientSpaceError", "LossyPolicy", "LossyWarning", "PickleOnlyMetadataWarning",
-    "SaveHandle", "SaveReport", "SaveWorkerError", "SkippedCheckpointWarning", "StateMismatchError",
+    "RemoteUploadError", "RemoteUploadWarning", "SaveHandle", "SaveReport", "SaveWorkerError",
+    "SkippedCheckpointWarning", "StateMismatchError",
     "TensorInfo", "UnsafePickleError", "UnsupportedFormatError", "VerifyReport", "__version__", "convert",
     "inspect", "load", "load_into", "open", "rebase", "save", "save_async", "verify", "wait_all",
 ]

@@ -79,6 +79,17 @@ class SaveWorkerError(CheckpointError, RuntimeError):
     keeps its previous content) and the next save starts a new worker."""
 
 
+class RemoteUploadError(CheckpointError):
+    """``CheckpointManager.wait`` found checkpoints that the manager's remote tier still lacks
+    (their upload failed, also when retried): they stay on the local tier, where pruning keeps
+    them, and the next save or ``wait`` uploads them again."""
+
+
+class RemoteUploadWarning(UserWarning):
+    """A background upload of a ``CheckpointManager`` checkpoint to its remote tier failed; it
+    is retried by the next save and by ``wait``."""
+
+
 class SkippedCheckpointWarning(UserWarning):
     """``restore_latest`` passed over a checkpoint file (incomplete, damaged, or vanished)."""
 

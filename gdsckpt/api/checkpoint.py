@@ -9,6 +9,7 @@ import re
 import threading
 import warnings
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, cast
 
 from ..config import Config
@@ -26,7 +27,7 @@ from ..state import (
     NumpyTarget,
     TorchTarget,
 )
-from ..state.delta import BaseReader, XorTarget, base_path_of, check_identity
+from ..state.delta import BaseReader, XorTarget, base_location_of, check_identity
 from ..state.lossy import LossyWarning
 from .reports import Progress, TensorInfo, chain_label
 from .resolve import (
@@ -136,12 +137,15 @@ def open_base(opened: OpenedFile, config: Config) -> Checkpoint:
     against (``DeltaBaseError`` otherwise)."""
     link = opened.index.base
     assert link is not None
-    path = base_path_of(opened.path, link)
-    if not path.is_file():
-        raise DeltaBaseError(f"base checkpoint {str(path)!r} of delta {opened.path!r} is missing "
-                                  f"(recorded as {link['path']!r})")
+    path = base_location_of(opened.path, link)
+    missing = DeltaBaseError(f"base checkpoint {str(path)!r} of delta {opened.path!r} is missing "
+                             f"(recorded as {link['path']!r})")
+    if isinstance(path, Path) and not path.is_file():
+        raise missing
     try:
         base = Checkpoint(path, config)
+    except FileNotFoundError as err:  # an object: no HEAD before the open's own
+        raise missing from err
     except CheckpointError as err:
         raise DeltaBaseError(f"base checkpoint {str(path)!r} of delta {opened.path!r} cannot be "
                                   f"read: {err}") from err

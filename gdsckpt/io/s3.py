@@ -71,6 +71,18 @@ def split_url(url: str) -> tuple[str, str]:
     return bucket, key
 
 
+def split_prefix(url: str) -> tuple[str, str]:
+    """(bucket, key prefix) of ``s3://bucket`` or ``s3://bucket/some/prefix``: the prefix is empty
+    or ends with ``/`` (a "directory" of objects)."""
+    if not is_url(url):
+        raise ValueError(f"{url!r} is not an s3:// URL")
+    bucket, _slash, prefix = url[len(SCHEME):].partition("/")
+    if not bucket:
+        raise ValueError(f"{url!r} names no bucket: expected s3://bucket/prefix")
+    prefix = prefix.strip("/")
+    return bucket, f"{prefix}/" if prefix else ""
+
+
 def open_store(bucket: str, endpoint: str | None = None) -> Any:
     """An obstore ``S3Store`` for ``bucket`` configured from the AWS environment (module
     docstring); ``endpoint`` (``Config.s3_endpoint``) before ``AWS_ENDPOINT_URL``. ``ImportError``
@@ -93,6 +105,85 @@ def open_store(bucket: str, endpoint: str | None = None) -> Any:
 def _storage_error(err: BaseException, what: str, url: str) -> CheckpointError:
     """An obstore failure as gdsckpt's error, naming the object and what was being done."""
     return CheckpointError(f"{what} {url}: {type(err).__name__}: {str(err).strip().splitlines()[0][:300]}")
+
+
+class ObjectDirectory:
+    """The objects below one prefix (``s3://bucket/prefix/``) as a flat directory: list, upload a
+    local file under a name, read and write small objects, delete. What the manager's remote tier
+    needs; every failure is a ``CheckpointError`` naming the object (a missing one
+    ``FileNotFoundError``)."""
+
+    def __init__(self, url: str, *, endpoint: str | None = None, part_bytes: int = PART_BYTES,
+                 concurrency: int = CONCURRENCY):
+        import obstore
+
+        self._obstore = obstore
+        bucket, self.prefix = split_prefix(url)
+        self.url = f"{SCHEME}{bucket}/{self.prefix}"
+        self.store = open_store(bucket, endpoint)
+        self.part_bytes = part_bytes
+        self.concurrency = concurrency
+
+    def url_of(self, name: str) -> str:
+        """The URL of object ``name`` in this directory."""
+        return self.url + name
+
+    def names(self) -> dict[str, int]:
+        """Name -> size of every object directly in this directory (not below a further ``/``)."""
+        found: dict[str, int] = {}
+        try:
+            for batch in self._obstore.list(self.store, self.prefix or None, chunk_size=1000):
+                for meta in batch:
+                    name = str(meta["path"])[len(self.prefix):]
+                    if name and "/" not in name:
+                        found[name] = int(meta["size"])
+        except Exception as err:
+            raise _storage_error(err, "cannot list", self.url) from err
+        return found
+
+    def upload(self, path: str | os.PathLike[str], name: str) -> None:
+        """Upload the local file ``path`` as object ``name``: a multipart upload of ``part_bytes``
+        parts, ``concurrency`` at once (the memory it holds); the object appears whole or not at
+        all."""
+        from pathlib import Path
+
+        try:
+            self._obstore.put(self.store, self.prefix + name, Path(path), use_multipart=True,
+                              chunk_size=self.part_bytes, max_concurrency=self.concurrency)
+        except FileNotFoundError:
+            raise
+        except Exception as err:
+            raise _storage_error(err, "upload of", self.url_of(name)) from err
+
+    def read_small(self, name: str, limit: int) -> bytes:
+        """The content of object ``name``, at most ``limit`` bytes (``CorruptCheckpointError`` if
+        larger); ``FileNotFoundError`` if there is none."""
+        key = self.prefix + name
+        try:
+            size = int(self._obstore.head(self.store, key)["size"])
+            if size > limit:
+                raise CorruptCheckpointError(f"{self.url_of(name)} holds {size} bytes, more than {limit}")
+            return bytes(self._obstore.get(self.store, key).bytes()) if size else b""
+        except (FileNotFoundError, CheckpointError):
+            raise
+        except Exception as err:
+            raise _storage_error(err, "cannot read", self.url_of(name)) from err
+
+    def write_small(self, name: str, data: bytes) -> None:
+        """Replace object ``name`` with ``data`` (one PUT: readers see the old or the new)."""
+        try:
+            self._obstore.put(self.store, self.prefix + name, data, use_multipart=False)
+        except Exception as err:
+            raise _storage_error(err, "cannot write", self.url_of(name)) from err
+
+    def remove(self, name: str) -> None:
+        """Delete object ``name`` (no error if it is already gone)."""
+        try:
+            self._obstore.delete(self.store, self.prefix + name)
+        except FileNotFoundError:
+            pass
+        except Exception as err:
+            raise _storage_error(err, "cannot delete", self.url_of(name)) from err
 
 
 class S3Writer(StorageWriter):
@@ -209,6 +300,8 @@ class S3Reader(StorageReader):
 
         self._obstore = obstore
         self.url = url
+        self.path = url
+        """Where a delta read through this reader finds its base (``base_location_of``)."""
         bucket, self.key = split_url(url)
         self.store = open_store(bucket, endpoint)
         self.timeout = timeout

@@ -37,6 +37,28 @@ price is size: a delta is as far from its base as the last full checkpoint is ol
 weights XOR less well, so pair it with ``full_every``. Measured on the CPU host in
 ``benchmarks/results/cpu-2026-12-03/cpu-delta-star-20261203.json`` (docs/performance.md).
 
+Remote tier
+-----------
+With ``remote="s3://bucket/prefix"`` each completed checkpoint file is then uploaded, as it is,
+below that prefix in the background (``gdsckpt.manager.remote``), and a ``latest`` object there
+names the newest one uploaded. Guarantees on that tier:
+
+- an object appears only whole (one multipart upload), and ``latest`` moves only after the object
+  it names and every base that object needs are there;
+- an upload that fails is reported (``RemoteUploadWarning``) and retried by the next save and by
+  ``wait()``, which raises ``RemoteUploadError`` if the remote tier still lacks a checkpoint;
+- local pruning keeps every checkpoint the remote tier still lacks, except those that
+  ``keep_last_remote`` newer ones already supersede (the remote tier would prune them at once),
+  so the local tier holds at most ``keep_last + keep_last_remote`` checkpoints and their bases
+  while the remote is down;
+- remote pruning keeps the ``keep_last_remote`` highest steps there, the one its ``latest``
+  names and every base a kept delta needs, and removes only objects named like this manager's
+  checkpoints.
+
+``restore_latest`` restores from the local tier when it holds a usable checkpoint, else from the
+remote tier (a replacement node after a failure): the one its ``latest`` names, then the others by
+step, descending, read straight from the objects (ranged GETs, nothing copied to local disk).
+
 Contract of ``restore_latest``
 -------------------------------
 What is saved: ``save``/``save_async`` take a dict, by convention ``{"model":
@@ -91,20 +113,23 @@ from pathlib import Path
 from typing import Any
 
 from .. import api as _api
+from ..api.resolve import open_reader, resolve_config
 from ..background.async_save import AsyncSaver, SaveHandle
 from ..config import Config
 from ..errors import (
     CorruptCheckpointError,
     DeltaBaseError,
+    RemoteUploadError,
+    RemoteUploadWarning,
     SkippedCheckpointWarning,
     StateMismatchError,
     UnsupportedFormatError,
 )
-from ..io import PosixReader
 from ..io.posix import read_small_file, remove_if_stale, temporary_target, write_atomically
 from ..pipeline.load import open_file
 from ..state import decode_scalar, escape_key
 from ..state.delta import DEFAULT_MAX_CHAIN, base_path_of
+from .remote import Uploader
 
 DELTA_BASES = ("previous", "full")
 """What a ``CheckpointManager`` delta is based on: the newest checkpoint (a chain) or the newest
@@ -142,16 +167,18 @@ class CheckpointManager:
     ``delta_every`` / ``full_every`` (steps), ``max_chain`` and ``delta_base`` (``"previous"``,
     a chain; ``"full"``, every delta on the newest full checkpoint): delta checkpoints (module
     docstring). ``lossy``: a ``gdsckpt.lossy.LossyPolicy`` (or dict) every save applies; off by
-    default.
+    default. ``remote``: an ``s3://bucket/prefix`` URL each completed checkpoint is uploaded to in
+    the background, ``keep_last_remote`` of them kept there (None: all); see "Remote tier" in the
+    module docstring.
     """
 
     def __init__(self, directory: PathLike, *, keep_last: int | None = 3, prefix: str = "step",
                  config: Config | None = None, max_inflight: int = 1, delta_every: int | None = None,
                  full_every: int | None = None, max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None,
-                 delta_base: str = "previous"):
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
-                                      or keep_last < 1):
-            raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+                 delta_base: str = "previous", remote: str | None = None, keep_last_remote: int | None = 3):
+        for name, value in (("keep_last", keep_last), ("keep_last_remote", keep_last_remote)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
         for name, value in (("delta_every", delta_every), ("full_every", full_every)):
@@ -182,7 +209,30 @@ class CheckpointManager:
         self._bases_in_use: Counter[int] = Counter()
         """Steps that saves still being written use as their base: never pruned under them."""
         self._pointer_step: int | None = None
+        self.keep_last_remote = keep_last_remote
+        self.remote = self._open_remote(remote)
+        self._unsent: set[int] = set()
+        """Steps complete on the local tier that the remote tier still lacks."""
+        self._remote_newest: int | None = None
+        """The highest step this manager uploaded: what the remote ``latest`` should name."""
+        self._remote_pointer: int | None = None
+        """The step this manager last wrote to the remote ``latest``."""
+        self._remote_bases: dict[tuple[str, int], int | None] = {}
+        """(object name, size) -> the step of the base it needs (None: a full checkpoint)."""
+        self._uploader = Uploader(self._upload_round, name="gdsckpt-manager-upload")
         self._remove_stale_temporaries()
+
+    def _open_remote(self, remote: str | None) -> Any:
+        """The remote tier's ``ObjectDirectory``, or None without ``remote``."""
+        if remote is None:
+            return None
+        from ..io.s3 import ObjectDirectory, is_url, upload_concurrency
+
+        if not is_url(remote):
+            raise ValueError(f"remote must be an s3://bucket/prefix URL, got {remote!r}")
+        config = resolve_config(self.config)
+        return ObjectDirectory(remote, endpoint=config.s3_endpoint,
+                               concurrency=upload_concurrency(config.max_inflight_bytes))
 
     # -----------------------------------------------------------------------------------------
     # names
@@ -297,8 +347,147 @@ class CheckpointManager:
                                 lossy=self.lossy, force=True)  # force: as in save
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for this manager's background saves; raise the first error no handle reported."""
+        """Wait for this manager's background saves, and with a remote tier for its uploads
+        (retrying those that failed); raise the first error no handle reported, or
+        ``RemoteUploadError`` if the remote tier still lacks a checkpoint or its ``latest``."""
         self._saver.wait_all(timeout)
+        if self.remote is None:
+            return
+        self._uploader.request()
+        if not self._uploader.wait_idle(timeout):
+            raise TimeoutError(f"uploads to {self.remote.url} still running after {timeout} s")
+        with self._lock:
+            unsent = sorted(self._unsent)
+            stale = self._remote_newest != self._remote_pointer
+        if unsent or stale:
+            what = f"checkpoint step(s) {unsent}" if unsent else "its latest pointer"
+            raise RemoteUploadError(f"the remote tier {self.remote.url} lacks {what}: {self._uploader.error}; "
+                                    f"kept on the local tier, retried by the next save or wait()")
+
+    def pending_uploads(self) -> list[int]:
+        """Steps complete on the local tier that the remote tier still lacks (empty without one)."""
+        with self._lock:
+            return sorted(self._unsent)
+
+    def remote_steps(self) -> list[int]:
+        """Steps of the checkpoint objects on the remote tier, ascending (a listing; empty without
+        one)."""
+        if self.remote is None:
+            return []
+        return sorted(self._remote_objects())
+
+    # -----------------------------------------------------------------------------------------
+    # the remote tier (module docstring, "Remote tier"); rounds run on the uploader's thread
+
+    def _remote_objects(self) -> dict[int, tuple[str, int]]:
+        """Step -> (name, size) of every object on the remote tier named like our checkpoints."""
+        found = {}
+        for name, size in self.remote.names().items():
+            match = self._pattern.match(name)
+            if match:
+                found[int(match.group(1))] = (name, size)
+        return found
+
+    def _upload_round(self) -> None:
+        """Upload what the remote tier lacks (oldest first: bases before their deltas), then move
+        its ``latest``, then prune it. Raises on the first failure (the rest stays pending)."""
+        with self._lock:
+            unsent = set(self._unsent)
+        files = self._files()
+        remote = self._remote_objects()
+        vanished = unsent - files.keys()
+        if vanished:  # removed from the local tier by something other than this manager
+            with self._lock:
+                self._unsent -= vanished
+            warnings.warn(f"checkpoint step(s) {sorted(vanished)} vanished from {str(self.directory)!r} "
+                          f"before their upload to {self.remote.url}", RemoteUploadWarning, stacklevel=1)
+        wanted = unsent & files.keys()
+        wanted |= {step for step in self._bases_of(wanted, files) if step not in remote}
+        for step in sorted(wanted):
+            path = files[step]
+            try:
+                self.remote.upload(path, path.name)
+            except FileNotFoundError:
+                # pruned locally since the listing: superseded, or a base no kept delta needs now
+                with self._lock:
+                    self._unsent.discard(step)
+                continue
+            with self._lock:
+                self._unsent.discard(step)
+                if self._remote_newest is None or step > self._remote_newest:
+                    self._remote_newest = step
+        with self._lock:
+            newest, pointed = self._remote_newest, self._remote_pointer
+        if newest is not None and newest != pointed:
+            self.remote.write_small(POINTER, (self.path(newest).name + "\n").encode("utf-8"))
+            with self._lock:
+                self._remote_pointer = newest
+        self._prune_remote()
+        with self._lock:  # what was kept only because it was not uploaded yet may go now
+            self._prune(completed=-1)
+
+    def _prune_remote(self) -> None:
+        if self.keep_last_remote is None:
+            return
+        objects = self._remote_objects()
+        with self._lock:
+            keep = set(self._unsent)
+            if self._remote_pointer is not None:
+                keep.add(self._remote_pointer)
+        pointed = self._remote_pointer_step()
+        if pointed is not None:
+            keep.add(pointed)
+        keep.update(sorted(objects)[-self.keep_last_remote:])
+        pending = [step for step in keep if step in objects]
+        while pending:  # the bases kept deltas need, transitively
+            base = self._remote_base(objects[pending.pop()])
+            if base is not None and base in objects and base not in keep:
+                keep.add(base)
+                pending.append(base)
+        for step, (name, _size) in objects.items():
+            if step not in keep:
+                self.remote.remove(name)
+
+    def _remote_base(self, entry: tuple[str, int]) -> int | None:
+        """The step of the base the remote object ``entry`` (name, size) needs, None for a full
+        checkpoint or a base not of this manager (cached: an object's content is fixed)."""
+        if entry not in self._remote_bases:
+            name, _size = entry
+            link = _api.inspect(self.remote.url_of(name), config=self.config).base
+            match = self._pattern.match(link["path"]) if link is not None else None
+            self._remote_bases[entry] = int(match.group(1)) if match else None
+        return self._remote_bases[entry]
+
+    def _remote_pointer_step(self, warn: bool = False) -> int | None:
+        """The step the remote ``latest`` names, None if none (or not one of ours)."""
+        try:
+            text = self.remote.read_small(POINTER, MAX_POINTER_BYTES).decode("utf-8").strip()
+        except FileNotFoundError:
+            return None
+        except (UnicodeDecodeError, CorruptCheckpointError) as err:
+            if warn:
+                warnings.warn(f"ignoring unreadable pointer {self.remote.url_of(POINTER)}: {err}",
+                              SkippedCheckpointWarning, stacklevel=3)
+            return None
+        match = self._pattern.match(text)
+        if match is None:
+            if warn:
+                warnings.warn(f"ignoring pointer {self.remote.url_of(POINTER)}: {text[:80]!r} is not a "
+                              f"{self.prefix}-<step>.gdsckpt name", SkippedCheckpointWarning, stacklevel=3)
+            return None
+        return int(match.group(1))
+
+    def _remote_candidates(self) -> list[tuple[int, str, str]]:
+        """(step, URL, source) of the remote tier in the order restore tries them: the one its
+        ``latest`` names, then every other by step, descending."""
+        order: list[tuple[int, str, str]] = []
+        pointed = self._remote_pointer_step(warn=True)
+        if pointed is not None:
+            order.append((pointed, self.remote.url_of(self.path(pointed).name), "named by the remote latest"))
+        order.extend((step, self.remote.url_of(name), "remote")
+                     for step, (name, _size) in sorted(self._remote_objects().items(), reverse=True)
+                     if step != pointed)
+        return order
 
     def pool_stats(self) -> Any:
         """Statistics of this manager's snapshot pool (``gdsckpt.async_save.PoolStats``)."""
@@ -337,6 +526,10 @@ class CheckpointManager:
             if self._pointer_step is None or step >= self._pointer_step:
                 self._write_pointer(self.path(step).name)
                 self._pointer_step = step
+            if self.remote is not None:
+                self._unsent.add(step)
+                if self.keep_last_remote is not None:  # older ones would be pruned there at once
+                    self._unsent = set(sorted(self._unsent)[-self.keep_last_remote:])
             try:
                 self._prune(completed=step)
             except Exception as err:  # noqa: BLE001 - the save itself is complete and published
@@ -344,6 +537,8 @@ class CheckpointManager:
                 # reading one, memory short), deleting nothing is safe and the next save tries again.
                 warnings.warn(f"checkpoint step {step} is saved, but pruning {str(self.directory)!r} "
                               f"was skipped: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
+        if self.remote is not None:
+            self._uploader.request()
 
     def _write_pointer(self, name: str) -> None:
         fsync = self.config.fsync if self.config is not None else Config.from_env().fsync
@@ -362,6 +557,7 @@ class CheckpointManager:
                     if step not in busy and _problem(files[step], config=self.config) is None]
         keep.update(readable[:self.keep_last])
         keep.update(self._bases_in_use)
+        keep.update(self._unsent)  # the only copy until uploaded
         keep |= self._bases_of(keep, files)
         for step, path in files.items():
             if step not in keep:
@@ -456,12 +652,22 @@ class CheckpointManager:
         """
         if state is not None and not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__qualname__}")
-        for step, path, source in self._candidates(warn=True):
+        local: list[tuple[int, str | Path, str]] = list(self._candidates(warn=True))
+        restored = self._restore_first(local, model, optimizer, state, verify)
+        if restored is None and self.remote is not None:
+            restored = self._restore_first(self._remote_candidates(), model, optimizer, state, verify)
+        return restored
+
+    def _restore_first(self, candidates: Any, model: Any, optimizer: Any, state: dict[Any, Any] | None,
+                       verify: bool) -> tuple[int, dict[Any, Any]] | None:
+        """Restore the first usable of ``candidates`` ((step, path or URL, source)), passing over
+        damaged ones with a warning (module docstring)."""
+        for step, path, source in candidates:
             problem = _problem(path, verify=verify, config=self.config)
             if problem is not None:
                 warnings.warn(f"skipping checkpoint {str(path)!r}"
                               f"{f' ({source})' if source != 'scan' else ''}: {problem}",
-                              SkippedCheckpointWarning, stacklevel=2)
+                              SkippedCheckpointWarning, stacklevel=3)
                 continue
             try:
                 extra = self._load(path, model, optimizer, state)
@@ -469,13 +675,13 @@ class CheckpointManager:
                 if not _is_damage(err):
                     raise
                 warnings.warn(f"skipping checkpoint {str(path)!r}: failed while loading: {err}",
-                              SkippedCheckpointWarning, stacklevel=2)
+                              SkippedCheckpointWarning, stacklevel=3)
                 continue
             return step, extra
         return None
 
-    def _load(self, path: Path, model: Any, optimizer: Any, state: dict[Any, Any] | None) -> dict[Any, Any]:
-        with PosixReader(path, threads=1) as reader:
+    def _load(self, path: str | Path, model: Any, optimizer: Any, state: dict[Any, Any] | None) -> dict[Any, Any]:
+        with open_reader(path, resolve_config(self.config)) as reader:
             tree = open_file(reader).index.tree
         if tree.get("t") != "dict":
             raise StateMismatchError(f"checkpoint {str(path)!r} does not hold a dict at its top level")
@@ -519,7 +725,7 @@ def _check_step(step: int) -> int:
     return step
 
 
-def _problem(path: Path, *, verify: bool = False, config: Config | None = None) -> str | None:
+def _problem(path: str | Path, *, verify: bool = False, config: Config | None = None) -> str | None:
     """Why ``path`` is not a usable checkpoint, or None: ``gdsckpt.open``'s checks of header,
     trailer and index (or, with ``verify``, ``gdsckpt.verify`` of every chunk). Only damage
     (``_is_damage``) is a reason; any other error (an I/O error, running out of memory) is

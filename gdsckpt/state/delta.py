@@ -22,6 +22,7 @@ bytes, which byte planes and any entropy coder compress to almost nothing.
 from __future__ import annotations
 
 import os
+import posixpath
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -68,7 +69,24 @@ def base_path_of(delta_path: str | None, link: dict[str, Any]) -> Path:
     return Path(os.path.abspath(delta_path)).parent / path
 
 
-def check_identity(base_path: Path, link: dict[str, Any], index_sha256: str, file_length: int) -> None:
+def base_location_of(delta_location: str | None, link: dict[str, Any]) -> str | Path:
+    """``base_path_of`` for a delta that may be an object: the base of a delta at
+    ``s3://bucket/dir/key`` named by a relative path is the object at that path below
+    ``s3://bucket/dir/`` (the manager's remote tier uploads a directory's files under their own
+    names, so a delta finds its base beside it there as on disk). A relative path that climbs
+    out of the bucket is refused with ``DeltaBaseError``."""
+    from ..io.s3 import SCHEME, is_url
+
+    if delta_location is None or not is_url(delta_location) or Path(link["path"]).is_absolute():
+        return base_path_of(delta_location, link)
+    bucket, _slash, key = delta_location[len(SCHEME):].partition("/")
+    joined = posixpath.normpath(posixpath.join(posixpath.dirname(key), link["path"]))
+    if joined.startswith("../") or joined in (".", ".."):
+        raise DeltaBaseError(f"the delta {delta_location!r} names its base {link['path']!r} outside its bucket")
+    return f"{SCHEME}{bucket}/{joined}"
+
+
+def check_identity(base_path: Path | str, link: dict[str, Any], index_sha256: str, file_length: int) -> None:
     """Raise ``DeltaBaseError`` unless the opened base is the file the delta was written against."""
     if index_sha256 != link["index_sha256"] or file_length != link["file_length"]:
         raise DeltaBaseError(

@@ -1,0 +1,71 @@
+"""The manager's remote tier: checkpoint files copied, as they are, to object storage.
+
+``CheckpointManager(directory, remote="s3://bucket/prefix")`` saves to ``directory`` (node-local
+NVMe, fast) and then uploads each completed file under its own name below the prefix, with a
+``latest`` object naming the newest one there, so that a replacement node restores from the
+remote tier when its local one is empty. The file is uploaded, not re-encoded: the bytes sent are
+the compressed ones, and the object is byte-identical to the file, so its delta links (relative
+names) resolve beside it (``gdsckpt.state.delta.base_location_of``).
+
+One background thread per manager (``Uploader``) runs upload rounds: each round uploads the
+checkpoints the remote tier lacks (oldest first, so that a delta's base is there before the delta),
+then moves the remote ``latest``, then prunes the remote tier. Rounds run one at a time, so the
+remote tier has one writer per manager. A failed round is reported (``RemoteUploadWarning``) and
+leaves its checkpoints pending; the next save and ``wait`` run another round. This module holds
+the thread and the round's bookkeeping that does not need the manager's directory invariants;
+which steps to upload, keep and point at is the manager's (``gdsckpt.manager``).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+
+from ..errors import RemoteUploadWarning
+
+
+class Uploader:
+    """Runs ``round_`` on its own thread whenever ``request`` is called (requests made while a
+    round runs fold into one more round); ``wait_idle`` waits for the rounds to run out."""
+
+    def __init__(self, round_: Callable[[], None], name: str):
+        self._round = round_
+        self._name = name
+        self._condition = threading.Condition()
+        self._requested = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        """The failure of the last round, None after a round that succeeded."""
+
+    def request(self) -> None:
+        """Ask for a round (starts the thread on first use)."""
+        with self._condition:
+            self._requested = True
+            if self._thread is None or not self._thread.is_alive():
+                # daemon: an interpreter that exits without ``wait`` must not hang on a slow
+                # upload; the multipart upload is then left for the bucket's lifecycle rule
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._condition.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._condition:
+                if not self._requested:
+                    self._thread = None
+                    self._condition.notify_all()
+                    return
+                self._requested = False
+            try:
+                self._round()
+                self.error = None
+            except Exception as err:  # noqa: BLE001 - reported, and retried by the next round
+                self.error = err
+                warnings.warn(f"{err} (kept on the local tier; the next save or wait() retries)",
+                              RemoteUploadWarning, stacklevel=1)
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no round runs or is requested; False if ``timeout`` ran out first."""
+        with self._condition:
+            return self._condition.wait_for(lambda: not self._requested and self._thread is None, timeout)

@@ -1,0 +1,286 @@
+"""``CheckpointManager(directory, remote="s3://...")``: saves complete on the local tier and are
+uploaded to a real S3 server (SeaweedFS, ``tests/seaweed.py``) in the background; a new node
+restores from the remote tier; faults (the server killed during an upload, stopped, restarted, a
+missing bucket, wrong credentials, damaged objects, a ``latest`` naming a missing object) lose
+nothing and say what happened. The server here checks credentials, so that wrong ones fail."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import obstore
+import pytest
+import torch
+from seaweed import SeaweedServer
+
+import gdsckpt
+from gdsckpt.errors import CheckpointError, RemoteUploadError, RemoteUploadWarning, SkippedCheckpointWarning
+from gdsckpt.io.s3 import ObjectDirectory, open_store
+
+BUCKET = "ckpt"
+KEY, SECRET = "gdsckpt-test", "gdsckpt-test-secret"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    """A running server with bucket ``ckpt``, the AWS environment pointing at it for the module.
+    A test that stops it starts it again before it ends."""
+    names = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
+    saved = {name: os.environ.get(name) for name in names}
+    weed = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"), credentials=(KEY, SECRET))
+    endpoint = weed.start()
+    try:
+        os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
+                          AWS_REGION="us-east-1")
+        weed.create_bucket(BUCKET)
+        yield weed
+    finally:
+        weed.close()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture
+def remote(server: SeaweedServer, request: pytest.FixtureRequest) -> str:
+    """A prefix of its own for each test."""
+    return f"s3://{BUCKET}/{request.node.name.replace('[', '-').replace(']', '')}"
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(200, 129, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16)},
+            "optimizer": {"m": torch.randn(200, 129, generator=g)}, "step": seed}
+
+
+def _trained(steps: int) -> list[dict[str, Any]]:
+    """States of a run: small updates of one set of weights (so that deltas are small)."""
+    states = [_state(0)]
+    for step in range(1, steps):
+        previous = states[-1]
+        states.append({"model": {"w": previous["model"]["w"] + 1e-3 * step, "b": previous["model"]["b"]},
+                       "optimizer": {"m": previous["optimizer"]["m"] * 0.9}, "step": step})
+    return states
+
+
+def _objects(url: str) -> dict[str, int]:
+    return ObjectDirectory(url).names()
+
+
+def _object_bytes(url: str) -> bytes:
+    bucket, _slash, key = url[len("s3://"):].partition("/")
+    return bytes(obstore.get(open_store(bucket), key).bytes())
+
+
+def test_each_save_is_uploaded_and_a_new_node_restores_from_the_remote_tier(remote: str, tmp_path: Path,
+                                                                             h: Any) -> None:
+    states = _trained(5)
+    manager = gdsckpt.CheckpointManager(tmp_path / "node-a", remote=remote, keep_last=2, keep_last_remote=3)
+    for step in range(1, 5):
+        if step % 2:
+            manager.save(step, states[step])
+        else:
+            manager.save_async(step, states[step])
+    manager.wait()
+    assert manager.pending_uploads() == [] and manager.remote_steps() == [2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "node-a").glob("*.gdsckpt")) == [manager.path(3).name,
+                                                                                 manager.path(4).name]
+    names = _objects(remote)
+    assert set(names) == {manager.path(s).name for s in (2, 3, 4)} | {"latest"}
+    assert _object_bytes(f"{remote}/latest") == (manager.path(4).name + "\n").encode()
+    for step in (3, 4):  # uploaded as they are, not re-encoded
+        assert _object_bytes(f"{remote}/{manager.path(step).name}") == manager.path(step).read_bytes()
+
+    fresh = gdsckpt.CheckpointManager(tmp_path / "node-b", remote=remote)
+    restored = fresh.restore_latest()
+    assert restored is not None and restored[0] == 4
+    h.assert_same(states[4], restored[1])
+    target = {"model": {"w": torch.zeros(200, 129), "b": torch.zeros(7, dtype=torch.bfloat16)}}
+    step, extra = fresh.restore_latest(state=target)
+    assert step == 4 and set(extra) == {"optimizer", "step"}
+    h.assert_same(states[4]["model"], target["model"])
+
+
+def test_deltas_go_up_with_their_bases_and_restore_from_the_remote_tier(remote: str, tmp_path: Path,
+                                                                        h: Any) -> None:
+    """Delta 3 needs 2, which needs full 1: with keep_last_remote=1 all three stay remote until
+    full checkpoint 4 makes them unneeded."""
+    states = _trained(5)
+    manager = gdsckpt.CheckpointManager(tmp_path / "a", remote=remote, keep_last=1, keep_last_remote=1,
+                                        delta_every=1, full_every=4)
+    for step in (1, 2, 3):
+        manager.save(step, states[step])
+    manager.wait()
+    assert gdsckpt.inspect(manager.path(3)).base is not None
+    assert manager.remote_steps() == [1, 2, 3]
+    restored = gdsckpt.CheckpointManager(tmp_path / "b", remote=remote).restore_latest()
+    assert restored is not None and restored[0] == 3
+    h.assert_same(states[3], restored[1])
+    h.assert_same(states[3], gdsckpt.load(f"{remote}/{manager.path(3).name}"))  # a URL delta finds its base
+
+    manager.save(4, states[4])
+    manager.wait()
+    assert manager.remote_steps() == [4]
+
+
+def test_server_killed_during_an_upload_loses_nothing(server: SeaweedServer, remote: str, tmp_path: Path,
+                                                      h: Any) -> None:
+    """The server dies after the first part of step 2's upload: no object appears for it, step 1
+    stays restorable from the remote tier, step 2 stays on the local tier, ``wait`` says so, and
+    the next save (the server back) uploads both."""
+    states = _trained(4)
+    manager = gdsckpt.CheckpointManager(tmp_path / "a", remote=remote, keep_last=1, keep_last_remote=2,
+                                        config=gdsckpt.Config(chunk_bytes=64 << 10))
+    manager.save(1, states[1])
+    manager.wait()
+    assert manager.remote.upload.__func__ is ObjectDirectory.upload
+
+    def upload_killing_the_server(path: Any, name: str) -> None:
+        def parts() -> Iterator[bytes]:
+            with open(path, "rb") as handle:
+                yield handle.read(64 << 10)
+                server.stop(kill=True)  # fault injection: a real server, killed mid-upload
+                while part := handle.read(64 << 10):
+                    yield part
+        obstore.put(manager.remote.store, manager.remote.prefix + name, parts(), use_multipart=True,
+                    chunk_size=5 << 20)
+    manager.remote.upload = upload_killing_the_server  # type: ignore[method-assign]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RemoteUploadWarning)
+            manager.save(2, _big(states[2]))
+            with pytest.raises(RemoteUploadError, match=r"lacks checkpoint step\(s\) \[2\]"):
+                manager.wait()
+        assert manager.pending_uploads() == [2] and manager.path(2).is_file()
+    finally:
+        del manager.remote.upload
+        server.start()
+    assert set(_objects(remote)) == {manager.path(1).name, "latest"}
+    restored = gdsckpt.CheckpointManager(tmp_path / "b", remote=remote).restore_latest()
+    assert restored is not None and restored[0] == 1
+    h.assert_same(states[1], restored[1])
+
+    manager.save(3, states[3])
+    manager.wait()
+    assert manager.pending_uploads() == [] and manager.remote_steps() == [2, 3]
+    h.assert_same(_big(states[2]), gdsckpt.load(f"{remote}/{manager.path(2).name}"))
+
+
+def _big(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with 12 MiB more, so that its file spans several upload parts."""
+    return {**state, "extra": torch.arange(3 << 20, dtype=torch.float32)}
+
+
+def test_server_down_then_restarted_between_save_and_restore(server: SeaweedServer, remote: str,
+                                                             tmp_path: Path, h: Any) -> None:
+    """Saves while the server is down complete locally (pruning keeps them: they are the only
+    copy); ``wait`` raises; once the server is back ``wait`` uploads them, and a restore after a
+    further restart reads them."""
+    states = _trained(4)
+    manager = gdsckpt.CheckpointManager(tmp_path / "a", remote=remote, keep_last=1, keep_last_remote=5)
+    server.stop()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RemoteUploadWarning)
+            manager.save(1, states[1])
+            manager.save(2, states[2])
+            with pytest.raises(RemoteUploadError) as raised:
+                manager.wait()
+        assert remote.split("/")[2] in str(raised.value) and manager.pending_uploads() == [1, 2]
+        assert manager.path(1).is_file() and manager.path(2).is_file()  # keep_last=1, yet both kept
+    finally:
+        server.start()
+    manager.wait()
+    assert manager.remote_steps() == [1, 2] and manager.pending_uploads() == []
+    manager.save(3, states[3])
+    assert not manager.path(1).exists()  # uploaded: pruned locally now
+    manager.wait()
+    server.stop()
+    server.start()
+    restored = gdsckpt.CheckpointManager(tmp_path / "b", remote=remote).restore_latest()
+    assert restored is not None and restored[0] == 3
+    h.assert_same(states[3], restored[1])
+
+
+def test_missing_bucket_is_reported_and_the_local_tier_keeps_working(server: SeaweedServer, tmp_path: Path,
+                                                                     h: Any) -> None:
+    manager = gdsckpt.CheckpointManager(tmp_path, remote="s3://no-such-bucket/run")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        manager.save(1, _state(1))
+        with pytest.raises(RemoteUploadError, match="no-such-bucket"):
+            manager.wait()
+    restored = manager.restore_latest()
+    assert restored is not None and restored[0] == 1
+    h.assert_same(_state(1), restored[1])
+    with pytest.raises((FileNotFoundError, CheckpointError), match="no-such-bucket"):
+        gdsckpt.load("s3://no-such-bucket/x.gdsckpt")
+
+
+def test_wrong_credentials_are_a_clear_error_and_write_nothing(remote: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"{remote}/x.gdsckpt"
+    gdsckpt.save(_state(1), url)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(CheckpointError, match="PermissionDenied|403"):
+        gdsckpt.save(_state(2), f"{remote}/y.gdsckpt")
+    with pytest.raises(CheckpointError, match="PermissionDenied|403"):
+        gdsckpt.load(url)
+    manager = gdsckpt.CheckpointManager(tmp_path, remote=remote)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        manager.save(5, _state(5))
+        with pytest.raises(RemoteUploadError, match="PermissionDenied|403"):
+            manager.wait()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    assert set(_objects(remote)) == {"x.gdsckpt"}
+
+
+def test_damaged_objects_and_a_pointer_to_a_missing_one_are_passed_over(remote: str, tmp_path: Path,
+                                                                        h: Any) -> None:
+    """The remote ``latest`` names a step whose object is gone, the newest object is corrupted,
+    the next one truncated: a new node restores the one before, warning about each."""
+    states = _trained(5)
+    manager = gdsckpt.CheckpointManager(tmp_path / "a", remote=remote, keep_last_remote=None)
+    for step in range(1, 5):
+        manager.save(step, states[step])
+    manager.wait()
+    directory = ObjectDirectory(remote)
+    name = {step: manager.path(step).name for step in range(1, 6)}
+    directory.write_small("latest", (name[5] + "\n").encode())
+    data = bytearray(_object_bytes(f"{remote}/{name[4]}"))
+    data[len(data) // 3] ^= 0x40
+    directory.write_small(name[4], bytes(data))
+    directory.write_small(name[3], _object_bytes(f"{remote}/{name[3]}")[:-100])
+    with pytest.warns(SkippedCheckpointWarning) as caught:
+        restored = gdsckpt.CheckpointManager(tmp_path / "b", remote=remote).restore_latest(verify=True)
+    assert restored is not None and restored[0] == 2
+    h.assert_same(states[2], restored[1])
+    said = "\n".join(str(w.message) for w in caught)
+    assert name[5] in said and name[4] in said and name[3] in said
+
+
+def test_remote_pruning_removes_only_this_managers_checkpoints(remote: str, tmp_path: Path) -> None:
+    directory = ObjectDirectory(remote)
+    directory.write_small("notes.txt", b"keep me")
+    directory.write_small("other-0000000001.gdsckpt", b"not ours")
+    manager = gdsckpt.CheckpointManager(tmp_path, remote=remote, keep_last_remote=1)
+    for step in (1, 2, 3):
+        manager.save(step, _state(step))
+    manager.wait()
+    assert set(_objects(remote)) == {"notes.txt", "other-0000000001.gdsckpt", "latest", manager.path(3).name}
+
+
+def test_remote_arguments_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="s3://"):
+        gdsckpt.CheckpointManager(tmp_path, remote="/mnt/backup")
+    with pytest.raises(ValueError, match="keep_last_remote"):
+        gdsckpt.CheckpointManager(tmp_path, remote="s3://b/p", keep_last_remote=0)
+    with pytest.raises(ValueError, match="bucket"):
+        gdsckpt.CheckpointManager(tmp_path, remote="s3:///p")
