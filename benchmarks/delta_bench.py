@@ -84,12 +84,12 @@ def deltas(args: argparse.Namespace, interval: int, directory: Path) -> dict:
         base = previous if args.delta_base == "previous" else first  # a chain, or a star on the first
         delta, delta_s = timed_save(state, delta_path, codec=args.codec, base=base, max_chain=1 << 10)
         first = first or delta_path
-        row = {"checkpoint": i, "full_bytes": full.stored_bytes, "full_save_s": full_s,
-               "delta_bytes": delta.stored_bytes, "delta_save_s": delta_s, "delta_tensors": delta.delta_tensors,
+        row = {"checkpoint": i, "full_bytes": full.file_bytes, "full_save_s": full_s,
+               "delta_bytes": delta.file_bytes, "delta_save_s": delta_s, "delta_tensors": delta.delta_tensors,
                "full_groups": group_bytes(full_path), "delta_groups": group_bytes(delta_path)}
         rows.append(row)
-        print(f"  K={interval} #{i}: full {full.stored_bytes / 2**20:8.1f} MiB {full_s:6.2f} s | delta "
-              f"{delta.stored_bytes / 2**20:8.1f} MiB {delta_s:6.2f} s", flush=True)
+        print(f"  K={interval} #{i}: full {full.file_bytes / 2**20:8.1f} MiB {full_s:6.2f} s | delta "
+              f"{delta.file_bytes / 2**20:8.1f} MiB {delta_s:6.2f} s", flush=True)
         if previous is not None and i >= 2:
             (directory / f"full-{i - 1}.gdsckpt").unlink()
         previous = delta_path
@@ -146,7 +146,7 @@ def lossy(args: argparse.Namespace, directory: Path) -> dict:
     lossless_path = directory / "lossless.gdsckpt"
     report, seconds = timed_save(state, lossless_path, codec=args.codec)
     groups = group_bytes(lossless_path)
-    result["lossless"] = {"bytes": report.stored_bytes, "save_s": seconds,
+    result["lossless"] = {"bytes": report.file_bytes, "save_s": seconds,
                           "optimizer_ratio": groups["optimizer"][0] / groups["optimizer"][1]}
     result["lossless"]["resumed_loss"] = base_loss = resume_loss(model, optimizer, lossless_path, steps, args.resume)
     # Both moments, and exp_avg alone: a bound relative to the tensor's largest value rounds most
@@ -165,7 +165,7 @@ def lossy(args: argparse.Namespace, directory: Path) -> dict:
         loss = resume_loss(model, optimizer, path, steps, args.resume)
         errors = [t.lossy for t in gdsckpt.inspect(path).tensors if t.lossy is not None]
         result["bounds"][name] = {
-            "bytes": report.stored_bytes, "save_s": seconds, "lossy_arrays": len(errors),
+            "bytes": report.file_bytes, "save_s": seconds, "lossy_arrays": len(errors),
             "optimizer_ratio": groups["optimizer"][0] / groups["optimizer"][1],
             "max_error_over_bound": max((e["max_error"] / e["abs_bound"] for e in errors), default=None),
             "resumed_loss": loss, "loss_change": (loss - base_loss) / base_loss}

@@ -347,7 +347,7 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
         config = gdsckpt.Config()
         seconds, saved = timed(lambda: gdsckpt.save(state, shm_file, config=config), device)
         ratio = saved.ratio
-        report["state"].update(ratio=ratio, file_bytes=saved.stored_bytes, codec=saved.codec, engine=saved.engine)
+        report["state"].update(ratio=ratio, file_bytes=saved.file_bytes, codec=saved.codec, engine=saved.engine)
         record("save_tmpfs/gdsckpt", seconds)
         shutil.copyfile(shm_file, disk_file)
         read_warm(disk_file)

@@ -1028,9 +1028,9 @@ class SaveActivity(Activity):
         if self.reports:
             last = self.reports[-1]
             out.update(codec=last.codec, backend=last.backend, engine=last.engine, ratio=last.ratio,
-                       logical_bytes=last.logical_bytes, stored_bytes=last.stored_bytes)
+                       logical_bytes=last.logical_bytes, stored_bytes=last.file_bytes)
             out["logical_gbps_median"] = last.logical_bytes / statistics.median(seconds) / 1e9
-            out["stored_gbps_median"] = last.stored_bytes / statistics.median(seconds) / 1e9
+            out["stored_gbps_median"] = last.file_bytes / statistics.median(seconds) / 1e9
         if self.env.get("GDSCKPT_NVCOMP_ALLOCATOR") == "1":
             try:
                 from gdsckpt.pipeline import gpu_engine
@@ -1264,16 +1264,16 @@ def warm_up(ctx: Context, results: dict) -> None:
     second = handle.wait(timeout=args.timeout)
     cpu = ctx.threads.end()
     path.unlink(missing_ok=True)
-    ctx.warm.update(file_rate=second.stored_bytes / second.seconds, logical_rate=second.logical_bytes / second.seconds,
+    ctx.warm.update(file_rate=second.file_bytes / second.seconds, logical_rate=second.logical_bytes / second.seconds,
                     ratio=second.ratio, codec=second.codec, logical_bytes=second.logical_bytes, seconds=second.seconds)
     results["warmup_save"] = {"seconds": report.seconds, "codec": report.codec, "backend": report.backend,
                               "engine": report.engine, "ratio": report.ratio, "chunks": report.chunks,
                               "auto": report.auto}
     results["save_cpu"] = {"call_s": call, "snapshot_s": handle.snapshot_seconds, "seconds": second.seconds,
-                           "logical_bytes": second.logical_bytes, "stored_bytes": second.stored_bytes,
+                           "logical_bytes": second.logical_bytes, "stored_bytes": second.file_bytes,
                            "ratio": second.ratio, "codec": second.codec, "backend": second.backend,
                            "logical_gbps": second.logical_bytes / second.seconds / 1e9,
-                           "stored_gbps": second.stored_bytes / second.seconds / 1e9, "cpu": cpu}
+                           "stored_gbps": second.file_bytes / second.seconds / 1e9, "cpu": cpu}
 
 
 def flat_source(state: dict, device: torch.device, limit: int, chunk: int) -> torch.Tensor:

@@ -52,7 +52,7 @@ def main() -> None:
             report = gdsckpt.save(state, path, base=previous, max_chain=args.links + 1)
             seconds = time.perf_counter() - started
             print(f"== link {link} (its base is a delta {max(link - 1, 0)} deep): {seconds:.2f} s, "
-                  f"{report.stored_bytes / 2**20:.0f} MiB, {report.delta_tensors} delta arrays")
+                  f"{report.file_bytes / 2**20:.0f} MiB, {report.delta_tensors} delta arrays")
             print_spent()
             previous = path
             del state

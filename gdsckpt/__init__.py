@@ -27,6 +27,7 @@ from .errors import (
     ConvertError,
     CorruptCheckpointError,
     DeltaBaseError,
+    ForeignExtensionWarning,
     InsufficientSpaceError,
     LossyWarning,
     PickleOnlyMetadataWarning,
@@ -46,9 +47,10 @@ from .version import __version__
 __all__ = [
     "BaseCheckpointError", "Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointManager",
     "CodecUnavailableError", "Config", "ConvertError", "ConvertReport", "CorruptCheckpointError",
-    "DeltaBaseError", "InsufficientSpaceError", "LossyPolicy", "LossyWarning", "PickleOnlyMetadataWarning",
+    "DeltaBaseError", "ForeignExtensionWarning", "InsufficientSpaceError", "LossyPolicy", "LossyWarning",
+    "PickleOnlyMetadataWarning",
     "RemoteUploadError", "RemoteUploadWarning", "SaveHandle", "SaveReport", "SaveWorkerError",
-    "SkippedCheckpointWarning", "StateMismatchError",
-    "TensorInfo", "UnsafePickleError", "UnsupportedFormatError", "VerifyReport", "__version__", "convert",
-    "inspect", "load", "load_into", "open", "rebase", "save", "save_async", "verify", "wait_all",
+    "SkippedCheckpointWarning", "StateMismatchError", "TensorInfo", "UnsafePickleError",
+    "UnsupportedFormatError", "VerifyReport", "__version__", "convert", "inspect", "load", "load_into",
+    "open", "rebase", "save", "save_async", "verify", "wait_all",
 ]

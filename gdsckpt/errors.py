@@ -99,6 +99,12 @@ class LossyWarning(UserWarning):
     bounds, not bit-exact."""
 
 
+class ForeignExtensionWarning(UserWarning):
+    """A save's path ends in an extension another format owns (``.pt``, ``.safetensors``,
+    ``.npz`` ...): the file is a gdsckpt checkpoint all the same, which that format's tools cannot
+    read. Name it ``.gdsckpt``, or write the other format with ``gdsckpt convert``."""
+
+
 class PickleOnlyMetadataWarning(UserWarning):
     """A save wrote DCP's metadata as the pickle ``.metadata`` only: it holds a value the JSON
     form cannot express. ``GdsStorageReader`` then needs ``trust_pickle=True`` to load it."""

@@ -272,7 +272,7 @@ def test_verify_reports_on_a_good_file(saved: Any, monkeypatch: pytest.MonkeyPat
     assert isinstance(report, gdsckpt.VerifyReport)
     assert report.path == str(path)
     assert report.chunks == len(index.chunks)
-    assert report.stored_bytes == sum(c.stored for c in index.chunks)
+    assert report.chunk_bytes == sum(c.stored for c in index.chunks)
     assert report.logical_bytes == sum(t.nbytes for t in index.tensors if t.alias is None)
     assert report.seconds >= 0
     assert recorder.chunk_reads() == {c.offset for c in index.chunks}
@@ -285,9 +285,9 @@ def test_save_report(ckpt_path: Path, h: Any) -> None:
     index = h.read_index(ckpt_path)
     assert isinstance(report, gdsckpt.SaveReport)
     assert report.path == str(ckpt_path)
-    assert report.stored_bytes == ckpt_path.stat().st_size
+    assert report.file_bytes == ckpt_path.stat().st_size
     assert report.logical_bytes == sum(t.nbytes for t in index.tensors if t.alias is None)
-    assert report.ratio == pytest.approx(report.logical_bytes / report.stored_bytes)
+    assert report.ratio == pytest.approx(report.logical_bytes / report.file_bytes)
     assert report.tensors == len(index.tensors) and report.chunks == len(index.chunks)
     assert sum(report.chains.values()) == report.chunks
     assert report.codec == "zstd" and report.engine == "cpu" and report.backend.startswith("posix")

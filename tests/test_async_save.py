@@ -95,7 +95,7 @@ def _mutate(state: dict[str, Any]) -> None:
 
 
 def _fake_report(path: Any) -> gdsckpt.SaveReport:
-    return gdsckpt.SaveReport(path=str(path), logical_bytes=0, stored_bytes=0, ratio=0.0, seconds=0.0,
+    return gdsckpt.SaveReport(path=str(path), logical_bytes=0, file_bytes=0, ratio=0.0, seconds=0.0,
                               codec="none", backend="fake", engine="fake", tensors=0, chunks=0)
 
 

@@ -201,7 +201,7 @@ def test_incompressible_chunks_are_stored_raw(ckpt_path: Path, h: Any) -> None:
     noise = torch.from_numpy(np.random.default_rng(1).integers(0, 256, 20000, dtype=np.uint8))
     report = gdsckpt.save({"noise": noise}, ckpt_path, codec="zstd", config=h.small_config())
     assert set(report.chains) == {"none/1"}
-    assert report.stored_bytes < noise.numel() + 4096 * 2 + 2048
+    assert report.file_bytes < noise.numel() + 4096 * 2 + 2048
     h.assert_same({"noise": noise}, gdsckpt.load(ckpt_path))
 
 
@@ -287,7 +287,7 @@ def test_compression_level_is_applied(tmp_path: Path, h: Any) -> None:
     sizes = {}
     for level in (1, 19):
         path = tmp_path / f"level{level}.gdsckpt"
-        sizes[level] = gdsckpt.save(state, path, codec="zstd", config=config.replace(level=level)).stored_bytes
+        sizes[level] = gdsckpt.save(state, path, codec="zstd", config=config.replace(level=level)).file_bytes
         h.assert_same(state, gdsckpt.load(path))
     assert sizes[19] < sizes[1] * 0.8, sizes
 

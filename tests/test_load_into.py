@@ -128,11 +128,17 @@ def test_missing_and_unexpected_keys_are_listed(ckpt_path: Path, h: Any) -> None
 
     shallow, _ = _fresh(seed=1, depth=1)
     with pytest.raises(gdsckpt.StateMismatchError) as caught:
-        gdsckpt.load_into({"model": shallow}, ckpt_path)
+        gdsckpt.load_into({"model": shallow}, ckpt_path, strict="exact")
     message = str(caught.value)
     assert "'model/blocks.1.qkv.weight': in checkpoint, missing from target" in message
     assert "'extra': in checkpoint, missing from target" in message
     assert "model/blocks.0" not in message
+    # strict=True: only what the target asks for ("model") must match; "extra" is not asked for.
+    with pytest.raises(gdsckpt.StateMismatchError) as caught:
+        gdsckpt.load_into({"model": shallow}, ckpt_path)
+    message = str(caught.value)
+    assert "'model/blocks.1.qkv.weight': in checkpoint, missing from target" in message
+    assert "'extra'" not in message
 
     deep, _ = _fresh(seed=1, depth=3)
     with pytest.raises(gdsckpt.StateMismatchError) as caught:
@@ -166,7 +172,7 @@ def test_strict_reports_unexpected_plain_values(ckpt_path: Path, h: Any) -> None
     _save_training_state(ckpt_path, model, optimizer, 1, h)
     fresh_model, fresh_optimizer = _fresh(seed=1)
     with pytest.raises(gdsckpt.StateMismatchError, match="'step': in checkpoint, missing from target"):
-        gdsckpt.load_into({"model": fresh_model, "optimizer": fresh_optimizer}, ckpt_path)
+        gdsckpt.load_into({"model": fresh_model, "optimizer": fresh_optimizer}, ckpt_path, strict="exact")
     gdsckpt.load_into({"model": fresh_model, "optimizer": fresh_optimizer}, ckpt_path, strict=False)
     assert fresh_optimizer.state
 

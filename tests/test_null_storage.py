@@ -30,10 +30,10 @@ def test_save_into_the_null_sink_counts_the_bytes_and_keeps_nothing(tmp_path: Pa
     sink = NullWriter()
     report = gdsckpt.save(_state(), sink, codec=codec)
     assert report.path == "<null>" and report.backend == "null"
-    assert sink.bytes_written == report.stored_bytes > 0
+    assert sink.bytes_written == report.file_bytes > 0
     # The same bytes a file would have held.
     file_report = gdsckpt.save(_state(), tmp_path / "x.gdsckpt", codec=codec)
-    assert file_report.stored_bytes == report.stored_bytes
+    assert file_report.file_bytes == report.file_bytes
 
 
 def test_a_delta_into_a_storage_writer_is_refused(tmp_path: Path) -> None:

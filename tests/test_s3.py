@@ -62,7 +62,7 @@ def test_save_load_inspect_verify_through_s3(s3: str, codec: str, h: Any) -> Non
     assert report.backend == "s3" and report.path == url and report.chunks >= 5
     h.assert_same(state, gdsckpt.load(url, config=config))
     info = gdsckpt.inspect(url)
-    assert info.file_bytes == report.stored_bytes and info.portable
+    assert info.file_bytes == report.file_bytes and info.portable
     verified = gdsckpt.verify(url)
     assert verified.chunks == report.chunks
     assert gdsckpt.load(url, keys=["model/b"])["model"]["b"].dtype == torch.bfloat16

@@ -29,17 +29,21 @@ from ..state import (
 )
 from ..state.delta import BaseReader, XorTarget, base_location_of, check_identity
 from ..state.lossy import LossyWarning
-from .reports import Progress, TensorInfo, chain_label
+from .reports import ChunkInfo, Progress, TensorInfo, chain_label
 from .resolve import (
-    PathLike,
+    Source,
+    destination,
     inflight_budget,
     open_checked,
     open_data_reader,
     open_reader,
     parse_device,
     resolve_config,
+    resolve_location,
     restore_engine,
     restore_gpu_device,
+    single_destination,
+    source_name,
 )
 
 _BASE_LOCK = threading.Lock()
@@ -205,8 +209,9 @@ def alias_object(shared: Any, record: TensorRecord, source: TensorRecord) -> Any
 class Checkpoint:
     """A lazily read checkpoint (``gdsckpt.open``): the index is read once, arrays on demand."""
 
-    def __init__(self, path: PathLike, config: Config | None = None):
-        self.path = str(path)
+    def __init__(self, path: Source, config: Config | None = None):
+        self.path = source_name(path)
+        self._source = path
         self._config = resolve_config(config)
         self._reader = open_reader(path, self._config)
         try:
@@ -239,24 +244,28 @@ class Checkpoint:
         """Dtype, shape, sizes and codecs of one array, from the index alone."""
         return tensor_infos(self._opened.index)[self._id(key)]
 
-    def get(self, key: str, device: Any = None) -> Any:
-        """Read one array (only its chunks), as the type it was saved as."""
-        return self.get_many([key], device=device)[key]
+    def get(self, key: str, device: Any = None, *, map_location: Any = None) -> Any:
+        """Read one array (only its chunks), as the type it was saved as. ``device`` or
+        ``map_location`` (not both): where it goes, as for ``gdsckpt.load``."""
+        return self.get_many([key], device=device, map_location=map_location)[key]
 
-    def get_many(self, keys: Iterable[str], device: Any = None) -> dict[str, Any]:
+    def get_many(self, keys: Iterable[str], device: Any = None, *, map_location: Any = None) -> dict[str, Any]:
         """Read several arrays in one restore (their chunks read in parallel, each once);
         returns key -> array, as ``get`` would return each."""
         keys = list(dict.fromkeys(keys))
         ids = [self._id(key) for key in keys]
-        target_device = parse_device(device)
-        gpu_device = restore_gpu_device(self._config, target_device, self._opened.index, ids)
-        with open_data_reader(self.path, self._config, self._reader, gpu_device) as data_reader:
+        location = resolve_location(device, map_location)
+        index = self._opened.index
+        gpu_device = restore_gpu_device(self._config, single_destination(location, (index.tensors[i] for i in ids)),
+                                        index, ids)
+        with open_data_reader(self._source, self._config, self._reader, gpu_device) as data_reader:
             arrays = restore_arrays(data_reader, self._opened, ids, self._config,
-                                     lambda _i, record: new_target(record, target_device), gpu_device)
+                                     lambda _i, record: new_target(record, destination(location, record)),
+                                     gpu_device)
         warn_lossy(self._opened.index, ids)
         return {key: arrays[i] for key, i in zip(keys, ids)}
 
-    def get_rows(self, key: str, start: int, stop: int, device: Any = None) -> Any:
+    def get_rows(self, key: str, start: int, stop: int, device: Any = None, *, map_location: Any = None) -> Any:
         """Rows ``[start, stop)`` of an array of at least one dimension (``array[start:stop]``),
         reading only the chunks that hold them: how a rank of a resharded DCP load reads its
         slice of a larger tensor."""
@@ -268,9 +277,9 @@ class Checkpoint:
         if not data.shape or not 0 <= start <= stop <= data.shape[0]:
             raise IndexError(f"rows [{start}, {stop}) of {key!r} (shape {list(data.shape)}) are out of range")
         row_bytes = data.nbytes // data.shape[0] if data.shape[0] else 0
-        target_device = parse_device(device)
+        target_device = destination(resolve_location(device, map_location), data)
         gpu_device = restore_gpu_device(self._config, target_device, index, [data_id])
-        with open_data_reader(self.path, self._config, self._reader, gpu_device) as data_reader:
+        with open_data_reader(self._source, self._config, self._reader, gpu_device) as data_reader:
             def rows_target(_i: int, data_record: TensorRecord) -> Any:
                 window = dataclasses.replace(data_record, shape=(stop - start, *data_record.shape[1:]))
                 return new_target(window, target_device)
@@ -305,7 +314,7 @@ class Checkpoint:
             windows[i] = (start, stop)
             records[i] = window
         gpu_device = restore_gpu_device(self._config, target_device, index, ids)
-        with open_data_reader(self.path, self._config, self._reader, gpu_device) as data_reader:
+        with open_data_reader(self._source, self._config, self._reader, gpu_device) as data_reader:
             arrays = restore_arrays(data_reader, self._opened, ids, self._config,
                                      lambda i, _record: new_target(records[i], target_device), gpu_device,
                                      windows=windows)
@@ -323,8 +332,9 @@ class Checkpoint:
         self.close()
 
 
-def open(path: PathLike, *, config: Config | None = None) -> Checkpoint:
+def open(path: Source, *, config: Config | None = None) -> Checkpoint:
     """Open a checkpoint for lazy access: ``.keys()``, ``.info(key)``, ``.get(key, device=None)``.
+    ``path``: anything ``gdsckpt.load`` reads (a path, a URL, bytes, a seekable binary file object).
 
     Use as a context manager (``with gdsckpt.open(p) as ckpt: ...``) or call ``.close()``.
     """
@@ -364,6 +374,10 @@ def tensor_infos(index: Index) -> list[TensorInfo]:
     """Per-array facts of an index, as ``Checkpoint.info`` and ``inspect`` report them."""
     infos = []
     delta = set(index.delta_ids())
+    holders = [0] * len(index.chunks)  # arrays per chunk: a chunk of one array is that array's, exactly
+    for record in index.tensors:
+        for segment in record.segments:
+            holders[segment.chunk] += 1
     for i, record in enumerate(index.tensors):
         stored = 0.0
         chunks = set()
@@ -378,5 +392,18 @@ def tensor_infos(index: Index) -> list[TensorInfo]:
         alias = index.tensors[record.alias].key if record.alias is not None else None
         infos.append(TensorInfo(record.key, record.kind, record.dtype, record.shape, record.device,
                                 record.nbytes, round(stored), len(chunks), tuple(codecs), alias,
-                                i in delta, lossy=data_of(index, i).lossy))
+                                i in delta, lossy=data_of(index, i).lossy,
+                                stored_estimated=any(holders[c] > 1 for c in chunks),
+                                ratio=record.nbytes / stored if stored > 0 else None))
     return infos
+
+
+def chunk_infos(index: Index) -> list[ChunkInfo]:
+    """Per-chunk facts of an index: its exact sizes, its chain and the arrays it holds."""
+    arrays: list[list[tuple[int, str, int]]] = [[] for _ in index.chunks]
+    for record in index.tensors:
+        for segment in record.segments:
+            arrays[segment.chunk].append((segment.raw_offset, record.key, segment.length))
+    return [ChunkInfo(chunk.offset, chunk.stored, chunk.raw, chain_label(index.chains[chunk.chain]),
+                      tuple((key, length) for _start, key, length in sorted(held)))
+            for chunk, held in zip(index.chunks, arrays)]

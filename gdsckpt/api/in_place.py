@@ -28,10 +28,10 @@ from ..state import (
 )
 from .checkpoint import new_target, restore_arrays, stored_id, warn_lossy
 from .reports import Progress
-from .resolve import PathLike, open_checked, open_data_reader, open_reader, resolve_config, restore_gpu_device
+from .resolve import Source, open_checked, open_data_reader, open_reader, resolve_config, restore_gpu_device
 
 
-def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Config | None = None,
+def load_into(target: Any, path: Source, *, strict: bool | str = True, config: Config | None = None,
               progress: Progress | None = None) -> Any:
     """Copy a checkpoint into existing tensors, in place, and return ``target``.
 
@@ -41,9 +41,17 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
     of these (``{"model": model, "optimizer": optimizer, "step": 0}``): key paths in ``target``
     correspond to key paths in the checkpoint. Plain values (ints, floats, ...) in a target dict
     are replaced by the checkpoint's. Any missing key, or a shape or dtype that differs, raises
-    ``StateMismatchError`` listing every difference before anything is written. With
-    ``strict=False``, checkpoint entries that ``target`` does not hold are ignored.
-    ``progress``: see ``Progress``.
+    ``StateMismatchError`` listing every difference before anything is written.
+
+    ``strict`` says which checkpoint entries ``target`` must hold too. ``True`` (the default):
+    those that ``target`` asks for, the entries under the top-level keys a dict or list ``target``
+    holds (everything, for a module, an optimizer or a tensor): ``load_into({"model": model},
+    path)`` restores just the weights of a full training checkpoint, its ``optimizer`` and
+    ``step`` left alone, and still refuses a ``model`` entry the module lacks, as
+    ``load_state_dict`` would. ``"exact"``: every entry of the checkpoint (the state must match
+    the file whole). ``False``: none (entries ``target`` does not hold are ignored anywhere).
+    Entries ``target`` holds and the checkpoint lacks are an error whatever ``strict`` says.
+    ``path``: anything ``gdsckpt.load`` reads. ``progress``: see ``Progress``.
 
     Tensors of ``target`` that share memory (tied weights, views of one storage) are filled as
     ``load_state_dict`` fills them: key by key in ``target``'s order (a module's ``state_dict``
@@ -51,6 +59,8 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
     every byte. A key whose tensor a later key's covers exactly (same memory, shape, dtype and
     strides) is checked for shape and dtype but its array is not read.
     """
+    if strict not in (True, False, "exact"):
+        raise ValueError(f"strict must be True, False or 'exact', got {strict!r}")
     cfg = resolve_config(config)
     existing: dict[str, Any] = {}
     optimizers: list[tuple[list[Any], Any]] = []
@@ -82,12 +92,14 @@ def load_into(target: Any, path: PathLike, *, strict: bool = True, config: Confi
             if node not in plain_values:
                 problems.append(f"{paths.key(node)!r}: in target, missing from checkpoint")
         if strict:
+            scope = _asked_for(target) if strict is True else None
             for key in by_key:
-                if key not in existing and not any(_under(key, p) for p in optimizer_prefixes):
+                if (key not in existing and not any(_under(key, p) for p in optimizer_prefixes)
+                        and _in_scope(key, scope)):
                     problems.append(f"{key!r}: in checkpoint, missing from target")
             slot_nodes = {node for _container, _slot, node in plain_slots}
             for node in plain_values:  # optimizer state is left out of plain_values
-                if node not in slot_nodes:
+                if node not in slot_nodes and _in_scope(paths.key(node), scope):
                     problems.append(f"{paths.key(node)!r}: in checkpoint, missing from target")
         optimizer_ids = [i for i, record in enumerate(index.tensors)
                          if any(_under(record.key, p) for p in optimizer_prefixes)]
@@ -236,6 +248,20 @@ def _earlier_overlaps(ids: list[int], tensors: dict[int, Any]) -> list[list[int]
 
 def _under(key: str, prefix: str) -> bool:
     return prefix == "" or key == prefix or key.startswith(prefix + "/")
+
+
+def _asked_for(target: Any) -> list[str] | None:
+    """The key prefixes ``strict=True`` checks: one per top-level key of a dict, list or tuple
+    ``target`` (a part of the checkpoint it asks for); None (everything) for any other target."""
+    if isinstance(target, dict):
+        return [join_key([key]) for key in target]
+    if isinstance(target, (list, tuple)):
+        return [join_key([i]) for i in range(len(target))]
+    return None
+
+
+def _in_scope(key: str, scope: list[str] | None) -> bool:
+    return scope is None or any(_under(key, prefix) for prefix in scope)
 
 
 def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any],

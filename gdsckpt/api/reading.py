@@ -19,6 +19,7 @@ from ..state import (
 )
 from .checkpoint import (
     Checkpoint,
+    chunk_infos,
     new_target,
     open_base,
     opened_file,
@@ -28,47 +29,57 @@ from .checkpoint import (
 )
 from .reports import CheckpointInfo, Progress, VerifyReport, chain_label
 from .resolve import (
-    PathLike,
+    Source,
+    destination,
     inflight_budget,
     open_checked,
     open_data_reader,
     open_reader,
-    parse_device,
     resolve_config,
+    resolve_location,
     restore_engine,
     restore_gpu_device,
+    single_destination,
+    source_name,
 )
 
 
-def load(path: PathLike, *, device: Any = None, keys: Iterable[str] | None = None,
-         config: Config | None = None, progress: Progress | None = None) -> Any:
+def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
+         config: Config | None = None, progress: Progress | None = None, map_location: Any = None) -> Any:
     """Load a checkpoint into the same nested structure and types it was saved from.
 
-    ``device``: None or ``"cpu"`` puts torch tensors on the CPU; ``"cuda[:N]"`` on that GPU
-    (NumPy arrays stay NumPy; CuPy arrays go to that GPU or, with None, the GPU they were saved
-    from). ``keys``: key strings (``"model/layer.weight"``) or prefixes of subtrees
+    ``device``: None or ``"cpu"`` puts torch tensors on the CPU; ``"cuda[:N]"`` (or a
+    ``torch.device``) on that GPU (NumPy arrays stay NumPy; CuPy arrays go to that GPU or, with
+    None, the GPU they were saved from). ``map_location``: ``torch.load``'s name for it, with its
+    meanings: a device or device string as ``device``, or a dict from the device an array was
+    saved from to the one it loads to (``{"cuda:1": "cuda:0"}``, ``{"cuda:0": "cpu"}``; arrays
+    saved from a device the dict does not name load to that device, as with ``torch.load``). Give
+    ``device`` or ``map_location``, not both (``TypeError``); a function as ``map_location`` is
+    ``TypeError`` too. ``keys``: key strings (``"model/layer.weight"``) or prefixes of subtrees
     (``"optimizer"``) to load; only the chunks holding them are read. Dict entries outside the
     selection are left out, list and tuple slots outside it are None. Unknown keys raise
     ``KeyError``. ``progress``: see ``Progress``.
 
-    ``path`` may be an ``s3://bucket/key`` URL (docs/object-storage.md), or a
-    ``gdsckpt.io.StorageReader``, closed when the load ends:
+    ``path`` may be an ``s3://bucket/key`` URL (docs/object-storage.md); a checkpoint's ``bytes``;
+    a seekable binary file object (``open(p, "rb")``, ``io.BytesIO``), read from its current
+    position and left open; or a ``gdsckpt.io.StorageReader``, closed when the load ends:
     ``gdsckpt.io.PreloadedReader(path, pinned=True)`` holds the file in memory, to measure a
     restore without storage.
     """
     cfg = resolve_config(config)
-    target_device = parse_device(device)
+    location = resolve_location(device, map_location)
     selection = Selection(keys)
     with open_reader(path, cfg) as reader:
         opened = open_checked(reader)
         index = opened.index
         wanted = [i for i, record in enumerate(index.tensors) if selection.covers(record.key)]
-        gpu_device = restore_gpu_device(cfg, target_device, index, wanted)
+        gpu_device = restore_gpu_device(cfg, single_destination(location, (index.tensors[i] for i in wanted)),
+                                        index, wanted)
         try:
             with open_data_reader(path, cfg, reader, gpu_device) as data_reader:
                 arrays = restore_arrays(data_reader, opened, wanted, cfg,
-                                         lambda _i, record: new_target(record, target_device), gpu_device,
-                                         progress)
+                                         lambda _i, record: new_target(record, destination(location, record)),
+                                         gpu_device, progress)
         finally:
             opened.close_base()
     warn_lossy(index, wanted)
@@ -87,7 +98,7 @@ def check_selection(selection: Selection, index: Index) -> None:
                        f"(tensor keys include: {sample}{', ...' if len(index.tensors) > 8 else ''})")
 
 
-def inspect(path: PathLike, *, config: Config | None = None) -> CheckpointInfo:
+def inspect(path: Source, *, config: Config | None = None) -> CheckpointInfo:
     """Describe a checkpoint from its index alone (no chunk is read)."""
     cfg = resolve_config(config)
     with open_reader(path, cfg) as reader:
@@ -100,9 +111,10 @@ def inspect(path: PathLike, *, config: Config | None = None) -> CheckpointInfo:
         label = chain_label(index.chains[chunk.chain])
         codecs[label] = codecs.get(label, 0) + 1
     used = {index.chains[chunk.chain][-1]["name"] for chunk in index.chunks}
-    return CheckpointInfo(str(path), (opened.header.major, index.minor), index.writer, size, logical,
+    return CheckpointInfo(source_name(path), (opened.header.major, index.minor), index.writer, size, logical,
                           logical / size if size else 0.0, tuple(tensor_infos(index)), codecs, index.base,
-                          tuple(sorted(name for name in used if not _cpu_decodes(name))))
+                          tuple(sorted(name for name in used if not _cpu_decodes(name))),
+                          tuple(chunk_infos(index)))
 
 
 def _cpu_decodes(versioned: str) -> bool:
@@ -113,7 +125,7 @@ def _cpu_decodes(versioned: str) -> bool:
         return False
 
 
-def verify(path: PathLike, *, config: Config | None = None, progress: Progress | None = None,
+def verify(path: Source, *, config: Config | None = None, progress: Progress | None = None,
            chain: bool = False) -> VerifyReport:
     """Read every chunk, check every checksum and decode every stream.
 
@@ -142,11 +154,11 @@ def verify(path: PathLike, *, config: Config | None = None, progress: Progress |
             checkpoint.close()
     index = opened.index
     logical = sum(record.nbytes for record in index.tensors if record.alias is None)
-    return VerifyReport(str(path), len(index.chunks), stored, logical, time.perf_counter() - started,
+    return VerifyReport(source_name(path), len(index.chunks), stored, logical, time.perf_counter() - started,
                         tuple(bases))
 
 
-def _verify_chunks(path: PathLike, config: Config, progress: Progress | None) -> tuple[OpenedFile, int]:
+def _verify_chunks(path: Source, config: Config, progress: Progress | None) -> tuple[OpenedFile, int]:
     """Open ``path`` and read, check and decode every chunk; returns the file and its stored bytes."""
     with open_reader(path, config) as reader:
         opened = open_checked(reader)

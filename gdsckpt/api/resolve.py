@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..codecs import PORTABLE_CODECS, versioned_name
 from ..config import Config
@@ -19,9 +22,11 @@ from ..errors import (
     CheckpointError,
     CodecUnavailableError,
     CorruptCheckpointError,
+    ForeignExtensionWarning,
 )
 from ..format import Index
 from ..io import PosixReader, PosixWriter, StorageReader, StorageWriter
+from ..io.fileobj import FileObjectReader
 from ..io.s3 import S3Reader, S3Writer, is_url, split_url, upload_concurrency
 from ..pipeline.engine import HostEngine
 from ..pipeline.load import OpenedFile, open_file
@@ -33,6 +38,23 @@ from ..state import (
 )
 
 PathLike = str | os.PathLike[str]
+
+Source = PathLike | bytes | bytearray | memoryview | BinaryIO | StorageReader
+"""What a load reads: a path, an ``s3://`` URL, a checkpoint's bytes, a seekable binary file
+object, or a ``StorageReader``."""
+
+
+def source_name(source: Any) -> str:
+    """How reports and messages name a load's source: the path, or ``<bytes>``, the name of a file
+    object opened from a path, ``<BytesIO>``, ``<preloaded>``."""
+    if isinstance(source, (str, os.PathLike)):
+        return str(source)
+    if isinstance(source, StorageReader):
+        return f"<{source.name}>"
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return "<bytes>"
+    name = getattr(source, "name", None)
+    return name if isinstance(name, str) else f"<{type(source).__name__}>"
 
 
 def resolve_config(config: Config | None, **overrides: Any) -> Config:
@@ -73,10 +95,50 @@ def open_checked(reader: StorageReader) -> OpenedFile:
     return opened
 
 
+FOREIGN_EXTENSIONS = {
+    ".pt": "torch.save", ".pth": "torch.save", ".bin": "torch.save (Hugging Face)", ".ckpt": "torch.save (Lightning)",
+    ".tar": "torch.save (tar)", ".safetensors": "safetensors", ".npz": "numpy.savez", ".npy": "numpy.save",
+    ".pkl": "pickle", ".pickle": "pickle", ".h5": "HDF5", ".hdf5": "HDF5", ".msgpack": "msgpack (Flax)",
+    ".gguf": "GGUF", ".onnx": "ONNX", ".distcp": "torch.distributed.checkpoint",
+}
+"""Extensions that name another checkpoint format, and the format: a save to such a path warns
+(``ForeignExtensionWarning``), since the tools of that format cannot read the file."""
+
+
+def warn_foreign_extension(path: Any) -> None:
+    """``ForeignExtensionWarning`` when a save's path (or URL) ends in an extension another format
+    owns (``FOREIGN_EXTENSIONS``); the save goes ahead."""
+    if not isinstance(path, (str, os.PathLike)):
+        return
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix in FOREIGN_EXTENSIONS:
+        warnings.warn(f"saving a gdsckpt checkpoint to {os.fspath(path)!r}, whose extension {suffix!r} names "
+                      f"{FOREIGN_EXTENSIONS[suffix]}'s format, which cannot read it: name it '.gdsckpt', or "
+                      f"write that format from a checkpoint with 'gdsckpt convert'", ForeignExtensionWarning,
+                      stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside this package: a warning points at the user's
+    line whichever public call (``save``, ``save_async``) led to it."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "gdsckpt":
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
+
+
 def check_target(path: Any) -> None:
     """The checks a save makes of its path before writing anything: a file path whose directory
     exists (made in the caller by ``save_async``, so that a bad path fails there and not in the
-    background). Anything but a path (a storage writer) passes."""
+    background), and a ``ForeignExtensionWarning`` for a name another format owns. Anything but a
+    path (a storage writer) passes."""
+    warn_foreign_extension(path)
+    check_path(path)
+
+
+def check_path(path: Any) -> None:
+    """``check_target`` without the warning: what the writers check again (the call that led to
+    them has warned already)."""
     if not isinstance(path, (str, os.PathLike)):
         return
     if is_url(path):
@@ -91,7 +153,7 @@ def check_target(path: Any) -> None:
 
 def posix_writer(path: PathLike, config: Config) -> StorageWriter:
     """The writer of a save on the CPU engine: a POSIX file, or an object for an ``s3://`` URL."""
-    check_target(path)
+    check_path(path)
     if is_url(path):
         return S3Writer(str(path), timeout=config.timeout, endpoint=config.s3_endpoint,
                         concurrency=upload_concurrency(config.max_inflight_bytes))
@@ -99,9 +161,13 @@ def posix_writer(path: PathLike, config: Config) -> StorageWriter:
                        timeout=config.timeout)
 
 
-def open_reader(path: PathLike, config: Config, gpu: bool = False) -> StorageReader:
+def open_reader(path: Source, config: Config, gpu: bool = False) -> StorageReader:
+    """The reader of a load's source: a ``StorageReader`` as it is; ``bytes`` or a seekable binary
+    file object (``FileObjectReader``); an ``s3://`` URL; a path (kvikio with ``gpu``, else POSIX)."""
     if isinstance(path, StorageReader):
         return path
+    if not isinstance(path, (str, os.PathLike)):
+        return FileObjectReader(path)  # TypeError for anything but bytes or a binary file object
     if is_url(path):
         return S3Reader(str(path), threads=config.io_threads, timeout=config.timeout, endpoint=config.s3_endpoint)
     if gpu:
@@ -208,6 +274,59 @@ def parse_device(device: Any) -> str | None:
     raise ValueError(f"device {text!r} is invalid (expected None, 'cpu', 'cuda' or 'cuda:N')")
 
 
+DeviceMap = dict[str, str | None]
+"""A ``map_location`` dict as ``resolve_location`` returns it: saved device -> destination."""
+
+
+def resolve_location(device: Any, map_location: Any) -> str | DeviceMap | None:
+    """Where a load puts its arrays, from its ``device`` or its ``map_location`` (torch's name and
+    meanings; give one of the two, else ``TypeError``): None, a device or a device string for every
+    array (``parse_device``), or a dict mapping the device an array was saved from to the one it
+    loads to (``{"cuda:1": "cuda:0"}``; arrays from other devices load to the device they were
+    saved from, as with ``torch.load``). A callable is ``TypeError``: torch calls it with
+    storages, which a gdsckpt file does not have."""
+    if map_location is None:
+        return parse_device(device)
+    if device is not None:
+        raise TypeError(f"give device= or map_location=, not both (got device={device!r}, "
+                        f"map_location={map_location!r})")
+    if isinstance(map_location, dict):
+        mapped: DeviceMap = {}
+        for saved, wanted in map_location.items():
+            key = str(saved)
+            if not re.fullmatch(r"cpu|cuda(:\d+)?", key):
+                raise ValueError(f"map_location key {saved!r} is not a device ('cpu', 'cuda' or 'cuda:N')")
+            mapped["cuda:0" if key == "cuda" else key] = parse_device(wanted)
+        return mapped
+    if callable(map_location):
+        raise TypeError("map_location as a function is not supported (torch passes it storages, which a gdsckpt "
+                        "file has none of): give a device, a device string such as 'cpu' or 'cuda:0', or a dict "
+                        "such as {'cuda:1': 'cuda:0'}")
+    return parse_device(map_location)
+
+
+def destination(location: str | DeviceMap | None, record: Any) -> str | None:
+    """The device an array (an index record) loads to under ``resolve_location``'s result."""
+    if not isinstance(location, dict):
+        return location
+    if record.device in location:
+        return location[record.device]
+    try:
+        return parse_device(record.device)
+    except ValueError as err:
+        raise ValueError(f"array {record.key!r} was saved from {record.device!r}, which map_location does not "
+                         f"map: {err}") from err
+
+
+def single_destination(location: str | DeviceMap | None, records: Iterable[Any]) -> str | None:
+    """The one device all ``records`` load to, or None when they go to several (or to the CPU):
+    the device whose GPU engine decodes a restore (``restore_gpu_device``)."""
+    if not isinstance(location, dict):
+        return location
+    devices = {destination(location, record) for record in records}
+    return devices.pop() if len(devices) == 1 else None
+
+
 def restore_gpu_device(config: Config, device: str | None, index: Index | None = None,
                 ids: Iterable[int] | None = None) -> int | None:
     """The CUDA device whose GPU engine decodes a restore, or None for the CPU engine.
@@ -239,7 +358,7 @@ def inflight_budget(config: Config, engine: Any) -> int:
 
 
 @contextlib.contextmanager
-def open_data_reader(path: PathLike, config: Config, reader: StorageReader,
+def open_data_reader(path: Source, config: Config, reader: StorageReader,
                      gpu_device: int | None) -> Iterator[StorageReader]:
     """The reader chunk reads go through: ``reader`` itself (left open) for the CPU engine, a
     kvikio reader (device buffers, closed on exit) for the GPU engine."""

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, BinaryIO, cast
 
 from ..codecs import versioned_name
 from ..config import Config
@@ -22,6 +22,7 @@ from ..errors import (
 from ..format import Index, TensorRecord, dtype_spec
 from ..format.layout import TRAILER_SIZE, unpack_trailer
 from ..io import PosixWriter, StorageWriter
+from ..io.fileobj import FileObjectWriter, is_file_object
 from ..io.s3 import is_url
 from ..pipeline.load import content_identity
 from ..pipeline.plan import plan_chunks
@@ -40,6 +41,7 @@ from .reading import inspect
 from .reports import Progress, SaveReport, chain_label
 from .resolve import (
     PathLike,
+    check_path,
     check_target,
     choose_save_engine,
     cuda_device_of,
@@ -56,9 +58,9 @@ from .resolve import (
 log = logging.getLogger(__name__)
 
 
-def save(state: Any, path: PathLike | StorageWriter, *, codec: str = "auto", chunk_bytes: int | str | None = None,
-         config: Config | None = None, progress: Progress | None = None, base: PathLike | None = None,
-         max_chain: int = DEFAULT_MAX_CHAIN,
+def save(state: Any, path: PathLike | StorageWriter | BinaryIO, *, codec: str = "auto",
+         chunk_bytes: int | str | None = None, config: Config | None = None, progress: Progress | None = None,
+         base: PathLike | None = None, max_chain: int = DEFAULT_MAX_CHAIN,
          lossy: LossyPolicy | dict[str, float] | None = None, force: bool = False,
          portable: bool | None = None) -> SaveReport:
     """Save ``state`` (nested dicts/lists/tuples of tensors, arrays and plain values) to ``path``.
@@ -87,8 +89,16 @@ def save(state: Any, path: PathLike | StorageWriter, *, codec: str = "auto", chu
     ``gdsckpt rebase`` them first, save elsewhere, or pass ``force=True``. Deltas in other
     directories are not searched for.
 
-    ``path`` may be an ``s3://bucket/key`` URL (docs/object-storage.md: one multipart upload,
-    the object visible only once complete), or a ``gdsckpt.io.StorageWriter``:
+    A path whose extension names another format (``.pt``, ``.safetensors``, ``.npz`` ...) is
+    written all the same, with a ``ForeignExtensionWarning``: that format's tools cannot read it.
+
+    ``path`` may be a writable binary file object (``io.BytesIO()``, ``open(p, "wb")``, a pipe),
+    written front to back from its current position as the chunks are encoded (no more of the
+    file is held in memory than ``Config.max_inflight_bytes``), flushed and left open; unlike a
+    path it is not replaced atomically nor fsynced, and a failed save leaves partial bytes in a
+    stream that cannot seek. ``path`` may also be an ``s3://bucket/key`` URL
+    (docs/object-storage.md: one multipart upload, the object visible only once complete), or a
+    ``gdsckpt.io.StorageWriter``:
     ``gdsckpt.io.NullWriter()`` keeps nothing, to measure the pipeline without storage
     (``SaveReport.path`` is then ``"<null>"``).
 
@@ -107,9 +117,11 @@ def save(state: Any, path: PathLike | StorageWriter, *, codec: str = "auto", chu
     """
     if portable is not None:
         config = resolve_config(config, portable=portable)
+    target = FileObjectWriter(path) if is_file_object(path) else cast("PathLike | StorageWriter", path)
+    check_target(target)  # before the state is flattened: a bad path fails, a foreign extension warns
     if not force:
-        refuse_replacing_base(path, config)
-    return save_flat(flatten(state), path, codec=codec, chunk_bytes=chunk_bytes, config=config,
+        refuse_replacing_base(target, config)
+    return save_flat(flatten(state), target, codec=codec, chunk_bytes=chunk_bytes, config=config,
                      progress=progress, base=base, max_chain=max_chain, lossy=lossy)
 
 
@@ -174,7 +186,7 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
         label = chain_label(result.chains[record.chain].to_json())
         chains[label] = chains.get(label, 0) + 1
     return SaveReport(
-        path=_report_path(path, writer, rename), logical_bytes=logical, stored_bytes=result.file_bytes,
+        path=_report_path(path, writer, rename), logical_bytes=logical, file_bytes=result.file_bytes,
         ratio=logical / result.file_bytes if result.file_bytes else 0.0,
         seconds=time.perf_counter() - started, codec=codec_name, backend=writer.name,
         engine=engine.name, tensors=len(flat.arrays), chunks=len(result.chunks), chains=chains, auto=auto,
@@ -377,7 +389,7 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
 
             from ..pipeline.autotune import choose_codec, runnable_candidates, sample_ratios, storage_gbps
 
-            check_target(path)
+            check_path(path)
             candidates, left_out = runnable_candidates(config.max_staging_bytes, config.gpu_chunk_bytes)
             if len(candidates) == 1:  # nothing to compare: no storage probe, no sample
                 codec = candidates[0]
@@ -400,7 +412,7 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
         def make_writer(path: PathLike, cfg: Config) -> StorageWriter:
             if is_url(path):
                 return posix_writer(path, cfg)  # an object: its writer copies the streams to host memory
-            check_target(path)
+            check_path(path)
             return KvikioWriter(path, threads=cfg.kvikio_threads, task_size=cfg.kvikio_task_size,
                                 o_direct=cfg.o_direct, fsync=cfg.fsync)
 

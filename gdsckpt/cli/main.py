@@ -63,26 +63,29 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if figures["bit_exact"] else EXIT_FAILED
 
 
-def group_totals(tensors: Any) -> dict[str, dict[str, Any]]:
-    """Per group (``gdsckpt.tools.costmodel.group_of``): arrays, logical bytes, stored bytes and ratio."""
-    groups: dict[str, dict[str, Any]] = {}
-    for t in tensors:
-        if t.alias_of is not None:
-            continue
-        group = groups.setdefault(group_of(t.key), {"arrays": 0, "logical_bytes": 0, "stored_bytes": 0})
-        group["arrays"] += 1
-        group["logical_bytes"] += t.nbytes
-        group["stored_bytes"] += t.stored_bytes
-    for group in groups.values():
-        group["ratio"] = group["logical_bytes"] / group["stored_bytes"] if group["stored_bytes"] else 0.0
-    return groups
+def group_totals(info: Any) -> dict[str, dict[str, Any]]:
+    """Per group (``gdsckpt.tools.costmodel.group_of``): arrays, logical bytes, stored bytes, ratio
+    (None when nothing is stored) and whether the stored bytes are an estimate (chunks shared
+    with another group), from ``CheckpointInfo.groups``."""
+    return {name: {"arrays": g.arrays, "logical_bytes": g.logical_bytes, "stored_bytes": g.stored_bytes,
+                   "ratio": g.ratio, "estimated": g.estimated}
+            for name, g in info.groups(group_of).items()}
+
+
+def _estimate(figure: str, estimated: bool) -> str:
+    """A figure marked ``~`` where it is an estimate (an array's or group's share of shared chunks)."""
+    return f"~{figure}" if estimated else figure
+
+
+def _ratio_text(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.3f}"
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from ..api import inspect
 
     info = inspect(args.path, config=args.config)
-    groups = group_totals(info.tensors)
+    groups = group_totals(info)
     if args.json:
         print(json.dumps({
             "path": info.path, "format_version": list(info.format_version), "writer": info.writer,
@@ -91,9 +94,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             "groups": groups, "base": info.base,
             "tensors": [{"key": t.key, "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape),
                          "device": t.device, "nbytes": t.nbytes, "stored_bytes": t.stored_bytes,
+                         "stored_estimated": t.stored_estimated, "ratio": t.ratio,
                          "codecs": list(t.codecs), "alias_of": t.alias_of, "lossy": t.lossy,
                          "delta": t.delta}
                         for t in info.tensors],
+            "chunks": [{"offset": c.offset, "stored_bytes": c.stored_bytes, "raw_bytes": c.raw_bytes,
+                        "codecs": c.codecs, "arrays": [list(a) for a in c.arrays]} for c in info.chunks],
         }, indent=2))
         return 0
     print(f"{info.path}: format {info.format_version[0]}.{info.format_version[1]}, written by {info.writer}")
@@ -108,17 +114,22 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         deltas = sum(t.delta for t in info.tensors)
         print(f"delta checkpoint: {deltas} arrays stored as the XOR with base {info.base['path']!r} "
               f"(chain depth {info.base['depth']}; 'gdsckpt rebase' writes it in full)")
-    print(f"  {'key':50} {'dtype':10} {'shape':20} {'stored':>12} {'ratio':>6}  codecs")
+    print(f"  {'key':50} {'dtype':10} {'shape':20} {'stored':>12} {'ratio':>7}  codecs")
     for t in info.tensors:
-        ratio = t.nbytes / t.stored_bytes if t.stored_bytes else 0.0
         codecs = ",".join(t.codecs) or (f"alias of {t.alias_of}" if t.alias_of else "-")
-        print(f"  {t.key:50} {t.dtype:10} {list(t.shape)!s:20} {t.stored_bytes:12} {ratio:6.3f}  {codecs}")
-    print(f"  {'group':30} {'arrays':>7} {'logical bytes':>15} {'stored bytes':>15} {'ratio':>6}")
+        print(f"  {t.key:50} {t.dtype:10} {list(t.shape)!s:20} "
+              f"{_estimate(str(t.stored_bytes), t.stored_estimated):>12} "
+              f"{_estimate(_ratio_text(t.ratio), t.stored_estimated):>7}  {codecs}")
+    print(f"  {'group':30} {'arrays':>7} {'logical bytes':>15} {'stored bytes':>15} {'ratio':>7}")
     for name, group in groups.items():
-        print(f"  {name:30} {group['arrays']:7} {group['logical_bytes']:15} {group['stored_bytes']:15} "
-              f"{group['ratio']:6.3f}")
+        print(f"  {name:30} {group['arrays']:7} {group['logical_bytes']:15} "
+              f"{_estimate(str(group['stored_bytes']), group['estimated']):>15} "
+              f"{_estimate(_ratio_text(group['ratio']), group['estimated']):>7}")
     print(f"  {'total':30} {sum(g['arrays'] for g in groups.values()):7} {info.logical_bytes:15} "
-          f"{info.file_bytes:15} {info.ratio:6.3f}")
+          f"{info.file_bytes:15} {info.ratio:7.3f}")
+    if any(t.stored_estimated for t in info.tensors):
+        print(f"~: an estimate: small arrays share chunks, compressed as a whole, whose stored bytes are split "
+              f"by raw bytes ({len(info.chunks)} chunks; --json lists each with its exact sizes)")
     lossy = [t for t in info.tensors if t.lossy is not None]
     if lossy:
         print(f"{len(lossy)} lossy arrays (saved with lossy=..., within abs bound of the saved values):")
@@ -146,7 +157,7 @@ def _cmd_rebase(args: argparse.Namespace) -> int:
     from ..api import rebase
 
     report = rebase(args.path, args.output, codec=args.codec, config=args.config, force=args.force)
-    print(f"{report.path}: full checkpoint, {report.tensors} arrays, {report.stored_bytes} bytes, "
+    print(f"{report.path}: full checkpoint, {report.tensors} arrays, {report.file_bytes} bytes, "
           f"ratio {report.ratio:.3f}")
     return 0
 

@@ -24,13 +24,17 @@ from .base import StorageReader, StorageWriter, WritePace
 from .pools import DRAIN_TIMEOUT, Lane
 
 
-def _done(value: Any = None) -> Future[Any]:
+def done_future(value: Any = None) -> Future[Any]:
+    """A future already completed with ``value``: what a backend that writes or reads synchronously
+    returns."""
     future: Future[Any] = Future()
     future.set_result(value)
     return future
 
 
-def _host_bytes(data: Any) -> memoryview:
+def host_bytes(data: Any) -> memoryview:
+    """``data`` (a host or CuPy array, or a bytes-like object) as a flat byte view in host memory;
+    a CuPy array is copied to the host once."""
     if hasattr(data, "__cuda_array_interface__") and not hasattr(data, "__array_interface__"):
         data = data.get()  # a CuPy array: one copy to the host
     return np.ascontiguousarray(data).data.cast("B")
@@ -65,8 +69,8 @@ class MemoryWriter(StorageWriter):
         self._lock = threading.Lock()
 
     def submit_write(self, offset: int, data: Any) -> Future[None]:
-        self._put(offset, _host_bytes(data))
-        return _done()
+        self._put(offset, host_bytes(data))
+        return done_future()
 
     def _put(self, offset: int, view: memoryview) -> None:
         with self._lock:
@@ -97,7 +101,7 @@ class NullWriter(StorageWriter):
 
     def submit_write(self, offset: int, data: Any) -> Future[None]:
         self.bytes_written += int(getattr(data, "nbytes", None) or len(data))
-        return _done()
+        return done_future()
 
     def write_tail(self, offset: int, data: bytes) -> None:
         self.bytes_written += len(data)
@@ -133,7 +137,7 @@ class MemoryReader(StorageReader):
 
     def submit_read(self, offset: int, out: np.ndarray) -> Future[np.ndarray]:
         out[:] = np.frombuffer(self.read(offset, out.nbytes), dtype=np.uint8)
-        return _done(out)
+        return done_future(out)
 
     def close(self) -> None:
         pass

@@ -10,6 +10,8 @@ Planning rules (docs/format.md, "Chunks"):
   the last;
 - smaller arrays are packed, in order, into shared chunks of up to ``chunk_bytes``, one run of
   packs per byte-plane width, so a state with 10,000 tiny tensors makes a few chunks, not 10,000;
+  a state whose arrays are all packed and fit in one page together gets one chunk (one page of
+  padding, not one per width);
 - aliases and zero-size arrays get no chunks.
 """
 
@@ -110,6 +112,8 @@ def plan_chunks(sizes: list[tuple[int, int, int]], *, chunk_bytes: int, pack_bel
         for start in range(0, nbytes, chunk_bytes):
             plans.append(ChunkPlan(len(plans), [Part(index, start, min(nbytes, start + chunk_bytes))],
                                    width, decision_group=index, delta=index in delta))
+    if not plans:
+        packs = _one_page_packs(packs, sizes)
     for (is_delta, width), members in sorted(packs.items()):
         current: ChunkPlan | None = None
         filled = 0  # current.raw, kept here: summing the parts per member is quadratic
@@ -122,3 +126,22 @@ def plan_chunks(sizes: list[tuple[int, int, int]], *, chunk_bytes: int, pack_bel
             current.parts.append(Part(index, 0, nbytes))
             filled += nbytes
     return plans
+
+
+def _one_page_packs(packs: dict[tuple[bool, int], list[int]],
+                    sizes: list[tuple[int, int, int]]) -> dict[tuple[bool, int], list[int]]:
+    """The packs of a state with no array of its own chunks, merged across plane widths where they
+    fit in one page (``ALIGNMENT`` bytes) together: each chunk is padded to a page on disk, so a
+    tiny state of three dtypes would otherwise take three pages for a few hundred bytes, and
+    byte planes gain nothing on so few bytes. The merged chunk takes no byte planes unless its
+    arrays share a width. Delta and full arrays stay apart (a chunk's chain says which it holds);
+    states with larger arrays are planned as before."""
+    merged: dict[tuple[bool, int], list[int]] = {}
+    for is_delta in (False, True):
+        keys = [key for key in packs if key[0] == is_delta]
+        members = sorted(i for key in keys for i in packs[key])  # array order, as within one pack
+        if len(keys) > 1 and sum(sizes[i][0] for i in members) <= ALIGNMENT:
+            merged[(is_delta, 0)] = members
+        else:
+            merged.update((key, packs[key]) for key in keys)
+    return merged

@@ -246,20 +246,19 @@ def group_of(key: str) -> str:
 
 def group_sizes(path: str | os.PathLike[str]) -> dict[str, GroupSize]:
     """Logical and stored bytes per group (``group_of``) of a gdsckpt checkpoint, from its index
-    alone (``gdsckpt.inspect``). Aliases (tied weights, stored once) are not counted again. Arrays
-    smaller than ``Config.pack_below`` share chunks, so their stored bytes are their chunk's
-    average: the groups of a checkpoint of tiny arrays mix each other's ratios."""
+    alone (``CheckpointInfo.groups``). Aliases (tied weights, stored once) are not counted again.
+    A group's stored bytes are exact unless it shares chunks with another group (arrays smaller
+    than ``Config.pack_below`` are packed together): those chunks are split by raw bytes, so the
+    groups of a checkpoint of tiny arrays mix each other's ratios."""
     from ..api import inspect
 
-    totals: dict[str, tuple[int, int, set[str]]] = {}
-    for tensor in inspect(path).tensors:
-        if tensor.alias_of is not None:
-            continue
-        nbytes, stored, dtypes = totals.setdefault(group_of(tensor.key), (0, 0, set()))
-        dtypes.add(_SHORT_DTYPES.get(tensor.dtype, tensor.dtype))
-        totals[group_of(tensor.key)] = (nbytes + tensor.nbytes, stored + tensor.stored_bytes, dtypes)
-    return {group: GroupSize(nbytes, stored, tuple(sorted(dtypes)))
-            for group, (nbytes, stored, dtypes) in totals.items()}
+    info = inspect(path)
+    dtypes: dict[str, set[str]] = {}
+    for tensor in info.tensors:
+        if tensor.alias_of is None:
+            dtypes.setdefault(group_of(tensor.key), set()).add(_SHORT_DTYPES.get(tensor.dtype, tensor.dtype))
+    return {name: GroupSize(group.logical_bytes, group.stored_bytes, tuple(sorted(dtypes[name])))
+            for name, group in info.groups(group_of).items()}
 
 
 def ratios_from_groups(groups: Mapping[str, GroupSize], source: str) -> dict[str, tuple[float, str]]:

@@ -1,0 +1,172 @@
+"""Binary file objects as storage: ``save(state, io.BytesIO())`` and ``load(f)``, as ``torch.save``
+and ``torch.load`` take them.
+
+``FileObjectWriter`` writes each chunk into the file object as the save pipeline hands it over,
+in file order, filling the padding between chunks with zeros, so a save holds no more of the
+file in memory than the pipeline's own in-flight bound (``Config.max_inflight_bytes``); the file
+object need not be seekable (a pipe or a socket works). The pipeline submits the header, then the
+chunks at ascending offsets, then the tail, which is what lets a stream be written front to back.
+
+``FileObjectReader`` reads ranges of a *seekable* file object on demand: a reader starts at the
+trailer at the end of the file, so a stream that cannot seek is refused with a message saying
+how to load it (``load(f.read())``). ``bytes`` are read through an ``io.BytesIO`` over them.
+
+Offsets count from where the file object stood when the writer or reader was made, as
+``torch.save``/``torch.load`` write and read from the current position. Neither class closes the
+file object: it belongs to the caller.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from .base import StorageReader, StorageWriter
+from .memory import done_future, host_bytes
+
+_ZEROS = bytes(1 << 16)
+"""Padding is written from this buffer, a slice at a time (chunk padding is under 4096 bytes)."""
+
+
+def is_file_object(obj: Any) -> bool:
+    """Whether ``obj`` is a file object a save writes to or a load reads from (not a path, not a
+    ``StorageWriter``/``StorageReader``)."""
+    if isinstance(obj, (StorageReader, StorageWriter)):
+        return False
+    return callable(getattr(obj, "read", None)) or callable(getattr(obj, "write", None))
+
+
+def _check_binary(obj: Any, what: str) -> None:
+    if isinstance(obj, io.TextIOBase) or "b" not in getattr(obj, "mode", "b"):
+        raise TypeError(f"{what} needs a binary file object (opened with 'b', or io.BytesIO), got "
+                        f"{type(obj).__qualname__} in text mode")
+
+
+class FileObjectWriter(StorageWriter):
+    """Writes a checkpoint into a writable binary file object, front to back.
+
+    ``commit`` flushes the file object; ``abort`` truncates it back to where the save started when
+    it is seekable (else the partial bytes stay: a stream cannot take them back). Unlike a save to
+    a path, a file object is not replaced atomically and not fsynced."""
+
+    name = "fileobj"
+
+    def __init__(self, fileobj: Any):
+        if not callable(getattr(fileobj, "write", None)):
+            raise TypeError(f"save needs a path or a writable binary file object, got {type(fileobj).__qualname__}")
+        _check_binary(fileobj, "save")
+        self._file = fileobj
+        self._seekable = bool(getattr(fileobj, "seekable", lambda: False)())
+        self._start = fileobj.tell() if self._seekable else 0
+        self._position = 0
+        """Bytes written so far, relative to the start."""
+
+    def submit_write(self, offset: int, data: Any) -> Future[None]:
+        """Write ``data`` at ``offset`` now (zeros fill any gap since the previous write)."""
+        self._write_at(offset, host_bytes(data))
+        return done_future()
+
+    def _write_at(self, offset: int, view: memoryview) -> None:
+        if offset < self._position:
+            if not self._seekable:
+                raise ValueError(f"write at offset {offset} after {self._position} bytes: the file object "
+                                 f"cannot seek back")
+            self._file.seek(self._start + offset)
+            self._position = offset
+        while self._position < offset:
+            self._put(memoryview(_ZEROS)[:min(len(_ZEROS), offset - self._position)])
+        self._put(view)
+
+    def _put(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            written = self._file.write(view[done:])
+            # a raw (unbuffered) file may write less than asked; None means "would block"
+            done += len(view) - done if written is None else written
+        self._position += len(view)
+
+    def write_tail(self, offset: int, data: bytes) -> None:
+        """Write the index and trailer, the file's last bytes."""
+        self._write_at(offset, memoryview(data))
+
+    def commit(self) -> None:
+        """Flush the file object (the caller closes it)."""
+        flush = getattr(self._file, "flush", None)
+        if flush is not None:
+            flush()
+
+    def abort(self) -> None:
+        """Take back the partial file where the file object can seek."""
+        if self._seekable:
+            try:
+                self._file.seek(self._start)
+                self._file.truncate()
+            except (OSError, ValueError):
+                pass  # a file object that cannot truncate (or is closed) keeps the partial bytes
+
+
+class FileObjectReader(StorageReader):
+    """Reads a checkpoint from a seekable binary file object (or from ``bytes``), a range at a time."""
+
+    name = "fileobj"
+
+    def __init__(self, source: Any):
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            source = io.BytesIO(source)
+        if not callable(getattr(source, "read", None)):
+            raise TypeError(f"load needs a path, bytes or a readable binary file object, got "
+                            f"{type(source).__qualname__}")
+        _check_binary(source, "load")
+        if not callable(getattr(source, "seekable", None)) or not source.seekable():
+            raise ValueError(f"load needs a seekable file object ({type(source).__qualname__} is not): a "
+                             f"checkpoint is read from its end first; load its bytes instead, load(f.read())")
+        self._file = source
+        self._lock = threading.Lock()
+        self._start = source.tell()
+        self.size = source.seek(0, io.SEEK_END) - self._start
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``offset``."""
+        out = np.empty(length, dtype=np.uint8)
+        self._read_into(offset, memoryview(out.data).cast("B"))
+        return out.tobytes()
+
+    def _read_into(self, offset: int, view: memoryview) -> None:
+        if offset < 0 or offset + len(view) > self.size:
+            raise CorruptCheckpointError(f"range [{offset}, +{len(view)}) runs past the end of the file")
+        with self._lock:  # one position per file object: each read seeks and reads under the lock
+            self._file.seek(self._start + offset)
+            done = 0
+            while done < len(view):
+                readinto = getattr(self._file, "readinto", None)
+                if readinto is not None:
+                    got = readinto(view[done:])
+                else:
+                    chunk = self._file.read(len(view) - done)
+                    got = len(chunk)
+                    view[done:done + got] = chunk
+                if not got:
+                    raise CorruptCheckpointError(f"the file object ended at {offset + done} bytes, before "
+                                                 f"{offset + len(view)}: it shrank while being read")
+                done += got
+
+    def submit_read(self, offset: int, out: Any) -> Future[Any]:
+        """Read ``out.nbytes`` bytes at ``offset`` into ``out`` (host, or a CuPy array through host
+        memory), now."""
+        if hasattr(out, "__cuda_array_interface__") and not hasattr(out, "__array_interface__"):
+            out.set(np.frombuffer(self.read(offset, int(out.nbytes)), dtype=np.uint8).reshape(out.shape))
+        else:
+            self._read_into(offset, memoryview(out).cast("B"))
+        return done_future(out)
+
+    def close(self) -> None:
+        """Leave the file object open (the caller's to close), positioned after the checkpoint,
+        as ``torch.load`` leaves it after what it read."""
+        with self._lock:
+            if not getattr(self._file, "closed", False):
+                self._file.seek(self._start + self.size)

@@ -1,0 +1,253 @@
+"""Habits from torch.save / torch.load / safetensors that gdsckpt honours (issue 21): map_location,
+binary file objects and bytes, "just the weights" from a full training checkpoint, a warning for a
+file named like another format, small files without a page per dtype, report names that say what
+they count."""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gdsckpt
+from gdsckpt.api.saving import save_flat
+from gdsckpt.format.layout import ALIGNMENT
+from gdsckpt.state import flatten
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {"model": {"w": torch.randn(300, 40, generator=g), "b": torch.randn(40, generator=g).to(torch.bfloat16)},
+            "step": torch.tensor(7), "note": "hi", "lr": 0.5}
+
+
+def _training(width: int = 8) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(width)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.ones(3, width)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+# -- map_location -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["cpu", torch.device("cpu"), {"cpu": "cpu"}])
+def test_map_location_takes_torch_meanings(ckpt_path: Path, h: Any, where: Any) -> None:
+    state = _state()
+    gdsckpt.save(state, ckpt_path)
+    loaded = gdsckpt.load(ckpt_path, map_location=where)
+    h.assert_same(state, loaded)
+    assert loaded["model"]["w"].device.type == "cpu"
+    with gdsckpt.open(ckpt_path) as checkpoint:
+        assert h.tensor_bytes(checkpoint.get("model/w", map_location=where)) == h.tensor_bytes(state["model"]["w"])
+
+
+def test_map_location_dict_remaps_the_device_an_array_was_saved_from(ckpt_path: Path, h: Any) -> None:
+    """A file whose arrays record ``cuda:1`` (written here by the CPU engine, the devices given as a
+    background save gives them) loads with ``{"cuda:1": "cpu"}`` on a machine without that GPU."""
+    state = {"w": torch.arange(12.0).reshape(3, 4), "i": torch.arange(5)}
+    save_flat(flatten(state), ckpt_path, devices=["cuda:1", "cuda:1"], config=gdsckpt.Config(engine="cpu"))
+    assert {t.device for t in gdsckpt.inspect(ckpt_path).tensors} == {"cuda:1"}
+    loaded = gdsckpt.load(ckpt_path, map_location={"cuda:1": "cpu"})
+    h.assert_same(state, loaded)
+    assert loaded["w"].device.type == "cpu"
+    with gdsckpt.open(ckpt_path) as checkpoint:
+        assert torch.equal(checkpoint.get_many(["i"], map_location={"cuda:1": "cpu"})["i"], state["i"])
+    if not torch.cuda.is_available():
+        # An array from a device the dict does not map goes where it was saved from, as torch.load does.
+        with pytest.raises(ValueError, match="'w' was saved from 'cuda:1'.*CUDA is not available"):
+            gdsckpt.load(ckpt_path, map_location={"cuda:0": "cpu"})
+
+
+def test_map_location_misuse_is_a_clear_error(ckpt_path: Path) -> None:
+    gdsckpt.save(_state(), ckpt_path)
+    with pytest.raises(TypeError, match="device= or map_location=, not both"):
+        gdsckpt.load(ckpt_path, device="cpu", map_location="cpu")
+    with pytest.raises(TypeError, match="map_location as a function is not supported.*a dict"):
+        gdsckpt.load(ckpt_path, map_location=lambda storage, location: storage)
+    with pytest.raises(ValueError, match="map_location key 'gpu1' is not a device"):
+        gdsckpt.load(ckpt_path, map_location={"gpu1": "cpu"})
+    with pytest.raises(ValueError, match="device 'tpu' is invalid"):
+        gdsckpt.load(ckpt_path, map_location="tpu")
+    with gdsckpt.open(ckpt_path) as checkpoint, pytest.raises(TypeError, match="not both"):
+        checkpoint.get("model/w", device="cpu", map_location="cpu")
+
+
+# -- file objects and bytes -------------------------------------------------------------------
+
+def test_save_to_bytesio_and_load_it_back_bit_exact(tmp_path: Path, h: Any) -> None:
+    state = _state()
+    buffer = io.BytesIO()
+    report = gdsckpt.save(state, buffer, codec="none")
+    assert report.path == "<fileobj>" and report.file_bytes == len(buffer.getvalue())
+    # The same bytes a file holds: a file object is a place to write the format, nothing else.
+    gdsckpt.save(state, tmp_path / "same.gdsckpt", codec="none")
+    assert buffer.getvalue() == (tmp_path / "same.gdsckpt").read_bytes()
+    buffer.seek(0)
+    h.assert_same(state, gdsckpt.load(buffer))
+    assert buffer.tell() == report.file_bytes  # left after the checkpoint, as torch.load leaves it
+    h.assert_same(state, gdsckpt.load(buffer.getvalue()))
+    h.assert_same(state, gdsckpt.load(bytearray(buffer.getvalue())))
+    assert gdsckpt.inspect(buffer.getvalue()).path == "<bytes>"
+    buffer.seek(0)
+    assert gdsckpt.verify(buffer).chunk_bytes > 0
+    buffer.seek(0)
+    with gdsckpt.open(buffer) as checkpoint:
+        assert torch.equal(checkpoint.get("model/w"), state["model"]["w"])
+
+
+def test_file_objects_are_read_and_written_from_their_position(tmp_path: Path, h: Any) -> None:
+    state = _state()
+    path = tmp_path / "in_a_file.bin.gdsckpt"
+    with open(path, "wb") as handle:
+        handle.write(b"prefix")
+        report = gdsckpt.save(state, handle)
+    assert path.stat().st_size == len(b"prefix") + report.file_bytes
+    with open(path, "rb") as handle:
+        assert handle.read(6) == b"prefix"
+        h.assert_same(state, gdsckpt.load(handle))
+        assert not handle.closed  # the caller's to close
+
+
+class _Stream:
+    """A write-only, non-seekable binary stream that records the size of every write."""
+
+    mode = "wb"
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.writes: list[int] = []
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.data += view
+        self.writes.append(len(view))
+        return len(view)
+
+    def seekable(self) -> bool:
+        return False
+
+
+def test_a_save_streams_into_a_non_seekable_file_object_chunk_by_chunk(h: Any) -> None:
+    """The file is written front to back as chunks are encoded, never assembled whole first."""
+    g = torch.Generator().manual_seed(2)
+    state = {f"w{i}": torch.randn(64 << 10, generator=g) for i in range(4)}  # 1 MiB in 256 KiB arrays
+    config = gdsckpt.Config(chunk_bytes=64 << 10, pack_below=4 << 10, max_inflight_bytes=256 << 10)
+    stream = _Stream()
+    report = gdsckpt.save(state, stream, codec="none", config=config)
+    assert len(stream.data) == report.file_bytes and report.chunks == 16
+    assert max(stream.writes) <= 64 << 10  # no write holds more than a chunk
+    h.assert_same(state, gdsckpt.load(bytes(stream.data)))
+
+
+def test_load_needs_a_seekable_binary_file_object(ckpt_path: Path) -> None:
+    gdsckpt.save(_state(), ckpt_path)
+
+    class Unseekable(io.RawIOBase):
+        def readable(self) -> bool:
+            return True
+
+    with pytest.raises(ValueError, match=r"seekable.*load\(f.read\(\)\)"):
+        gdsckpt.load(Unseekable())
+    with open(ckpt_path, encoding="latin-1") as text, pytest.raises(TypeError, match="binary file object"):
+        gdsckpt.load(text)
+    with pytest.raises(TypeError, match="readable binary file object, got int"):
+        gdsckpt.load(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="binary file object"):
+        gdsckpt.save(_state(), io.StringIO())
+
+
+# -- just the weights -------------------------------------------------------------------------
+
+def test_just_the_weights_from_a_full_training_checkpoint_is_a_one_liner(ckpt_path: Path, h: Any) -> None:
+    model, optimizer = _training()
+    gdsckpt.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 3}, ckpt_path)
+    fresh, _ = _training(width=8)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    gdsckpt.load_into({"model": fresh}, ckpt_path)  # the optimizer and step are not asked for
+    for key, value in model.state_dict().items():
+        assert h.tensor_bytes(fresh.state_dict()[key]) == h.tensor_bytes(value), key
+
+    # An exact match can still be demanded: every entry of the file must be in the target.
+    with pytest.raises(gdsckpt.StateMismatchError) as caught:
+        gdsckpt.load_into({"model": fresh}, ckpt_path, strict="exact")
+    assert "'optimizer/state/0/exp_avg': in checkpoint, missing from target" in str(caught.value)
+    assert "'step': in checkpoint, missing from target" in str(caught.value)
+    # Within what the target asks for, strictness stays: a module with fewer layers is refused.
+    smaller = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(gdsckpt.StateMismatchError, match="'model/2.weight': in checkpoint, missing from target"):
+        gdsckpt.load_into({"model": smaller}, ckpt_path)
+    # And what the target asks for and the file lacks is an error whatever strict says.
+    with pytest.raises(gdsckpt.StateMismatchError, match="'epoch': in target, missing from checkpoint"):
+        gdsckpt.load_into({"model": fresh, "epoch": 0}, ckpt_path, strict=False)
+    with pytest.raises(ValueError, match="strict must be True, False or 'exact'"):
+        gdsckpt.load_into({"model": fresh}, ckpt_path, strict="loose")
+
+
+# -- a file named like another format ---------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["x.pt", "x.pth", "x.bin", "x.safetensors", "x.ckpt", "x.NPZ"])
+def test_saving_under_another_formats_extension_warns(tmp_path: Path, h: Any, name: str) -> None:
+    state = _state()
+    with pytest.warns(gdsckpt.ForeignExtensionWarning, match=r"gdsckpt convert") as record:
+        gdsckpt.save(state, tmp_path / name)
+    assert len(record) == 1 and record[0].filename == __file__  # it points at the caller's line
+    assert issubclass(gdsckpt.ForeignExtensionWarning, UserWarning)
+    h.assert_same(state, gdsckpt.load(tmp_path / name))  # written all the same
+
+
+def test_save_async_warns_in_the_caller_and_gdsckpt_names_do_not(tmp_path: Path) -> None:
+    with pytest.warns(gdsckpt.ForeignExtensionWarning) as record:
+        gdsckpt.save_async(_state(), tmp_path / "y.pt").wait()
+    assert len(record) == 1 and record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gdsckpt.save(_state(), tmp_path / "y.gdsckpt")
+        gdsckpt.save(_state(), tmp_path / "no_extension")
+        gdsckpt.save(_state(), io.BytesIO())
+
+
+# -- small files ------------------------------------------------------------------------------
+
+def test_a_tiny_state_of_several_dtypes_takes_one_chunk(tmp_path: Path, h: Any) -> None:
+    """One page of padding for the data, not one per dtype: a state of a few hundred bytes in four
+    plane widths is header page + one chunk page + index + trailer."""
+    state = {"w": torch.randn(16), "b": torch.randn(4).to(torch.bfloat16), "step": torch.tensor(3),
+             "mask": torch.ones(3, dtype=torch.bool), "lr": 0.1}
+    for codec in ("none", "zstd"):
+        path = tmp_path / f"tiny-{codec}.gdsckpt"
+        report = gdsckpt.save(state, path, codec=codec)
+        assert report.chunks == 1, report
+        index_and_trailer = report.file_bytes - 2 * ALIGNMENT
+        assert 0 < index_and_trailer < ALIGNMENT, report.file_bytes
+        h.assert_same(state, gdsckpt.load(path))
+        assert gdsckpt.verify(path).chunks == 1
+
+
+def test_states_with_larger_arrays_keep_their_packing_by_width(tmp_path: Path) -> None:
+    state = {"big": torch.zeros(8192), "w": torch.randn(16), "step": torch.tensor(3)}
+    config = gdsckpt.Config(chunk_bytes=16 << 10, pack_below=16 << 10)
+    report = gdsckpt.save(state, tmp_path / "mixed.gdsckpt", codec="none", config=config)
+    assert report.chunks == 4  # big (two chunks of its own) + a float32 pack + an int64 pack
+
+
+# -- reports that say what they count ---------------------------------------------------------
+
+def test_save_and_verify_reports_name_their_byte_counts_apart(ckpt_path: Path) -> None:
+    saved = gdsckpt.save(_state(), ckpt_path)
+    verified = gdsckpt.verify(ckpt_path)
+    chunks = gdsckpt.inspect(ckpt_path).chunks
+    assert saved.file_bytes == os.path.getsize(ckpt_path) == gdsckpt.inspect(ckpt_path).file_bytes
+    assert verified.chunk_bytes == sum(c.stored_bytes for c in chunks) < saved.file_bytes
+    with pytest.warns(DeprecationWarning, match=r"SaveReport.stored_bytes is deprecated: use file_bytes"):
+        assert saved.stored_bytes == saved.file_bytes
+    with pytest.warns(DeprecationWarning, match=r"VerifyReport.stored_bytes is deprecated: use chunk_bytes"):
+        assert verified.stored_bytes == verified.chunk_bytes
