@@ -24,7 +24,7 @@ exp_avg_sq), two parts:
 go on; every wait has a timeout (``--timeout``).
 
     python3 benchmarks/async_bench.py --width 2560 --depth 8 --dir /root/async-bench --out async-bench.json
-    python3 benchmarks/async_bench.py --training-only --variant preset:@configs/async-training.toml
+    python3 benchmarks/async_bench.py --training-only --variant preset:@async-training
 """
 
 from __future__ import annotations

@@ -308,12 +308,15 @@ def warm_up(directory: Path, device: str) -> None:
 def config_variant(fields: str, base: Any = None) -> Any:
     """``"engine=cpu,async_worker=process"`` -> ``base`` (default ``gdsckpt.Config.from_env()``)
     with those fields, each value written as its ``GDSCKPT_<FIELD>`` environment variable takes it;
-    ``"@path.toml"``: that config file over ``base``."""
+    ``"@path.toml"`` or ``"@preset-name"``: that config file or shipped preset over ``base``."""
     import gdsckpt
 
     base = gdsckpt.Config.from_env() if base is None else base
     if fields.startswith("@"):
-        return gdsckpt.Config.from_toml(fields[1:], base=base)
+        name = fields[1:]
+        if name in gdsckpt.config.preset_names():
+            return gdsckpt.Config.preset(name, base=base)
+        return gdsckpt.Config.from_toml(name, base=base)
     pairs = dict(pair.split("=", 1) for pair in fields.split(",") if pair)
     parsed = gdsckpt.Config.from_env({f"GDSCKPT_{key.upper()}": value for key, value in pairs.items()})
     unknown = [key for key in pairs if not hasattr(parsed, key)]

@@ -44,8 +44,8 @@ with the GPU engine the worker changed nothing (0.92-0.94 of the steps per secon
 checkpoints, against 0.94 for the thread): its kernels and copies still share the GPU with
 training. With ``async_engine="cpu"`` as well it reached 0.973-0.978 (0.959 with a pinned
 snapshot), where the CPU engine in a thread reached 0.919: the worker process is what lets the
-save run off the GPU without taking the training process's time. ``configs/async-training.toml``
-sets both.
+save run off the GPU without taking the training process's time. The ``async-training`` preset
+(``Config.preset``) sets both.
 
 Why one module of about 570 lines: the parent's side (``SaveWorker``: spawning, handing over
 buffers, waiting with bounds) and the child's side (``_serve``) speak one private message protocol
