@@ -107,24 +107,31 @@ FOREIGN_EXTENSIONS = {
 
 def warn_foreign_extension(path: Any) -> None:
     """``ForeignExtensionWarning`` when a save's path (or URL) ends in an extension another format
-    owns (``FOREIGN_EXTENSIONS``); the save goes ahead."""
+    owns (``FOREIGN_EXTENSIONS``); the save goes ahead. Saves made through an integration do not
+    warn: the Lightning plugin writes the ``.ckpt`` paths Lightning names."""
     if not isinstance(path, (str, os.PathLike)):
         return
     suffix = os.path.splitext(os.fspath(path))[1].lower()
-    if suffix in FOREIGN_EXTENSIONS:
-        warnings.warn(f"saving a gdsckpt checkpoint to {os.fspath(path)!r}, whose extension {suffix!r} names "
-                      f"{FOREIGN_EXTENSIONS[suffix]}'s format, which cannot read it: name it '.gdsckpt', or "
-                      f"write that format from a checkpoint with 'gdsckpt convert'", ForeignExtensionWarning,
-                      stacklevel=_caller_level())
+    if suffix not in FOREIGN_EXTENSIONS:
+        return
+    level, modules = _caller_level()
+    if any(module.startswith("gdsckpt.integrations.") for module in modules):
+        return  # an integration writes the names its framework gives (Lightning's are all .ckpt)
+    warnings.warn(f"saving a gdsckpt checkpoint to {os.fspath(path)!r}, whose extension {suffix!r} names "
+                  f"{FOREIGN_EXTENSIONS[suffix]}'s format, which cannot read it: name it '.gdsckpt', or "
+                  f"write that format from a checkpoint with 'gdsckpt convert'", ForeignExtensionWarning,
+                  stacklevel=level)
 
 
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside this package: a warning points at the user's
-    line whichever public call (``save``, ``save_async``) led to it."""
-    frame, level = sys._getframe(1), 1
+def _caller_level() -> tuple[int, list[str]]:
+    """The ``stacklevel`` of the first frame outside this package (a warning points at the user's
+    line whichever public call, ``save`` or ``save_async``, led to it), and the modules of the
+    package's frames on the way there."""
+    frame, level, modules = sys._getframe(2), 2, []
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "gdsckpt":
+        modules.append(frame.f_globals["__name__"])
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    return level
+    return level, modules
 
 
 def check_target(path: Any) -> None:
