@@ -121,7 +121,7 @@ def _worker(rank: int, world: int, root: str, tag: str, jobs: list[tuple[str, st
 
         gdsckpt.Checkpoint.get_rows = counting_get_rows  # type: ignore[method-assign]  # this process only
         for job, where in jobs:
-            path = Path(root) / where
+            path: Any = where if where.startswith("s3://") else Path(root) / where
             outcome = None
             try:
                 if job == "save":

@@ -1,12 +1,18 @@
-"""``CheckpointManager(directory, remote="s3://...")``: saves complete on the local tier and are
-uploaded to a real S3 server (SeaweedFS, ``tests/seaweed.py``) in the background; a new node
-restores from the remote tier; faults (the server killed during an upload, stopped, restarted, a
-missing bucket, wrong credentials, damaged objects, a ``latest`` naming a missing object) lose
-nothing and say what happened. The server here checks credentials, so that wrong ones fail."""
+"""What builds on ``s3://`` checkpoints, against a real S3 server (SeaweedFS, ``tests/seaweed.py``)
+that checks credentials (so that wrong ones fail):
+
+- ``CheckpointManager(directory, remote="s3://...")``: saves complete on the local tier and are
+  uploaded in the background; a new node restores from the remote tier; faults (the server killed
+  during an upload, stopped, restarted, a missing bucket, wrong credentials, damaged objects, a
+  ``latest`` naming a missing object) lose nothing and say what happened;
+- torch.distributed.checkpoint through ``GdsStorageWriter`` / ``GdsStorageReader`` at a URL;
+- ``convert`` (library and command line) from and to URLs."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -275,6 +281,48 @@ def test_remote_pruning_removes_only_this_managers_checkpoints(remote: str, tmp_
         manager.save(step, _state(step))
     manager.wait()
     assert set(_objects(remote)) == {"notes.txt", "other-0000000001.gdsckpt", "latest", manager.path(3).name}
+
+
+def test_dcp_two_ranks_save_through_s3_and_one_rank_loads_resharded(remote: str, tmp_path: Path) -> None:
+    """torch.distributed.checkpoint with ``GdsStorageWriter`` / ``GdsStorageReader`` at an
+    ``s3://`` prefix: two gloo ranks save (a DTensor sharded over both, replicated tensors, plain
+    values), one rank loads it all back bit-exact (``test_dcp._check``)."""
+    from test_dcp import spawn
+
+    url = f"{remote}/dcp"
+    saved = spawn(2, tmp_path, "s3-save", [("save", url)])
+    assert [report[f"save:{url}"] for report in saved] == [None, None]
+    assert set(_objects(url)) == {"__0_0.gdsckpt", "__1_0.gdsckpt", ".metadata", ".metadata.json"}
+    loaded = spawn(1, tmp_path, "s3-load", [("load", url)])
+    assert loaded[0][f"load:{url}"] is None
+
+
+def test_convert_from_and_to_urls(remote: str, tmp_path: Path, h: Any) -> None:
+    """gdsckpt -> gdsckpt between a file and objects (streamed, recompressed), a safetensors file
+    into an object, an object out to a torch file; objects of other formats are refused."""
+    state = {"w": torch.randn(300, 100, generator=torch.Generator().manual_seed(3)), "i": torch.arange(50)}
+    local = tmp_path / "a.gdsckpt"
+    gdsckpt.save(state, local, codec="zstd")
+    up = f"{remote}/a.gdsckpt"
+    report = gdsckpt.convert(local, up, codec="lz4")
+    assert report.codec == "lz4" and report.dst_bytes == gdsckpt.inspect(up).file_bytes > 0
+    h.assert_same(state, gdsckpt.load(up))
+    with pytest.raises(FileExistsError, match="exists"):
+        gdsckpt.convert(local, up)
+    gdsckpt.convert(up, f"{remote}/b.gdsckpt", codec="none")
+    h.assert_same(state, gdsckpt.load(f"{remote}/b.gdsckpt"))
+    gdsckpt.convert(f"{remote}/b.gdsckpt", tmp_path / "b.pt")
+    h.assert_same(state, torch.load(tmp_path / "b.pt", weights_only=True))
+    from safetensors.torch import save_file
+    save_file(state, tmp_path / "c.safetensors")
+    gdsckpt.convert(tmp_path / "c.safetensors", f"{remote}/c.gdsckpt")
+    h.assert_same(dict(sorted(state.items())), gdsckpt.load(f"{remote}/c.gdsckpt"))  # safetensors sorts keys
+    with pytest.raises(ValueError, match="gdsckpt only"):
+        gdsckpt.convert(local, f"{remote}/x.safetensors")
+    done = subprocess.run([sys.executable, "-m", "gdsckpt", "convert", up, f"{remote}/cli.gdsckpt", "--codec",
+                           "zstd"], capture_output=True, text=True, timeout=120, env=h.subprocess_env())
+    assert done.returncode == 0, done.stderr
+    h.assert_same(state, gdsckpt.load(f"{remote}/cli.gdsckpt"))
 
 
 def test_remote_arguments_are_checked(tmp_path: Path) -> None:

@@ -61,12 +61,13 @@ import numpy as np
 from ..api import SaveReport
 from ..api import load as _load_gdsckpt
 from ..api import save as _save_gdsckpt
-from ..api.resolve import resolve_config
+from ..api.resolve import open_reader, resolve_config
 from ..api.saving import refuse_replacing_base, rewrite
 from ..codecs import known_codec_names
 from ..config import Config
 from ..errors import CheckpointError, ConvertError, UnsafePickleError
 from ..io.posix import publish, remove_stale_temporaries, temporary_path
+from ..io.s3 import is_url
 from ..state import numpy_dtype_name, torch_dtype
 from .safetensors_structure import STRUCTURE_KEY, flatten_for_safetensors, rebuild_state
 
@@ -156,11 +157,13 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
     format; ``dst`` is then left as it was.
     """
     started = time.perf_counter()
-    src_path, dst_path = Path(src), Path(dst)
-    src_kind = detect_format(src_path, src_format)
-    dst_kind = detect_format(dst_path, dst_format)
+    src_kind = detect_format(src, src_format)
+    dst_kind = detect_format(dst, dst_format)
     check_codec(codec, dst_kind)
     cfg = resolve_config(config)
+    if is_url(src) or is_url(dst):
+        return _convert_objects(str(src), str(dst), src_kind, dst_kind, codec, cfg, overwrite, progress, started)
+    src_path, dst_path = Path(src), Path(dst)
     _check_paths(src_path, dst_path, overwrite)
     if overwrite and not force:
         refuse_replacing_base(dst_path, cfg)
@@ -195,6 +198,68 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
         seconds=time.perf_counter() - started, codec=save_report.codec if save_report else None,
         cloned=cloned, save_report=save_report,
     )
+
+
+def _convert_objects(src: str, dst: str, src_kind: str, dst_kind: str, codec: str, config: Config,
+                     overwrite: bool, progress: Progress | None, started: float) -> ConvertReport:
+    """``convert`` where ``src`` or ``dst`` is an ``s3://`` URL: a gdsckpt source streams from its
+    object (``api.saving.rewrite`` for a gdsckpt destination, else a load); a gdsckpt destination
+    object is written by the save itself (it appears whole, so no temporary is needed). Objects
+    of the other formats are refused: their readers and writers take local files."""
+    for location, kind in ((src, src_kind), (dst, dst_kind)):
+        if is_url(location) and kind != "gdsckpt":
+            raise ValueError(f"{location!r}: s3:// URLs are converted from and to gdsckpt only; copy the "
+                             f"{kind} file to local storage first")
+    if is_url(dst):
+        if not overwrite and _stored_size(dst, config) is not None:
+            raise FileExistsError(f"destination {dst!r} exists; pass overwrite=True (--overwrite) to replace it")
+    elif os.path.lexists(dst) and not overwrite:
+        raise FileExistsError(f"destination {dst!r} exists; pass overwrite=True (--overwrite) to replace it")
+    if src_kind == dst_kind == "gdsckpt" and is_url(dst):
+        try:
+            report = rewrite(src, dst, codec=codec, config=config, progress=progress)
+        except (TypeError, ValueError) as err:
+            raise ConvertError(f"{src!r} cannot be written as gdsckpt: {err}") from err
+        except CheckpointError as err:
+            raise ConvertError(f"cannot read {src!r} as gdsckpt: {err}") from err
+        tensors, logical = report.tensors, report.logical_bytes
+    else:
+        phases = _Phases(progress)
+        state, _metadata = _READERS[src_kind](src, config, phases.reading)  # type: ignore[arg-type]
+        if dst_kind != "gdsckpt":
+            state = _torch_state(state)
+        tensors, logical = _tensor_stats(state)
+        phases.writing(0, logical)
+        if is_url(dst):
+            report = _write_gdsckpt(state, dst, codec, config, src, phases.writing)  # type: ignore[arg-type]
+        else:
+            with _temporary_beside(Path(dst)) as temp:
+                report = None
+                if dst_kind == "gdsckpt":
+                    report = _write_gdsckpt(state, temp, codec, config, src, phases.writing)  # type: ignore[arg-type]
+                elif dst_kind == "pt":
+                    _write_pt(state, temp, config)
+                else:
+                    _write_safetensors(state, temp, {}, config, src)  # type: ignore[arg-type]
+                _publish(temp, Path(dst), overwrite=overwrite, fsync=config.fsync)
+        phases.writing(logical, logical)
+    return ConvertReport(
+        src=src, dst=dst, src_format=src_kind, dst_format=dst_kind, tensors=tensors, logical_bytes=logical,
+        src_bytes=_stored_size(src, config) or 0, dst_bytes=_stored_size(dst, config) or 0,
+        seconds=time.perf_counter() - started, codec=report.codec if report else None, cloned=0,
+        save_report=report,
+    )
+
+
+def _stored_size(location: str, config: Config) -> int | None:
+    """The size of the file or object at ``location``, None if there is none."""
+    if not is_url(location):
+        return os.stat(location).st_size if os.path.isfile(location) else None
+    try:
+        with open_reader(location, config) as reader:
+            return reader.size
+    except FileNotFoundError:
+        return None
 
 
 @contextlib.contextmanager

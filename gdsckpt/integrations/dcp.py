@@ -8,7 +8,10 @@
     dcp.save({"model": model.state_dict()}, storage_writer=GdsStorageWriter("ckpt/step-100"))
     dcp.load(state, storage_reader=GdsStorageReader("ckpt/step-100"))
 
-A checkpoint is a directory. Each rank writes one gdsckpt file, ``__<rank>_0.gdsckpt``, through
+A checkpoint is a directory, or an ``s3://bucket/prefix`` URL (the same files as objects below
+the prefix, ``gdsckpt.io.s3``; each object appears whole, so the atomic renames below become
+single PUTs, and a save that fails leaves no ``.metadata`` either). Each rank writes one gdsckpt
+file, ``__<rank>_0.gdsckpt``, through
 ``gdsckpt.save`` (chunked, compressed, checksummed, atomic): a flat dict of that rank's write
 items, keyed ``"<fqn>@<chunk offsets>"`` (the ``MetadataIndex`` of the item). Tensors are stored
 as tensors; DCP's byte items (non-tensor state, which DCP itself serialises) are stored as raw
@@ -74,6 +77,7 @@ from ..api.resolve import check_portable, resolve_config
 from ..config import Config
 from ..errors import CheckpointError, CorruptCheckpointError, PickleOnlyMetadataWarning
 from ..io.posix import fsync_directory, read_small_file, write_atomically
+from ..io.s3 import is_url
 from ..state import escape_key
 from .dcp_metadata import (
     DCP_VERSION,
@@ -122,14 +126,85 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
-class _DirectoryCheckpoint:
-    """What writer and reader share of DCP's protocol: the checkpoint is the directory ``path``."""
+def _location(path: str | os.PathLike[str]) -> Path | str:
+    """A checkpoint's place: a local directory, or an ``s3://`` URL kept as text."""
+    return str(path).rstrip("/") if is_url(path) else Path(path)
 
-    path: Path
+
+class _Files:
+    """The few file operations DCP's writer and reader need, on a local directory or on the
+    objects below an ``s3://`` prefix (``ObjectDirectory``): a file's location for
+    ``gdsckpt.save`` / ``gdsckpt.open``, and small files written whole, read, sized, removed."""
+
+    def __init__(self, location: Path | str, config: Config | None):
+        self.location = location
+        self._objects: Any = None
+        if isinstance(location, str):
+            from ..io.s3 import ObjectDirectory
+
+            self._objects = ObjectDirectory(location, endpoint=resolve_config(config).s3_endpoint)
+
+    def of(self, name: str) -> Path | str:
+        """Where file ``name`` is: a path, or an object's URL."""
+        return self._objects.url_of(name) if self._objects is not None else Path(self.location) / name
+
+    def make(self) -> None:
+        """Create the directory (objects need none)."""
+        if self._objects is None:
+            Path(self.location).mkdir(parents=True, exist_ok=True)
+
+    def size(self, name: str) -> int | None:
+        """The size of file ``name``, None if there is none."""
+        if self._objects is None:
+            path = Path(self.location) / name
+            return path.stat().st_size if path.is_file() else None
+        return self._objects.names().get(name)
+
+    def read(self, name: str, limit: int) -> bytes:
+        """The whole of file ``name`` (at most ``limit`` bytes, ``CorruptCheckpointError`` if
+        larger); ``FileNotFoundError`` if there is none."""
+        if self._objects is None:
+            return read_small_file(Path(self.location) / name, limit)
+        return self._objects.read_small(name, limit)
+
+    def sha256(self, name: str, size: int) -> str:
+        """The SHA-256 of file ``name`` (``size`` bytes): a file is read in blocks, an object whole."""
+        if self._objects is not None:
+            return hashlib.sha256(self._objects.read_small(name, max(size, 1))).hexdigest()
+        digest = hashlib.sha256()
+        with (Path(self.location) / name).open("rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+        return digest.hexdigest()
+
+    def write(self, name: str, data: bytes, fsync: bool) -> None:
+        """Replace file ``name`` with ``data`` whole: readers see the old or the new."""
+        if self._objects is None:
+            write_atomically(Path(self.location) / name, data, fsync=fsync)
+        else:
+            self._objects.write_small(name, data)
+
+    def remove(self, name: str, fsync: bool) -> None:
+        """Remove file ``name`` if it is there."""
+        if self._objects is not None:
+            self._objects.remove(name)
+            return
+        path = Path(self.location) / name
+        if path.exists():
+            path.unlink()
+            if fsync:
+                _fsync_dir(Path(self.location))
+
+
+class _DirectoryCheckpoint:
+    """What writer and reader share of DCP's protocol: the checkpoint is the directory (or
+    ``s3://`` prefix) ``path``."""
+
+    path: Path | str
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        if isinstance(checkpoint_id, Path):
+        if isinstance(checkpoint_id, Path) or is_url(checkpoint_id):
             return True
         if "://" in str(checkpoint_id):
             return False
@@ -153,7 +228,7 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
     def __init__(self, path: str | os.PathLike[str], *, codec: str = "auto", config: Config | None = None,
                  **options: Any) -> None:
         super().__init__()
-        self.path = Path(path)
+        self.path = _location(path)
         self.codec = codec
         self.config = resolve_config(config, **options)
         check_portable(self.config, codec)  # here, not in every rank's write
@@ -166,8 +241,12 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = _location(checkpoint_id)
         self.save_id = str(uuid.uuid4())
+
+    @property
+    def _files(self) -> _Files:
+        return _Files(self.path, self.config)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
@@ -178,7 +257,7 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self.path.mkdir(parents=True, exist_ok=True)
+        self._files.make()
         if not self.use_collectives and self.rank is not None:
             self._remove_metadata(self._metadata_path(self.rank))
             plan = dataclasses.replace(plan, storage_data=_FilePrefix(f"__{self.rank}_"))
@@ -216,7 +295,7 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
             state[name] = value  # escaped once, by gdsckpt.save: the stored key is ``key``
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=GdsStorageInfo(file_name, key, length)))
-        api.save(state, self.path / file_name, codec=self.codec, config=self.config)
+        api.save(state, self._files.of(file_name), codec=self.codec, config=self.config)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -231,41 +310,35 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         rank = None if self.use_collectives else self.rank
         final = self._metadata_path(rank)
         pickled = pickle.dumps(metadata)  # DCP's own serialisation of Metadata (as FileSystemWriter)
-        json_path = final.with_name(final.name + JSON_SUFFIX)
+        json_name = final + JSON_SUFFIX
+        files = self._files
         try:
             encoded: bytes | None = encode_metadata_json(metadata, pickled)
         except UnexpressibleMetadata as err:
             encoded = None
-            warnings.warn(f"DCP metadata of {str(self.path)!r} is written as the pickle {final.name} only: "
+            warnings.warn(f"DCP metadata of {str(self.path)!r} is written as the pickle {final} only: "
                           f"{err} has no JSON form; GdsStorageReader loads it only with trust_pickle=True",
                           PickleOnlyMetadataWarning, stacklevel=2)
         # The JSON goes first and .metadata last: .metadata marks the checkpoint complete, and the
         # JSON names the .metadata it was written with (length and SHA-256).
         if encoded is None:
-            self._remove_file(json_path)
+            files.remove(json_name, self.config.fsync)
         else:
-            self._write_file(json_path, encoded)
-        self._write_file(final, pickled)
+            files.write(json_name, encoded, self.config.fsync)
+        files.write(final, pickled, self.config.fsync)
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _metadata_path(self, rank: int | None = None) -> Path:
-        return self.path / (METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}")
+    @staticmethod
+    def _metadata_path(rank: int | None = None) -> str:
+        """The name of the (rank's) ``.metadata`` file."""
+        return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
 
-    def _remove_metadata(self, path: Path) -> None:
+    def _remove_metadata(self, name: str) -> None:
         # .metadata first: without it the directory is no checkpoint, whatever JSON remains
-        self._remove_file(path)
-        self._remove_file(path.with_name(path.name + JSON_SUFFIX))
-
-    def _remove_file(self, path: Path) -> None:
-        if path.exists():
-            path.unlink()
-            if self.config.fsync:
-                _fsync_dir(self.path)
-
-    def _write_file(self, final: Path, data: bytes) -> None:
-        """Replace ``final`` with ``data`` atomically: temporary file, fsync, rename, directory fsync."""
-        write_atomically(final, data, fsync=self.config.fsync)
+        files = self._files
+        files.remove(name, self.config.fsync)
+        files.remove(name + JSON_SUFFIX, self.config.fsync)
 
 
 class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
@@ -282,7 +355,7 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
     def __init__(self, path: str | os.PathLike[str], *, config: Config | None = None,
                  trust_pickle: bool = False) -> None:
         super().__init__()
-        self.path = Path(path)
+        self.path = _location(path)
         self.config = config
         self.trust_pickle = trust_pickle
         self.storage_data: dict[MetadataIndex, Any] = {}
@@ -293,7 +366,7 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = _location(checkpoint_id)
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -311,53 +384,48 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
 
     def _read_metadata(self, rank: int | None) -> Metadata:
         name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
-        pickle_path = self.path / name
-        if not pickle_path.is_file():
+        files = _Files(self.path, self.config)
+        size = files.size(name)
+        if size is None:
             raise CheckpointError(f"{str(self.path)!r} is not a DCP checkpoint: no {name} (a save "
                                   f"that did not finish leaves none)")
-        metadata = self._read_json_metadata(pickle_path.with_name(name + JSON_SUFFIX), pickle_path)
+        metadata = self._read_json_metadata(files, name, size)
         if metadata is None:
-            with pickle_path.open("rb") as f:
-                metadata = pickle.load(f)  # trusted by the caller: DCP's pickled Metadata
+            # trusted by the caller: DCP's pickled Metadata
+            metadata = pickle.loads(files.read(name, max(size, 1)))
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
 
-    def _read_json_metadata(self, json_path: Path, pickle_path: Path) -> Metadata | None:
-        """The metadata from ``json_path`` if it describes ``pickle_path``; None where the caller
-        trusts the pickle and no JSON describes it; else a ``CheckpointError`` saying why."""
+    def _read_json_metadata(self, files: _Files, pickle_name: str, pickle_size: int) -> Metadata | None:
+        """The metadata from ``<pickle_name>.json`` if it describes the pickle (``pickle_size``
+        bytes); None where the caller trusts the pickle and no JSON describes it; else a
+        ``CheckpointError`` saying why."""
         trust = "pass GdsStorageReader(..., trust_pickle=True) if you trust the directory"
+        json_name = pickle_name + JSON_SUFFIX
         try:
-            json_data = read_small_file(json_path, MAX_METADATA_JSON_BYTES)
+            json_data = files.read(json_name, MAX_METADATA_JSON_BYTES)
         except FileNotFoundError:
             if self.trust_pickle:
                 return None
             raise CheckpointError(
-                f"{str(self.path)!r} has only the pickled {pickle_path.name} (written by torch's "
+                f"{str(self.path)!r} has only the pickled {pickle_name} (written by torch's "
                 f"FileSystemWriter, by an earlier gdsckpt, or with a PickleOnlyMetadataWarning), and "
                 f"unpickling runs any code the file names: {trust}") from None
-        metadata, binding = decode_metadata_json(json_data, f"{str(json_path)!r}")
-        if not self._pickle_matches(pickle_path, binding):
+        metadata, binding = decode_metadata_json(json_data, f"{str(files.of(json_name))!r}")
+        # The length is compared first, so a large foreign file is not read; then the SHA-256 of
+        # the pickle's bytes (read, never unpickled).
+        matches = (pickle_size == binding["bytes"]
+                   and files.sha256(pickle_name, pickle_size) == binding["sha256"])
+        if not matches:
             if self.trust_pickle:
                 return None
             raise CorruptCheckpointError(
-                f"{json_path.name} does not describe {pickle_path.name} (their recorded length or "
-                f"SHA-256 differ: another writer replaced {pickle_path.name}); to read "
-                f"{pickle_path.name}, {trust}")
+                f"{json_name} does not describe {pickle_name} (their recorded length or "
+                f"SHA-256 differ: another writer replaced {pickle_name}); to read "
+                f"{pickle_name}, {trust}")
         return metadata
-
-    @staticmethod
-    def _pickle_matches(pickle_path: Path, binding: dict[str, Any]) -> bool:
-        """Whether ``pickle_path`` has the length and SHA-256 the JSON recorded (read, never
-        unpickled; the length is compared first, so a large foreign file is not read)."""
-        if pickle_path.stat().st_size != binding["bytes"]:
-            return False
-        digest = hashlib.sha256()
-        with pickle_path.open("rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
-        return digest.hexdigest() == binding["sha256"]
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -382,7 +450,7 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
             if Path(relative_path).name != relative_path:
                 raise CorruptCheckpointError(f"DCP metadata names a file outside the checkpoint: "
                                              f"{relative_path!r}")
-            with api.open(self.path / relative_path, config=self.config) as ckpt:
+            with api.open(_Files(self.path, self.config).of(relative_path), config=self.config) as ckpt:
                 # Several read items may take pieces of one stored item: each key is read once.
                 # Keys are read in batches (one parallel restore each, on the device their
                 # destination lives on) of at most READ_BATCH_BYTES, which bounds the memory
