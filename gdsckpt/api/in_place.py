@@ -98,8 +98,10 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
                         and _in_scope(key, scope)):
                     problems.append(f"{key!r}: in checkpoint, missing from target")
             slot_nodes = {node for _container, _slot, node in plain_slots}
+            # by identity, not key string: paths.key shortens long keys for messages
+            scope_tops = None if scope is None else {paths.child(KeyPaths.ROOT, key) for key in _top_keys(target)}
             for node in plain_values:  # optimizer state is left out of plain_values
-                if node not in slot_nodes and _in_scope(paths.key(node), scope):
+                if node not in slot_nodes and (scope_tops is None or paths.top(node) in scope_tops):
                     problems.append(f"{paths.key(node)!r}: in checkpoint, missing from target")
         optimizer_ids = [i for i, record in enumerate(index.tensors)
                          if any(_under(record.key, p) for p in optimizer_prefixes)]
@@ -258,6 +260,11 @@ def _asked_for(target: Any) -> list[str] | None:
     if isinstance(target, (list, tuple)):
         return [join_key([i]) for i in range(len(target))]
     return None
+
+
+def _top_keys(target: Any) -> list[Any]:
+    """The top-level keys of a dict, list or tuple ``target`` (``_asked_for``'s, unjoined)."""
+    return list(target) if isinstance(target, dict) else list(range(len(target)))
 
 
 def _in_scope(key: str, scope: list[str] | None) -> bool:

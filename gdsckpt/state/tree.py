@@ -446,6 +446,7 @@ class KeyPaths:
         self._links: list[tuple[int, str]] = [(-1, "")]
         self._ids: dict[tuple[int, str], int] = {}
         self._summaries: dict[int, tuple[str, str, int]] = {}
+        self._tops: dict[int, int] = {}
 
     def child(self, parent: int, component: Any) -> int:
         """The identity of ``component`` below the path ``parent``."""
@@ -462,6 +463,23 @@ class KeyPaths:
         for component in path:
             node = self.child(node, component)
         return node
+
+    def top(self, node: int) -> int:
+        """The identity of the first component of ``node``'s path (``ROOT`` for the root).
+        Kept for every node it passes, so asking it for every node of a tree costs linear time
+        whatever the depth."""
+        chain = []
+        while node != self.ROOT and node not in self._tops:
+            parent = self._links[node][0]
+            if parent == self.ROOT:
+                self._tops[node] = node
+                break
+            chain.append(node)
+            node = parent
+        top = self._tops.get(node, self.ROOT)
+        for passed in chain:
+            self._tops[passed] = top
+        return top
 
     def key(self, node: int) -> str:
         """The key string of ``node`` (as ``join_key``) for a message: beyond ``SHOWN``

@@ -53,7 +53,7 @@ def rewrite_index(source: Path, target: Path, edit: Callable[[dict[str, Any]], N
 
 
 def small_state() -> dict[str, Any]:
-    """Arrays of each kind the aliases below point at; "h" (bfloat16[3]) gets a 6-byte chunk."""
+    """Arrays of each kind the aliases below point at (all in one chunk: the state fits a page)."""
     return {"i": torch.arange(6), "n": np.arange(6, dtype=np.int64),
             "f": torch.nn.Parameter(torch.ones(6)), "h": torch.zeros(3, dtype=torch.bfloat16), "step": 1}
 
@@ -163,10 +163,13 @@ def test_malformed_chain_is_refused_at_open(case: str, small_file: Path, tmp_pat
             operation(hostile, config=CONFIG)
 
 
-def test_chain_of_the_maximum_length_still_opens(small_file: Path, tmp_path: Path) -> None:
-    """8 stages are allowed: unknown transform names fail only the chunk that uses them (§9.4)."""
-    path = tmp_path / "eight.gdsckpt"
-    rewrite_index(small_file, path, _chain_of_chunk("i", UNKNOWN_TRANSFORMS[:MAX_CHAIN_STAGES - 1] + [ZSTD]))
+def test_chain_of_the_maximum_length_still_opens(tmp_path: Path) -> None:
+    """8 stages are allowed: unknown transform names fail only the chunk that uses them (§9.4).
+    Every array in a chunk of its own here (``pack_below=0``): a state this small is otherwise
+    packed into one chunk."""
+    path, source = tmp_path / "eight.gdsckpt", tmp_path / "apart.gdsckpt"
+    gdsckpt.save(small_state(), source, config=CONFIG.replace(pack_below=0))
+    rewrite_index(source, path, _chain_of_chunk("i", UNKNOWN_TRANSFORMS[:MAX_CHAIN_STAGES - 1] + [ZSTD]))
     with gdsckpt.open(path, config=CONFIG) as ckpt:
         assert ckpt.get("h").view(torch.uint16).tolist() == [0, 0, 0]
         with pytest.raises(UnsupportedFormatError, match="future-transform"):
