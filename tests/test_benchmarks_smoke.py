@@ -57,15 +57,16 @@ def positive(value: object) -> bool:
 
 def test_save_load_bench_cpu(tmp_path: Path) -> None:
     report = run(tmp_path, "save_load_bench.py", "--device", "cpu", *TINY, "--steps", "1",
-                 "--variant", "none=none", "--variant", "auto=auto", "--baselines", "safetensors,dcp")
+                 "--variant", "none=none", "--variant", "zstd=zstd", "--baselines", "safetensors,dcp")
     measured(report)
     results = report["results"]
-    assert {"raw", "gdsckpt/none", "gdsckpt/auto", "torch", "safetensors", "dcp"} <= set(results)
+    assert {"raw", "gdsckpt/none", "gdsckpt/zstd", "torch", "safetensors", "dcp"} <= set(results)
     for name, row in results.items():
         assert positive(row["ratio"]) and positive(row["save_gbps"]) and positive(row["load_gbps"]), name
-    assert results["gdsckpt/auto"]["ratio"] > results["gdsckpt/none"]["ratio"]
+    # a named codec, not auto: auto may store chunks as they are on a busy machine (adaptive)
+    assert results["gdsckpt/zstd"]["ratio"] > results["gdsckpt/none"]["ratio"]
     assert set(results["gdsckpt/none"]["group_ratios"]) >= {"model", "master", "optimizer/exp_avg"}  # the first variant
-    assert positive(report["limits"]["gdsckpt/auto"]["save_limit_gbps"])
+    assert positive(report["limits"]["gdsckpt/zstd"]["save_limit_gbps"])
 
 
 def test_save_load_bench_cuda_skips_cleanly_without_cuda(tmp_path: Path) -> None:
