@@ -325,6 +325,28 @@ def test_convert_from_and_to_urls(remote: str, tmp_path: Path, h: Any) -> None:
     h.assert_same(state, gdsckpt.load(f"{remote}/cli.gdsckpt"))
 
 
+def test_a_manager_of_objects_only(remote: str, h: Any) -> None:
+    """``CheckpointManager("s3://...")``: saves (and async saves) go straight into objects,
+    ``latest`` and pruning work there, a new manager restores; deltas and remote= are refused."""
+    states = _trained(4)
+    manager = gdsckpt.CheckpointManager(remote, keep_last=2)
+    manager.save(1, states[1])
+    manager.save_async(2, states[2]).wait(timeout=120)
+    manager.save(3, states[3])
+    manager.wait()
+    assert manager.path(3) == f"{remote}/{manager._name(3)}"
+    assert set(_objects(remote)) == {manager._name(2), manager._name(3), "latest"}
+    assert _object_bytes(f"{remote}/latest") == (manager._name(3) + "\n").encode()
+    assert manager.steps() == [2, 3] and manager.latest_step() == 3
+    restored = gdsckpt.CheckpointManager(remote).restore_latest()
+    assert restored is not None and restored[0] == 3
+    h.assert_same(states[3], restored[1])
+    with pytest.raises(ValueError, match="local directory"):
+        gdsckpt.CheckpointManager(remote, delta_every=1)
+    with pytest.raises(ValueError, match="remote="):
+        gdsckpt.CheckpointManager(remote, remote=remote)
+
+
 def test_remote_arguments_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="s3://"):
         gdsckpt.CheckpointManager(tmp_path, remote="/mnt/backup")

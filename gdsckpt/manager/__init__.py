@@ -59,6 +59,11 @@ names the newest one uploaded. Guarantees on that tier:
 remote tier (a replacement node after a failure): the one its ``latest`` names, then the others by
 step, descending, read straight from the objects (ranged GETs, nothing copied to local disk).
 
+``CheckpointManager("s3://bucket/prefix")`` keeps its checkpoints on object storage only: each save
+goes straight into its object (``gdsckpt.io.s3.S3Writer``, which appears whole), then ``latest``
+moves and pruning runs as on the remote tier above (``keep_last`` applies there). Deltas need a
+local directory (a delta's save reads its base), so ``delta_every`` is refused there.
+
 Contract of ``restore_latest``
 -------------------------------
 What is saved: ``save``/``save_async`` take a dict, by convention ``{"model":
@@ -159,7 +164,8 @@ def _is_damage(err: BaseException) -> bool:
 
 
 class CheckpointManager:
-    """Numbered checkpoints of one training run in ``directory`` (created if missing).
+    """Numbered checkpoints of one training run in ``directory`` (created if missing; an
+    ``s3://bucket/prefix`` URL keeps them as objects there, module docstring).
 
     ``keep_last``: how many of the newest checkpoints to keep (None: all). ``prefix``: the file
     name prefix. ``config``: the ``Config`` of every save and load. ``max_inflight``: background
@@ -191,8 +197,20 @@ class CheckpointManager:
         if not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or prefix == POINTER:
             raise ValueError(f"prefix {prefix!r} must be a plain file name part (no '/', not starting "
                              f"with '.', not {POINTER!r})")
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.objects_only = isinstance(directory, str) and directory.startswith("s3://")
+        """``directory`` is an ``s3://`` prefix: the checkpoints are objects there, no local tier."""
+        if self.objects_only:
+            if remote is not None:
+                raise ValueError("directory is an s3:// URL already: remote= is the object tier behind a "
+                                 "local directory")
+            if delta_every is not None:
+                raise ValueError("delta checkpoints need a local directory (a delta's save reads its base): "
+                                 "use a local directory with remote='s3://...' to keep them on object storage")
+            remote, keep_last_remote = str(directory), keep_last
+            self.directory: Any = str(directory).rstrip("/")
+        else:
+            self.directory = Path(directory)
+            self.directory.mkdir(parents=True, exist_ok=True)
         self.keep_last = keep_last
         self.prefix = prefix
         self.config = config
@@ -220,7 +238,8 @@ class CheckpointManager:
         self._remote_bases: dict[tuple[str, int], int | None] = {}
         """(object name, size) -> the step of the base it needs (None: a full checkpoint)."""
         self._uploader = Uploader(self._upload_round, name="gdsckpt-manager-upload")
-        self._remove_stale_temporaries()
+        if not self.objects_only:
+            self._remove_stale_temporaries()
 
     def _open_remote(self, remote: str | None) -> Any:
         """The remote tier's ``ObjectDirectory``, or None without ``remote``."""
@@ -237,15 +256,25 @@ class CheckpointManager:
     # -----------------------------------------------------------------------------------------
     # names
 
-    def path(self, step: int) -> Path:
-        """The file of checkpoint ``step``."""
-        return self.directory / f"{self.prefix}-{_check_step(step):010d}.gdsckpt"
+    def path(self, step: int) -> Any:
+        """The file of checkpoint ``step`` (a ``Path``; the object's URL where ``directory`` is an
+        ``s3://`` prefix)."""
+        if self.objects_only:
+            return self.remote.url_of(self._name(step))
+        return self.directory / self._name(step)
+
+    def _name(self, step: int) -> str:
+        """The file (or object) name of checkpoint ``step``."""
+        return f"{self.prefix}-{_check_step(step):010d}.gdsckpt"
 
     def _files(self) -> dict[int, Path]:
         """Step -> path of every regular file (or symlink to one) named like a checkpoint of this
         prefix. Anything else so named (a FIFO, a directory, a device) is no checkpoint and is left
-        alone: opening a FIFO would block, and pruning must not remove what no save wrote."""
+        alone: opening a FIFO would block, and pruning must not remove what no save wrote. Empty
+        for a manager of objects only (no local tier)."""
         found: dict[int, Path] = {}
+        if self.objects_only:
+            return found
         try:
             with os.scandir(self.directory) as entries:
                 for entry in entries:
@@ -419,7 +448,7 @@ class CheckpointManager:
         with self._lock:
             newest, pointed = self._remote_newest, self._remote_pointer
         if newest is not None and newest != pointed:
-            self.remote.write_small(POINTER, (self.path(newest).name + "\n").encode("utf-8"))
+            self.remote.write_small(POINTER, (self._name(newest) + "\n").encode("utf-8"))
             with self._lock:
                 self._remote_pointer = newest
         self._prune_remote()
@@ -477,13 +506,13 @@ class CheckpointManager:
             return None
         return int(match.group(1))
 
-    def _remote_candidates(self) -> list[tuple[int, str, str]]:
+    def _remote_candidates(self, warn: bool = True) -> list[tuple[int, str, str]]:
         """(step, URL, source) of the remote tier in the order restore tries them: the one its
         ``latest`` names, then every other by step, descending."""
         order: list[tuple[int, str, str]] = []
-        pointed = self._remote_pointer_step(warn=True)
+        pointed = self._remote_pointer_step(warn=warn)
         if pointed is not None:
-            order.append((pointed, self.remote.url_of(self.path(pointed).name), "named by the remote latest"))
+            order.append((pointed, self.remote.url_of(self._name(pointed)), "named by the remote latest"))
         order.extend((step, self.remote.url_of(name), "remote")
                      for step, (name, _size) in sorted(self._remote_objects().items(), reverse=True)
                      if step != pointed)
@@ -522,9 +551,12 @@ class CheckpointManager:
     def _completed(self, step: int) -> None:
         """Checkpoint ``step`` is complete: point ``latest`` at it (unless a higher step of this
         manager already is), then prune."""
+        if self.objects_only:
+            self._completed_object(step)
+            return
         with self._lock:
             if self._pointer_step is None or step >= self._pointer_step:
-                self._write_pointer(self.path(step).name)
+                self._write_pointer(self._name(step))
                 self._pointer_step = step
             if self.remote is not None:
                 self._unsent.add(step)
@@ -539,6 +571,19 @@ class CheckpointManager:
                               f"was skipped: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
         if self.remote is not None:
             self._uploader.request()
+
+    def _completed_object(self, step: int) -> None:
+        """``_completed`` of a manager of objects only: the object is complete (an upload appears
+        whole); move the ``latest`` object (only ever to a higher step of this manager), prune."""
+        with self._lock:
+            if self._remote_pointer is None or step >= self._remote_pointer:
+                self.remote.write_small(POINTER, (self._name(step) + "\n").encode("utf-8"))
+                self._remote_pointer = self._remote_newest = step
+        try:
+            self._prune_remote()
+        except Exception as err:  # noqa: BLE001 - as in _completed: the save is complete and published
+            warnings.warn(f"checkpoint step {step} is saved, but pruning {self.directory!r} was skipped: "
+                          f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
 
     def _write_pointer(self, name: str) -> None:
         fsync = self.config.fsync if self.config is not None else Config.from_env().fsync
@@ -589,12 +634,16 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Steps of the readable checkpoints (header, trailer and index check out), ascending."""
+        if self.objects_only:
+            return [step for step, url, _source in sorted(self._remote_candidates(warn=False))
+                    if _problem(url, config=self.config) is None]
         files = self._files()
         return [step for step in sorted(files) if _problem(files[step], config=self.config) is None]
 
     def latest_step(self) -> int | None:
         """The step ``restore_latest`` would pick first (without warnings or a full verify)."""
-        for step, path, _source in self._candidates(warn=False):
+        candidates = self._remote_candidates(warn=False) if self.objects_only else self._candidates(warn=False)
+        for step, path, _source in candidates:
             if _problem(path, config=self.config) is None:
                 return step
         return None
@@ -630,6 +679,8 @@ class CheckpointManager:
         """
         files = self._files()
         order: list[tuple[int, Path, str]] = []
+        if self.objects_only:
+            return order
         pointer = self._pointer(warn)
         if pointer is not None:
             pointed, pointer_mtime = pointer
