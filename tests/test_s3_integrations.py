@@ -325,6 +325,31 @@ def test_convert_from_and_to_urls(remote: str, tmp_path: Path, h: Any) -> None:
     h.assert_same(state, gdsckpt.load(f"{remote}/cli.gdsckpt"))
 
 
+def test_rebase_and_replacing_a_base_object(remote: str, tmp_path: Path, h: Any) -> None:
+    """A delta object finds its base beside it; replacing that base (save, convert, in-place
+    rebase) is refused while the delta needs it; ``rebase`` makes the delta a full object."""
+    states = _trained(3)
+    full, delta = f"{remote}/full.gdsckpt", f"{remote}/delta.gdsckpt"
+    gdsckpt.save(states[1], full)
+    # the delta is written locally against a byte-identical copy of the base object, then uploaded
+    (tmp_path / "full.gdsckpt").write_bytes(_object_bytes(full))
+    gdsckpt.save(states[2], tmp_path / "delta.gdsckpt", base=tmp_path / "full.gdsckpt")
+    ObjectDirectory(remote).upload(tmp_path / "delta.gdsckpt", "delta.gdsckpt")
+    assert gdsckpt.inspect(delta).base is not None
+    h.assert_same(states[2], gdsckpt.load(delta))
+    with pytest.raises(gdsckpt.DeltaBaseError, match="delta.gdsckpt"):
+        gdsckpt.save(states[0], full)
+    with pytest.raises(gdsckpt.DeltaBaseError, match="delta.gdsckpt"):
+        gdsckpt.convert(delta, full, overwrite=True)
+    with pytest.raises(gdsckpt.DeltaBaseError, match="delta.gdsckpt"):
+        gdsckpt.rebase(full)
+    report = gdsckpt.rebase(delta)
+    assert report.path == delta and gdsckpt.inspect(delta).base is None
+    h.assert_same(states[2], gdsckpt.load(delta))
+    gdsckpt.save(states[0], full)  # no delta needs it now
+    h.assert_same(states[2], gdsckpt.load(delta))
+
+
 def test_a_manager_of_objects_only(remote: str, h: Any) -> None:
     """``CheckpointManager("s3://...")``: saves (and async saves) go straight into objects,
     ``latest`` and pruning work there, a new manager restores; deltas and remote= are refused."""

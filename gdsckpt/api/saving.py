@@ -32,7 +32,7 @@ from ..state import (
     FlatState,
     flatten,
 )
-from ..state.delta import DEFAULT_MAX_CHAIN, BaseBytes, XorSource, base_link, base_path_of
+from ..state.delta import DEFAULT_MAX_CHAIN, BaseBytes, XorSource, base_link, base_location_of, base_path_of
 from ..state.lossy import LossyPolicy, apply_policy
 from ..version import __version__
 from . import checkpoint as checkpoint_module
@@ -248,6 +248,10 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
     """
     cfg = resolve_config(config)
     output = path if output is None else output
+    if is_url(path) or is_url(output):
+        if not force:
+            refuse_replacing_base(output, cfg)  # in place or not: an object another delta needs
+        return rewrite(path, output, codec=codec, config=cfg)
     in_place = Path(output).exists() and os.path.samefile(path, output)
     if in_place and not force:
         dependents = _dependents(Path(path), cfg)
@@ -286,10 +290,14 @@ def rewrite(path: PathLike, output: PathLike, *, codec: str = "auto", config: Co
 def refuse_replacing_base(path: PathLike | StorageWriter, config: Config | None) -> None:
     """Raise ``DeltaBaseError`` when ``path`` exists and delta checkpoints in its directory
     depend on it as it is (``_dependents``): replacing it would make them unloadable. Costs
-    nothing when ``path`` does not exist; else it reads the index of each file beside it."""
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+    nothing when ``path`` does not exist; else it reads the index of each file beside it (of
+    each object in its prefix, for an ``s3://`` URL)."""
+    if is_url(path):
+        dependents: list[Any] = _object_dependents(str(path), resolve_config(config))
+    elif not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
         return
-    dependents = _dependents(Path(path), resolve_config(config))
+    else:
+        dependents = _dependents(Path(path), resolve_config(config))
     if dependents:
         raise DeltaBaseError(
             f"{str(path)!r} is the base of {', '.join(repr(str(d)) for d in dependents)}: replacing it "
@@ -328,7 +336,40 @@ def _dependents(path: Path, config: Config) -> list[Path]:
     return found
 
 
-def _index_mentions(path: Path, text: bytes, config: Config) -> bool:
+def _object_dependents(url: str, config: Config) -> list[str]:
+    """``_dependents`` of an object: the delta objects in its prefix whose base is ``url`` as it
+    is now (one listing, then the index of each other checkpoint object there); empty, after
+    one listing, when there is no object at ``url``."""
+    from ..io.s3 import ObjectDirectory
+
+    prefix, _slash, name = url.rpartition("/")
+    directory = ObjectDirectory(prefix, endpoint=config.s3_endpoint)
+    names = directory.names()
+    if name not in names:
+        return []
+    try:
+        with open_reader(url, config) as reader:
+            identity = content_identity(reader)
+    except (CheckpointError, OSError):
+        return []
+    found = []
+    for other in sorted(names):
+        if other == name or other.startswith("."):
+            continue
+        other_url = directory.url_of(other)
+        if not _index_mentions(other_url, identity[0].encode(), config):
+            continue
+        try:
+            base = inspect(other_url, config=config).base
+        except (CheckpointError, OSError):
+            continue
+        if (base is not None and (base["index_sha256"], base["file_length"]) == identity
+                and base_location_of(other_url, base) == url):
+            found.append(other_url)
+    return found
+
+
+def _index_mentions(path: Path | str, text: bytes, config: Config) -> bool:
     """Whether ``path`` is a checkpoint whose index bytes contain ``text``: reads its trailer and
     index, parses neither (False for a file that is not a readable checkpoint)."""
     try:

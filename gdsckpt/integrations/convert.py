@@ -162,6 +162,8 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
     check_codec(codec, dst_kind)
     cfg = resolve_config(config)
     if is_url(src) or is_url(dst):
+        if overwrite and not force:
+            refuse_replacing_base(dst, cfg)
         return _convert_objects(str(src), str(dst), src_kind, dst_kind, codec, cfg, overwrite, progress, started)
     src_path, dst_path = Path(src), Path(dst)
     _check_paths(src_path, dst_path, overwrite)
