@@ -68,7 +68,7 @@ class SeaweedServer:
         self.directory = directory
         self.timeout = timeout
         master, volume, filer, s3 = free_ports(4)
-        (directory / "filer").mkdir(exist_ok=True)
+        (directory / "filer").mkdir(parents=True, exist_ok=True)
         self.master = f"127.0.0.1:{master}"
         self.storage_command = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={directory}",
                                 f"-master.port={master}", f"-volume.port={volume}",

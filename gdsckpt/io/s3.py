@@ -41,6 +41,10 @@ PART_BYTES = 16 << 20
 CONCURRENCY = 8
 """The most parts uploaded at once; fewer where ``Config.max_inflight_bytes`` holds fewer parts
 (``upload_concurrency``)."""
+READ_THREADS = 8
+"""The fewest ranged GETs a reader keeps in flight, whatever ``Config.io_threads`` says: a GET
+waits on the network and the server, not on a local core, so a 2-core host still needs several
+at once (``Config.io_threads`` sizes local disk reads by cores)."""
 QUEUED_WRITES = 4
 """Writes waiting for the upload's iterator; a further ``submit_write`` waits for room."""
 _END = object()
@@ -295,7 +299,8 @@ class S3Reader(StorageReader):
 
     name = "s3"
 
-    def __init__(self, url: str, *, threads: int = 8, timeout: float = 600.0, endpoint: str | None = None):
+    def __init__(self, url: str, *, threads: int = READ_THREADS, timeout: float = 600.0,
+                 endpoint: str | None = None):
         import obstore
 
         self._obstore = obstore
