@@ -102,10 +102,12 @@ def _check(state: dict[str, Any], full: dict[str, Any]) -> None:
 
 
 def _worker(rank: int, world: int, root: str, tag: str, jobs: list[tuple[str, str]]) -> None:
+    import faulthandler
     import traceback
 
     from torch.distributed.device_mesh import DeviceMesh
 
+    faulthandler.enable(all_threads=True)  # a rank that aborts shows where (the test's stderr)
     dist.init_process_group("gloo", init_method=f"file://{root}/pg-{tag}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
@@ -147,15 +149,32 @@ def _worker(rank: int, world: int, root: str, tag: str, jobs: list[tuple[str, st
             row_reads.clear()
             dist.barrier()
         (Path(root) / f"report-{tag}-{rank}.json").write_text(json.dumps(report))
+        dist.barrier()  # every rank's report is written before any rank tears down
     finally:
         dist.destroy_process_group()
 
 
 def spawn(world: int, root: Path, tag: str, jobs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Run ``jobs`` on ``world`` gloo ranks; each rank's report of what every job returned.
+
+    A rank killed by a signal after every rank wrote its report died in torch.distributed's
+    teardown (``destroy_process_group`` and exit), after all the work this test checks: seen as an
+    occasional ``terminate called without an active exception`` SIGABRT in a 2-rank group on the
+    CI machine. That is reported as a warning, not a failure; a rank that dies earlier, or exits
+    with an error, fails the test as before."""
+    import warnings
+
     import torch.multiprocessing as mp
 
-    mp.start_processes(_worker, args=(world, str(root), tag, jobs), nprocs=world, join=True,
-                       start_method="spawn")
+    try:
+        mp.start_processes(_worker, args=(world, str(root), tag, jobs), nprocs=world, join=True,
+                           start_method="spawn")
+    except mp.ProcessExitedException as err:
+        written = all((root / f"report-{tag}-{r}.json").is_file() for r in range(world))
+        if not (written and err.signal_name):
+            raise
+        warnings.warn(f"rank {err.error_index} of group {tag} died with {err.signal_name} in "
+                      f"torch.distributed's teardown, after every rank reported", RuntimeWarning, stacklevel=2)
     return [json.loads((root / f"report-{tag}-{r}.json").read_text()) for r in range(world)]
 
 
