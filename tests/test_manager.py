@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -483,3 +484,25 @@ def test_sigkill_at_random_moments_resumes_bit_exact(tmp_path: Path, h: Any) -> 
           f"completed after latest was written (killed between its rename and the pointer update), "
           f"{behind} restarts not from the highest-numbered file, "
           f"restored steps {[r['step'] for r in restores]}, {time.monotonic() - started:.1f} s")
+
+
+def test_the_uploader_survives_a_failing_round_even_when_warnings_are_errors(caplog: pytest.LogCaptureFixture) -> None:
+    """A round that raises is recorded and reported; with ``-W error`` the warning cannot be
+    raised in the uploader's thread without ending it, so it is logged, and ``wait_idle`` still
+    returns (it would wait forever for a thread that died)."""
+    from gdsckpt.manager.remote import Uploader
+
+    calls = []
+
+    def failing_round() -> None:
+        calls.append(1)
+        raise ConnectionError("server gone")
+
+    uploader = Uploader(failing_round, name="test-uploader")
+    with warnings.catch_warnings(), caplog.at_level("ERROR", logger="gdsckpt"):
+        warnings.simplefilter("error")
+        uploader.request()
+        assert uploader.wait_idle(timeout=30)
+    assert isinstance(uploader.error, ConnectionError) and "server gone" in caplog.text
+    uploader.request()  # a later round runs again
+    assert uploader.wait_idle(timeout=30) and len(calls) == 2

@@ -271,6 +271,14 @@ def test_damaged_objects_and_a_pointer_to_a_missing_one_are_passed_over(remote: 
     said = "\n".join(str(w.message) for w in caught)
     assert name[5] in said and name[4] in said and name[3] in said
 
+    # pruning passes over the damaged objects as needing no base, and removes them
+    pruning = gdsckpt.CheckpointManager(tmp_path / "c", remote=remote, keep_last_remote=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RemoteUploadWarning)
+        pruning.save(6, states[4])
+        pruning.wait()
+    assert pruning.remote_steps() == [6]
+
 
 def test_remote_pruning_removes_only_this_managers_checkpoints(remote: str, tmp_path: Path) -> None:
     directory = ObjectDirectory(remote)

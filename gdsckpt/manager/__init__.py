@@ -478,11 +478,16 @@ class CheckpointManager:
                 self.remote.remove(name)
 
     def _remote_base(self, entry: tuple[str, int]) -> int | None:
-        """The step of the base the remote object ``entry`` (name, size) needs, None for a full
-        checkpoint or a base not of this manager (cached: an object's content is fixed)."""
+        """The step of the base the remote object ``entry`` (name, size) needs, None for a full or
+        damaged checkpoint or a base not of this manager (cached: an object's content is fixed)."""
         if entry not in self._remote_bases:
             name, _size = entry
-            link = _api.inspect(self.remote.url_of(name), config=self.config).base
+            try:
+                link = _api.inspect(self.remote.url_of(name), config=self.config).base
+            except Exception as err:
+                if not _is_damage(err):
+                    raise
+                link = None  # a damaged object needs nothing (as _recorded_base on the local tier)
             match = self._pattern.match(link["path"]) if link is not None else None
             self._remote_bases[entry] = int(match.group(1)) if match else None
         return self._remote_bases[entry]

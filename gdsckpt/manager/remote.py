@@ -18,6 +18,7 @@ which steps to upload, keep and point at is the manager's (``gdsckpt.manager``).
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from collections.abc import Callable
@@ -60,10 +61,23 @@ class Uploader:
             try:
                 self._round()
                 self.error = None
-            except Exception as err:  # noqa: BLE001 - reported, and retried by the next round
+            except BaseException as err:  # reported, and retried by the next round
                 self.error = err
-                warnings.warn(f"{err} (kept on the local tier; the next save or wait() retries)",
-                              RemoteUploadWarning, stacklevel=1)
+                self._report(err)
+                if not isinstance(err, Exception):  # an interpreter exit: no more rounds
+                    with self._condition:
+                        self._thread = None
+                        self._condition.notify_all()
+                    raise
+
+    @staticmethod
+    def _report(err: BaseException) -> None:
+        """Warn of a failed round. A warning filter that turns it into an error (``-W error``)
+        must not end the thread before ``wait_idle`` hears of it: the error is logged instead."""
+        try:
+            warnings.warn(f"{err} (the next save or wait() retries)", RemoteUploadWarning, stacklevel=1)
+        except Exception:  # noqa: BLE001 - see the docstring
+            logging.getLogger("gdsckpt").error("remote tier: %s (the next save or wait() retries)", err)
 
     def wait_idle(self, timeout: float | None) -> bool:
         """Wait until no round runs or is requested; False if ``timeout`` ran out first."""
