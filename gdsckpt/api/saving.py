@@ -339,14 +339,14 @@ def _dependents(path: Path, config: Config) -> list[Path]:
 def _object_dependents(url: str, config: Config) -> list[str]:
     """``_dependents`` of an object: the delta objects in its prefix whose base is ``url`` as it
     is now (one listing, then the index of each other checkpoint object there); empty, after
-    one listing, when there is no object at ``url``."""
+    one HEAD, when there is no object at ``url`` (a save to a new key)."""
     from ..io.s3 import ObjectDirectory
 
     prefix, _slash, name = url.rpartition("/")
     directory = ObjectDirectory(prefix, endpoint=config.s3_endpoint)
-    names = directory.names()
-    if name not in names:
+    if directory.size(name) is None:
         return []
+    names = directory.names()
     try:
         with open_reader(url, config) as reader:
             identity = content_identity(reader)

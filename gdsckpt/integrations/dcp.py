@@ -158,7 +158,7 @@ class _Files:
         if self._objects is None:
             path = Path(self.location) / name
             return path.stat().st_size if path.is_file() else None
-        return self._objects.names().get(name)
+        return self._objects.size(name)
 
     def read(self, name: str, limit: int) -> bytes:
         """The whole of file ``name`` (at most ``limit`` bytes, ``CorruptCheckpointError`` if

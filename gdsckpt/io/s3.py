@@ -145,6 +145,15 @@ class ObjectDirectory:
             raise _storage_error(err, "cannot list", self.url) from err
         return found
 
+    def size(self, name: str) -> int | None:
+        """The size of object ``name`` (one HEAD), None if there is none."""
+        try:
+            return int(self._obstore.head(self.store, self.prefix + name)["size"])
+        except FileNotFoundError:
+            return None
+        except Exception as err:
+            raise _storage_error(err, "cannot read", self.url_of(name)) from err
+
     def upload(self, path: str | os.PathLike[str], name: str) -> None:
         """Upload the local file ``path`` as object ``name``: a multipart upload of ``part_bytes``
         parts, ``concurrency`` at once (the memory it holds); the object appears whole or not at
