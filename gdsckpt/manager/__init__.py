@@ -102,9 +102,11 @@ for one), device faults, ``KeyboardInterrupt``, a target that does not match
 and other ``CheckpointError``). The targets may then hold part of that checkpoint; nothing on
 disk is changed.
 
-Why one module of about 530 lines: it is one class, ``CheckpointManager``, whose saving,
-pruning and restoring share the directory's invariants above (which files are complete, which
-base a delta needs, what ``latest`` may name); split apart, each piece would re-derive them.
+Why one module of about 800 lines: it is one class, ``CheckpointManager``, whose saving,
+pruning, uploading and restoring share the invariants above on both tiers (which files are
+complete, which base a delta needs, what each ``latest`` may name, what is not uploaded yet);
+split apart, each piece would re-derive them. The upload thread's mechanics, which need none of
+them, live in ``gdsckpt.manager.remote``.
 """
 
 from __future__ import annotations
