@@ -360,7 +360,7 @@ def test_rebase_and_replacing_a_base_object(remote: str, tmp_path: Path, h: Any)
 
 def test_a_manager_of_objects_only(remote: str, h: Any) -> None:
     """``CheckpointManager("s3://...")``: saves (and async saves) go straight into objects,
-    ``latest`` and pruning work there, a new manager restores; deltas and remote= are refused."""
+    ``latest`` and pruning work there, a new manager restores; remote= is refused."""
     states = _trained(4)
     manager = gdsckpt.CheckpointManager(remote, keep_last=2)
     manager.save(1, states[1])
@@ -374,10 +374,44 @@ def test_a_manager_of_objects_only(remote: str, h: Any) -> None:
     restored = gdsckpt.CheckpointManager(remote).restore_latest()
     assert restored is not None and restored[0] == 3
     h.assert_same(states[3], restored[1])
-    with pytest.raises(ValueError, match="local directory"):
-        gdsckpt.CheckpointManager(remote, delta_every=1)
     with pytest.raises(ValueError, match="remote="):
         gdsckpt.CheckpointManager(remote, remote=remote)
+
+
+def test_deltas_with_their_bases_as_objects(remote: str, tmp_path: Path, h: Any) -> None:
+    """A delta saved to an object against another object names it by its name (beside it); a
+    local delta against an object names its URL; a manager of objects only writes deltas, keeps
+    their bases, and restores through them."""
+    states = _trained(6)
+    base, delta = f"{remote}/base.gdsckpt", f"{remote}/delta.gdsckpt"
+    gdsckpt.save(states[1], base)
+    report = gdsckpt.save(states[2], delta, base=base)
+    assert report.base == "base.gdsckpt" and report.delta_tensors > 0  # beside it: by name
+    h.assert_same(states[2], gdsckpt.load(delta))
+    below = gdsckpt.save(states[2], f"{remote}/sub/delta.gdsckpt", base=base)
+    assert below.base == base  # not beside or below the delta: the URL, as an absolute path would be
+    h.assert_same(states[2], gdsckpt.load(f"{remote}/sub/delta.gdsckpt"))
+    local = tmp_path / "local-delta.gdsckpt"
+    assert gdsckpt.save(states[2], local, base=base).base == base
+    h.assert_same(states[2], gdsckpt.load(local))
+    with pytest.raises(gdsckpt.DeltaBaseError, match="does not exist"):
+        gdsckpt.save(states[2], f"{remote}/x.gdsckpt", base=f"{remote}/missing.gdsckpt")
+    with pytest.raises(gdsckpt.DeltaBaseError, match="is the base of"):  # delta.gdsckpt needs it
+        gdsckpt.save(states[2], base, base=base)
+    with pytest.raises(ValueError, match="own base"):
+        gdsckpt.save(states[2], base, base=base, force=True)
+
+    managed = f"{remote}/managed"
+    manager = gdsckpt.CheckpointManager(managed, keep_last=1, delta_every=1, full_every=3)
+    for step in range(1, 6):
+        manager.save(step, states[step])
+    manager.wait()
+    # 3 is full, 4 a delta on 3, 5 a delta on 4: keep_last=1 keeps 5 and the chain it needs
+    assert manager.remote_steps() == [3, 4, 5]
+    assert gdsckpt.inspect(manager.path(5)).base["path"] == manager._name(4)
+    restored = gdsckpt.CheckpointManager(managed).restore_latest()
+    assert restored is not None and restored[0] == 5
+    h.assert_same(states[5], restored[1])
 
 
 def test_remote_arguments_are_checked(tmp_path: Path) -> None:

@@ -209,12 +209,18 @@ def _delta_sources(flat: FlatState, path: PathLike, base: PathLike, max_chain: i
     when the base's chain is already ``max_chain`` deep (a full save then)."""
     if isinstance(max_chain, bool) or not isinstance(max_chain, int) or max_chain < 0:
         raise ValueError(f"max_chain must be a non-negative integer, got {max_chain!r}")
-    base_path = Path(base)
-    if not base_path.is_file():
+    base_path: Path | str = str(base) if is_url(base) else Path(base)
+    if is_url(base_path) or is_url(path):
+        if str(base_path) == str(path):
+            raise ValueError(f"a delta cannot replace its own base {str(base_path)!r}: save it to another path")
+    elif not Path(base_path).is_file():
         raise DeltaBaseError(f"base checkpoint {str(base_path)!r} does not exist")
-    if Path(path).exists() and os.path.samefile(base_path, path):
+    elif Path(path).exists() and os.path.samefile(base_path, path):
         raise ValueError(f"a delta cannot replace its own base {str(base_path)!r}: save it to another path")
-    checkpoint = stack.enter_context(Checkpoint(base_path, config))
+    try:
+        checkpoint = stack.enter_context(Checkpoint(base_path, config))
+    except FileNotFoundError as err:  # an object (a file was checked above)
+        raise DeltaBaseError(f"base checkpoint {str(base_path)!r} does not exist") from err
     opened = opened_file(checkpoint)
     depth = opened.index.base["depth"] if opened.index.base is not None else 0
     if depth >= min(max_chain, checkpoint_module.MAX_RESOLVE_DEPTH):  # never write what a load would refuse

@@ -61,8 +61,9 @@ step, descending, read straight from the objects (ranged GETs, nothing copied to
 
 ``CheckpointManager("s3://bucket/prefix")`` keeps its checkpoints on object storage only: each save
 goes straight into its object (``gdsckpt.io.s3.S3Writer``, which appears whole), then ``latest``
-moves and pruning runs as on the remote tier above (``keep_last`` applies there). Deltas need a
-local directory (a delta's save reads its base), so ``delta_every`` is refused there.
+moves and pruning runs as on the remote tier above (``keep_last`` applies there). Deltas work
+there too: a delta's save reads its base object (ranged GETs of the arrays it XORs against), and
+the delta names its base by its name, beside it.
 
 Contract of ``restore_latest``
 -------------------------------
@@ -205,9 +206,6 @@ class CheckpointManager:
             if remote is not None:
                 raise ValueError("directory is an s3:// URL already: remote= is the object tier behind a "
                                  "local directory")
-            if delta_every is not None:
-                raise ValueError("delta checkpoints need a local directory (a delta's save reads its base): "
-                                 "use a local directory with remote='s3://...' to keep them on object storage")
             remote, keep_last_remote = str(directory), keep_last
             self.directory: Any = str(directory).rstrip("/")
         else:
@@ -319,10 +317,11 @@ class CheckpointManager:
         if self.delta_every is None or (self.full_every is not None and step % self.full_every == 0):
             return None
         with self._lock:
-            pointed = self._pointer_step
+            pointed = self._remote_pointer if self.objects_only else self._pointer_step
         candidates = [pointed] if pointed is not None and pointed < step and self.delta_base == "previous" else []
         if not candidates:
-            candidates = [s for s in sorted(self._files(), reverse=True) if s < step]
+            existing = self._remote_objects() if self.objects_only else self._files()
+            candidates = [s for s in sorted(existing, reverse=True) if s < step]
         for candidate in candidates:
             path = self.path(candidate)
             if (self.delta_base == "previous" or self._is_full(path)) and _problem(path, config=self.config) is None:
@@ -462,7 +461,7 @@ class CheckpointManager:
             return
         objects = self._remote_objects()
         with self._lock:
-            keep = set(self._unsent)
+            keep = set(self._unsent) | set(self._bases_in_use)  # bases of saves being written
             if self._remote_pointer is not None:
                 keep.add(self._remote_pointer)
         pointed = self._remote_pointer_step()
@@ -548,7 +547,7 @@ class CheckpointManager:
             self._writing[step] -= 1
             if self._writing[step] <= 0:
                 del self._writing[step]
-            match = self._pattern.match(base.name) if base is not None else None
+            match = self._pattern.match(Path(str(base)).name) if base is not None else None
             if match:
                 used = int(match.group(1))
                 self._bases_in_use[used] -= 1

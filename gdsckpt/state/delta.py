@@ -48,7 +48,14 @@ def base_link(delta_path: str | os.PathLike[str], base_path: str | os.PathLike[s
     """The index's ``base`` member for a delta written at ``delta_path`` against ``base_path``.
 
     The path is stored relative to the delta's directory when the base lies beside it or below,
-    so that a directory of checkpoints can be moved or copied as a whole; absolute otherwise."""
+    so that a directory of checkpoints can be moved or copied as a whole; absolute otherwise. For
+    objects (``s3://`` URLs) the same: relative where delta and base share a bucket and the base
+    lies beside the delta or below, else the base's URL."""
+    from ..io.s3 import is_url
+
+    if is_url(delta_path) or is_url(base_path):
+        return {"path": _object_link(str(delta_path), str(base_path)), "index_sha256": index_sha256,
+                "file_length": file_length, "depth": base_depth + 1}
     delta_dir = Path(os.path.abspath(delta_path)).parent
     absolute = Path(os.path.abspath(base_path))
     try:
@@ -56,6 +63,22 @@ def base_link(delta_path: str | os.PathLike[str], base_path: str | os.PathLike[s
     except ValueError:
         stored = str(absolute)
     return {"path": stored, "index_sha256": index_sha256, "file_length": file_length, "depth": base_depth + 1}
+
+
+def _object_link(delta_url: str, base: str) -> str:
+    """``base_link``'s path where the delta or the base is an object."""
+    from ..io.s3 import SCHEME, is_url
+
+    if not is_url(base):
+        return os.path.abspath(base)  # a local base of a delta object: its absolute path
+    if not is_url(delta_url):
+        return base
+    delta_bucket, _slash, delta_key = delta_url[len(SCHEME):].partition("/")
+    base_bucket, _slash, base_key = base[len(SCHEME):].partition("/")
+    directory = posixpath.dirname(delta_key)
+    if base_bucket == delta_bucket and (not directory or base_key.startswith(directory + "/")):
+        return posixpath.relpath(base_key, directory or ".")
+    return base
 
 
 def base_path_of(delta_path: str | None, link: dict[str, Any]) -> Path:
@@ -77,6 +100,8 @@ def base_location_of(delta_location: str | None, link: dict[str, Any]) -> str | 
     out of the bucket is refused with ``DeltaBaseError``."""
     from ..io.s3 import SCHEME, is_url
 
+    if is_url(link["path"]):
+        return str(link["path"])
     if delta_location is None or not is_url(delta_location) or Path(link["path"]).is_absolute():
         return base_path_of(delta_location, link)
     bucket, _slash, key = delta_location[len(SCHEME):].partition("/")
