@@ -23,6 +23,8 @@ import enum
 import fractions
 import gc
 import json
+import os
+import subprocess
 import sys
 import time
 import warnings
@@ -99,9 +101,9 @@ def _bounded_config(max_inflight_bytes: int = INFLIGHT) -> gdsckpt.Config:
                           fsync=False)
 
 
-def _big_state() -> dict[str, Any]:
+def _big_state(nbytes: int = STATE_BYTES) -> dict[str, Any]:
     g = torch.Generator().manual_seed(64)
-    count = STATE_BYTES // 4 // 8
+    count = nbytes // 4 // 8
     return {f"w{i}": torch.randn(count, generator=g) for i in range(8)}
 
 
@@ -112,8 +114,10 @@ def _memory_child(mode: str, directory: str, inflight: int) -> None:
     warm = root / f"warm-{mode}-{inflight}.gdsckpt"
     gdsckpt.save({"w": torch.randn(1 << 18)}, warm, codec="zstd", config=config)  # imports, pools
     gdsckpt.load(warm, config=config)
-    path = root / "big.gdsckpt"
-    state = _big_state() if mode == "save" else None
+    path: Any = root / "big.gdsckpt"
+    if mode.startswith("s3"):  # the object at the URL the parent names (the server is the parent's)
+        path = os.environ["BOUNDS_TEST_URL"]
+    state = _big_state() if mode == "save" else _big_state(S3_STATE_BYTES) if mode == "s3save" else None
     if mode == "convert":  # windows far smaller than the state, so that a bound shows
         from gdsckpt.state import delta
 
@@ -121,17 +125,17 @@ def _memory_child(mode: str, directory: str, inflight: int) -> None:
     gc.collect()
     sampler = RssSampler()
     sampler.start()
-    if mode == "save":
+    if mode in ("save", "s3save"):
         gdsckpt.save(state, path, codec="zstd", config=config)
     elif mode == "convert":
         gdsckpt.convert(path, root / "converted.gdsckpt", codec="lz4", config=config, overwrite=True)
     else:
         loaded = gdsckpt.load(path, config=config)
     sampler.stop()
-    restored = sum(t.numel() * t.element_size() for t in loaded.values()) if mode == "load" else 0
+    restored = sum(t.numel() * t.element_size() for t in loaded.values()) if mode in ("load", "s3load") else 0
     print(json.dumps({"growth": sampler.growth, "sampled": sampler.sampled - sampler.baseline,
                       "maxrss_raised": sampler.maxrss_after > sampler.maxrss_before, "restored": restored,
-                      "file": path.stat().st_size}))
+                      "file": gdsckpt.inspect(path).file_bytes}))
 
 
 def _measure(h: Any, mode: str, directory: Path, inflight: int = INFLIGHT) -> dict[str, Any]:
@@ -184,6 +188,51 @@ def test_host_memory_stays_within_the_inflight_bound(tmp_path: Path, h: Any) -> 
     assert load["growth"] <= load["restored"] + 2 * INFLIGHT + slack, load
     # the measurement sees read buffers at all: without the bound they hold about the whole file
     assert unbounded["growth"] - unbounded["restored"] > load["growth"] - load["restored"] + INFLIGHT, unbounded
+
+
+S3_STATE_BYTES = 256 * MIB
+
+
+def test_object_storage_memory_stays_within_the_bound(tmp_path: Path, h: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save to ``s3://`` and a load from it, in fresh processes, of a state 32x
+    ``max_inflight_bytes``: the upload holds its parts in flight (one 16 MiB part where the bound
+    holds less than one, as S3 needs parts of at least 5 MiB; filled while the previous one
+    goes) and a few queued chunk copies, the load its GET buffers; neither grows with the state."""
+    seaweed = pytest.importorskip("seaweed")
+    from gdsckpt.io.s3 import PART_BYTES, QUEUED_WRITES, READ_THREADS, upload_concurrency
+
+    server = seaweed.SeaweedServer(tmp_path / "weed")
+    endpoint = server.start()
+    try:
+        for name, value in (("AWS_ENDPOINT_URL", endpoint), ("AWS_ACCESS_KEY_ID", "test"),
+                            ("AWS_SECRET_ACCESS_KEY", "test"), ("AWS_REGION", "us-east-1"),
+                            ("BOUNDS_TEST_URL", "s3://bounds/big.gdsckpt")):
+            monkeypatch.setenv(name, value)
+        seaweed.create_bucket(endpoint, "bounds")
+        env = h.subprocess_env()
+        results = {}
+        for mode in ("s3save", "s3load"):
+            child = subprocess.run([sys.executable, "-m", "reliability.test_bounds_and_misuse", "memory", mode,
+                                    str(tmp_path), str(INFLIGHT)], cwd=h.REPO_ROOT / "tests", env=env,
+                                   capture_output=True, text=True, timeout=300)
+            assert child.returncode == 0, child.stderr[-4000:]
+            results[mode] = json.loads(child.stdout.strip().splitlines()[-1])
+    finally:
+        server.close()
+    save, load = results["s3save"], results["s3load"]
+    slack = 24 * MIB  # as the file bound's 16 MiB, and the S3 client's runtime (its threads, connections)
+    parts = 2 * upload_concurrency(INFLIGHT) * PART_BYTES
+    save_bound = 2 * INFLIGHT + parts + QUEUED_WRITES * MIB + slack
+    load_bound = 2 * INFLIGHT + READ_THREADS * MIB + slack
+    record_figure("object storage memory bound",
+                  f"state {S3_STATE_BYTES // MIB} MiB float32 to and from s3:// (SeaweedFS), max_inflight_bytes "
+                  f"{INFLIGHT // MIB} MiB, 1 MiB chunks: save RSS growth {save['growth'] / MIB:.1f} MiB (bound "
+                  f"{save_bound // MIB}), load overhead beyond the {load['restored'] / MIB:.0f} MiB restored "
+                  f"{(load['growth'] - load['restored']) / MIB:.1f} MiB (bound {load_bound // MIB})")
+    assert load["restored"] == S3_STATE_BYTES
+    assert save["growth"] <= save_bound < S3_STATE_BYTES // 2, save
+    assert load["growth"] <= load["restored"] + load_bound, load
 
 
 # ---------------------------------------------------------------------------------------------
