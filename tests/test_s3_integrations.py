@@ -305,7 +305,7 @@ def test_dcp_two_ranks_save_through_s3_and_one_rank_loads_resharded(remote: str,
     assert loaded[0][f"load:{url}"] is None
 
 
-def test_convert_from_and_to_urls(remote: str, tmp_path: Path, h: Any) -> None:
+def test_convert_from_and_to_urls(remote: str, tmp_path: Path, h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """gdsckpt -> gdsckpt between a file and objects (streamed, recompressed), a safetensors file
     into an object, an object out to a torch file; objects of other formats are refused."""
     state = {"w": torch.randn(300, 100, generator=torch.Generator().manual_seed(3)), "i": torch.arange(50)}
@@ -319,6 +319,17 @@ def test_convert_from_and_to_urls(remote: str, tmp_path: Path, h: Any) -> None:
         gdsckpt.convert(local, up)
     gdsckpt.convert(up, f"{remote}/b.gdsckpt", codec="none")
     h.assert_same(state, gdsckpt.load(f"{remote}/b.gdsckpt"))
+    # gdsckpt to gdsckpt streams the arrays (api.saving.rewrite) whichever side is an object: the
+    # whole-state reader of the other conversions must not run
+    from gdsckpt.integrations import convert as convert_module
+
+    def whole_state(*_args: Any) -> Any:
+        raise AssertionError("a gdsckpt-to-gdsckpt conversion loaded the whole state")
+    monkeypatch.setitem(convert_module._READERS, "gdsckpt", whole_state)
+    down = gdsckpt.convert(up, tmp_path / "down.gdsckpt", codec="zstd")
+    assert down.dst_bytes == (tmp_path / "down.gdsckpt").stat().st_size and down.src_bytes == report.dst_bytes
+    h.assert_same(state, gdsckpt.load(tmp_path / "down.gdsckpt"))
+    monkeypatch.undo()
     gdsckpt.convert(f"{remote}/b.gdsckpt", tmp_path / "b.pt")
     h.assert_same(state, torch.load(tmp_path / "b.pt", weights_only=True))
     from safetensors.torch import save_file

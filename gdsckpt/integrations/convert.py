@@ -67,7 +67,7 @@ from ..codecs import known_codec_names
 from ..config import Config
 from ..errors import CheckpointError, ConvertError, UnsafePickleError
 from ..io.posix import publish, remove_stale_temporaries, temporary_path
-from ..io.s3 import is_url
+from ..io.s3 import ObjectDirectory, is_url
 from ..state import numpy_dtype_name, torch_dtype
 from .safetensors_structure import STRUCTURE_KEY, flatten_for_safetensors, rebuild_state
 
@@ -161,12 +161,8 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
     dst_kind = detect_format(dst, dst_format)
     check_codec(codec, dst_kind)
     cfg = resolve_config(config)
-    if is_url(src) or is_url(dst):
-        if overwrite and not force:
-            refuse_replacing_base(dst, cfg)
-        return _convert_objects(str(src), str(dst), src_kind, dst_kind, codec, cfg, overwrite, progress, started)
-    src_path, dst_path = Path(src), Path(dst)
-    _check_paths(src_path, dst_path, overwrite)
+    src_path, dst_path = _location(src), _location(dst)
+    _check_paths(src_path, dst_path, src_kind, dst_kind, overwrite, cfg)
     if overwrite and not force:
         refuse_replacing_base(dst_path, cfg)
 
@@ -184,84 +180,47 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
 
     save_report: SaveReport | None = None
     cloned = 0
-    with _temporary_beside(dst_path) as temp:
+    with _destination(dst_path, overwrite, cfg.fsync) as target:
         phases.writing(0, logical)
         if dst_kind == "gdsckpt":
-            save_report = _write_gdsckpt(state, temp, codec, cfg, src_path, phases.writing)
+            save_report = _write_gdsckpt(state, target, codec, cfg, src_path, phases.writing)
         elif dst_kind == "pt":
-            _write_pt(state, temp, cfg)
+            _write_pt(state, target, cfg)
         else:
-            cloned = _write_safetensors(state, temp, metadata, cfg, src_path)
+            cloned = _write_safetensors(state, target, metadata, cfg, src_path)
         phases.writing(logical, logical)
-        _publish(temp, dst_path, overwrite=overwrite, fsync=cfg.fsync)
     return ConvertReport(
         src=str(src_path), dst=str(dst_path), src_format=src_kind, dst_format=dst_kind, tensors=tensors,
-        logical_bytes=logical, src_bytes=src_path.stat().st_size, dst_bytes=dst_path.stat().st_size,
+        logical_bytes=logical, src_bytes=_stored_size(src_path, cfg), dst_bytes=_stored_size(dst_path, cfg),
         seconds=time.perf_counter() - started, codec=save_report.codec if save_report else None,
         cloned=cloned, save_report=save_report,
     )
 
 
-def _convert_objects(src: str, dst: str, src_kind: str, dst_kind: str, codec: str, config: Config,
-                     overwrite: bool, progress: Progress | None, started: float) -> ConvertReport:
-    """``convert`` where ``src`` or ``dst`` is an ``s3://`` URL: a gdsckpt source streams from its
-    object (``api.saving.rewrite`` for a gdsckpt destination, else a load); a gdsckpt destination
-    object is written by the save itself (it appears whole, so no temporary is needed). Objects
-    of the other formats are refused: their readers and writers take local files."""
-    for location, kind in ((src, src_kind), (dst, dst_kind)):
-        if is_url(location) and kind != "gdsckpt":
-            raise ValueError(f"{location!r}: s3:// URLs are converted from and to gdsckpt only; copy the "
-                             f"{kind} file to local storage first")
-    if is_url(dst):
-        if not overwrite and _stored_size(dst, config) is not None:
-            raise FileExistsError(f"destination {dst!r} exists; pass overwrite=True (--overwrite) to replace it")
-    elif os.path.lexists(dst) and not overwrite:
-        raise FileExistsError(f"destination {dst!r} exists; pass overwrite=True (--overwrite) to replace it")
-    if src_kind == dst_kind == "gdsckpt" and is_url(dst):
-        try:
-            report = rewrite(src, dst, codec=codec, config=config, progress=progress)
-        except (TypeError, ValueError) as err:
-            raise ConvertError(f"{src!r} cannot be written as gdsckpt: {err}") from err
-        except CheckpointError as err:
-            raise ConvertError(f"cannot read {src!r} as gdsckpt: {err}") from err
-        tensors, logical = report.tensors, report.logical_bytes
-    else:
-        phases = _Phases(progress)
-        state, _metadata = _READERS[src_kind](src, config, phases.reading)  # type: ignore[arg-type]
-        if dst_kind != "gdsckpt":
-            state = _torch_state(state)
-        tensors, logical = _tensor_stats(state)
-        phases.writing(0, logical)
-        if is_url(dst):
-            report = _write_gdsckpt(state, dst, codec, config, src, phases.writing)  # type: ignore[arg-type]
-        else:
-            with _temporary_beside(Path(dst)) as temp:
-                report = None
-                if dst_kind == "gdsckpt":
-                    report = _write_gdsckpt(state, temp, codec, config, src, phases.writing)  # type: ignore[arg-type]
-                elif dst_kind == "pt":
-                    _write_pt(state, temp, config)
-                else:
-                    _write_safetensors(state, temp, {}, config, src)  # type: ignore[arg-type]
-                _publish(temp, Path(dst), overwrite=overwrite, fsync=config.fsync)
-        phases.writing(logical, logical)
-    return ConvertReport(
-        src=src, dst=dst, src_format=src_kind, dst_format=dst_kind, tensors=tensors, logical_bytes=logical,
-        src_bytes=_stored_size(src, config) or 0, dst_bytes=_stored_size(dst, config) or 0,
-        seconds=time.perf_counter() - started, codec=report.codec if report else None, cloned=0,
-        save_report=report,
-    )
+def _location(path: PathLike) -> Any:
+    """A local path as a ``Path``; an ``s3://`` URL kept as text (``Path`` would fold its ``//``)."""
+    return str(path) if is_url(path) else Path(path)
 
 
-def _stored_size(location: str, config: Config) -> int | None:
-    """The size of the file or object at ``location``, None if there is none."""
+def _stored_size(location: Any, config: Config) -> int:
+    """The size of the file or object at ``location`` (which exists)."""
     if not is_url(location):
-        return os.stat(location).st_size if os.path.isfile(location) else None
-    try:
-        with open_reader(location, config) as reader:
-            return reader.size
-    except FileNotFoundError:
-        return None
+        return os.stat(location).st_size
+    with open_reader(location, config) as reader:
+        return reader.size
+
+
+@contextlib.contextmanager
+def _destination(dst: Any, overwrite: bool, fsync: bool) -> Iterator[Any]:
+    """Where a conversion writes ``dst``: a temporary file beside it, published over it when the
+    block ends without an error (``_temporary_beside``, ``_publish``); an object is written in
+    place, since it appears only whole (its upload completes or is aborted)."""
+    if is_url(dst):
+        yield dst
+        return
+    with _temporary_beside(dst) as temp:
+        yield temp
+        _publish(temp, dst, overwrite=overwrite, fsync=fsync)
 
 
 @contextlib.contextmanager
@@ -279,39 +238,52 @@ def _temporary_beside(dst: Path) -> Iterator[Path]:
             pass
 
 
-def _recompress(src: Path, dst: Path, codec: str, config: Config, overwrite: bool, progress: Progress | None,
+def _recompress(src: Any, dst: Any, codec: str, config: Config, overwrite: bool, progress: Progress | None,
                 started: float) -> ConvertReport:
     """gdsckpt to gdsckpt: the arrays streamed from ``src`` into a new file in windows
     (``api.saving.rewrite``), never the whole state in memory: a file only a GPU decodes becomes a
-    portable copy (``codec="zstd"``) on a GPU host chunk by chunk. A delta becomes a full file."""
-    with _temporary_beside(dst) as temp:
+    portable copy (``codec="zstd"``) on a GPU host chunk by chunk. A delta becomes a full file.
+    Either side may be an object."""
+    with _destination(dst, overwrite, config.fsync) as target:
         try:
-            report = rewrite(src, temp, codec=codec, config=config, progress=progress)
+            report = rewrite(src, target, codec=codec, config=config, progress=progress)
         except (TypeError, ValueError) as err:  # a codec the configuration refuses (portable=True)
             raise ConvertError(f"{str(src)!r} cannot be written as gdsckpt: {err}") from err
         except CheckpointError as err:  # e.g. corrupt: say which file (the original is the cause)
             raise ConvertError(f"cannot read {str(src)!r} as gdsckpt: {err}") from err
-        _publish(temp, dst, overwrite=overwrite, fsync=config.fsync)
     return ConvertReport(
         src=str(src), dst=str(dst), src_format="gdsckpt", dst_format="gdsckpt", tensors=report.tensors,
-        logical_bytes=report.logical_bytes, src_bytes=src.stat().st_size, dst_bytes=dst.stat().st_size,
-        seconds=time.perf_counter() - started, codec=report.codec, cloned=0, save_report=report,
+        logical_bytes=report.logical_bytes, src_bytes=_stored_size(src, config),
+        dst_bytes=_stored_size(dst, config), seconds=time.perf_counter() - started, codec=report.codec, cloned=0,
+        save_report=report,
     )
 
 
-def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
-    """Fail before any work on a missing source, an unusable destination or one that exists."""
-    if not src.exists():
-        raise FileNotFoundError(f"source {str(src)!r} does not exist")
-    if src.is_dir():
-        raise IsADirectoryError(f"source {str(src)!r} is a directory; give a file")
-    if not src.is_file():  # a FIFO would stall the reader, a device be read without end
-        raise ConvertError(f"source {str(src)!r} is not a regular file (a FIFO, a device or a socket)")
-    if dst.is_dir():
-        raise IsADirectoryError(f"destination {str(dst)!r} is a directory; give a file path")
-    if not dst.parent.is_dir():
-        raise FileNotFoundError(f"directory {str(dst.parent)!r} of destination {str(dst)!r} does not exist")
-    if os.path.lexists(dst) and not overwrite:
+def _check_paths(src: Any, dst: Any, src_kind: str, dst_kind: str, overwrite: bool, config: Config) -> None:
+    """Fail before any work on a missing source, an unusable destination or one that exists.
+    Objects (``s3://`` URLs) are gdsckpt files only, since the other formats' readers and writers
+    take local files; a missing source object is found by the first read."""
+    for location, kind in ((src, src_kind), (dst, dst_kind)):
+        if is_url(location) and kind != "gdsckpt":
+            raise ValueError(f"{location!r}: s3:// URLs are converted from and to gdsckpt only; copy the "
+                             f"{kind} file to local storage first")
+    if not is_url(src):
+        if not src.exists():
+            raise FileNotFoundError(f"source {str(src)!r} does not exist")
+        if src.is_dir():
+            raise IsADirectoryError(f"source {str(src)!r} is a directory; give a file")
+        if not src.is_file():  # a FIFO would stall the reader, a device be read without end
+            raise ConvertError(f"source {str(src)!r} is not a regular file (a FIFO, a device or a socket)")
+    if is_url(dst):
+        prefix, _slash, name = dst.rpartition("/")
+        exists = ObjectDirectory(prefix, endpoint=config.s3_endpoint).size(name) is not None
+    else:
+        if dst.is_dir():
+            raise IsADirectoryError(f"destination {str(dst)!r} is a directory; give a file path")
+        if not dst.parent.is_dir():
+            raise FileNotFoundError(f"directory {str(dst.parent)!r} of destination {str(dst)!r} does not exist")
+        exists = os.path.lexists(dst)
+    if exists and not overwrite:
         raise FileExistsError(f"destination {str(dst)!r} exists; pass overwrite=True (--overwrite) "
                               f"to replace it")
 
