@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -318,28 +319,13 @@ def _dependents(path: Path, config: Config) -> list[Path]:
     Only ``path``'s directory is searched (where ``CheckpointManager`` and most runs keep their
     deltas): a delta in another directory (naming ``path`` by an absolute path, or from a parent
     directory by a relative one) is not found."""
-    try:
-        with open_reader(path, config) as reader:
-            identity = content_identity(reader)
-    except (CheckpointError, OSError):
-        return []  # not a readable checkpoint: no delta can load against it as it is
-    found = []
-    for entry in sorted(path.parent.iterdir()):
-        if entry.name.startswith(".") or not entry.is_file() or os.path.samefile(entry, path):
-            continue
-        # A delta written against ``path`` as it is records its index digest: files whose index
-        # lacks it are passed over unparsed (parsing every index of a directory costs ~5 ms each).
-        if not _index_mentions(entry, identity[0].encode(), config):
-            continue
-        try:
-            base = inspect(entry, config=config).base
-        except (CheckpointError, OSError):
-            continue  # not a checkpoint, or unreadable: not a dependent we can know of
-        if base is not None and (base["index_sha256"], base["file_length"]) == identity:
-            candidate = base_path_of(str(entry), base)
-            if candidate.exists() and os.path.samefile(candidate, path):
-                found.append(entry)
-    return found
+    def names_path(entry: Path, base: dict[str, Any]) -> bool:
+        candidate = base_path_of(str(entry), base)
+        return candidate.exists() and os.path.samefile(candidate, path)
+
+    entries = [entry for entry in sorted(path.parent.iterdir())
+               if not entry.name.startswith(".") and entry.is_file() and not os.path.samefile(entry, path)]
+    return _deltas_of(path, entries, names_path, config)
 
 
 def _object_dependents(url: str, config: Config) -> list[str]:
@@ -352,26 +338,32 @@ def _object_dependents(url: str, config: Config) -> list[str]:
     directory = ObjectDirectory(prefix, endpoint=config.s3_endpoint)
     if directory.size(name) is None:
         return []
-    names = directory.names()
+    entries = [directory.url_of(other) for other in sorted(directory.names())
+               if other != name and not other.startswith(".")]
+    return _deltas_of(url, entries, lambda entry, base: base_location_of(entry, base) == url, config)
+
+
+def _deltas_of(base_location: Any, entries: list[Any], names_it: Callable[[Any, dict[str, Any]], bool],
+               config: Config) -> list[Any]:
+    """The ``entries`` (files or objects) that are deltas of ``base_location`` as it is now: their
+    index records its content identity and ``names_it(entry, link)`` says the link leads to it."""
     try:
-        with open_reader(url, config) as reader:
+        with open_reader(base_location, config) as reader:
             identity = content_identity(reader)
     except (CheckpointError, OSError):
-        return []
+        return []  # not a readable checkpoint: no delta can load against it as it is
     found = []
-    for other in sorted(names):
-        if other == name or other.startswith("."):
-            continue
-        other_url = directory.url_of(other)
-        if not _index_mentions(other_url, identity[0].encode(), config):
+    for entry in entries:
+        # A delta written against the base as it is records its index digest: entries whose index
+        # lacks it are passed over unparsed (parsing every index of a directory costs ~5 ms each).
+        if not _index_mentions(entry, identity[0].encode(), config):
             continue
         try:
-            base = inspect(other_url, config=config).base
+            base = inspect(entry, config=config).base
         except (CheckpointError, OSError):
-            continue
-        if (base is not None and (base["index_sha256"], base["file_length"]) == identity
-                and base_location_of(other_url, base) == url):
-            found.append(other_url)
+            continue  # not a checkpoint, or unreadable: not a dependent we can know of
+        if base is not None and (base["index_sha256"], base["file_length"]) == identity and names_it(entry, base):
+            found.append(entry)
     return found
 
 
