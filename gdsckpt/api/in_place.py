@@ -255,10 +255,8 @@ def _under(key: str, prefix: str) -> bool:
 def _asked_for(target: Any) -> list[str] | None:
     """The key prefixes ``strict=True`` checks: one per top-level key of a dict, list or tuple
     ``target`` (a part of the checkpoint it asks for); None (everything) for any other target."""
-    if isinstance(target, dict):
-        return [join_key([key]) for key in target]
-    if isinstance(target, (list, tuple)):
-        return [join_key([i]) for i in range(len(target))]
+    if isinstance(target, (dict, list, tuple)):
+        return [join_key([key]) for key in _top_keys(target)]
     return None
 
 

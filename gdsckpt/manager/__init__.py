@@ -449,7 +449,7 @@ class CheckpointManager:
         with self._lock:
             newest, pointed = self._remote_newest, self._remote_pointer
         if newest is not None and newest != pointed:
-            self.remote.write_small(POINTER, (self._name(newest) + "\n").encode("utf-8"))
+            self._write_remote_pointer(newest)
             with self._lock:
                 self._remote_pointer = newest
         self._prune_remote()
@@ -495,22 +495,12 @@ class CheckpointManager:
 
     def _remote_pointer_step(self, warn: bool = False) -> int | None:
         """The step the remote ``latest`` names, None if none (or not one of ours)."""
-        try:
-            text = self.remote.read_small(POINTER, MAX_POINTER_BYTES).decode("utf-8").strip()
-        except FileNotFoundError:
-            return None
-        except (UnicodeDecodeError, CorruptCheckpointError) as err:
-            if warn:
-                warnings.warn(f"ignoring unreadable pointer {self.remote.url_of(POINTER)}: {err}",
-                              SkippedCheckpointWarning, stacklevel=3)
-            return None
-        match = self._pattern.match(text)
-        if match is None:
-            if warn:
-                warnings.warn(f"ignoring pointer {self.remote.url_of(POINTER)}: {text[:80]!r} is not a "
-                              f"{self.prefix}-<step>.gdsckpt name", SkippedCheckpointWarning, stacklevel=3)
-            return None
-        return int(match.group(1))
+        return self._pointed_step(lambda: self.remote.read_small(POINTER, MAX_POINTER_BYTES),
+                                  self.remote.url_of(POINTER), warn)
+
+    def _write_remote_pointer(self, step: int) -> None:
+        """Point the remote ``latest`` at checkpoint ``step`` (one PUT: readers see the old or the new)."""
+        self.remote.write_small(POINTER, (self._name(step) + "\n").encode("utf-8"))
 
     def _remote_candidates(self, warn: bool = True) -> list[tuple[int, str, str]]:
         """(step, URL, source) of the remote tier in the order restore tries them: the one its
@@ -583,7 +573,7 @@ class CheckpointManager:
         whole); move the ``latest`` object (only ever to a higher step of this manager), prune."""
         with self._lock:
             if self._remote_pointer is None or step >= self._remote_pointer:
-                self.remote.write_small(POINTER, (self._name(step) + "\n").encode("utf-8"))
+                self._write_remote_pointer(step)
                 self._remote_pointer = self._remote_newest = step
         try:
             self._prune_remote()
@@ -660,21 +650,36 @@ class CheckpointManager:
         pointer = self.directory / POINTER
         try:
             mtime = pointer.stat().st_mtime_ns
-            text = read_small_file(pointer, MAX_POINTER_BYTES).decode("utf-8").strip()
         except FileNotFoundError:
             return None
-        except (OSError, UnicodeDecodeError, CorruptCheckpointError, UnsupportedFormatError) as err:
+        except OSError as err:
             if warn:
                 warnings.warn(f"ignoring unreadable pointer {str(pointer)!r}: {err}",
                               SkippedCheckpointWarning, stacklevel=3)
             return None
+        step = self._pointed_step(lambda: read_small_file(pointer, MAX_POINTER_BYTES), str(pointer), warn)
+        return None if step is None else (step, mtime)
+
+    def _pointed_step(self, read: Any, where: str, warn: bool) -> int | None:
+        """The step a ``latest`` pointer names, ``read()`` giving its bytes (``where`` names it);
+        None if it is missing, unreadable or not naming a checkpoint of ours (with ``warn``, a
+        ``SkippedCheckpointWarning`` says which, at the caller of ``restore_latest``)."""
+        try:
+            text = read().decode("utf-8").strip()
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError, CorruptCheckpointError, UnsupportedFormatError) as err:
+            if warn:
+                warnings.warn(f"ignoring unreadable pointer {where!r}: {err}", SkippedCheckpointWarning,
+                              stacklevel=4)
+            return None
         match = self._pattern.match(text)
         if not match:
             if warn:
-                warnings.warn(f"ignoring pointer {str(pointer)!r}: {text[:80]!r} is not a "
-                              f"{self.prefix}-<step>.gdsckpt name", SkippedCheckpointWarning, stacklevel=3)
+                warnings.warn(f"ignoring pointer {where!r}: {text[:80]!r} is not a "
+                              f"{self.prefix}-<step>.gdsckpt name", SkippedCheckpointWarning, stacklevel=4)
             return None
-        return int(match.group(1)), mtime
+        return int(match.group(1))
 
     def _candidates(self, warn: bool) -> list[tuple[int, Path, str]]:
         """(step, path, source) in the order restore tries them.
