@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from .base import StorageReader, StorageWriter
+from .memory import done_future, host_bytes
 from .pools import Lane
 
 SCHEME = "s3://"
@@ -265,18 +266,12 @@ class S3Writer(StorageWriter):
         are queued. Device buffers are copied to host memory."""
         if offset < self._position:
             raise ValueError(f"object writes must come in file order: {offset} after {self._position}")
-        if hasattr(data, "__cuda_array_interface__"):
-            import cupy
-
-            data = cupy.asnumpy(data)
         if offset > self._position:
             self._enqueue(bytes(offset - self._position))
-        copy = bytes(memoryview(data).cast("B")) if not isinstance(data, bytes) else data
+        copy = data if isinstance(data, bytes) else bytes(host_bytes(data))
         self._enqueue(copy)
         self._position = offset + len(copy)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
+        return done_future()
 
     def write_tail(self, offset: int, data: bytes) -> None:
         """Queue the index and trailer (the last bytes of the object)."""
