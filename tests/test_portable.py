@@ -44,7 +44,11 @@ def test_portable_in_a_config_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("engine", "portable", "codec", "on_gpu", "usable", "expected"), [
     ("auto", False, "auto", True, True, "gpu"),
-    ("auto", False, "zstd", True, True, "gpu"),  # named without portable: unchanged
+    ("auto", False, "zstd", True, True, "cpu"),  # nvCOMP's Zstd is the slower path for CUDA state
+    ("auto", False, "lz4", True, True, "cpu"),
+    ("auto", False, "deflate", True, True, "cpu"),
+    ("auto", False, "ans", True, True, "gpu"),
+    ("gpu", False, "zstd", True, True, "gpu"),
     ("auto", True, "auto", True, True, "cpu"),
     ("auto", True, "zstd", True, True, "cpu"),
     ("auto", True, "lz4", True, True, "cpu"),
@@ -152,3 +156,55 @@ def test_lightning_plugin_takes_portable_per_save_and_from_its_config(tmp_path: 
     GdsCheckpointIO().save_checkpoint({"w": torch.ones(4)}, tmp_path / "b.ckpt",
                                       storage_options={"portable": True})
     assert gdsckpt.inspect(tmp_path / "b.ckpt").portable
+
+
+# -- auto weighing the engines -------------------------------------------------------------------
+
+def _pace(gbps: float, ratio: float) -> Any:
+    from gdsckpt.pipeline.autotune import HostCodecPace
+
+    return HostCodecPace("zstd", gbps, ratio)
+
+
+def test_auto_takes_the_portable_engine_on_a_disk_that_holds_both_back() -> None:
+    """2 GB/s storage, ANS 1.342 against zstd 1.328 (the GPU host's measured ratios), 16 threads
+    of 0.3 GB/s: both engines are held by the disk, the portable file is 1% slower: CPU."""
+    from gdsckpt.pipeline.autotune import choose_engine
+
+    chosen, figures = choose_engine(2.0, "ans", 1.342, _pace(0.3, 1.328), threads=16)
+    assert chosen == "cpu"
+    assert figures["predicted_gbps"] == pytest.approx({"gpu:ans": 2.684, "cpu:zstd": 2.656})
+    assert figures["cpu_codec_gbps"] == pytest.approx(0.3 * 16 * 0.8) and figures["margin"] == 0.05
+
+
+def test_auto_keeps_the_gpu_where_only_it_keeps_up_or_its_ratio_is_worth_more() -> None:
+    from gdsckpt.pipeline.autotune import choose_engine
+
+    assert choose_engine(40.0, "ans", 1.3, _pace(0.3, 1.3), threads=16)[0] == "gpu"  # a fast NVMe tier
+    assert choose_engine(2.0, "ans", 1.55, _pace(1.0, 1.46), threads=16)[0] == "gpu"  # bf16: ANS 6% smaller
+    assert choose_engine(2.0, "ans", 1.3, _pace(0.3, 1.3), threads=2)[0] == "gpu"  # 2 threads: 0.48 GB/s
+
+
+@pytest.mark.parametrize(("cpu_ratio", "expected"), [(1.9, "cpu"), (1.89, "gpu")])
+def test_auto_engine_margin_is_five_percent(cpu_ratio: float, expected: str) -> None:
+    from gdsckpt.pipeline.autotune import choose_engine
+
+    assert choose_engine(1.0, "ans", 2.0, _pace(10.0, cpu_ratio), threads=1)[0] == expected
+
+
+def test_host_codec_pace_measures_what_the_cpu_engine_stores(tmp_path: Path) -> None:
+    """The sample's ratio is the CPU engine's own on the same arrays (byte planes where they are
+    smaller), and its pace is a measured, positive figure."""
+    from gdsckpt.pipeline.autotune import measure_host_codec
+    from gdsckpt.state.arrays import TorchSource
+
+    g = torch.Generator().manual_seed(1)
+    weights = (torch.randn(1 << 20, generator=g) * 0.02).to(torch.bfloat16)
+    pace = measure_host_codec([TorchSource(weights, "bfloat16")])
+    report = gdsckpt.save({"w": weights}, tmp_path / "w.gdsckpt", codec="zstd",
+                          config=gdsckpt.Config(engine="cpu", chunk_bytes=2 << 20))
+    assert 0 < pace.gbps_per_thread < 1000 and pace.codec == "zstd"
+    assert pace.ratio == pytest.approx(report.logical_bytes / sum(
+        c.stored_bytes for c in gdsckpt.inspect(tmp_path / "w.gdsckpt").chunks), rel=0.02)
+    never = measure_host_codec([TorchSource(weights, "bfloat16")], byte_planes="never")
+    assert never.ratio < pace.ratio  # bf16 weights: planes separate the predictable high bytes

@@ -213,11 +213,11 @@ def cuda_device_of(flat: FlatState) -> int | None:
 
 
 HOST_ROUTED_CODECS = ("zstd", "lz4", "deflate")
-"""Portable codecs that a ``portable`` save of CUDA state runs on the CPU engine unless
-``engine="gpu"``: within the default staging budget nvCOMP's Zstd (about 1.1 GiB of scratch)
-compresses one or two chunks per call, and its LZ4 and Deflate are slow on 16 MiB chunks, so the
-CPU engine's codec threads save such state faster (docs/performance.md measures both: "nvCOMP
-codecs" and the ``gdsckpt bench`` section)."""
+"""Portable codecs that a save of CUDA state runs on the CPU engine unless ``engine="gpu"``:
+within the default staging budget nvCOMP's Zstd (about 1.1 GiB of scratch) compresses one or two
+chunks per call, and even with 4 GiB of staging it saved at half the CPU engine's speed; its LZ4
+and Deflate are slow on 16 MiB chunks. The CPU engine's codec threads save such state faster
+(docs/performance.md measures both: "nvCOMP codecs" and the ``gdsckpt bench`` section)."""
 
 
 def check_portable(config: Config, codec: str) -> None:
@@ -232,8 +232,10 @@ def check_portable(config: Config, codec: str) -> None:
 def choose_save_engine(config: Config, codec: str, on_gpu: bool, gpu_usable: bool) -> tuple[str, str]:
     """(``"gpu"`` or ``"cpu"``, why) for a save of ``codec`` (``"auto"`` or a name) whose arrays
     are on a GPU (``on_gpu``) or not, with the GPU engine usable here or not. ``Config.portable``
-    refuses a codec without a CPU decoder (``ValueError``) and keeps CUDA state on the CPU engine
-    for ``auto`` and the compressing portable codecs, unless ``engine="gpu"``."""
+    refuses a codec without a CPU decoder (``ValueError``). CUDA state goes to the CPU engine for
+    the compressing portable codecs (``HOST_ROUTED_CODECS``), and for ``auto`` with ``portable``,
+    unless ``engine="gpu"``; ``auto`` without ``portable`` may still move it there after weighing
+    both engines (``api.saving._save_engine``)."""
     check_portable(config, codec)
     if config.engine == "cpu":
         return "cpu", "engine='cpu'"
@@ -243,7 +245,10 @@ def choose_save_engine(config: Config, codec: str, on_gpu: bool, gpu_usable: boo
         return "cpu", "no array is on a GPU"
     if not gpu_usable:
         return "cpu", "the GPU engine is not usable here (CuPy, nvCOMP or kvikio missing)"
-    if config.portable and codec in ("auto", *HOST_ROUTED_CODECS):
+    if codec in HOST_ROUTED_CODECS:
+        return "cpu", (f"codec={codec!r}: the CPU engine compresses CUDA state with it faster than nvCOMP does "
+                       "(docs/performance.md)")
+    if config.portable and codec == "auto":
         return "cpu", ("portable=True: the CPU engine compresses CUDA state with the portable codecs faster "
                        "than nvCOMP does (docs/performance.md)")
     return "gpu", "arrays on a GPU"

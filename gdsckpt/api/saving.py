@@ -25,6 +25,7 @@ from ..format.layout import TRAILER_SIZE, unpack_trailer
 from ..io import PosixWriter, StorageWriter
 from ..io.fileobj import FileObjectWriter, is_file_object
 from ..io.s3 import is_url
+from ..pipeline.autotune import WEIGH_MIN_BYTES
 from ..pipeline.load import content_identity
 from ..pipeline.plan import plan_chunks
 from ..pipeline.save import run_save
@@ -160,7 +161,8 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
             if isinstance(path, StorageWriter):
                 raise ValueError("a delta save (base=...) needs a file path, not a storage writer")
             link, delta = _delta_sources(flat, path, base, max_chain, cfg, stack)
-        engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, path, gpu_device)
+        engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, path, gpu_device,
+                                                              weigh_cpu=not delta)
         chunk = cfg.gpu_chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
         plans = plan_chunks(
             [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
@@ -402,47 +404,34 @@ class _WindowSource:
 
 
 def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | StorageWriter,
-                 gpu_device: int | None = None) -> tuple[Any, Any, str, dict[str, Any]]:
-    """The engine and writer factory of a save, the codec it runs, and how ``auto`` chose it
+                 gpu_device: int | None = None, weigh_cpu: bool = True) -> tuple[Any, Any, str, dict[str, Any]]:
+    """The engine and writer factory of a save, the codec it runs, and how ``auto`` chose them
     (``gpu_device``: the GPU to compress on when the arrays are not on one). ``path`` may be a
     ``StorageWriter`` (the null sink): ``auto`` then takes ``config.storage_gbps`` as its speed,
-    or with none set treats the storage as never the bottleneck."""
+    or with none set treats the storage as never the bottleneck.
+
+    ``codec="auto"`` on CUDA state with ``engine="auto"`` weighs the GPU engine's best codec against
+    the CPU engine's portable one (``pipeline.autotune.choose_engine``; ``weigh_cpu=False``, as for
+    a delta, keeps the GPU's choice) and records the figures in the report's ``auto``."""
     device = cuda_device_of(flat) if gpu_device is None else gpu_device
     chosen, why = choose_save_engine(config, codec, device is not None, use_gpu(config, device is not None))
-    decision = {"engine": chosen, "engine_reason": why} if device is not None else {}
+    auto: dict[str, Any] = {"engine": chosen, "engine_reason": why} if device is not None else {}
+    if chosen == "gpu":
+        torch = sys.modules.get("torch")
+        if torch is not None and device is not None:
+            torch.cuda.synchronize(device)  # the snapshot: every queued update has landed
+        if codec != "auto":
+            versioned_name(codec)  # ValueError listing the valid names for an unknown one
+        elif config.portable:  # engine="gpu" and portable: nvCOMP's Zstd, whatever its budget
+            codec = "zstd"
+            auto.update(chose=codec, portable=True)
+        else:
+            weigh = weigh_cpu and config.engine == "auto" and _logical_bytes(flat) >= WEIGH_MIN_BYTES
+            codec, chosen = _gpu_auto(config, flat, path, device or 0, weigh, auto)
     if chosen == "gpu":
         from ..io.kvikio import KvikioWriter
         from ..pipeline.gpu import GpuEncoder
 
-        if codec != "auto":
-            versioned_name(codec)  # ValueError listing the valid names for an unknown one
-        torch = sys.modules.get("torch")
-        if torch is not None and device is not None:
-            torch.cuda.synchronize(device)  # the snapshot: every queued update has landed
-        auto: dict[str, Any] = dict(decision)
-        if codec == "auto" and config.portable:  # engine="gpu" and portable: nvCOMP's Zstd, whatever its budget
-            codec = "zstd"
-            auto.update(chose=codec, portable=True)
-        elif codec == "auto":
-            import cupy
-
-            from ..pipeline.autotune import choose_codec, runnable_candidates, sample_ratios, storage_gbps
-
-            check_path(path)
-            candidates, left_out = runnable_candidates(config.max_staging_bytes, config.gpu_chunk_bytes)
-            if len(candidates) == 1:  # nothing to compare: no storage probe, no sample
-                codec = candidates[0]
-                auto.update(storage_gbps=None, sampled_ratios={}, chose=codec, left_out=left_out)
-            else:
-                with cupy.cuda.Device(device or 0):
-                    stream = cupy.cuda.Stream(non_blocking=True)
-                if isinstance(path, StorageWriter) or is_url(path):
-                    speed = config.storage_gbps if config.storage_gbps is not None else math.inf
-                else:
-                    speed = storage_gbps(Path(path).parent, config.storage_gbps)
-                ratios = sample_ratios([a.source for a in flat.arrays], device or 0, stream, candidates)
-                codec = choose_codec(speed, ratios)
-                auto.update(storage_gbps=speed, sampled_ratios=ratios, chose=codec, left_out=left_out)
         engine = GpuEncoder([a.source for a in flat.arrays], codec=codec, byte_planes=config.byte_planes,
                             device_id=device or 0,
                             chunk_bytes=config.gpu_chunk_bytes, max_staging_bytes=config.max_staging_bytes,
@@ -458,9 +447,59 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
         return engine, make_writer, codec, auto
     adaptive = codec == "auto"
     codec = resolve_host_codec(codec)
-    auto = {"chose": codec, "adaptive": True, **decision} if adaptive else decision
+    if adaptive:
+        auto = {**auto, "chose": codec, "adaptive": True}
     return (host_engine(config, [a.source for a in flat.arrays], codec, adaptive=adaptive), posix_writer, codec,
             auto)
+
+
+def _logical_bytes(flat: FlatState) -> int:
+    return sum(a.source.nbytes for a in flat.arrays if a.source is not None and a.alias is None)
+
+
+def _gpu_auto(config: Config, flat: FlatState, path: PathLike | StorageWriter, device: int, weigh_cpu: bool,
+              auto: dict[str, Any]) -> tuple[str, str]:
+    """``codec="auto"`` for CUDA state: the GPU engine's codec by storage speed and sampled ratios
+    (``pipeline.autotune``), then, with ``weigh_cpu``, the engine: ``("auto", "cpu")`` where the CPU
+    engine's portable codec saves at least about as fast. Fills ``auto`` with what was measured."""
+    import cupy
+
+    from ..pipeline.autotune import (
+        choose_codec,
+        choose_engine,
+        measure_host_codec,
+        runnable_candidates,
+        sample_ratios,
+        storage_gbps,
+    )
+
+    candidates, left_out = runnable_candidates(config.max_staging_bytes, config.gpu_chunk_bytes)
+    if len(candidates) == 1 and not weigh_cpu:  # nothing to compare: no storage probe, no sample
+        auto.update(storage_gbps=None, sampled_ratios={}, chose=candidates[0], left_out=left_out)
+        return candidates[0], "gpu"
+    if isinstance(path, StorageWriter) or is_url(path):
+        speed = config.storage_gbps if config.storage_gbps is not None else math.inf
+    else:
+        check_path(path)
+        speed = storage_gbps(Path(path).parent, config.storage_gbps)
+    sources = [a.source for a in flat.arrays]
+    with cupy.cuda.Device(device):
+        ratios = sample_ratios(sources, device, None, candidates)
+    codec = choose_codec(speed, ratios)
+    auto.update(storage_gbps=speed, sampled_ratios=ratios, chose=codec, left_out=left_out)
+    if not weigh_cpu:
+        return codec, "gpu"
+    host = measure_host_codec(sources, "zstd", config.level, config.byte_planes)
+    engine, figures = choose_engine(speed, codec, ratios[codec], host, config.effective_codec_threads)
+    auto.update(figures)
+    if engine == "cpu":
+        predicted = figures["predicted_gbps"]
+        auto.update(engine="cpu", engine_reason=(
+            f"the CPU engine's portable zstd is predicted at {predicted['cpu:zstd']:.2f} GB/s against "
+            f"{predicted[f'gpu:{codec}']:.2f} for the GPU's {codec} (storage {speed:.2f} GB/s): within "
+            f"{figures['margin']:.0%}, so the file any machine reads"))
+        return "auto", "cpu"
+    return codec, "gpu"
 
 
 def index_template(flat: FlatState, base: dict[str, Any] | None = None) -> Index:

@@ -24,13 +24,26 @@ scratch for 16 MiB chunks, so inside the default 1 GiB budget it compresses one 
 call and saves at 0.05-0.07 GB/s (measured with ``gdsckpt bench`` and on a 0.94 GB state where
 ``auto`` had picked it by its ratio: 13.9 s for a save ANS makes in 0.5 s). With one candidate
 left there is nothing to compare: no storage probe, no sample.
+
+The same comparison also weighs the engines (``choose_engine``). For CUDA state of at least
+``WEIGH_MIN_BYTES`` the CPU engine's portable codec (byte planes + zstd on the codec threads) is a
+candidate beside the GPU's best: its speed is ``min(measured host speed, storage speed x its
+ratio)``, where the host speed is one codec thread's measured pace on the sample (reading the bytes
+to host memory, byte planes and zstd, as the engine runs them) times the codec threads the host
+has, times ``CPU_PARALLEL_EFFICIENCY``. The portable file wins whenever it is within
+``PORTABLE_MARGIN`` of the GPU's speed: on a disk that holds both back it costs nothing and any
+machine reads it; on a fast tier only the GPU keeps up and ANS stays. Below ``WEIGH_MIN_BYTES``
+the save is fixed costs, which the storage probe and the sample would outweigh, and the GPU
+engine's choice stands.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +88,76 @@ def choose_codec(storage_gbps: float, ratios: dict[str, float],
     if not ratios:
         raise ValueError("no candidate codecs to choose from")
     return max(ratios, key=lambda name: (min(speeds[name], storage_gbps * ratios[name]), ratios[name]))
+
+
+PORTABLE_MARGIN = 0.05
+"""The portable CPU engine is chosen when its predicted speed is at least ``1 - PORTABLE_MARGIN``
+of the GPU engine's: a file any machine reads is worth that much."""
+CPU_PARALLEL_EFFICIENCY = 0.8
+"""Fraction of ``threads x one thread's pace`` the CPU engine is predicted to reach (memory
+bandwidth and the device-to-host copies are shared by its threads)."""
+WEIGH_MIN_BYTES = 256 << 20
+"""CUDA states smaller than this keep the GPU engine's choice without weighing the CPU engine."""
+
+
+@dataclass(frozen=True)
+class HostCodecPace:
+    """The CPU engine's ``codec`` measured on a sample: one thread's raw bytes per second
+    (reading the bytes to host memory included) and the ratio it reached."""
+
+    codec: str
+    gbps_per_thread: float
+    ratio: float
+
+
+def measure_host_codec(sources: list[Any], codec: str = "zstd", level: int | None = None,
+                       byte_planes: str = "auto") -> HostCodecPace:
+    """Run the CPU engine's compressors on the sample ``sample_ratios`` takes (the first MiBs of
+    the largest arrays) on this thread, timing what one codec thread does per chunk: read the
+    bytes to host memory (``host_bytes``: a device-to-host copy for CUDA state), byte planes where
+    ``byte_planes`` and a smaller result call for them, compress."""
+    from ..codecs.cpu import BYTE_PLANES, host_encoder, host_planes_encoder
+
+    plain_codec, planes_codec = host_encoder(codec, level), host_planes_encoder(codec, level)
+    raw = stored = 0
+    seconds = 0.0
+    for source, take in _sample_spans(sources):
+        started = time.perf_counter()
+        data = np.ascontiguousarray(source.host_bytes(0, take))
+        read = time.perf_counter() - started
+        variants = []
+        width = source.plane_width
+        if byte_planes != "always" or width not in (2, 4, 8):
+            started = time.perf_counter()
+            variants.append((len(plain_codec.encode(data)), time.perf_counter() - started))
+        if byte_planes != "never" and width in (2, 4, 8):
+            started = time.perf_counter()
+            size = len(planes_codec.encode(BYTE_PLANES.forward(data, {"width": width})))
+            variants.append((size, time.perf_counter() - started))
+        size, spent = min(variants)
+        raw += take
+        stored += min(size, take)
+        seconds += read + spent
+    if not raw:
+        return HostCodecPace(codec, math.inf, 1.0)
+    return HostCodecPace(codec, raw / max(seconds, 1e-9) / 1e9, raw / max(stored, 1))
+
+
+def choose_engine(storage_gbps: float, gpu_codec: str, gpu_ratio: float, host: HostCodecPace,
+                  threads: int) -> tuple[str, dict[str, Any]]:
+    """``"gpu"`` or ``"cpu"`` and the figures behind it (module docstring): each engine's
+    predicted save speed, ``min(codec speed, storage speed x ratio)``, the CPU engine's codec
+    speed being ``host.gbps_per_thread x threads x CPU_PARALLEL_EFFICIENCY``; the CPU engine wins
+    at ``1 - PORTABLE_MARGIN`` of the GPU's speed or more."""
+    gpu = min(CODEC_GBPS[gpu_codec], storage_gbps * gpu_ratio)
+    cpu_codec = host.gbps_per_thread * threads * CPU_PARALLEL_EFFICIENCY
+    cpu = min(cpu_codec, storage_gbps * host.ratio)
+    chosen = "cpu" if cpu >= (1 - PORTABLE_MARGIN) * gpu else "gpu"
+    return chosen, {
+        "predicted_gbps": {f"gpu:{gpu_codec}": gpu, f"cpu:{host.codec}": cpu},
+        "cpu_codec_gbps": cpu_codec, "cpu_threads": threads, "cpu_ratio": host.ratio,
+        "margin": PORTABLE_MARGIN,
+    }
 
 
 def batch_slots(max_staging_bytes: int, chunk_bytes: int) -> dict[str, int]:
@@ -160,6 +243,19 @@ def storage_gbps(directory: Path, override: float | None = None) -> float:
     return speed
 
 
+def _sample_spans(sources: list[Any]) -> list[tuple[Any, int]]:
+    """(source, bytes) of the sample: the first ``SAMPLE_BYTES_PER_ARRAY`` (whole elements) of each
+    of the ``SAMPLE_ARRAYS`` largest arrays."""
+    largest = sorted((s for s in sources if s is not None and s.nbytes), key=lambda s: -s.nbytes)[:SAMPLE_ARRAYS]
+    spans = []
+    for source in largest:
+        width = max(source.itemsize, 1)
+        take = min(source.nbytes, SAMPLE_BYTES_PER_ARRAY) // width * width
+        if take:
+            spans.append((source, take))
+    return spans
+
+
 def sample_ratios(sources: list[Any], device_id: int, stream: Any = None,
                   candidates: tuple[str, ...] | list[str] = CANDIDATES) -> dict[str, float]:
     """Compression ratio of each of ``candidates`` on a sample of the largest arrays (GPU), in
@@ -191,13 +287,10 @@ def sample_ratios_on(device: Any, sources: list[Any],
     """``sample_ratios`` on a ``codecs.device.DeviceBackend`` (the GPU's, or the tests' stand-in)."""
     from ..codecs.device import ans_data_type, planes_forward_into
 
-    largest = sorted((s for s in sources if s is not None and s.nbytes), key=lambda s: -s.nbytes)[:SAMPLE_ARRAYS]
-    if not largest:
+    spans = _sample_spans(sources)
+    if not spans:
         return {name: 1.0 for name in candidates}
-    samples = []
-    for source in largest:
-        take = min(source.nbytes, SAMPLE_BYTES_PER_ARRAY) // max(source.itemsize, 1) * max(source.itemsize, 1)
-        samples.append((source.device_bytes(0, take), source.plane_width))
+    samples = [(source.device_bytes(0, take), source.plane_width) for source, take in spans]
     raw = sum(s.nbytes for s, _ in samples)
     ratios = {}
     with device.on_stream():

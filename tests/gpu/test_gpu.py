@@ -209,7 +209,7 @@ def test_nvcomp_raw_streams_interoperate_with_cpu_libraries(codec):
 def test_gpu_round_trip_every_codec(tmp_path, codec):
     state = _state()
     path = tmp_path / f"{codec}.gdsckpt"
-    config = gdsckpt.Config(pack_below=16 << 10)
+    config = gdsckpt.Config(pack_below=16 << 10, engine="gpu")  # zstd, lz4, deflate: nvCOMP too
     report = gdsckpt.save(state, path, codec=codec, chunk_bytes=64 << 10, config=config)
     assert report.chunks > 10
     assert report.engine == "gpu" and report.backend.startswith("kvikio-")
@@ -220,11 +220,15 @@ def test_gpu_round_trip_every_codec(tmp_path, codec):
     gdsckpt.verify(path)
 
 
+@pytest.mark.parametrize("engine", ["auto", "gpu"])
 @pytest.mark.parametrize("codec", PORTABLE)
-def test_gpu_written_portable_codecs_load_on_cpu_engine(tmp_path, codec):
+def test_gpu_written_portable_codecs_load_on_cpu_engine(tmp_path, codec, engine):
+    """A portable codec named for CUDA state runs the CPU engine (``none``: kvikio writes the raw
+    bytes), or nvCOMP with ``engine="gpu"``; either file loads on the CPU engine."""
     state = _state()
     path = tmp_path / "g.gdsckpt"
-    gdsckpt.save(state, path, codec=codec, chunk_bytes=64 << 10)
+    report = gdsckpt.save(state, path, codec=codec, chunk_bytes=64 << 10, config=gdsckpt.Config(engine=engine))
+    assert report.engine == ("gpu" if engine == "gpu" or codec == "none" else "cpu"), report
     cpu = gdsckpt.load(path, config=gdsckpt.Config(engine="cpu"))
     _assert_same(state, cpu)
 
@@ -324,6 +328,29 @@ def test_auto_codec_chooses_by_storage_speed_and_sampled_ratio(tmp_path):
     assert fast.codec == "ans"  # no storage is slow enough for zstd's 8 GB/s to win
     _assert_same(_state(), gdsckpt.load(tmp_path / "a.gdsckpt", device="cuda"))
     _assert_same(_state(), gdsckpt.load(tmp_path / "d.gdsckpt", device="cuda"))
+
+
+@pytest.mark.parametrize(("storage", "engine"), [(1.0, "cpu"), (1000.0, "gpu")])
+def test_auto_weighs_the_portable_cpu_engine_against_the_gpu(tmp_path, monkeypatch, storage, engine):
+    """``codec="auto"`` on CUDA state above ``WEIGH_MIN_BYTES`` (lowered here): on storage of 1 GB/s
+    both engines are held by the disk and the portable CPU engine is taken; at 1000 GB/s only
+    the GPU keeps up. The figures behind the choice are in the report."""
+    from gdsckpt.api import saving
+
+    monkeypatch.setattr(saving, "WEIGH_MIN_BYTES", 1 << 20)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    state = {"w": torch.randn(1 << 21, device="cuda", generator=g) * 0.02,
+             "h": (torch.randn(1 << 21, device="cuda", generator=g) * 0.02).to(torch.bfloat16)}
+    path = tmp_path / "w.gdsckpt"
+    report = gdsckpt.save(state, path, config=gdsckpt.Config(storage_gbps=storage))
+    assert report.engine == engine and report.auto["engine"] == engine, report.auto
+    predicted = report.auto["predicted_gbps"]
+    assert set(predicted) == {"gpu:ans", "cpu:zstd"} and all(v > 0 for v in predicted.values())
+    assert report.auto["cpu_threads"] > 0 and report.auto["cpu_ratio"] > 1.0 and report.auto["engine_reason"]
+    assert gdsckpt.inspect(path).portable == (engine == "cpu")
+    _assert_same(state, gdsckpt.load(path, device="cuda"))
+    small = gdsckpt.save({"w": state["w"][:1000]}, tmp_path / "s.gdsckpt", config=gdsckpt.Config(storage_gbps=storage))
+    assert small.engine == "gpu" and "predicted_gbps" not in small.auto  # below the bound: not weighed
 
 
 _ALLOCATOR_CHILD = """

@@ -20,8 +20,9 @@ from gdsckpt.demo import bit_equal, train_steps, training_state
 
 SNAPSHOT_MODES = {
     # name: (config, pool kind of the CUDA tensors' snapshot buffers, engine expected)
-    "device": (gdsckpt.Config(snapshot_gpu_bytes=1 << 40), "cuda:0", "gpu"),
-    "pinned": (gdsckpt.Config(snapshot_gpu_bytes=0), "pinned", "gpu"),
+    # zstd on CUDA state runs the CPU engine unless engine="gpu" sends it through nvCOMP
+    "device": (gdsckpt.Config(snapshot_gpu_bytes=1 << 40, engine="gpu"), "cuda:0", "gpu"),
+    "pinned": (gdsckpt.Config(snapshot_gpu_bytes=0, engine="gpu"), "pinned", "gpu"),
     "pinned-cpu-engine": (gdsckpt.Config(snapshot_gpu_bytes=0, engine="cpu"), "pinned", "cpu"),
 }
 

@@ -49,9 +49,10 @@ def _equal(a, b) -> bool:
 def test_gpu_delta_chain_round_trips(tmp_path, codec):
     states = _states(4)
     paths = [tmp_path / f"c{i}.gdsckpt" for i in range(4)]
-    reports = [gdsckpt.save(states[0], paths[0], codec=codec)]
+    gpu = gdsckpt.Config(engine="gpu")  # zstd on CUDA state would run the CPU engine
+    reports = [gdsckpt.save(states[0], paths[0], codec=codec, config=gpu)]
     for i in range(1, 4):
-        reports.append(gdsckpt.save(states[i], paths[i], codec=codec, base=paths[i - 1]))
+        reports.append(gdsckpt.save(states[i], paths[i], codec=codec, base=paths[i - 1], config=gpu))
     assert all(r.engine == "gpu" for r in reports)
     assert [r.delta_tensors > 0 for r in reports] == [False, True, True, True]
     for state, path in zip(states, paths):

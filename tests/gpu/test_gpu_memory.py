@@ -99,7 +99,7 @@ def test_gpu_memory_within_staging_budget_for_a_state_four_times_larger(tmp_path
     logical = sum(t.nbytes for t in state.values())
     assert logical == 4 * STAGING
     # A restore's ring is sized from free memory unless configured: here it is held to the bound.
-    config = gdsckpt.Config(max_staging_bytes=STAGING, restore_staging_bytes=STAGING)
+    config = gdsckpt.Config(max_staging_bytes=STAGING, restore_staging_bytes=STAGING, engine="gpu")
     path = tmp_path / "big.gdsckpt"
     bound = STAGING * 1.05
     with _Peak() as save_peak:
