@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -154,6 +155,26 @@ def seaweedfs(directory: Path, timeout: float = 60.0) -> Iterator[str]:
         yield server.start()
     finally:
         server.close()
+
+
+AWS_NAMES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
+
+
+@contextlib.contextmanager
+def aws_environment(endpoint: str, key: str, secret: str) -> Iterator[None]:
+    """The AWS environment pointing at ``endpoint`` with these credentials for the ``with`` block,
+    the previous values restored afterwards."""
+    saved = {name: os.environ.get(name) for name in AWS_NAMES}
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret,
+                      AWS_REGION="us-east-1")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def create_bucket(endpoint: str, name: str, timeout: float = 30.0) -> None:

@@ -79,6 +79,17 @@ def test_save_load_bench_cuda_skips_cleanly_without_cuda(tmp_path: Path) -> None
     assert report["results"] == {} and report["checks"] == {} and report["bit_exact"] is None
 
 
+def test_portable_bench_skips_cleanly_without_cuda(tmp_path: Path) -> None:
+    """The portable benchmark measures CUDA state only (issue 19's GPU-host figures)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: the GPU run is the GPU host's")
+    report = run(tmp_path, "portable_bench.py", "--size", "4MiB")
+    assert "needs CUDA" in report["skipped"]["all"]
+    assert report["results"] == {} and report["checks"] == {} and report["bit_exact"] is None
+
+
 def test_async_bench_cpu(tmp_path: Path) -> None:
     report = run(tmp_path, "async_bench.py", "--device", "cpu", *TINY, "--steps-before", "1", "--rounds", "1",
                  "--train-steps", "4", "--every", "2", "--workers", "thread", "--timeout", "60")

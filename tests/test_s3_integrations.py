@@ -10,7 +10,6 @@ that checks credentials (so that wrong ones fail):
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import warnings
@@ -21,7 +20,7 @@ from typing import Any
 import obstore
 import pytest
 import torch
-from seaweed import SeaweedServer
+from seaweed import SeaweedServer, aws_environment
 
 import gdsckpt
 from gdsckpt.errors import CheckpointError, RemoteUploadError, RemoteUploadWarning, SkippedCheckpointWarning
@@ -35,22 +34,13 @@ KEY, SECRET = "gdsckpt-test", "gdsckpt-test-secret"
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
     """A running server with bucket ``ckpt``, the AWS environment pointing at it for the module.
     A test that stops it starts it again before it ends."""
-    names = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
-    saved = {name: os.environ.get(name) for name in names}
     weed = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"), credentials=(KEY, SECRET))
-    endpoint = weed.start()
     try:
-        os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
-                          AWS_REGION="us-east-1")
-        weed.create_bucket(BUCKET)
-        yield weed
+        with aws_environment(weed.start(), KEY, SECRET):
+            weed.create_bucket(BUCKET)
+            yield weed
     finally:
         weed.close()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @pytest.fixture
