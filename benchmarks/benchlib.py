@@ -236,21 +236,29 @@ def files_of(path: Path) -> list[Path]:
 
 
 def fsync_tree(path: Path) -> None:
-    for file in files_of(path):
+    """Make ``path`` (a file, or a directory and every file under it) durable as ``gdsckpt.save``
+    makes its file: the contents, and the directory entries that name them (a new file whose
+    directory was not fsynced may be missing after a crash)."""
+    from gdsckpt.io.posix import fsync_directory
+
+    files = files_of(path)
+    for file in files:
         fd = os.open(file, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+    for directory in sorted({file.parent for file in files} | {path.parent}):
+        fsync_directory(directory)
 
 
 def durable_torch_save(state: Any, path: Path) -> None:
+    """``torch.save`` with its file and directory entry fsynced (``fsync_tree``)."""
     import torch
 
     with path.open("wb") as handle:
         torch.save(state, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    fsync_tree(path)
 
 
 def can_drop_caches() -> bool:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..io.posix import fsync_directory
+
 
 class Block(nn.Module):
     """A pre-norm transformer block: causal self-attention and an MLP."""
@@ -121,15 +123,7 @@ def _durable_torch_save(state: Any, path: Path) -> None:
         torch.save(state, handle)
         handle.flush()
         os.fsync(handle.fileno())
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_directory(path.parent)
 
 
 def _evict(path: Path) -> bool:

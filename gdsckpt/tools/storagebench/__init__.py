@@ -13,7 +13,8 @@ state, this measures, on the same bytes and in one run:
   from ``io.PreloadedReader`` (the file in host memory), per engine;
 - the baselines ``torch.save`` / ``torch.load`` and safetensors ``save_file`` / ``load_file``.
 
-Method (the same for every side): every save is durable (fsync inside the timing); every load is
+Method (the same for every side): every save is durable (fsync of the file and of its directory
+inside the timing); every load is
 cold as far as this host can make it (the file is fsynced and dropped from the page cache with
 ``posix_fadvise(DONTNEED)`` right before the read; a remote or virtual disk may still serve it from
 its own cache), then repeated warm (the file now in the page cache: the tier a fast NVMe array

@@ -253,8 +253,8 @@ class BenchReport:
         """The JSON document the ``gdsckpt bench`` command writes (schema ``SCHEMA``)."""
         return {"schema": SCHEMA, "gdsckpt": __version__, "date": self.date, "seconds": self.seconds,
                 "host": self.host, "settings": self.settings.to_json(), "data": self.data,
-                "method": {"save": "durable: fsync of the file (and, for gdsckpt and raw writes, of "
-                                   "its directory after the atomic rename) inside the timing",
+                "method": {"save": "durable: fsync of the file and of its directory (gdsckpt after its "
+                                   "atomic rename) inside the timing, every side",
                            "load": COLD_READ_METHOD, "cold_read_note": COLD_READ_NOTE,
                            "statistic": f"median of {self.settings.repeats} round-robin repeats",
                            "unit": "GB/s = 10**9 logical tensor bytes per wall second"},

@@ -21,6 +21,7 @@ from ...codecs import PORTABLE_CODECS
 from ...config import Config
 from ...format import align_up
 from ...io import PosixReader, PosixWriter, aligned_empty
+from ...io.posix import fsync_directory
 from .data import describe_data, flat_tensors, logical_bytes_for, same_bits, synthetic_state
 from .host import available_memory, check_target, filesystem_of, host_info, space_needed
 from .results import (
@@ -307,7 +308,9 @@ def _null_case(side: _Side, codec: str, base: Config, logical: int) -> _Case:
 
 
 def _baseline_case(side: _Side, name: str, logical: int) -> _Case:
-    """``torch.save`` + fsync / ``torch.load``, or safetensors ``save_file`` + fsync / ``load_file``."""
+    """``torch.save`` + fsync / ``torch.load``, or safetensors ``save_file`` + fsync / ``load_file``.
+    A save fsyncs the file and its directory, as gdsckpt's does: a new file is durable only once
+    its name is."""
     import torch
 
     m = Measurement(name, "baseline", side.device, logical_bytes=logical)
@@ -317,6 +320,7 @@ def _baseline_case(side: _Side, name: str, logical: int) -> _Case:
                 torch.save(side.state, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
+            fsync_directory(path.parent)  # the new file's name, as gdsckpt's save makes durable
             return {"backend": "torch.save"}
 
         def load(path: Path) -> Any:
@@ -332,6 +336,7 @@ def _baseline_case(side: _Side, name: str, logical: int) -> _Case:
     def save_st(path: Path) -> dict[str, Any]:
         save_file(side.tensors, str(path))
         fsync_file(path)
+        fsync_directory(path.parent)
         return {"backend": "safetensors.save_file"}
 
     def load_st(path: Path) -> Any:
