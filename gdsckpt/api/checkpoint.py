@@ -4,6 +4,7 @@ the lazily read file that ``gdsckpt.open`` returns.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import threading
@@ -99,9 +100,11 @@ def _make_target(record: TensorRecord, device: str | None) -> Any:
 def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int], config: Config,
                     make_target: Any, gpu_device: int | None = None,
                     progress: Progress | None = None,
-                    windows: dict[int, tuple[int, int]] | None = None) -> dict[int, Any]:
+                    windows: dict[int, tuple[int, int]] | None = None, engine: Any = None) -> dict[int, Any]:
     """Restore the arrays ``ids`` (aliases resolved) and return id -> finished object.
-    ``windows``: data array id -> the byte range of it to restore (``run_restore``)."""
+    ``windows``: data array id -> the byte range of it to restore (``run_restore``). ``engine``:
+    a decoding engine the caller keeps (and closes) across restores; by default one is made for
+    this restore and closed after it."""
     index = opened.index
     ids = list(ids)
     data_ids = sorted({stored_id(index, i) for i in ids})
@@ -122,12 +125,15 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
                                      f"{list(record.shape)} array {record.key!r}, which the delta needs")
             start = (windows or {}).get(i, (0, 0))[0]
             targets[i] = XorTarget(targets[i], base_reader.view(base_record.key), start)
-    engine = restore_engine(config, gpu_device)
+    owned = engine is None
+    if engine is None:
+        engine = restore_engine(config, gpu_device)
     try:
         run_restore(reader, index, engine, targets, timeout=config.timeout, progress=progress,
                     windows=windows, max_inflight_bytes=inflight_budget(config, engine))
     finally:
-        engine.close()
+        if owned:
+            engine.close()
     finished = {i: target.finish() for i, target in targets.items()}
     for i in ids:
         alias = index.tensors[i].alias
@@ -220,6 +226,10 @@ class Checkpoint:
             self._reader.close()
             raise
         self._by_key = {record.key: i for i, record in enumerate(self._opened.index.tensors)}
+        self._window_lock = threading.Lock()
+        self._window_restorers: dict[int | None, tuple[Any, StorageReader, contextlib.ExitStack]] = {}
+        """GPU device (None: the CPU engine) -> the engine, data reader and their exit stack that
+        ``_read_many`` keeps across its restores (closed by ``close``)."""
 
     def keys(self) -> list[str]:
         """Key strings of every array, in file order."""
@@ -297,7 +307,7 @@ class Checkpoint:
         """A ``BaseReader`` of this checkpoint's arrays (deltas resolved): what a delta built on it
         XORs with, and what ``rebase`` writes out."""
         sizes = {record.key: record.nbytes for record in self._opened.index.tensors if record.alias is None}
-        return BaseReader(_CheckpointArrays(self), sizes)
+        return BaseReader(_CheckpointArrays(self), sizes, timeout=self._config.timeout)
 
     def _read_many(self, requests: list[tuple[str, int, int]], device: Any = None) -> list[Any]:
         """Bytes ``[start, stop)`` of each named array (distinct, not aliases) as flat uint8 arrays
@@ -314,16 +324,42 @@ class Checkpoint:
             windows[i] = (start, stop)
             records[i] = window
         gpu_device = restore_gpu_device(self._config, target_device, index, ids)
-        with open_data_reader(self._source, self._config, self._reader, gpu_device) as data_reader:
+        with self._window_lock:
+            engine, data_reader = self._window_restorer(gpu_device)
             arrays = restore_arrays(data_reader, self._opened, ids, self._config,
                                      lambda i, _record: new_target(records[i], target_device), gpu_device,
-                                     windows=windows)
+                                     windows=windows, engine=engine)
         return [arrays[i] for i in ids]
+
+    def _window_restorer(self, gpu_device: int | None) -> tuple[Any, StorageReader]:
+        """The engine and data reader of ``_read_many``'s restores on ``gpu_device``, made on first
+        use and kept until ``close``: a ``rebase`` or ``convert`` reads a checkpoint in many small
+        windows, and a GPU decoder (streams, worker thread, pinned bounce buffer) and a second
+        file handle per window cost more than reading the window (caller holds ``_window_lock``)."""
+        kept = self._window_restorers.get(gpu_device)
+        if kept is None:
+            stack = contextlib.ExitStack()
+            try:
+                data_reader = stack.enter_context(open_data_reader(self._source, self._config, self._reader,
+                                                                   gpu_device))
+                engine = restore_engine(self._config, gpu_device)
+                stack.callback(engine.close)
+            except BaseException:
+                stack.close()
+                raise
+            kept = self._window_restorers[gpu_device] = (engine, data_reader, stack)
+        return kept[0], kept[1]
 
     def close(self) -> None:
         """Close the file (and the base a delta's reads opened)."""
-        self._opened.close_base()
-        self._reader.close()
+        with self._window_lock:
+            restorers, self._window_restorers = list(self._window_restorers.values()), {}
+        try:
+            for _engine, _reader, stack in restorers:
+                stack.close()
+        finally:
+            self._opened.close_base()
+            self._reader.close()
 
     def __enter__(self) -> Checkpoint:
         return self

@@ -71,8 +71,15 @@ def save(state: Any, path: PathLike | StorageWriter | BinaryIO, *, codec: str = 
     returns; on any error before the rename ``path`` keeps its previous content and no temporary
     file remains. (Should the directory's fsync after the rename fail, ``path`` already holds the
     new, complete checkpoint and the ``OSError`` is raised: its entry may not be durable yet.)
-    ``codec``: ``"auto"`` (byte planes where they help + zstd on the CPU), ``"zstd"``,
-    ``"lz4"``, ``"deflate"``, ``"none"``; ``"auto"`` defers to ``config.codec``.
+    ``codec``: ``"auto"``, ``"zstd"``, ``"lz4"``, ``"deflate"``, ``"none"``, or a GPU-only codec
+    (``"ans"``, ...); ``"auto"`` defers to ``config.codec``. ``"auto"`` on the CPU engine is byte
+    planes where they help + zstd, a chunk stored as it is while the storage waits for the codec
+    threads. For CUDA state it is the GPU's best codec by measured storage speed and sampled
+    ratios (nvCOMP ANS on most storage), except that a state of 256 MiB or more goes to the CPU
+    engine's portable zstd when that is predicted to save at least 95% as fast: on a disk that
+    holds both engines back the file any machine reads costs nothing (``pipeline.autotune``;
+    ``SaveReport.auto`` records the figures). ``"zstd"``, ``"lz4"`` and ``"deflate"`` named for
+    CUDA state run on the CPU engine, faster than nvCOMP's, unless ``config.engine == "gpu"``.
     ``chunk_bytes`` overrides ``config.chunk_bytes`` and ``config.gpu_chunk_bytes``. Raises
     ``TypeError`` naming the key path of
     any value that cannot be saved. ``progress``: see ``Progress``.

@@ -1,0 +1,149 @@
+"""``state.delta.BaseReader``: the windowed, cached reader that ``rewrite`` (``convert``,
+``rebase``) and delta saves read a checkpoint's arrays through: one fetch per window whatever the
+number of threads asking, one fetch at a time, a failed fetch retried by a thread that waited for
+it, and a checkpoint reading windows keeps one decoding engine for all of them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gdsckpt
+from gdsckpt.state import delta as delta_module
+from gdsckpt.state.delta import BaseReader
+
+WINDOW = 4096
+
+
+class _Arrays:
+    """A base of arrays whose bytes are their offsets mod 251; records each ``read_many``."""
+
+    def __init__(self, sizes: dict[str, int], fail: set[tuple[str, int]] | None = None, delay: float = 0.0):
+        self.sizes = sizes
+        self.calls: list[tuple[str, list[tuple[str, int, int]]]] = []
+        self.fail = fail or set()
+        self.delay = delay
+        self.lock = threading.Lock()
+
+    def read_many(self, requests: list[tuple[str, int, int]], device: Any) -> list[Any]:
+        assert device is None
+        with self.lock:
+            self.calls.append((threading.current_thread().name, list(requests)))
+            failing = (requests[0][0], requests[0][1]) in self.fail
+            self.fail.discard((requests[0][0], requests[0][1]))
+        time.sleep(self.delay)
+        if failing:
+            raise OSError("injected read failure")
+        return [(np.arange(start, stop) % 251).astype(np.uint8) for _key, start, stop in requests]
+
+
+@pytest.fixture(autouse=True)
+def _small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(delta_module, "HOST_WINDOW_BYTES", WINDOW)
+
+
+def _expected(start: int, stop: int) -> np.ndarray:
+    return (np.arange(start, stop) % 251).astype(np.uint8)
+
+
+def test_only_asked_windows_are_fetched_one_at_a_time() -> None:
+    """Threads asking for different windows fetch them in turn (at most one restore at a time),
+    each once, and nothing is read ahead."""
+    arrays = _Arrays({"a": 4 * WINDOW}, delay=0.05)
+    reader = BaseReader(arrays, arrays.sizes)
+    active, most = [0], [0]
+    original = arrays.read_many
+
+    def counting(requests: list[tuple[str, int, int]], device: Any) -> list[Any]:
+        with arrays.lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        try:
+            return original(requests, device)
+        finally:
+            with arrays.lock:
+                active[0] -= 1
+
+    arrays.read_many = counting  # type: ignore[method-assign]
+    got: dict[int, np.ndarray] = {}
+    threads = [threading.Thread(target=lambda w=w: got.__setitem__(w, reader.read("a", w * WINDOW, w * WINDOW + 9,
+                                                                                  None)))
+               for w in (0, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert most[0] == 1
+    assert sorted(requests[0][:2] for _name, requests in arrays.calls) == [("a", 0), ("a", 2 * WINDOW)]
+    assert all(np.array_equal(got[w], _expected(w * WINDOW, w * WINDOW + 9)) for w in (0, 2))
+
+
+def test_threads_asking_for_one_window_share_one_fetch() -> None:
+    arrays = _Arrays({"a": 2 * WINDOW}, delay=0.2)
+    reader = BaseReader(arrays, arrays.sizes)
+    results: list[np.ndarray] = []
+    threads = [threading.Thread(target=lambda i=i: results.append(reader.read("a", i * 100, i * 100 + 64, None)))
+               for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(arrays.calls) == 1 and len(results) == 8
+    assert sorted(int(r[0]) for r in results) == sorted(int(_expected(i * 100, i * 100 + 1)[0]) for i in range(8))
+
+
+def test_a_thread_whose_awaited_fetch_failed_fetches_the_window_itself() -> None:
+    arrays = _Arrays({"a": 2 * WINDOW}, fail={("a", 0)}, delay=0.1)
+    reader = BaseReader(arrays, arrays.sizes)
+    outcome: list[Any] = []
+
+    def first() -> None:
+        try:
+            reader.read("a", 0, 10, None)
+        except OSError as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    time.sleep(0.03)  # the first thread's fetch is under way
+    assert np.array_equal(reader.read("a", 5, 20, None), _expected(5, 20))
+    thread.join(timeout=30)
+    assert len(outcome) == 1 and "injected" in str(outcome[0])
+    assert [requests[0][:2] for _name, requests in arrays.calls] == [("a", 0), ("a", 0)]
+
+
+def test_a_fetch_that_fails_for_its_caller_raises() -> None:
+    arrays = _Arrays({"a": 2 * WINDOW}, fail={("a", 0)})
+    reader = BaseReader(arrays, arrays.sizes)
+    with pytest.raises(OSError, match="injected"):
+        reader.read("a", 0, 10, None)
+    assert np.array_equal(reader.read("a", 0, 10, None), _expected(0, 10))  # nothing cached the failure
+
+
+def test_a_checkpoint_read_in_windows_keeps_one_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      h: Any) -> None:
+    """A convert reads its source in many windows through one engine (and one data reader)."""
+    from gdsckpt.api import checkpoint as checkpoint_module
+
+    made: list[Any] = []
+    original = checkpoint_module.restore_engine
+
+    def counting(config: Any, gpu_device: Any) -> Any:
+        engine = original(config, gpu_device)
+        made.append(engine)
+        return engine
+
+    monkeypatch.setattr(checkpoint_module, "restore_engine", counting)
+    state = {f"w{i}": torch.randn(5000, generator=torch.Generator().manual_seed(i)) for i in range(6)}
+    source = tmp_path / "a.gdsckpt"
+    gdsckpt.save(state, source, codec="zstd", config=gdsckpt.Config(chunk_bytes=4096))
+    made.clear()
+    gdsckpt.convert(source, tmp_path / "b.gdsckpt", codec="lz4", config=gdsckpt.Config(chunk_bytes=4096))
+    assert len(made) == 1, made  # about 30 windows of 4 KiB
+    h.assert_same(state, gdsckpt.load(tmp_path / "b.gdsckpt"))
