@@ -29,11 +29,15 @@ class SaveReport:
     chains: dict[str, int] = field(default_factory=dict)
     """How many chunks used each codec chain, e.g. ``{"byteplanes/1+zstd/1": 12, "none/1": 1}``."""
     auto: dict[str, Any] = field(default_factory=dict)
-    """For ``codec="auto"`` on the GPU: ``storage_gbps`` and ``sampled_ratios`` the choice used,
-    ``chose``, and ``left_out`` (candidate -> why the staging budget ruled it out; with a single
-    candidate left nothing is measured and ``storage_gbps`` is None). On the CPU: ``chose`` (the
-    codec), ``adaptive`` (True) and ``stored_as_is``: the chunks stored uncompressed because the
-    storage was waiting for the codec threads (``gdsckpt.pipeline.engine``, adaptive compression)."""
+    """For a save of CUDA state: ``engine`` and ``engine_reason``. For ``codec="auto"`` on the GPU:
+    ``storage_gbps`` and ``sampled_ratios`` the choice used, ``chose``, and ``left_out`` (candidate
+    -> why the staging budget ruled it out; with a single candidate left and no engines to weigh
+    nothing is measured and ``storage_gbps`` is None). Where the engines were weighed (CUDA state
+    of ``pipeline.autotune.WEIGH_MIN_BYTES`` or more): ``gpu_codec`` (the GPU's best),
+    ``predicted_gbps`` (``"gpu:<codec>"`` and ``"cpu:zstd"``), ``cpu_codec_gbps``, ``cpu_threads``,
+    ``cpu_ratio`` and ``margin``. On the CPU engine: ``chose`` (the codec), ``adaptive`` (True) and
+    ``stored_as_is``: the chunks stored uncompressed because the storage was waiting for the codec
+    threads (``gdsckpt.pipeline.engine``, adaptive compression)."""
     base: str | None = None
     """The base checkpoint of a delta save (as the index records it), None for a full one."""
     delta_tensors: int = 0

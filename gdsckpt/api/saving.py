@@ -498,7 +498,7 @@ def _gpu_auto(config: Config, flat: FlatState, path: PathLike | StorageWriter, d
         return codec, "gpu"
     host = measure_host_codec(sources, "zstd", config.level, config.byte_planes)
     engine, figures = choose_engine(speed, codec, ratios[codec], host, config.effective_codec_threads)
-    auto.update(figures)
+    auto.update(figures, gpu_codec=codec)
     if engine == "cpu":
         predicted = figures["predicted_gbps"]
         auto.update(engine="cpu", engine_reason=(

@@ -346,6 +346,7 @@ def test_auto_weighs_the_portable_cpu_engine_against_the_gpu(tmp_path, monkeypat
     assert report.engine == engine and report.auto["engine"] == engine, report.auto
     predicted = report.auto["predicted_gbps"]
     assert set(predicted) == {"gpu:ans", "cpu:zstd"} and all(v > 0 for v in predicted.values())
+    assert report.auto["gpu_codec"] == "ans" and report.auto["chose"] == report.codec
     assert report.auto["cpu_threads"] > 0 and report.auto["cpu_ratio"] > 1.0 and report.auto["engine_reason"]
     assert gdsckpt.inspect(path).portable == (engine == "cpu")
     _assert_same(state, gdsckpt.load(path, device="cuda"))
