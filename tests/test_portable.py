@@ -14,6 +14,7 @@ import torch
 
 import gdsckpt
 from gdsckpt.api.resolve import choose_save_engine
+from gdsckpt.state import flatten
 
 
 def _state() -> dict[str, Any]:
@@ -208,3 +209,24 @@ def test_host_codec_pace_measures_what_the_cpu_engine_stores(tmp_path: Path) -> 
         c.stored_bytes for c in gdsckpt.inspect(tmp_path / "w.gdsckpt").chunks), rel=0.02)
     never = measure_host_codec([TorchSource(weights, "bfloat16")], byte_planes="never")
     assert never.ratio < pace.ratio  # bf16 weights: planes separate the predictable high bytes
+
+
+def test_engines_are_weighed_for_full_foreground_saves_only(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delta (its XOR sources read on the GPU) and a background save (whose CPU threads would
+    compete with training) keep the GPU engine's choice: ``_save_engine`` is told not to weigh."""
+    from gdsckpt.api import saving
+
+    seen: list[bool] = []
+    original = saving._save_engine
+
+    def recording(*args: Any, weigh_cpu: bool = True, **kwargs: Any) -> Any:
+        seen.append(weigh_cpu)
+        return original(*args, weigh_cpu=weigh_cpu, **kwargs)
+
+    monkeypatch.setattr(saving, "_save_engine", recording)
+    gdsckpt.save(_state(), tmp_path / "a.gdsckpt")
+    gdsckpt.save(_state(), tmp_path / "b.gdsckpt", base=tmp_path / "a.gdsckpt")
+    flat = flatten(_state())  # as save_async hands over a snapshot of CUDA state: with its devices
+    saving.save_flat(flat, tmp_path / "c.gdsckpt", devices=["cpu"] * len(flat.arrays))
+    assert seen == [True, False, False]

@@ -168,8 +168,11 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
             if isinstance(path, StorageWriter):
                 raise ValueError("a delta save (base=...) needs a file path, not a storage writer")
             link, delta = _delta_sources(flat, path, base, max_chain, cfg, stack)
+        # A background save (``devices`` given: a snapshot of CUDA state) keeps the GPU engine's
+        # choice: the CPU engine's codec threads would compete with the training loop for the
+        # host's cores, which the engines' predicted save speeds do not weigh.
         engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, path, gpu_device,
-                                                              weigh_cpu=not delta)
+                                                              weigh_cpu=not delta and devices is None)
         chunk = cfg.gpu_chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
         plans = plan_chunks(
             [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
@@ -419,7 +422,7 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
 
     ``codec="auto"`` on CUDA state with ``engine="auto"`` weighs the GPU engine's best codec against
     the CPU engine's portable one (``pipeline.autotune.choose_engine``; ``weigh_cpu=False``, as for
-    a delta, keeps the GPU's choice) and records the figures in the report's ``auto``."""
+    a delta or a background save, keeps the GPU's choice) and records the figures in the report's ``auto``."""
     device = cuda_device_of(flat) if gpu_device is None else gpu_device
     chosen, why = choose_save_engine(config, codec, device is not None, use_gpu(config, device is not None))
     auto: dict[str, Any] = {"engine": chosen, "engine_reason": why} if device is not None else {}

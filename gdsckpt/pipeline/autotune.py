@@ -34,7 +34,8 @@ has, times ``CPU_PARALLEL_EFFICIENCY``. The portable file wins whenever it is wi
 ``PORTABLE_MARGIN`` of the GPU's speed: on a disk that holds both back it costs nothing and any
 machine reads it; on a fast tier only the GPU keeps up and ANS stays. Below ``WEIGH_MIN_BYTES``
 the save is fixed costs, which the storage probe and the sample would outweigh, and the GPU
-engine's choice stands.
+engine's choice stands; so it does for a delta (its XOR sources are read on the GPU) and for a
+background save (``save_async``: the CPU engine's threads would compete with training).
 """
 
 from __future__ import annotations
