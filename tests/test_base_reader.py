@@ -147,3 +147,35 @@ def test_a_checkpoint_read_in_windows_keeps_one_engine(tmp_path: Path, monkeypat
     gdsckpt.convert(source, tmp_path / "b.gdsckpt", codec="lz4", config=gdsckpt.Config(chunk_bytes=4096))
     assert len(made) == 1, made  # about 30 windows of 4 KiB
     h.assert_same(state, gdsckpt.load(tmp_path / "b.gdsckpt"))
+
+
+def test_a_failed_window_restore_closes_its_engine_and_the_next_gets_a_new_one(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from gdsckpt.api import checkpoint as checkpoint_module
+
+    made: list[Any] = []
+    original_engine = checkpoint_module.restore_engine
+    original_restore = checkpoint_module.restore_arrays
+    failures = [1]
+
+    def counting(config: Any, gpu_device: Any) -> Any:
+        engine = original_engine(config, gpu_device)
+        made.append(engine)
+        return engine
+
+    def failing_once(*args: Any, **kwargs: Any) -> Any:
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError("injected restore failure")
+        return original_restore(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "restore_engine", counting)
+    monkeypatch.setattr(checkpoint_module, "restore_arrays", failing_once)
+    path = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"w": torch.arange(5000, dtype=torch.float32)}, path, codec="zstd")
+    with gdsckpt.open(path) as checkpoint:
+        with pytest.raises(OSError, match="injected"):
+            checkpoint._read_many([("w", 0, 400)])
+        (window,) = checkpoint._read_many([("w", 0, 400)])
+    assert len(made) == 2
+    assert np.array_equal(window, torch.arange(100, dtype=torch.float32).numpy().view(np.uint8))

@@ -326,9 +326,14 @@ class Checkpoint:
         gpu_device = restore_gpu_device(self._config, target_device, index, ids)
         with self._window_lock:
             engine, data_reader = self._window_restorer(gpu_device)
-            arrays = restore_arrays(data_reader, self._opened, ids, self._config,
-                                     lambda i, _record: new_target(records[i], target_device), gpu_device,
-                                     windows=windows, engine=engine)
+            try:
+                arrays = restore_arrays(data_reader, self._opened, ids, self._config,
+                                         lambda i, _record: new_target(records[i], target_device), gpu_device,
+                                         windows=windows, engine=engine)
+            except BaseException:
+                # a failed restore may leave its engine mid-batch: the next window gets new ones
+                self._window_restorers.pop(gpu_device)[2].close()
+                raise
         return [arrays[i] for i in ids]
 
     def _window_restorer(self, gpu_device: int | None) -> tuple[Any, StorageReader]:
