@@ -215,9 +215,9 @@ def cuda_device_of(flat: FlatState) -> int | None:
 HOST_ROUTED_CODECS = ("zstd", "lz4", "deflate")
 """Portable codecs that a save of CUDA state runs on the CPU engine unless ``engine="gpu"``:
 within the default staging budget nvCOMP's Zstd (about 1.1 GiB of scratch) compresses one or two
-chunks per call, and even with 4 GiB of staging it saved at half the CPU engine's speed; its LZ4
-and Deflate are slow on 16 MiB chunks. The CPU engine's codec threads save such state faster
-(docs/performance.md measures both: "nvCOMP codecs" and the ``gdsckpt bench`` section)."""
+chunks per call; its LZ4 and Deflate are slow on 16 MiB chunks. The CPU engine's codec threads save such state faster
+(docs/performance.md measures both: "nvCOMP codecs", "Portable files from CUDA state" and the
+``gdsckpt bench`` section)."""
 
 
 def check_portable(config: Config, codec: str) -> None:

@@ -146,9 +146,9 @@ class BaseReader:
     threads): one window is fetched at a time, threads asking for another wait for that fetch,
     and threads asking for cached windows never wait for a fetch.
 
-    Windows are not read ahead: on the GPU host a convert that fetched the next window on a thread
-    of its own while the codec threads compressed this one ran at 0.73 GB/s against 0.98 without
-    (docs/performance.md, "Portable files")."""
+    Windows are not read ahead: a convert that fetched the next window on a thread of its own
+    while the codec threads compressed this one measured slower, not faster (docs/performance.md,
+    "Portable files from CUDA state")."""
 
     def __init__(self, source: BaseArrays, sizes: dict[str, int], *, timeout: float = 600.0):
         self._source = source
