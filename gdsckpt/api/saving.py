@@ -472,8 +472,6 @@ def _gpu_auto(config: Config, flat: FlatState, path: PathLike | StorageWriter, d
     """``codec="auto"`` for CUDA state: the GPU engine's codec by storage speed and sampled ratios
     (``pipeline.autotune``), then, with ``weigh_cpu``, the engine: ``("auto", "cpu")`` where the CPU
     engine's portable codec saves at least about as fast. Fills ``auto`` with what was measured."""
-    import cupy
-
     from ..pipeline.autotune import (
         choose_codec,
         choose_engine,
@@ -493,8 +491,7 @@ def _gpu_auto(config: Config, flat: FlatState, path: PathLike | StorageWriter, d
         check_path(path)
         speed = storage_gbps(Path(path).parent, config.storage_gbps)
     sources = [a.source for a in flat.arrays]
-    with cupy.cuda.Device(device):
-        ratios = sample_ratios(sources, device, None, candidates)
+    ratios = sample_ratios(sources, device, candidates)
     codec = choose_codec(speed, ratios)
     auto.update(storage_gbps=speed, sampled_ratios=ratios, chose=codec, left_out=left_out)
     if not weigh_cpu:

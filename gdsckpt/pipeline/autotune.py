@@ -257,7 +257,7 @@ def _sample_spans(sources: list[Any]) -> list[tuple[Any, int]]:
     return spans
 
 
-def sample_ratios(sources: list[Any], device_id: int, stream: Any = None,
+def sample_ratios(sources: list[Any], device_id: int,
                   candidates: tuple[str, ...] | list[str] = CANDIDATES) -> dict[str, float]:
     """Compression ratio of each of ``candidates`` on a sample of the largest arrays (GPU), in
     the mode the encoder would use: typed ANS (``codecs.device.ans_data_type``); the others as
@@ -265,8 +265,8 @@ def sample_ratios(sources: list[Any], device_id: int, stream: Any = None,
 
     The samples live in a private CuPy memory pool that is emptied before returning: the save's
     staging ring is allocated next, and sample memory left cached in the default pool would sit
-    beside it, past the staging budget (measured: 187 MiB over a 921 MiB ring). ``stream``: not
-    used (the sample runs on a stream of its own), kept for callers that pass one."""
+    beside it, past the staging budget (measured: 187 MiB over a 921 MiB ring). The sample runs
+    on a stream of its own, on ``device_id``."""
     import cupy
 
     from ..codecs.device import CudaDevice
