@@ -43,6 +43,18 @@ except ImportError:  # pragma: no cover - torch is a test dependency
 
 
 @pytest.fixture(autouse=True)
+def _fresh_auto_history() -> Iterator[None]:
+    """Each test starts with a process that has made no ``codec="auto"`` save yet: the choice
+    between compressing and storing as it is (``gdsckpt.pipeline.host_auto``) is learned per
+    storage from earlier saves, and every test's temporary directory is on the same storage."""
+    from gdsckpt.pipeline.host_auto import HISTORY
+
+    HISTORY.clear()
+    yield
+    HISTORY.clear()
+
+
+@pytest.fixture(autouse=True)
 def _hermetic_environment(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """No ``GDSCKPT_*`` variable of the caller's shell changes what a test of this directory sees
     (test packages in subdirectories keep theirs: they may opt in to things through them)."""

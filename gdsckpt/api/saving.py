@@ -26,6 +26,8 @@ from ..io import PosixWriter, StorageWriter
 from ..io.fileobj import FileObjectWriter, is_file_object
 from ..io.s3 import is_url
 from ..pipeline.autotune import WEIGH_MIN_BYTES
+from ..pipeline.host_auto import HISTORY as HOST_AUTO_HISTORY
+from ..pipeline.host_auto import storage_key
 from ..pipeline.load import content_identity
 from ..pipeline.plan import plan_chunks
 from ..pipeline.save import run_save
@@ -138,7 +140,8 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
               chunk_bytes: int | str | None = None, config: Config | None = None,
               devices: list[str] | None = None, progress: Progress | None = None, base: PathLike | None = None,
               max_chain: int = DEFAULT_MAX_CHAIN,
-              lossy: LossyPolicy | dict[str, float] | None = None, rename: bool = True) -> SaveReport:
+              lossy: LossyPolicy | dict[str, float] | None = None, rename: bool = True,
+              background: bool = False) -> SaveReport:
     """The one save entry of the package: write a flattened state (``gdsckpt.state.flatten``) to
     ``path``. ``save`` (after its guard against replacing a delta's base), the background savers,
     the save worker and ``rebase`` (which builds ``flat`` from a checkpoint's index) all end here.
@@ -148,7 +151,8 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
     device N (where usable) whatever memory the arrays live in: ``save_async`` passes the devices
     of the CUDA tensors it snapshotted into pinned host memory. ``rename=False``: the complete,
     fsynced file is left at a temporary path beside ``path``, given as the report's ``path``; the
-    caller renames it (``gdsckpt.background.worker``)."""
+    caller renames it (``gdsckpt.background.worker``). ``background``: a save beside training
+    (``save_async``), whose speed ``codec="auto"`` does not learn from (``pipeline.host_auto``)."""
     started = time.perf_counter()
     cfg = resolve_config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=chunk_bytes,
                          codec=None if codec == "auto" else codec)
@@ -172,7 +176,8 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
         # choice: the CPU engine's codec threads would compete with the training loop for the
         # host's cores, which the engines' predicted save speeds do not weigh.
         engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, path, gpu_device,
-                                                              weigh_cpu=not delta and devices is None)
+                                                              weigh_cpu=not delta and devices is None,
+                                                              learn=not delta and not background)
         chunk = cfg.gpu_chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
         plans = plan_chunks(
             [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
@@ -191,9 +196,14 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
                               index=index_template(flat, link), timeout=cfg.timeout)
         finally:
             engine.close()
-    if auto.get("adaptive"):
-        auto["stored_as_is"] = engine.stored_raw  # chunks stored uncompressed: the storage waited
     logical = sum(a.source.nbytes for a in flat.arrays if a.alias is None)
+    if auto.get("adaptive"):
+        as_is = auto.get("stored") == "as it is"
+        # chunks stored uncompressed: all of them, or those whose turn came while the storage waited
+        auto["stored_as_is"] = len(result.chunks) if as_is else engine.stored_raw
+        if "stored" in auto:
+            HOST_AUTO_HISTORY.record(storage_key(path), as_is=as_is, logical_bytes=logical,
+                                     seconds=time.perf_counter() - started, stored_as_is=auto["stored_as_is"])
     chains: dict[str, int] = {}
     for record in result.chunks:
         label = chain_label(result.chains[record.chain].to_json())
@@ -414,7 +424,8 @@ class _WindowSource:
 
 
 def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | StorageWriter,
-                 gpu_device: int | None = None, weigh_cpu: bool = True) -> tuple[Any, Any, str, dict[str, Any]]:
+                 gpu_device: int | None = None, weigh_cpu: bool = True,
+                 learn: bool = False) -> tuple[Any, Any, str, dict[str, Any]]:
     """The engine and writer factory of a save, the codec it runs, and how ``auto`` chose them
     (``gpu_device``: the GPU to compress on when the arrays are not on one). ``path`` may be a
     ``StorageWriter`` (the null sink): ``auto`` then takes ``config.storage_gbps`` as its speed,
@@ -422,7 +433,9 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
 
     ``codec="auto"`` on CUDA state with ``engine="auto"`` weighs the GPU engine's best codec against
     the CPU engine's portable one (``pipeline.autotune.choose_engine``; ``weigh_cpu=False``, as for
-    a delta or a background save, keeps the GPU's choice) and records the figures in the report's ``auto``."""
+    a delta or a background save, keeps the GPU's choice) and records the figures in the report's ``auto``.
+    On host state ``learn=True`` lets the process's earlier saves to the same storage decide
+    whether ``auto`` compresses or stores as it is (``pipeline.host_auto``)."""
     device = cuda_device_of(flat) if gpu_device is None else gpu_device
     chosen, why = choose_save_engine(config, codec, device is not None, use_gpu(config, device is not None))
     auto: dict[str, Any] = {"engine": chosen, "engine_reason": why} if device is not None else {}
@@ -459,6 +472,16 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
     codec = resolve_host_codec(codec)
     if adaptive:
         auto = {**auto, "chose": codec, "adaptive": True}
+        key = storage_key(path) if device is None and learn else None
+        if key is not None:  # host state, a foreground full save to a storage: the history decides
+            choice = HOST_AUTO_HISTORY.choose(key, _logical_bytes(flat))
+            auto["stored"] = "as it is" if choice.as_is else "compressed"
+            auto["stored_reason"] = choice.reason
+            if choice.compressed_gbps is not None:
+                auto["history_gbps"] = {"compressed": choice.compressed_gbps, "as it is": choice.as_is_gbps}
+            if choice.as_is:
+                codec = auto["chose"] = "none"
+                adaptive = False
     return (host_engine(config, [a.source for a in flat.arrays], codec, adaptive=adaptive), posix_writer, codec,
             auto)
 

@@ -300,7 +300,7 @@ class AsyncSaver:
         thread = threading.Thread(target=self._run, name="gdsckpt-async-save", daemon=True,
                                   args=(job, [snapshot], lent, max_inflight,
                                         dict(codec=codec, chunk_bytes=chunk_bytes, config=_background_config(cfg),
-                                             devices=devices if cuda_bytes else None, **delta),
+                                             devices=devices if cuda_bytes else None, background=True, **delta),
                                         after, finally_, in_process))
         try:
             thread.start()
