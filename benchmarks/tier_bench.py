@@ -15,7 +15,10 @@ rounds, on the GPU (``--device cuda``, the GPU engine):
 - ``null_source``: the file held in pinned host memory (``gdsckpt.io.PreloadedReader``): the
   restore pipeline alone, against one host-to-device copy of the file's bytes;
 - ``null_sink``: ``gdsckpt.save`` into ``gdsckpt.io.NullWriter`` (the save pipeline alone);
-- ``save_tmpfs``: ``gdsckpt.save`` to ``--shm-dir`` against a raw kvikio write of the state's bytes;
+- ``save_tmpfs``: ``gdsckpt.save`` to ``--shm-dir`` against a raw kvikio write of the state's bytes
+  (each side writing a new file);
+- ``--task-sizes``: the restores and the tmpfs save again with each kvikio task size given, and
+  the raw write too (the faster raw side is the limit);
 - ``to_host``: ``load(device="cpu")`` and ``load_into`` a CPU copy of the state from the tmpfs
   file, against ``torch.load(map_location="cpu")`` of a ``torch.save`` file in the same tmpfs (warm)
   and a raw read of the gdsckpt file into newly allocated host memory;
@@ -122,8 +125,9 @@ def raw_host_read(path: Path) -> Callable[[], Any]:
     return read
 
 
-def raw_device_write(state: Any, path: Path, threads: int) -> Callable[[], None]:
-    """kvikio writes of every tensor's bytes back to back, then fsync."""
+def raw_device_write(state: Any, path: Path, threads: int, task_size: int | None = None) -> Callable[[], None]:
+    """kvikio writes of every tensor's bytes back to back (``task_size``: kvikio's, None for its
+    default), then fsync."""
     import kvikio
     import kvikio.defaults
     import torch
@@ -131,14 +135,21 @@ def raw_device_write(state: Any, path: Path, threads: int) -> Callable[[], None]
     views = [t.detach().reshape(-1).view(torch.uint8) for t in benchlib.flatten(state)[0].values()]
 
     def write() -> None:
+        saved = {key: kvikio.defaults.get(key) for key in ("thread_pool_nthreads", "task_size")}
         kvikio.defaults.set("thread_pool_nthreads", threads)
-        with kvikio.CuFile(path, "w") as handle:
-            offset, futures = 0, []
-            for view in views:
-                futures.append(handle.pwrite(view, view.numel(), offset))
-                offset += view.numel()
-            for future in futures:
-                future.get()
+        if task_size is not None:
+            kvikio.defaults.set("task_size", task_size)
+        try:
+            with kvikio.CuFile(path, "w") as handle:
+                offset, futures = 0, []
+                for view in views:
+                    futures.append(handle.pwrite(view, view.numel(), offset))
+                    offset += view.numel()
+                for future in futures:
+                    future.get()
+        finally:
+            for key, value in saved.items():
+                kvikio.defaults.set(key, value)
         benchlib.fsync_tree(path)
     return write
 
@@ -357,6 +368,7 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
         read_warm(disk_file)
         files = {"page_cache": disk_file, "tmpfs": shm_file}
         before = config.replace(restore_staging_bytes=config.max_staging_bytes)  # the fixed ring of before
+        tasks = [(f"gdsckpt_task{size >> 20}MiB", config.replace(kvikio_task_size=size)) for size in args.task_sizes]
 
         def check(name: str, got: Any) -> None:
             report.check(name, benchlib.differences(state, got, tensors_only=True))
@@ -374,7 +386,7 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
                     seconds, out = timed(raw_host_read(path), device)
                     record(f"{tier}/raw", seconds, path.stat().st_size)
                     del out
-                for label, cfg in (("gdsckpt", config), ("gdsckpt_1GiB_ring", before)) if gpu else (
+                for label, cfg in (("gdsckpt", config), ("gdsckpt_1GiB_ring", before), *tasks) if gpu else (
                         ("gdsckpt", config),):
                     seconds, got = timed(lambda p=path, c=cfg: gdsckpt.load(p, device=device, config=c), device)
                     record(f"{tier}/{label}", seconds)
@@ -397,14 +409,17 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
             record("null_sink/gdsckpt", seconds)
             if gpu:
                 raw_file = shm / "raw.bin"
-                seconds, _ = timed(raw_device_write(state, raw_file, args.kvikio_threads), device)
-                record("save_tmpfs/raw_write", seconds)
-                raw_file.unlink()
+                for label, task in (("raw_write", None), *((f"raw_write_task{size >> 20}MiB", size)
+                                                             for size in args.task_sizes)):
+                    seconds, _ = timed(raw_device_write(state, raw_file, args.kvikio_threads, task), device)
+                    record(f"save_tmpfs/{label}", seconds)
+                    raw_file.unlink()
                 # Both sides write a new file: replacing the round's earlier one would add freeing
                 # its pages (a kernel cost of the old file, not of writing) to gdsckpt's side only.
-                shm_file.unlink()
-                seconds, _ = timed(lambda: gdsckpt.save(state, shm_file, config=config), device)
-                record("save_tmpfs/gdsckpt", seconds)
+                for label, cfg in (("gdsckpt", config), *tasks):
+                    shm_file.unlink()
+                    seconds, _ = timed(lambda c=cfg: gdsckpt.save(state, shm_file, config=c), device)
+                    record(f"save_tmpfs/{label}", seconds)
         preloaded.close()
 
         if args.profile:
@@ -457,10 +472,14 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
     for tier in ("page_cache", "tmpfs"):
         limit(f"{tier}/gdsckpt", f"{tier}/gdsckpt", raw_reads(tier), ratio, 0.9)
         if gpu:
-            limit(f"{tier}/gdsckpt_1GiB_ring", f"{tier}/gdsckpt_1GiB_ring", raw_reads(tier), ratio, 0.9)
+            for label in ("gdsckpt_1GiB_ring", *(f"gdsckpt_task{size >> 20}MiB" for size in args.task_sizes)):
+                limit(f"{tier}/{label}", f"{tier}/{label}", raw_reads(tier), ratio, 0.9)
     if gpu:
         limit("null_source/gdsckpt", "null_source/gdsckpt", ["null_source/raw_h2d"], ratio, 0.9)
-        limit("save_tmpfs/gdsckpt", "save_tmpfs/gdsckpt", ["save_tmpfs/raw_write"], ratio, 0.9)
+        raw_writes = ["save_tmpfs/raw_write",
+                      *(f"save_tmpfs/raw_write_task{size >> 20}MiB" for size in args.task_sizes)]
+        for label in ("gdsckpt", *(f"gdsckpt_task{size >> 20}MiB" for size in args.task_sizes)):
+            limit(f"save_tmpfs/{label}", f"save_tmpfs/{label}", raw_writes, ratio, 0.9)
     limits["null_source/60GBps"] = {"gbps": gbps("null_source/gdsckpt"), "met": gbps("null_source/gdsckpt") >= 60}
     limits["null_sink/60GBps"] = {"gbps": gbps("null_sink/gdsckpt"), "met": gbps("null_sink/gdsckpt") >= 60}
     if "to_host/load" in results:
@@ -505,6 +524,9 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="time the restore's stages too")
     parser.add_argument("--cprofile", action="store_true", help="with --profile: a cProfile of the GPU workers' "
                         "batches (it slows every thread)")
+    parser.add_argument("--task-sizes", type=lambda text: [benchlib.parse_size(n) for n in text.split(",") if n],
+                        default=[], help="GPU: also restore and save with these kvikio task sizes (e.g. 16MiB); "
+                        "labels gdsckpt_task<N>MiB")
     parser.add_argument("--shm-dir", default="/dev/shm")
     parser.add_argument("--dir", default="/tmp/gdsckpt-tier")
     parser.add_argument("--out", default="tier-bench.json")

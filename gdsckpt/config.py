@@ -9,7 +9,7 @@ the presets shipped in the package (``Config.preset("fast-nvme")``, ``gdsckpt --
 
 | field | default | meaning |
 |---|---|---|
-| codec | ``"auto"`` | ``auto`` (CPU: byte planes + zstd, except that a chunk whose turn comes while the storage has nothing left to write is stored as it is: compression never holds back storage faster than the cores; GPU: ANS or Zstd, whichever saves faster on the measured storage; Zstd only where ``max_staging_bytes`` leaves room for its ~1.1 GiB of nvCOMP scratch, so ANS under the default 1 GiB), ``zstd``, ``lz4``, ``deflate``, ``none``; GPU only, no CPU decoder: ``ans``, ``gdeflate``, ``snappy``, ``bitcomp``, ``cascaded`` |
+| codec | ``"auto"`` | ``auto`` (CPU: byte planes + zstd; a save of host state of 16 MiB or more to a local file stores every chunk as it is when the codec threads, at the pace its earlier saves measured, would write slower than the storage, and otherwise a chunk whose turn comes while the storage has nothing left to write is stored as it is: compression never holds back storage faster than the cores; GPU: ANS or Zstd, whichever saves faster on the measured storage; Zstd only where ``max_staging_bytes`` leaves room for its ~1.1 GiB of nvCOMP scratch, so ANS under the default 1 GiB), ``zstd``, ``lz4``, ``deflate``, ``none``; GPU only, no CPU decoder: ``ans``, ``gdeflate``, ``snappy``, ``bitcomp``, ``cascaded`` |
 | chunk_bytes | 4 MiB | uncompressed bytes per chunk on the CPU engine (multiple of 4096, at most 1 GiB) |
 | gpu_chunk_bytes | 16 MiB | the same on the GPU engine (at most 16 MiB, nvCOMP's largest chunk; the GPU pipeline into a null sink runs about twice as fast with 16 MiB chunks as with 4 MiB: docs/performance.md) |
 | pack_below | 1 MiB | arrays smaller than this share chunks |
@@ -29,7 +29,7 @@ the presets shipped in the package (``Config.preset("fast-nvme")``, ``gdsckpt --
 | async_engine | ``"auto"`` | ``save_async``: the engine of the background save: ``auto`` (as ``engine``), ``cpu``, ``gpu``. With ``async_worker="process"``, ``cpu`` leaves the GPU and the training process to training: 0.96-0.97 of the steps per second without checkpoints, against 0.90 for the defaults (docs/performance.md) (preset ``async-training``) |
 | kvikio_threads | 16 | kvikio thread pool size (GPU engine) |
 | kvikio_task_size | ``None`` | kvikio task size in bytes (None: kvikio's default) |
-| storage_gbps | ``None`` | storage write speed for ``codec="auto"`` on the GPU (None: measured once per filesystem and cached) |
+| storage_gbps | ``None`` | storage write speed for ``codec="auto"`` (None: measured once per filesystem and cached) |
 | s3_endpoint | ``None`` | the S3 server of ``s3://`` checkpoints (e.g. ``http://minio:9000``; None: ``AWS_ENDPOINT_URL``, else AWS itself); credentials and region from the AWS environment (docs/object-storage.md) |
 | portable | False | write only codecs with a CPU decoder (``zstd``, ``lz4``, ``deflate``, ``none``), so that any machine reads the file: ``codec="auto"`` chooses among them and a GPU-only codec is refused; CUDA state is then compressed by the CPU engine unless ``engine="gpu"`` (see ``gdsckpt.save``) |
 """

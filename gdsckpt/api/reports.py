@@ -35,9 +35,12 @@ class SaveReport:
     nothing is measured and ``storage_gbps`` is None). Where the engines were weighed (CUDA state
     of ``pipeline.autotune.WEIGH_MIN_BYTES`` or more): ``gpu_codec`` (the GPU's best),
     ``predicted_gbps`` (``"gpu:<codec>"`` and ``"cpu:zstd"``), ``cpu_codec_gbps``, ``cpu_threads``,
-    ``cpu_ratio`` and ``margin``. On the CPU engine: ``chose`` (the codec), ``adaptive`` (True) and
-    ``stored_as_is``: the chunks stored uncompressed because the storage was waiting for the codec
-    threads (``gdsckpt.pipeline.engine``, adaptive compression)."""
+    ``cpu_ratio`` and ``margin``. On the CPU engine: ``chose`` (the codec: ``none`` when every chunk
+    was stored as it is), ``adaptive`` (True) and ``stored_as_is``: the chunks stored uncompressed
+    (``gdsckpt.pipeline.engine``, adaptive compression). A save of host state to a local file adds
+    ``stored`` (``"compressed"`` or ``"as it is"``) and ``stored_reason``, and where the codec's
+    pace was known, ``codec_gbps`` (the codec threads' predicted speed) and ``storage_gbps``
+    (``gdsckpt.pipeline.host_auto``)."""
     base: str | None = None
     """The base checkpoint of a delta save (as the index records it), None for a full one."""
     delta_tensors: int = 0

@@ -25,7 +25,7 @@ from ..format.layout import TRAILER_SIZE, unpack_trailer
 from ..io import PosixWriter, StorageWriter
 from ..io.fileobj import FileObjectWriter, is_file_object
 from ..io.s3 import is_url
-from ..pipeline.autotune import WEIGH_MIN_BYTES
+from ..pipeline.autotune import WEIGH_MIN_BYTES, storage_gbps
 from ..pipeline.host_auto import HISTORY as HOST_AUTO_HISTORY
 from ..pipeline.host_auto import storage_key
 from ..pipeline.load import content_identity
@@ -201,9 +201,10 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
         as_is = auto.get("stored") == "as it is"
         # chunks stored uncompressed: all of them, or those whose turn came while the storage waited
         auto["stored_as_is"] = len(result.chunks) if as_is else engine.stored_raw
-        if "stored" in auto:
-            HOST_AUTO_HISTORY.record(storage_key(path), as_is=as_is, logical_bytes=logical,
-                                     seconds=time.perf_counter() - started, stored_as_is=auto["stored_as_is"])
+        key = auto.pop("storage_key", None)
+        if key is not None:
+            pace = None if as_is else engine.codec_pace()
+            HOST_AUTO_HISTORY.record(key, logical, None if pace is None else pace[0] / 1e9)
     chains: dict[str, int] = {}
     for record in result.chunks:
         label = chain_label(result.chains[record.chain].to_json())
@@ -472,13 +473,15 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
     codec = resolve_host_codec(codec)
     if adaptive:
         auto = {**auto, "chose": codec, "adaptive": True}
-        key = storage_key(path) if device is None and learn else None
-        if key is not None:  # host state, a foreground full save to a storage: the history decides
-            choice = HOST_AUTO_HISTORY.choose(key, _logical_bytes(flat))
-            auto["stored"] = "as it is" if choice.as_is else "compressed"
-            auto["stored_reason"] = choice.reason
-            if choice.compressed_gbps is not None:
-                auto["history_gbps"] = {"compressed": choice.compressed_gbps, "as it is": choice.as_is_gbps}
+        storage = storage_key(path) if device is None and learn else None
+        if storage is not None:  # host state, a foreground full save to a file: can the codec keep up?
+            key, directory = storage
+            choice = HOST_AUTO_HISTORY.choose(key, _logical_bytes(flat), config.effective_codec_threads,
+                                              lambda: storage_gbps(directory, config.storage_gbps))
+            auto.update(stored="as it is" if choice.as_is else "compressed", stored_reason=choice.reason,
+                        storage_key=key)
+            if choice.codec_gbps is not None:
+                auto.update(codec_gbps=choice.codec_gbps, storage_gbps=choice.storage_gbps)
             if choice.as_is:
                 codec = auto["chose"] = "none"
                 adaptive = False
@@ -501,7 +504,6 @@ def _gpu_auto(config: Config, flat: FlatState, path: PathLike | StorageWriter, d
         measure_host_codec,
         runnable_candidates,
         sample_ratios,
-        storage_gbps,
     )
 
     candidates, left_out = runnable_candidates(config.max_staging_bytes, config.gpu_chunk_bytes)

@@ -1,134 +1,126 @@
 """``codec="auto"`` on the CPU engine, save by save: compress adaptively, or store as it is.
 
 Within a save the adaptive engine (``engine.HostEngine(adaptive=True)``) decides chunk by chunk
-from the writer's queue and its codec's measured speed, assuming the codec threads and the writes
-run side by side. On a host with few cores they do not: the writes themselves need the CPU
-(submitting, completing, copying), and with every core compressing they slow down, so a save that
-compressed as much as its queue allowed can still end later than one that compressed nothing
-(docs/performance.md, "Save and load on the CPU"). No chunk-level prediction sees that; the
-outcome of whole saves does.
+from the writer's queue and its codec's measured speed, assuming that the codec threads and the
+writes run side by side. Where the cores compress more slowly than the storage writes they do
+not: the writes need the CPU too (submitting, completing, copying), and with every core
+compressing they slow down, so a save that compressed whatever its queue allowed still ended
+later than one that compressed nothing (docs/performance.md, "Save and load on the CPU").
 
-So ``codec="auto"`` on host state also remembers, per storage (the filesystem's device number,
-or the object store's bucket), how fast its saves ran, as a moving average of logical bytes per
-second for each of two ways: compressed (the adaptive engine) and as it is (every chunk stored
-uncompressed, ``none/1``). The first save compresses. Once a compressed save shows the storage
-waiting for the codec threads (a chunk stored as it is), the next save stores everything as it
-is, and from then on each save takes the faster way, trying the other every ``EXPLORE_EVERY``-th
-save so a change in the storage or the state is noticed. Where the storage never waits the codec
-threads keep up and nothing else is tried. The memory is per process, as the cores and the
-storage are.
+So before a save of host state of at least ``MEASURED_MIN_BYTES`` to a local file, ``auto`` asks
+one question: can the codec threads keep up with the storage? It compares the codec's speed,
+``threads x one thread's measured pace x CPU_PARALLEL_EFFICIENCY`` (the pace is what the engine
+measured on the chunks it compressed in this process's last compressed save to the same
+storage), with the storage's durable write speed (``autotune.storage_gbps``: one probe per
+filesystem, cached on disk, or ``Config.storage_gbps``). Slower: every chunk is stored as it is
+(``none/1``), since compressing would only slow the save. As fast or faster: the adaptive engine
+compresses. Before anything is measured the save compresses (that measures the pace), and every
+``EXPLORE_EVERY``-th save that would be stored as it is compresses instead, so the pace follows a
+state that starts to compress differently.
 
-Only saves of at least ``MEASURED_MIN_BYTES`` are measured (smaller ones are fixed costs:
-opening, fsyncs, the rename); smaller saves follow what the larger ones found. Deltas are always
-compressed (``engine`` module docstring) and are not measured; neither are background saves,
-whose speed says more about the training beside them than about the storage.
+The pace is remembered per process and storage (the filesystem's device number): the cores and
+the storage are those of the process. Smaller saves, objects (``s3://``), deltas (always
+compressed, ``engine`` module docstring) and background saves (their speed says more about the
+training beside them) keep the adaptive engine and are not measured.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..io.s3 import SCHEME, is_url
+from .autotune import CPU_PARALLEL_EFFICIENCY
 
 EXPLORE_EVERY = 8
-"""Every this many measured saves to a storage, the way that ran slower is tried once more."""
+"""Every this many measured saves stored as they are, one is compressed to measure the pace again."""
 MEASURED_MIN_BYTES = 16 << 20
-"""Logical bytes a save needs for its speed to count."""
+"""Logical bytes from which a save asks the question (smaller saves are fixed costs)."""
 MOVING_WEIGHT = 0.5
-"""Weight of the newest save in each way's moving average of speed."""
+"""Weight of the newest save in the moving average of the codec's pace."""
 
 
 @dataclass
 class StorageOutcomes:
-    """What the measured ``codec="auto"`` saves to one storage found (speeds in GB/s of state)."""
+    """What this process's ``codec="auto"`` saves to one storage measured."""
 
-    compressed_gbps: float | None = None
-    as_is_gbps: float | None = None
+    gbps_per_thread: float | None = None
+    """One codec thread's pace (GB/s of raw bytes; moving average over compressed saves)."""
     saves: int = 0
-    """Saves measured so far (both ways)."""
-    storage_waited: bool = False
-    """Whether a compressed save stored a chunk as it is because the writer was waiting."""
+    """Measured saves so far, either way."""
 
 
 @dataclass(frozen=True)
 class HostAutoChoice:
-    """A save's way (``as_is``), the reason in words, and the speeds it was chosen by."""
+    """A save's way (``as_is``), the reason in words, and the figures it was chosen by."""
 
     as_is: bool
     reason: str
-    compressed_gbps: float | None
-    as_is_gbps: float | None
-    explore: bool = False
+    codec_gbps: float | None = None
+    """Predicted speed of the codec threads (GB/s of state), where a pace was known."""
+    storage_gbps: float | None = None
 
 
-def storage_key(path: Any) -> str | None:
-    """The storage a save's ``path`` writes to: ``dev:<number>`` of a local path's directory,
-    ``url:<scheme>://<bucket>`` of an object; None for anything else (a storage writer object,
-    a file object), which is never remembered."""
-    if is_url(path):
-        return f"url:{SCHEME}{path[len(SCHEME):].partition('/')[0]}"
-    if not isinstance(path, (str, os.PathLike)):
+def storage_key(path: Any) -> tuple[str, Path] | None:
+    """(``dev:<number>``, directory) of a local file path's directory; None for anything else (an
+    ``s3://`` object, a storage writer, a file object, a directory that does not exist)."""
+    if not isinstance(path, (str, os.PathLike)) or str(path).startswith("s3://"):
         return None
     directory = Path(path).expanduser().parent
     try:
-        return f"dev:{os.stat(directory).st_dev}"
+        return f"dev:{os.stat(directory).st_dev}", directory
     except OSError:
         return None
 
 
 class HostAutoHistory:
-    """The per-storage outcomes of this process's ``codec="auto"`` saves on the CPU engine and
-    the choice they lead to (module docstring). Thread-safe."""
+    """The codec pace of this process's ``codec="auto"`` saves on the CPU engine, per storage, and
+    the choice it leads to (module docstring). Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._outcomes: dict[str, StorageOutcomes] = {}
 
-    def choose(self, key: str | None, logical_bytes: int) -> HostAutoChoice:
-        """Whether a save of ``logical_bytes`` to storage ``key`` stores its chunks as they are."""
+    def choose(self, key: str, logical_bytes: int, threads: int,
+               storage_gbps: Callable[[], float]) -> HostAutoChoice:
+        """Whether a save of ``logical_bytes`` to storage ``key`` on ``threads`` codec threads
+        stores its chunks as they are; ``storage_gbps()`` (called only when needed) gives the
+        storage's write speed."""
+        if logical_bytes < MEASURED_MIN_BYTES:
+            return HostAutoChoice(False, f"compressed: a save under {MEASURED_MIN_BYTES >> 20} MiB is not weighed")
         with self._lock:
-            known = self._outcomes.get(key) if key is not None else None
-            if known is None or known.compressed_gbps is None:
-                return HostAutoChoice(False, "compressed: no earlier save to this storage was measured", None, None)
-            compressed, as_is = known.compressed_gbps, known.as_is_gbps
-            measured = logical_bytes >= MEASURED_MIN_BYTES
-            if as_is is None:
-                if known.storage_waited and measured:
-                    return HostAutoChoice(True, "as it is, once: the last compressed save left the storage "
-                                          "waiting for the codec threads", compressed, None, explore=True)
-                return HostAutoChoice(False, "compressed: the codec threads kept up with the storage",
-                                      compressed, None)
-            faster_as_is = as_is > compressed
-            explore = measured and known.saves % EXPLORE_EVERY == 0
-            as_is_now = faster_as_is != explore
-            if explore:
-                reason = (f"{'as it is' if as_is_now else 'compressed'}, once: the slower way is tried again "
-                          f"every {EXPLORE_EVERY} saves")
-            elif as_is_now:
-                reason = "as it is: earlier saves to this storage ran faster uncompressed"
-            else:
-                reason = "compressed: earlier saves to this storage ran faster compressed"
-            return HostAutoChoice(as_is_now, reason, compressed, as_is, explore=explore)
+            known = self._outcomes.get(key)
+            pace = known.gbps_per_thread if known is not None else None
+            saves = known.saves if known is not None else 0
+        if pace is None:
+            return HostAutoChoice(False, "compressed: the codec's pace on this state is not measured yet")
+        codec = threads * pace * CPU_PARALLEL_EFFICIENCY
+        storage = storage_gbps()
+        if codec >= storage:
+            return HostAutoChoice(False, f"compressed: the codec threads ({codec:.2f} GB/s) keep up with the "
+                                  f"storage ({storage:.2f} GB/s)", codec, storage)
+        if saves % EXPLORE_EVERY == 0:
+            return HostAutoChoice(False, f"compressed, once: the codec's pace is measured again every "
+                                  f"{EXPLORE_EVERY} saves", codec, storage)
+        return HostAutoChoice(True, f"as it is: the codec threads ({codec:.2f} GB/s) would hold back the "
+                              f"storage ({storage:.2f} GB/s)", codec, storage)
 
-    def record(self, key: str | None, *, as_is: bool, logical_bytes: int, seconds: float,
-               stored_as_is: int) -> None:
-        """Fold one finished save into the storage's outcomes (saves below
-        ``MEASURED_MIN_BYTES`` and unkeyed storage are not recorded)."""
-        if key is None or logical_bytes < MEASURED_MIN_BYTES or seconds <= 0:
+    def record(self, key: str, logical_bytes: int, gbps_per_thread: float | None) -> None:
+        """Count one finished save of ``logical_bytes`` (saves under ``MEASURED_MIN_BYTES`` are not
+        counted) and fold the pace its engine measured, if it compressed anything, into the
+        storage's moving average."""
+        if logical_bytes < MEASURED_MIN_BYTES:
             return
-        speed = logical_bytes / seconds / 1e9
         with self._lock:
             known = self._outcomes.setdefault(key, StorageOutcomes())
             known.saves += 1
-            if as_is:
-                known.as_is_gbps = _moved(known.as_is_gbps, speed)
-            else:
-                known.compressed_gbps = _moved(known.compressed_gbps, speed)
-                known.storage_waited = known.storage_waited or stored_as_is > 0
+            if gbps_per_thread is not None and gbps_per_thread > 0:
+                old = known.gbps_per_thread
+                known.gbps_per_thread = (gbps_per_thread if old is None
+                                         else old + MOVING_WEIGHT * (gbps_per_thread - old))
 
     def outcomes(self, key: str) -> StorageOutcomes | None:
         """A copy of what is known of storage ``key``."""
@@ -137,13 +129,9 @@ class HostAutoHistory:
             return None if known is None else StorageOutcomes(**vars(known))
 
     def clear(self) -> None:
-        """Forget every storage (tests; a process whose storage changed under the same device)."""
+        """Forget every storage (tests; a process whose state changed character)."""
         with self._lock:
             self._outcomes.clear()
-
-
-def _moved(average: float | None, value: float) -> float:
-    return value if average is None else average + MOVING_WEIGHT * (value - average)
 
 
 HISTORY = HostAutoHistory()
