@@ -186,6 +186,20 @@ def test_auto_keeps_the_gpu_where_only_it_keeps_up_or_its_ratio_is_worth_more() 
     assert choose_engine(2.0, "ans", 1.3, _pace(0.3, 1.3), threads=2)[0] == "gpu"  # 2 threads: 0.48 GB/s
 
 
+def test_the_cpu_engine_is_not_measured_where_no_pace_could_win() -> None:
+    """At ``HOST_CODEC_CEILING_GBPS`` per thread the CPU engine would have to reach 95% of the
+    GPU's prediction: a null sink (unbounded storage) or a 100 GB/s tier rule it out before any
+    sample; a 2 GB/s disk does not."""
+    from gdsckpt.pipeline.autotune import CPU_PARALLEL_EFFICIENCY, HOST_CODEC_CEILING_GBPS, cpu_could_win
+
+    assert not cpu_could_win(float("inf"), "ans", 1.3, threads=16)
+    assert not cpu_could_win(100.0, "ans", 1.3, threads=16)
+    assert cpu_could_win(2.0, "ans", 1.3, threads=16) and cpu_could_win(2.0, "ans", 1.3, threads=2)
+    ceiling = 16 * HOST_CODEC_CEILING_GBPS * CPU_PARALLEL_EFFICIENCY  # the storage at which it tips
+    assert cpu_could_win(ceiling / 0.95 / 1.3 * 0.999, "ans", 1.3, threads=16)
+    assert not cpu_could_win(ceiling / 0.95 / 1.3 * 1.001, "ans", 1.3, threads=16)
+
+
 @pytest.mark.parametrize(("cpu_ratio", "expected"), [(1.9, "cpu"), (1.89, "gpu")])
 def test_auto_engine_margin_is_five_percent(cpu_ratio: float, expected: str) -> None:
     from gdsckpt.pipeline.autotune import choose_engine

@@ -499,8 +499,10 @@ def _gpu_auto(config: Config, flat: FlatState, path: PathLike | StorageWriter, d
     (``pipeline.autotune``), then, with ``weigh_cpu``, the engine: ``("auto", "cpu")`` where the CPU
     engine's portable codec saves at least about as fast. Fills ``auto`` with what was measured."""
     from ..pipeline.autotune import (
+        HOST_CODEC_CEILING_GBPS,
         choose_codec,
         choose_engine,
+        cpu_could_win,
         measure_host_codec,
         runnable_candidates,
         sample_ratios,
@@ -521,8 +523,14 @@ def _gpu_auto(config: Config, flat: FlatState, path: PathLike | StorageWriter, d
     auto.update(storage_gbps=speed, sampled_ratios=ratios, chose=codec, left_out=left_out)
     if not weigh_cpu:
         return codec, "gpu"
+    threads = config.effective_codec_threads
+    if not cpu_could_win(speed, codec, ratios[codec], threads):
+        auto.update(gpu_codec=codec, engine_reason=(
+            f"the GPU's {codec}: the CPU engine could not reach its speed even at "
+            f"{HOST_CODEC_CEILING_GBPS:g} GB/s per codec thread x {threads} (storage {speed:.2f} GB/s)"))
+        return codec, "gpu"
     host = measure_host_codec(sources, "zstd", config.level, config.byte_planes)
-    engine, figures = choose_engine(speed, codec, ratios[codec], host, config.effective_codec_threads)
+    engine, figures = choose_engine(speed, codec, ratios[codec], host, threads)
     auto.update(figures, gpu_codec=codec)
     if engine == "cpu":
         predicted = figures["predicted_gbps"]

@@ -4,7 +4,8 @@ Atomicity: a save writes to a temporary file in the target's directory, fsyncs i
 over the target (``os.replace``, atomic on POSIX) and fsyncs the directory, so the target path
 always holds either the previous complete checkpoint or the new complete one. A crash leaves at
 most a temporary file named ``.<target>.gdsckpt-tmp-*``, which readers never open and the next
-save to the same target removes (``remove_stale_temporaries``). Where that name would exceed the
+save to the same target removes (``remove_stale_temporaries``). A large file replaced this way has
+its storage freed on a daemon thread (``gdsckpt.io.release``), not inside the rename. Where that name would exceed the
 file system's NAME_MAX (a legal target name of 230-255 bytes), the target part is shortened and a
 digest of the full name keeps it distinct (``temporary_prefix``).
 
@@ -44,6 +45,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..format.layout import ALIGNMENT
+from . import release
 from .base import StorageReader, StorageWriter, WritePace
 from .pools import DRAIN_TIMEOUT, Lane
 
@@ -193,9 +195,12 @@ def publish(temp: Path, target: Path, *, fsync: bool, replace: bool = True) -> N
     refuses an existing one with ``FileExistsError``, also one created while ``temp`` was being
     written: a hard link fails on an existing name where a rename would clobber it (on a
     filesystem without hard links, a check then a rename). A failed step removes ``temp``; after
-    a hard link ``temp`` stays, for the caller to remove."""
+    a hard link ``temp`` stays, for the caller to remove. A large file replaced has its storage
+    freed in the background (``gdsckpt.io.release``)."""
+    held = None
     try:
         if replace:
+            held = release.RELEASER.hold(target)
             os.replace(temp, target)
         else:
             try:
@@ -207,10 +212,15 @@ def publish(temp: Path, target: Path, *, fsync: bool, replace: bool = True) -> N
                     raise FileExistsError(errno.EEXIST, "file exists", str(target)) from None
                 os.replace(temp, target)
     except BaseException:
+        if held is not None:
+            os.close(held)
         Path(temp).unlink(missing_ok=True)
         raise
-    if fsync:
-        fsync_directory(target.parent)
+    try:
+        if fsync:
+            fsync_directory(target.parent)
+    finally:
+        release.RELEASER.release(held)
 
 
 def write_atomically(target: Path, data: bytes, *, fsync: bool) -> None:

@@ -134,6 +134,7 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ..io.posix import read_small_file, remove_if_stale, temporary_target, write_atomically
+from ..io.release import remove_releasing
 from ..pipeline.load import open_file
 from ..state import decode_scalar, escape_key
 from ..state.delta import DEFAULT_MAX_CHAIN, base_path_of
@@ -603,7 +604,7 @@ class CheckpointManager:
         for step, path in files.items():
             if step not in keep:
                 try:
-                    path.unlink()
+                    remove_releasing(path)  # a large file's storage is freed off the save's path
                 except FileNotFoundError:
                     pass
 

@@ -144,6 +144,20 @@ def measure_host_codec(sources: list[Any], codec: str = "zstd", level: int | Non
     return HostCodecPace(codec, raw / max(seconds, 1e-9) / 1e9, raw / max(stored, 1))
 
 
+HOST_CODEC_CEILING_GBPS = 2.0
+"""An upper bound on one CPU codec thread's pace for the CPU engine's portable zstd (byte planes
+and zstd level 1, device-to-host copy included): about twice the fastest measured (docs/performance.md)."""
+
+
+def cpu_could_win(storage_gbps: float, gpu_codec: str, gpu_ratio: float, threads: int) -> bool:
+    """Whether the CPU engine could be chosen at all, before its pace is measured: at
+    ``HOST_CODEC_CEILING_GBPS`` per thread it would still have to reach ``1 - PORTABLE_MARGIN`` of
+    the GPU's predicted speed. On a null sink or a tier far faster than the CPU compresses it
+    cannot, and the sample that measures it (tens of milliseconds) is skipped."""
+    gpu = min(CODEC_GBPS[gpu_codec], storage_gbps * gpu_ratio)
+    return threads * HOST_CODEC_CEILING_GBPS * CPU_PARALLEL_EFFICIENCY >= (1 - PORTABLE_MARGIN) * gpu
+
+
 def choose_engine(storage_gbps: float, gpu_codec: str, gpu_ratio: float, host: HostCodecPace,
                   threads: int) -> tuple[str, dict[str, Any]]:
     """``"gpu"`` or ``"cpu"`` and the figures behind it (module docstring): each engine's
