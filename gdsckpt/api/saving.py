@@ -509,25 +509,27 @@ def _gpu_auto(config: Config, flat: FlatState, path: PathLike | StorageWriter, d
     )
 
     candidates, left_out = runnable_candidates(config.max_staging_bytes, config.gpu_chunk_bytes)
+    speed: float | None = None
+    threads = config.effective_codec_threads
+    if weigh_cpu:
+        speed = _storage_speed(config, path)
+        # ANS is always a candidate and stores no chunk larger than it is: with a ratio of 1 the GPU
+        # is predicted at least min(its speed, the storage's), a bound the CPU's may not reach at all
+        if not cpu_could_win(speed, "ans", 1.0, threads):
+            weigh_cpu = False
+            auto.update(engine_reason=(
+                f"the GPU: the CPU engine could not reach its speed even at {HOST_CODEC_CEILING_GBPS:g} GB/s "
+                f"per codec thread x {threads} (storage {speed:.2f} GB/s)"))
     if len(candidates) == 1 and not weigh_cpu:  # nothing to compare: no storage probe, no sample
-        auto.update(storage_gbps=None, sampled_ratios={}, chose=candidates[0], left_out=left_out)
+        auto.update(storage_gbps=speed, sampled_ratios={}, chose=candidates[0], left_out=left_out)
         return candidates[0], "gpu"
-    if isinstance(path, StorageWriter) or is_url(path):
-        speed = config.storage_gbps if config.storage_gbps is not None else math.inf
-    else:
-        check_path(path)
-        speed = storage_gbps(Path(path).parent, config.storage_gbps)
+    if speed is None:
+        speed = _storage_speed(config, path)
     sources = [a.source for a in flat.arrays]
     ratios = sample_ratios(sources, device, candidates)
     codec = choose_codec(speed, ratios)
     auto.update(storage_gbps=speed, sampled_ratios=ratios, chose=codec, left_out=left_out)
     if not weigh_cpu:
-        return codec, "gpu"
-    threads = config.effective_codec_threads
-    if not cpu_could_win(speed, codec, ratios[codec], threads):
-        auto.update(gpu_codec=codec, engine_reason=(
-            f"the GPU's {codec}: the CPU engine could not reach its speed even at "
-            f"{HOST_CODEC_CEILING_GBPS:g} GB/s per codec thread x {threads} (storage {speed:.2f} GB/s)"))
         return codec, "gpu"
     host = measure_host_codec(sources, "zstd", config.level, config.byte_planes)
     engine, figures = choose_engine(speed, codec, ratios[codec], host, threads)
@@ -540,6 +542,15 @@ def _gpu_auto(config: Config, flat: FlatState, path: PathLike | StorageWriter, d
             f"{figures['margin']:.0%}, so the file any machine reads"))
         return "auto", "cpu"
     return codec, "gpu"
+
+
+def _storage_speed(config: Config, path: PathLike | StorageWriter) -> float:
+    """The write speed ``auto`` weighs for ``path``: ``config.storage_gbps``, else the cached probe
+    of its filesystem; unbounded for a storage writer object or an object URL."""
+    if isinstance(path, StorageWriter) or is_url(path):
+        return config.storage_gbps if config.storage_gbps is not None else math.inf
+    check_path(path)
+    return storage_gbps(Path(path).parent, config.storage_gbps)
 
 
 def index_template(flat: FlatState, base: dict[str, Any] | None = None) -> Index:

@@ -18,7 +18,13 @@ and no parts are left behind. Memory: the parts in flight (``concurrency`` x ``p
 writes waiting for them.
 
 Reading (``S3Reader``): the size from one HEAD; the header, trailer and index with ranged GETs;
-each chunk with its own ranged GET on one of ``threads`` threads, into the caller's buffer.
+the chunks with ranged GETs on ``threads`` threads, copied into the caller's buffers. A chunk read
+that arrives while every thread is busy joins the queued GET that ends where it starts (up to
+``JOIN_READ_BYTES``), the way O_DIRECT writes are joined (``io.posix``): on an object store each
+request has a cost of its own, and a local SeaweedFS served 64 MiB ranges faster than 16 MiB ones
+(docs/performance.md, "Object storage"). A read never waits for a join while a thread is free.
+A joined GET's buffer holds only bytes the pipeline's reads already asked for, so memory stays
+within twice its in-flight bound.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ PART_BYTES = 16 << 20
 CONCURRENCY = 8
 """The most parts uploaded at once; fewer where ``Config.max_inflight_bytes`` holds fewer parts
 (``upload_concurrency``)."""
+JOIN_READ_BYTES = 64 << 20
+"""The largest ranged GET joined from adjacent chunk reads."""
 READ_THREADS = 8
 """The fewest ranged GETs a reader keeps in flight, whatever ``Config.io_threads`` says: a GET
 waits on the network and the server, not on a local core, so a 2-core host still needs several
@@ -298,6 +306,26 @@ class S3Writer(StorageWriter):
             self._thread.join(self.timeout)
 
 
+class _ReadGroup:
+    """Adjacent reads served by one ranged GET: ``[offset, end)`` and each read's buffer and future."""
+
+    def __init__(self, offset: int, end: int, reads: list[tuple[Any, Future[Any]]]):
+        self.offset, self.end, self.reads = offset, end, reads
+
+
+def _deliver(data: np.ndarray, out: Any) -> None:
+    """Copy ``data`` into ``out``, a host array or a CuPy array."""
+    if hasattr(out, "__cuda_array_interface__"):
+        import cupy
+
+        # this is a pool thread: it makes the buffer's device current before touching it
+        with cupy.cuda.Device(out.device.id):
+            out.set(data)
+            cupy.cuda.get_current_stream().synchronize()
+    else:
+        out[...] = data
+
+
 class S3Reader(StorageReader):
     """Ranged GETs of one object (module docstring)."""
 
@@ -321,6 +349,9 @@ class S3Reader(StorageReader):
         except Exception as err:
             raise _storage_error(err, "cannot read", url) from err
         self._lane = Lane("io", threads)
+        self._lock = threading.Lock()
+        self._queued: _ReadGroup | None = None
+        """The latest GET not yet started, which an adjacent read may join."""
 
     def read(self, offset: int, length: int) -> bytes:
         return bytes(self._get(offset, length))
@@ -339,19 +370,52 @@ class S3Reader(StorageReader):
         return data
 
     def submit_read(self, offset: int, out: Any) -> Future[Any]:
-        def fetch() -> Any:
-            data = np.frombuffer(memoryview(self._get(offset, out.nbytes)), dtype=np.uint8)
-            if hasattr(out, "__cuda_array_interface__"):
-                import cupy
+        future: Future[Any] = Future()
+        with self._lock:
+            group = self._queued
+            if (group is not None and group.end == offset
+                    and group.end - group.offset + out.nbytes <= JOIN_READ_BYTES):
+                group.reads.append((out, future))
+                group.end += out.nbytes
+                return future
+            group = self._queued = _ReadGroup(offset, offset + out.nbytes, [(out, future)])
+        try:
+            self._lane.submit(self._fetch, group)
+        except BaseException:
+            with self._lock:
+                if self._queued is group:
+                    self._queued = None
+            raise
+        return future
 
-                # this is a pool thread: it makes the buffer's device current before touching it
-                with cupy.cuda.Device(out.device.id):
-                    out.set(data)
-                    cupy.cuda.get_current_stream().synchronize()
+    def _fetch(self, group: _ReadGroup) -> None:
+        """One ranged GET for every read of ``group`` (on a lane thread), each copied into its
+        buffer; a read cancelled meanwhile is skipped, a failure fails every read of the group."""
+        with self._lock:
+            if self._queued is group:
+                self._queued = None  # started: no read joins it any more
+        reads, start = [], 0
+        for out, future in group.reads:
+            if future.set_running_or_notify_cancel():
+                reads.append((out, start, future))
+            start += out.nbytes
+        try:
+            data = np.frombuffer(memoryview(self._get(group.offset, group.end - group.offset)), dtype=np.uint8)
+        except BaseException as err:
+            for _out, _start, future in reads:
+                future.set_exception(err)
+            if not isinstance(err, Exception):
+                raise
+            return
+        for out, start, future in reads:
+            try:
+                _deliver(data[start:start + out.nbytes], out)
+            except BaseException as err:
+                future.set_exception(err)
+                if not isinstance(err, Exception):
+                    raise
             else:
-                out[...] = data
-            return out
-        return self._lane.submit(fetch)
+                future.set_result(out)
 
     def close(self) -> None:
         if not self._lane.close(self.timeout):

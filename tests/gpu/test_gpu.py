@@ -348,10 +348,10 @@ def test_auto_weighs_the_portable_cpu_engine_against_the_gpu(tmp_path, monkeypat
         predicted = report.auto["predicted_gbps"]
         assert set(predicted) == {"gpu:ans", "cpu:zstd"} and all(v > 0 for v in predicted.values())
         assert report.auto["cpu_threads"] > 0 and report.auto["cpu_ratio"] > 1.0
+        assert report.auto["gpu_codec"] == "ans"
     else:  # no pace the CPU engine has could reach the GPU's speed there: it is not measured
         assert "predicted_gbps" not in report.auto and "could not reach" in report.auto["engine_reason"]
-    assert report.auto["gpu_codec"] == "ans" and report.auto["chose"] == report.codec
-    assert report.auto["engine_reason"]
+    assert report.auto["chose"] == report.codec
     assert gdsckpt.inspect(path).portable == (engine == "cpu")
     _assert_same(state, gdsckpt.load(path, device="cuda"))
     small = gdsckpt.save({"w": state["w"][:1000]}, tmp_path / "s.gdsckpt", config=gdsckpt.Config(storage_gbps=storage))
