@@ -422,3 +422,32 @@ def test_remote_arguments_are_checked(tmp_path: Path) -> None:
         gdsckpt.CheckpointManager(tmp_path, remote="s3://b/p", keep_last_remote=0)
     with pytest.raises(ValueError, match="bucket"):
         gdsckpt.CheckpointManager(tmp_path, remote="s3:///p")
+
+
+def test_a_manager_with_a_remote_tier_compresses_where_the_local_disk_alone_would_not(
+        remote: str, tmp_path: Path, h: Any) -> None:
+    """``codec="auto"`` stores host state as it is where the codec threads are slower than the
+    local disk (``gdsckpt.pipeline.host_auto``); with a remote tier the same file is uploaded
+    too, so the manager's saves stay compressed."""
+    import os
+
+    from gdsckpt.pipeline.host_auto import HISTORY, MEASURED_MIN_BYTES
+
+    g = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(MEASURED_MIN_BYTES // 16, generator=g) * 0.02 for i in range(4)}
+    fast_disk = gdsckpt.Config(storage_gbps=1e6)
+    for directory in (tmp_path / "local-only", tmp_path / "two-tier"):
+        directory.mkdir()
+        key = f"dev:{os.stat(directory).st_dev}"
+        HISTORY.record(key, MEASURED_MIN_BYTES, 1e-6)  # a pace far below the disk's
+        HISTORY.record(key, MEASURED_MIN_BYTES, None)
+    local = gdsckpt.CheckpointManager(tmp_path / "local-only", config=fast_disk)
+    report = local.save(1, state)
+    assert report.auto["stored"] == "as it is" and report.codec == "none"
+    both = gdsckpt.CheckpointManager(tmp_path / "two-tier", remote=remote, config=fast_disk)
+    report = both.save(1, state)
+    assert "stored" not in report.auto and report.codec == "zstd" and report.auto["adaptive"]
+    both.wait(timeout=120)
+    step, restored = gdsckpt.CheckpointManager(tmp_path / "new-node", remote=remote).restore_latest()
+    assert step == 1
+    h.assert_same(state, restored)

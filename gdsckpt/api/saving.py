@@ -141,7 +141,7 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
               devices: list[str] | None = None, progress: Progress | None = None, base: PathLike | None = None,
               max_chain: int = DEFAULT_MAX_CHAIN,
               lossy: LossyPolicy | dict[str, float] | None = None, rename: bool = True,
-              background: bool = False) -> SaveReport:
+              background: bool = False, may_store_as_is: bool = True) -> SaveReport:
     """The one save entry of the package: write a flattened state (``gdsckpt.state.flatten``) to
     ``path``. ``save`` (after its guard against replacing a delta's base), the background savers,
     the save worker and ``rebase`` (which builds ``flat`` from a checkpoint's index) all end here.
@@ -152,7 +152,10 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
     of the CUDA tensors it snapshotted into pinned host memory. ``rename=False``: the complete,
     fsynced file is left at a temporary path beside ``path``, given as the report's ``path``; the
     caller renames it (``gdsckpt.background.worker``). ``background``: a save beside training
-    (``save_async``), whose speed ``codec="auto"`` does not learn from (``pipeline.host_auto``)."""
+    (``save_async``), whose speed ``codec="auto"`` does not learn from (``pipeline.host_auto``).
+    ``may_store_as_is=False``: ``codec="auto"`` on host state compresses even where the codec
+    threads are slower than the local disk (a ``CheckpointManager`` with a remote tier: the file
+    is uploaded as well, where every byte saved is worth ``ratio`` bytes of state)."""
     started = time.perf_counter()
     cfg = resolve_config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=chunk_bytes,
                          codec=None if codec == "auto" else codec)
@@ -177,7 +180,8 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
         # host's cores, which the engines' predicted save speeds do not weigh.
         engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, path, gpu_device,
                                                               weigh_cpu=not delta and devices is None,
-                                                              learn=not delta and not background)
+                                                              learn=not delta and not background
+                                                              and may_store_as_is)
         chunk = cfg.gpu_chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
         plans = plan_chunks(
             [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,

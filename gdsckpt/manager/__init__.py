@@ -121,6 +121,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import api as _api
+from ..api import saving as _saving
 from ..api.resolve import open_reader, resolve_config
 from ..background.async_save import AsyncSaver, SaveHandle
 from ..config import Config
@@ -136,7 +137,7 @@ from ..errors import (
 from ..io.posix import read_small_file, remove_if_stale, temporary_target, write_atomically
 from ..io.release import remove_releasing
 from ..pipeline.load import open_file
-from ..state import decode_scalar, escape_key
+from ..state import decode_scalar, escape_key, flatten
 from ..state.delta import DEFAULT_MAX_CHAIN, base_path_of
 from .remote import Uploader
 
@@ -355,8 +356,11 @@ class CheckpointManager:
             base = self._base_for(step)
             # force: a run restarted from an older step writes over the abandoned run's files by
             # design (``latest`` then names the new one), deltas of that run based on them included.
-            report = _api.save(state, path, codec=codec, config=self.config, base=base, max_chain=self.max_chain,
-                               lossy=self.lossy, force=True)
+            # With a remote tier the file is uploaded too, and there every byte saved is worth
+            # ``ratio`` bytes of state: ``auto`` compresses even where the local disk outruns it.
+            report = _saving.save_flat(flatten(state), path, codec=codec, config=self.config, base=base,
+                                       max_chain=self.max_chain, lossy=self.lossy,
+                                       may_store_as_is=self.remote is None)
             self._completed(step)
         finally:
             self._end(step, base)
