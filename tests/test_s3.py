@@ -187,7 +187,7 @@ def test_reads_queued_behind_busy_threads_join_into_one_get(s3: str, monkeypatch
             start = i * piece if i < 8 else (12 + i) * piece
             assert outs[i].tobytes() == payload[start:start + piece], i
         assert gets == [(0, piece), (piece, 7 * piece), (20 * piece, 4 * piece)]
-        assert 7 * piece <= JOIN_READ_BYTES
+        assert 7 * piece <= JOIN_READ_BYTES == reader.join_bytes
     finally:
         release_first.set()
         reader.close()
@@ -233,3 +233,14 @@ def test_a_restore_larger_than_the_join_bound_is_bit_exact(s3: str, h: Any) -> N
     gdsckpt.save(state, url, codec="none", chunk_bytes=64 << 10)
     loaded = gdsckpt.load(url, config=gdsckpt.Config(io_threads=2))
     h.assert_same(state, loaded)
+
+
+def test_joined_gets_stay_within_the_in_flight_bound(s3: str) -> None:
+    from gdsckpt.api.resolve import open_reader
+    from gdsckpt.io.s3 import JOIN_READ_BYTES, READ_THREADS
+
+    url = _put("bound.bin", bytes(4096))
+    with open_reader(url, gdsckpt.Config(max_inflight_bytes=8 << 20)) as small:
+        assert small.join_bytes == (8 << 20) // READ_THREADS
+    with open_reader(url, gdsckpt.Config(max_inflight_bytes=4 << 30)) as large:
+        assert large.join_bytes == JOIN_READ_BYTES

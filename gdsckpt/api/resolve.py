@@ -27,7 +27,7 @@ from ..errors import (
 from ..format import Index
 from ..io import PosixReader, PosixWriter, StorageReader, StorageWriter
 from ..io.fileobj import FileObjectReader
-from ..io.s3 import READ_THREADS, S3Reader, S3Writer, is_url, split_url, upload_concurrency
+from ..io.s3 import JOIN_READ_BYTES, READ_THREADS, S3Reader, S3Writer, is_url, split_url, upload_concurrency
 from ..pipeline.engine import HostEngine
 from ..pipeline.load import OpenedFile, open_file
 from ..state import (
@@ -176,8 +176,9 @@ def open_reader(path: Source, config: Config, gpu: bool = False) -> StorageReade
     if not isinstance(path, (str, os.PathLike)):
         return FileObjectReader(path)  # TypeError for anything but bytes or a binary file object
     if is_url(path):
-        return S3Reader(str(path), threads=max(config.io_threads, READ_THREADS), timeout=config.timeout,
-                        endpoint=config.s3_endpoint)
+        threads = max(config.io_threads, READ_THREADS)
+        return S3Reader(str(path), threads=threads, timeout=config.timeout, endpoint=config.s3_endpoint,
+                        join_bytes=min(JOIN_READ_BYTES, config.max_inflight_bytes // threads))
     if gpu:
         from ..io.kvikio import KvikioReader
 

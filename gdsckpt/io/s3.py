@@ -20,11 +20,12 @@ writes waiting for them.
 Reading (``S3Reader``): the size from one HEAD; the header, trailer and index with ranged GETs;
 the chunks with ranged GETs on ``threads`` threads, copied into the caller's buffers. A chunk read
 that arrives while every thread is busy joins the queued GET that ends where it starts (up to
-``JOIN_READ_BYTES``), the way O_DIRECT writes are joined (``io.posix``): on an object store each
+``join_bytes``), the way O_DIRECT writes are joined (``io.posix``): on an object store each
 request has a cost of its own, and a local SeaweedFS served 64 MiB ranges faster than 16 MiB ones
 (docs/performance.md, "Object storage"). A read never waits for a join while a thread is free.
-A joined GET's buffer holds only bytes the pipeline's reads already asked for, so memory stays
-within twice its in-flight bound.
+A joined GET's buffer holds only bytes the pipeline's reads already asked for, and the reader is
+opened with ``join_bytes`` at most ``Config.max_inflight_bytes`` over its threads
+(``api.resolve.open_reader``), so the GET buffers stay within the in-flight bound.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ CONCURRENCY = 8
 """The most parts uploaded at once; fewer where ``Config.max_inflight_bytes`` holds fewer parts
 (``upload_concurrency``)."""
 JOIN_READ_BYTES = 64 << 20
-"""The largest ranged GET joined from adjacent chunk reads."""
+"""The largest ranged GET joined from adjacent chunk reads (``S3Reader``'s default ``join_bytes``)."""
 READ_THREADS = 8
 """The fewest ranged GETs a reader keeps in flight, whatever ``Config.io_threads`` says: a GET
 waits on the network and the server, not on a local core, so a 2-core host still needs several
@@ -332,7 +333,7 @@ class S3Reader(StorageReader):
     name = "s3"
 
     def __init__(self, url: str, *, threads: int = READ_THREADS, timeout: float = 600.0,
-                 endpoint: str | None = None):
+                 endpoint: str | None = None, join_bytes: int = JOIN_READ_BYTES):
         import obstore
 
         self._obstore = obstore
@@ -349,6 +350,7 @@ class S3Reader(StorageReader):
         except Exception as err:
             raise _storage_error(err, "cannot read", url) from err
         self._lane = Lane("io", threads)
+        self.join_bytes = join_bytes
         self._lock = threading.Lock()
         self._queued: _ReadGroup | None = None
         """The latest GET not yet started, which an adjacent read may join."""
@@ -374,7 +376,7 @@ class S3Reader(StorageReader):
         with self._lock:
             group = self._queued
             if (group is not None and group.end == offset
-                    and group.end - group.offset + out.nbytes <= JOIN_READ_BYTES):
+                    and group.end - group.offset + out.nbytes <= self.join_bytes):
                 group.reads.append((out, future))
                 group.end += out.nbytes
                 return future
