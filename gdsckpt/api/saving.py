@@ -524,7 +524,7 @@ def _gpu_auto(config: Config, flat: FlatState, path: PathLike | StorageWriter, d
             auto.update(engine_reason=(
                 f"the GPU: the CPU engine could not reach its speed even at {HOST_CODEC_CEILING_GBPS:g} GB/s "
                 f"per codec thread x {threads} (storage {speed:.2f} GB/s)"))
-    if len(candidates) == 1 and not weigh_cpu:  # nothing to compare: no storage probe, no sample
+    if len(candidates) == 1 and not weigh_cpu:  # nothing to compare: no sample (and no probe unless weighed)
         auto.update(storage_gbps=speed, sampled_ratios={}, chose=candidates[0], left_out=left_out)
         return candidates[0], "gpu"
     if speed is None:

@@ -4,10 +4,10 @@ Atomicity: a save writes to a temporary file in the target's directory, fsyncs i
 over the target (``os.replace``, atomic on POSIX) and fsyncs the directory, so the target path
 always holds either the previous complete checkpoint or the new complete one. A crash leaves at
 most a temporary file named ``.<target>.gdsckpt-tmp-*``, which readers never open and the next
-save to the same target removes (``remove_stale_temporaries``). A large file replaced this way has
-its storage freed on a daemon thread (``gdsckpt.io.release``), not inside the rename. Where that name would exceed the
+save to the same target removes (``remove_stale_temporaries``). Where that name would exceed the
 file system's NAME_MAX (a legal target name of 230-255 bytes), the target part is shortened and a
-digest of the full name keeps it distinct (``temporary_prefix``).
+digest of the full name keeps it distinct (``temporary_prefix``). A large file replaced by the
+rename has its storage freed on a daemon thread (``gdsckpt.io.release``), not inside the rename.
 
 Only regular files are read: ``open_regular`` opens without blocking (a FIFO named like a
 checkpoint would otherwise stall the reader until some process writes to it) and refuses anything
