@@ -43,12 +43,14 @@ except ImportError:  # pragma: no cover - torch is a test dependency
 
 
 @pytest.fixture(autouse=True)
-def _fresh_auto_history() -> Iterator[None]:
-    """Each test starts with a process that has made no ``codec="auto"`` save yet: the choice
-    between compressing and storing as it is (``gdsckpt.pipeline.host_auto``) is learned per
-    storage from earlier saves, and every test's temporary directory is on the same storage."""
+def _fresh_auto_history(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test starts as a process on a machine that has made no ``codec="auto"`` save yet: the
+    choice between compressing and storing as it is (``gdsckpt.pipeline.host_auto``) is learned
+    per storage from earlier saves, every test's temporary directory is on the same storage, and
+    what was measured is also cached on disk (``XDG_CACHE_HOME``, here a directory of the test's)."""
     from gdsckpt.pipeline.host_auto import HISTORY
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
     HISTORY.clear()
     yield
     HISTORY.clear()

@@ -84,6 +84,18 @@ def test_the_pace_is_a_moving_average_per_storage() -> None:
     assert history.outcomes("dev:2") is None
 
 
+def test_a_later_process_starts_from_the_pace_an_earlier_one_measured() -> None:
+    earlier = HostAutoHistory()
+    earlier.record("dev:1", BIG, 0.5, threads=2)
+    later = HostAutoHistory()  # a new process on the same machine (the same cache)
+    choice = later.choose("dev:1", BIG, 2, lambda: 100.0)
+    assert choice.as_is and choice.codec_gbps == pytest.approx(2 * 0.5 * EFFICIENCY)
+    assert not later.choose("dev:1", BIG, 16, lambda: 100.0).as_is  # measured on 2 threads, not 16
+    assert not later.choose("dev:2", BIG, 2, lambda: 100.0).as_is  # nor on another storage
+    earlier.record("dev:3", BIG, 0.5)  # no thread count given: nothing cached
+    assert not HostAutoHistory().choose("dev:3", BIG, 2, lambda: 100.0).as_is
+
+
 def test_storage_keys(tmp_path: Path) -> None:
     assert storage_key(tmp_path / "x.gdsckpt") == (f"dev:{os.stat(tmp_path).st_dev}", tmp_path)
     assert storage_key(str(tmp_path / "x.gdsckpt")) == storage_key(tmp_path / "y.gdsckpt")

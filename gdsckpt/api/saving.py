@@ -208,7 +208,8 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
         key = auto.pop("storage_key", None)
         if key is not None:
             pace = None if as_is else engine.codec_pace()
-            HOST_AUTO_HISTORY.record(key, logical, None if pace is None else pace[0] / 1e9)
+            HOST_AUTO_HISTORY.record(key, logical, None if pace is None else pace[0] / 1e9,
+                                     cfg.effective_codec_threads)
     chains: dict[str, int] = {}
     for record in result.chunks:
         label = chain_label(result.chains[record.chain].to_json())

@@ -239,28 +239,39 @@ def measure_storage_gbps(directory: Path, nbytes: int | None = None) -> float:
     return size / max(seconds, 1e-9) / 1e9
 
 
+def read_cache() -> dict[str, Any]:
+    """The measurement cache (``$XDG_CACHE_HOME/gdsckpt/storage.json``); empty where it is missing
+    or unreadable (a cache that is not a small JSON object is measured anew)."""
+    try:
+        known = json.loads(posix.read_small_file(_cache_file(), 1 << 20))
+    except (OSError, ValueError, CheckpointError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def update_cache(key: str, entry: dict[str, Any]) -> None:
+    """Set ``key`` in the measurement cache (read, modified and replaced whole; an unwritable cache
+    only costs a new measurement next time)."""
+    known = read_cache()
+    known[key] = {**entry, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    cache = _cache_file()
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        posix.write_atomically(cache, json.dumps(known, indent=1).encode("utf-8"), fsync=False)
+    except OSError:
+        pass
+
+
 def storage_gbps(directory: Path, override: float | None = None) -> float:
     """The storage speed of ``directory``: ``override``, else the cached or a new measurement."""
     if override is not None:
         return float(override)
     key = str(os.stat(directory).st_dev)
-    cache = _cache_file()
-    try:
-        known = json.loads(posix.read_small_file(cache, 1 << 20))
-    except (OSError, ValueError, CheckpointError):  # a cache that is not a small file is remeasured
-        known = {}
-    if not isinstance(known, dict):
-        known = {}
-    entry = known.get(key)
+    entry = read_cache().get(key)
     if isinstance(entry, dict) and isinstance(entry.get("gbps"), (int, float)) and entry["gbps"] > 0:
         return float(entry["gbps"])
     speed = measure_storage_gbps(directory)
-    known[key] = {"gbps": speed, "path": str(directory), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        posix.write_atomically(cache, json.dumps(known, indent=1).encode("utf-8"), fsync=False)
-    except OSError:
-        pass  # an unwritable cache only costs a new measurement next time
+    update_cache(key, {"gbps": speed, "path": str(directory)})
     return speed
 
 

@@ -10,16 +10,18 @@ later than one that compressed nothing (docs/performance.md, "Save and load on t
 So before a save of host state of at least ``MEASURED_MIN_BYTES`` to a local file, ``auto`` asks
 one question: can the codec threads keep up with the storage? It compares the codec's speed,
 ``threads x one thread's measured pace x CPU_PARALLEL_EFFICIENCY`` (the pace is what the engine
-measured on the chunks it compressed in this process's last compressed save to the same
-storage), with the storage's durable write speed (``autotune.storage_gbps``: one probe per
+measured on the chunks it compressed in the last compressed saves to the same storage, a moving
+average), with the storage's durable write speed (``autotune.storage_gbps``: one probe per
 filesystem, cached on disk, or ``Config.storage_gbps``). Slower: every chunk is stored as it is
 (``none/1``), since compressing would only slow the save. As fast or faster: the adaptive engine
 compresses. Before anything is measured the save compresses (that measures the pace), and every
 ``EXPLORE_EVERY``-th save that would be stored as it is compresses instead, so the pace follows a
 state that starts to compress differently.
 
-The pace is remembered per process and storage (the filesystem's device number): the cores and
-the storage are those of the process. Smaller saves, objects (``s3://``), deltas (always
+The pace is remembered per storage (the filesystem's device number) and number of codec threads,
+in the process and in the measurement cache beside the storage probe's
+(``autotune.update_cache``), so the first save of a later process on the same machine need not
+compress to find it out. Smaller saves, objects (``s3://``), deltas (always
 compressed, ``engine`` module docstring) and background saves (their speed says more about the
 training beside them) keep the adaptive engine and are not measured.
 """
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .autotune import CPU_PARALLEL_EFFICIENCY
+from .autotune import CPU_PARALLEL_EFFICIENCY, read_cache, update_cache
 
 EXPLORE_EVERY = 8
 """Every this many measured saves stored as they are, one is compressed to measure the pace again."""
@@ -96,6 +98,12 @@ class HostAutoHistory:
             pace = known.gbps_per_thread if known is not None else None
             saves = known.saves if known is not None else 0
         if pace is None:
+            pace = cached_pace(key, threads)
+            if pace is not None:  # measured by an earlier process: this one starts from it
+                with self._lock:
+                    self._outcomes.setdefault(key, StorageOutcomes()).gbps_per_thread = pace
+                saves = 1
+        if pace is None:
             return HostAutoChoice(False, "compressed: the codec's pace on this state is not measured yet")
         codec = threads * pace * CPU_PARALLEL_EFFICIENCY
         storage = storage_gbps()
@@ -108,19 +116,22 @@ class HostAutoHistory:
         return HostAutoChoice(True, f"as it is: the codec threads ({codec:.2f} GB/s) would hold back the "
                               f"storage ({storage:.2f} GB/s)", codec, storage)
 
-    def record(self, key: str, logical_bytes: int, gbps_per_thread: float | None) -> None:
+    def record(self, key: str, logical_bytes: int, gbps_per_thread: float | None, threads: int = 0) -> None:
         """Count one finished save of ``logical_bytes`` (saves under ``MEASURED_MIN_BYTES`` are not
-        counted) and fold the pace its engine measured, if it compressed anything, into the
-        storage's moving average."""
+        counted) and fold the pace its engine measured on ``threads`` codec threads, if it
+        compressed anything, into the storage's moving average (and the cache, with ``threads``)."""
         if logical_bytes < MEASURED_MIN_BYTES:
             return
         with self._lock:
             known = self._outcomes.setdefault(key, StorageOutcomes())
             known.saves += 1
-            if gbps_per_thread is not None and gbps_per_thread > 0:
-                old = known.gbps_per_thread
-                known.gbps_per_thread = (gbps_per_thread if old is None
-                                         else old + MOVING_WEIGHT * (gbps_per_thread - old))
+            if gbps_per_thread is None or gbps_per_thread <= 0:
+                return
+            old = known.gbps_per_thread
+            known.gbps_per_thread = pace = (gbps_per_thread if old is None
+                                            else old + MOVING_WEIGHT * (gbps_per_thread - old))
+        if threads:
+            update_cache(_cache_key(key, threads), {"gbps_per_thread": pace})
 
     def outcomes(self, key: str) -> StorageOutcomes | None:
         """A copy of what is known of storage ``key``."""
@@ -132,6 +143,17 @@ class HostAutoHistory:
         """Forget every storage (tests; a process whose state changed character)."""
         with self._lock:
             self._outcomes.clear()
+
+
+def _cache_key(key: str, threads: int) -> str:
+    return f"zstd pace:{key}:{threads} threads"
+
+
+def cached_pace(key: str, threads: int) -> float | None:
+    """The pace an earlier process measured for storage ``key`` on ``threads`` codec threads."""
+    entry = read_cache().get(_cache_key(key, threads))
+    pace = entry.get("gbps_per_thread") if isinstance(entry, dict) else None
+    return float(pace) if isinstance(pace, (int, float)) and pace > 0 else None
 
 
 HISTORY = HostAutoHistory()
