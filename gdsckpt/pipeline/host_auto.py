@@ -21,9 +21,11 @@ state that starts to compress differently.
 The pace is remembered per storage (the filesystem's device number) and number of codec threads,
 in the process and in the measurement cache beside the storage probe's
 (``autotune.update_cache``), so the first save of a later process on the same machine need not
-compress to find it out. Smaller saves, objects (``s3://``), deltas (always
-compressed, ``engine`` module docstring) and background saves (their speed says more about the
-training beside them) keep the adaptive engine and are not measured.
+compress to find it out. Smaller saves, objects (``s3://``), deltas (always compressed,
+``engine`` module docstring), background saves (their speed says more about the training beside
+them) and the saves of a ``CheckpointManager`` with a remote tier (the file is uploaded too,
+where every byte saved is worth ``ratio`` bytes of state) keep the adaptive engine and are not
+measured.
 """
 
 from __future__ import annotations
