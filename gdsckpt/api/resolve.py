@@ -196,10 +196,11 @@ def restore_engine(config: Config, gpu_device: int | None) -> Any:
 
 
 def host_engine(config: Config, sources: list[Any] | None = None, codec: str = "none",
-                adaptive: bool = False) -> HostEngine:
+                adaptive: bool = False, as_is_views: bool = False) -> HostEngine:
+    """The CPU engine for ``config`` (``as_is_views``: see ``HostEngine.as_is_views``)."""
     return HostEngine(sources or [], codec=codec, byte_planes=config.byte_planes,
                       threads=config.effective_codec_threads, level=config.level, timeout=config.timeout,
-                      adaptive=adaptive)
+                      adaptive=adaptive, as_is_views=as_is_views)
 
 
 def device_index(device: str) -> int:

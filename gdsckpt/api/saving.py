@@ -490,8 +490,11 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
             if choice.as_is:
                 codec = auto["chose"] = "none"
                 adaptive = False
-    return (host_engine(config, [a.source for a in flat.arrays], codec, adaptive=adaptive), posix_writer, codec,
-            auto)
+    # A chunk stored as it is goes to the writer from the state's memory (``HostEngine.as_is_views``)
+    # unless O_DIRECT was asked for, which needs the aligned copy.
+    views = config.o_direct is not True
+    return (host_engine(config, [a.source for a in flat.arrays], codec, adaptive=adaptive, as_is_views=views),
+            posix_writer, codec, auto)
 
 
 def _logical_bytes(flat: FlatState) -> int:

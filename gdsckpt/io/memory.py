@@ -98,13 +98,16 @@ class NullWriter(StorageWriter):
 
     def __init__(self) -> None:
         self.bytes_written = 0
+        """The length of the file these writes would have made (a gap between writes counts,
+        as the zeros or the hole a file would hold there)."""
 
     def submit_write(self, offset: int, data: Any) -> Future[None]:
-        self.bytes_written += int(getattr(data, "nbytes", None) or len(data))
+        nbytes = getattr(data, "nbytes", None)
+        self.bytes_written = max(self.bytes_written, offset + int(len(data) if nbytes is None else nbytes))
         return done_future()
 
     def write_tail(self, offset: int, data: bytes) -> None:
-        self.bytes_written += len(data)
+        self.bytes_written = max(self.bytes_written, offset + len(data))
 
     def commit(self) -> None:
         pass

@@ -32,7 +32,9 @@ def _state() -> dict[str, Any]:
 
 
 def _config(**changes: Any) -> gdsckpt.Config:
-    return gdsckpt.Config(chunk_bytes=CHUNK, codec_threads=2, io_threads=4, **changes)
+    # o_direct=True: chunks stored as they are would otherwise be written buffered, from the
+    # state's memory (``HostEngine.as_is_views``), and only O_DIRECT writes are joined
+    return gdsckpt.Config(chunk_bytes=CHUNK, codec_threads=2, io_threads=4, o_direct=True, **changes)
 
 
 def _needs_o_direct(path: Path) -> None:
