@@ -23,7 +23,7 @@ from gdsckpt.pipeline.autotune import sample_ratios_on
 from gdsckpt.pipeline.engine import HostEngine
 from gdsckpt.pipeline.gpu import GpuDecoder, GpuEncoder, RoundedArraySource
 from gdsckpt.pipeline.gpu.decoder import DecodeJob
-from gdsckpt.pipeline.load import open_file, run_restore
+from gdsckpt.pipeline.load import DeferredTargets, open_file, run_restore
 from gdsckpt.pipeline.plan import ChunkPlan, Part, plan_chunks
 from gdsckpt.pipeline.save import run_save
 from gdsckpt.state import NumpyTarget, flatten
@@ -661,3 +661,107 @@ def test_packed_small_device_arrays_are_gathered_by_one_kernel_per_chunk() -> No
     assert gathers and sum(call[4] for call in gathers) == 500  # every small contiguous array, none other
     assert len(gathers) <= len(open_file(MemoryReader(store, "ckpt")).index.chunks)
     assert_same(restore_through(decoder(FakeDevice()), store, flat), state)
+
+
+# -- destinations made while the first chunks are read (DeferredTargets) ------------------------
+
+class RecordingReader(MemoryReader):
+    """A real in-memory reader that notes, in one list shared with the targets' maker, when each
+    read is submitted."""
+
+    def __init__(self, store: MemoryStore, name: str, events: list[str]):
+        super().__init__(store, name)
+        self.events = events
+
+    def submit_read(self, offset: int, out: Any) -> Future[Any]:
+        self.events.append("read")
+        return super().submit_read(offset, out)
+
+
+@pytest.mark.parametrize("codec", ["ans", "zstd", "none"])
+def test_deferred_targets_are_made_once_after_the_first_reads_and_restore_bit_exact(codec: str) -> None:
+    state = weights(7)
+    store, flat, _ = save_through(FakeDevice(), state, codec=codec)
+    events: list[str] = []
+    reader = RecordingReader(store, "ckpt", events)
+    index = open_file(reader).index
+    ids = list(range(len(flat.arrays)))
+
+    def make() -> dict[int, Any]:
+        events.append("targets")
+        return {i: DeviceMemoryTarget(a.shape, a.dtype) for i, a in enumerate(flat.arrays)}
+
+    deferred = DeferredTargets(ids, make)
+    dec = decoder(FakeDevice())
+    try:
+        run_restore(reader, index, dec, deferred, max_inflight_bytes=1 << 30, timeout=TIMEOUT)
+    finally:
+        dec.close()
+    assert events.count("targets") == 1 and events[0] == "read"  # made once, after a read was under way
+    targets = deferred.resolve()
+    assert_same({a.key: targets[i].finish() for i, a in enumerate(flat.arrays)}, state)
+    # the decoder still wrote its device destinations itself
+    assert all(targets[i].delivered == 0 for i, a in enumerate(flat.arrays) if a.key != "steps")
+
+
+def test_deferred_targets_of_a_restore_without_chunks_are_still_made() -> None:
+    state = {"empty": np.zeros(0, dtype=np.float32)}
+    store, flat, _ = save_through(FakeDevice(), state, codec="ans")
+    reader = MemoryReader(store, "ckpt")
+    index = open_file(reader).index
+    deferred = DeferredTargets([0], lambda: {0: DeviceMemoryTarget((0,), np.float32)})
+    dec = decoder(FakeDevice())
+    try:
+        run_restore(reader, index, dec, deferred, max_inflight_bytes=1 << 30, timeout=TIMEOUT)
+    finally:
+        dec.close()
+    assert deferred.resolve()[0].finish().shape == (0,)
+
+
+def test_a_failure_making_deferred_targets_fails_the_restore_and_returns_the_slots() -> None:
+    state = weights(8)
+    store, flat, _ = save_through(FakeDevice(), state, codec="ans")
+    reader = MemoryReader(store, "ckpt")
+    index = open_file(reader).index
+
+    def make() -> dict[int, Any]:
+        raise MemoryError("no room for the destinations")
+
+    dec = decoder(FakeDevice(), staging=4 * CHUNK * 2)
+    try:
+        with pytest.raises(MemoryError, match="no room"):
+            run_restore(reader, index, dec, DeferredTargets(list(range(len(flat.arrays))), make),
+                        max_inflight_bytes=1 << 30, timeout=TIMEOUT)
+        assert dec.ring is not None
+    finally:
+        dec.close()
+
+
+def test_deferred_targets_must_match_their_ids_and_need_a_device_decoder() -> None:
+    wrong = DeferredTargets([0, 1], lambda: {0: NumpyTarget((1,), "float32")})
+    with pytest.raises(ValueError, match="other arrays"):
+        wrong.resolve()
+    state = weights(9)
+    store, flat, _ = save_through(FakeDevice(), state, codec="none", on_device=False)
+    reader = MemoryReader(store, "ckpt")
+    index = open_file(reader).index
+    engine = HostEngine([], codec="none", byte_planes="never", threads=1)
+    try:
+        with pytest.raises(ValueError, match="CPU engine needs its targets"):
+            run_restore(reader, index, engine, DeferredTargets([0], dict), max_inflight_bytes=1 << 30)
+    finally:
+        engine.close()
+
+
+def test_the_decoder_budget_leaves_out_the_bytes_reserved_for_destinations() -> None:
+    device = FakeDevice()
+    device.free = 8 * 400 * KIB
+    reserved = GpuDecoder(device_id=0, max_staging_bytes=100 * KIB, timeout=TIMEOUT, device=device,
+                          reserved_bytes=4 * 400 * KIB)
+    plain = GpuDecoder(device_id=0, max_staging_bytes=100 * KIB, timeout=TIMEOUT, device=device)
+    try:
+        assert plain.max_staging_bytes == 800 * KIB  # a quarter of what is free
+        assert reserved.max_staging_bytes == 400 * KIB  # a quarter of what is free less the reserve
+    finally:
+        reserved.close()
+        plain.close()

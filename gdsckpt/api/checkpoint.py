@@ -21,7 +21,7 @@ from ..errors import (
 )
 from ..format import Index, TensorRecord
 from ..io import StorageReader
-from ..pipeline.load import OpenedFile, run_restore
+from ..pipeline.load import DeferredTargets, OpenedFile, run_restore
 from ..state import (
     CupyTarget,
     JaxTarget,
@@ -100,16 +100,28 @@ def _make_target(record: TensorRecord, device: str | None) -> Any:
 def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int], config: Config,
                     make_target: Any, gpu_device: int | None = None,
                     progress: Progress | None = None,
-                    windows: dict[int, tuple[int, int]] | None = None, engine: Any = None) -> dict[int, Any]:
+                    windows: dict[int, tuple[int, int]] | None = None, engine: Any = None,
+                    new_targets: bool = False) -> dict[int, Any]:
     """Restore the arrays ``ids`` (aliases resolved) and return id -> finished object.
     ``windows``: data array id -> the byte range of it to restore (``run_restore``). ``engine``:
     a decoding engine the caller keeps (and closes) across restores; by default one is made for
-    this restore and closed after it."""
+    this restore and closed after it. ``new_targets``: ``make_target`` allocates new arrays (a
+    ``load``), so on the GPU engine they may be made while the first chunks are read
+    (``pipeline.load.DeferredTargets``), the decoder's staging budget leaving room for them."""
     index = opened.index
     ids = list(ids)
     data_ids = sorted({stored_id(index, i) for i in ids})
-    targets = {i: make_target(i, index.tensors[i]) for i in data_ids}
     delta = set(index.delta_ids()).intersection(data_ids) if index.base is not None else set()
+    if new_targets and gpu_device is not None and engine is None and not delta and windows is None:
+        deferred = DeferredTargets(data_ids, lambda: {i: make_target(i, index.tensors[i]) for i in data_ids})
+        engine = restore_engine(config, gpu_device, reserved_bytes=sum(index.tensors[i].nbytes for i in data_ids))
+        try:
+            run_restore(reader, index, engine, deferred, timeout=config.timeout, progress=progress,
+                        max_inflight_bytes=inflight_budget(config, engine))
+        finally:
+            engine.close()
+        return _finished(index, ids, deferred.resolve())
+    targets = {i: make_target(i, index.tensors[i]) for i in data_ids}
     if delta:
         with _BASE_LOCK:  # restores of one open Checkpoint may run in several threads
             if opened.base is None:  # kept for the next restore of this file: its cache with it
@@ -134,6 +146,11 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
     finally:
         if owned:
             engine.close()
+    return _finished(index, ids, targets)
+
+
+def _finished(index: Index, ids: list[int], targets: dict[int, Any]) -> dict[int, Any]:
+    """Id -> finished object of every restored array and of the aliases among ``ids``."""
     finished = {i: target.finish() for i, target in targets.items()}
     for i in ids:
         alias = index.tensors[i].alias

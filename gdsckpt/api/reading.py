@@ -79,7 +79,7 @@ def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
             with open_data_reader(path, cfg, reader, gpu_device) as data_reader:
                 arrays = restore_arrays(data_reader, opened, wanted, cfg,
                                          lambda _i, record: new_target(record, destination(location, record)),
-                                         gpu_device, progress)
+                                         gpu_device, progress, new_targets=True)
         finally:
             opened.close_base()
     warn_lossy(index, wanted)

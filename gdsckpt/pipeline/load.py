@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, cast
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import (
@@ -121,16 +121,44 @@ Delivery = tuple[int, int, int, int]
 """(array id, offset in the chunk's raw bytes, length, offset in the array's bytes)."""
 
 
-def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: dict[int, ArrayTarget], *,
+class DeferredTargets:
+    """The targets of a restore, made only once its first chunk reads are under way: ``make()``
+    returns them (array id -> target) for exactly ``ids``. A decoder that writes device memory
+    itself (the GPU decoder) needs the destinations only when the first chunk is decoded, so the
+    storage reads while hundreds of destination arrays are allocated (docs/performance.md,
+    "Fast tiers"). ``resolve()`` makes them once and returns the same dict after."""
+
+    def __init__(self, ids: list[int], make: Callable[[], dict[int, ArrayTarget]]):
+        self.ids = ids
+        self._make = make
+        self._made: dict[int, ArrayTarget] | None = None
+
+    def resolve(self) -> dict[int, ArrayTarget]:
+        """The targets, made on the first call."""
+        if self._made is None:
+            made = self._make()
+            if sorted(made) != sorted(self.ids):
+                raise ValueError("deferred targets made for other arrays than announced")
+            self._made = made
+        return self._made
+
+
+def run_restore(reader: StorageReader, index: Index, engine: Engine,
+                targets: dict[int, ArrayTarget] | DeferredTargets, *,
                 max_inflight_bytes: int, timeout: float | None = None,
                 progress: Callable[[int, int], None] | None = None,
                 windows: dict[int, tuple[int, int]] | None = None) -> int:
     """Fill ``targets`` (array id -> target) from the file; returns the stored bytes read.
 
-    ``windows``: array id -> byte range ``[start, stop)`` of that array to restore (its target
-    holds just those bytes); only the chunks overlapping the range are read."""
+    ``targets`` may be ``DeferredTargets`` where the engine decodes on a device (not the CPU
+    engine, which may read straight into a target's memory): they are made just before the first
+    chunk is decoded. ``windows``: array id -> byte range ``[start, stop)`` of that array to
+    restore (its target holds just those bytes); only the chunks overlapping the range are read."""
+    deferred = targets if isinstance(targets, DeferredTargets) else None
+    if deferred is not None and engine.name == "cpu":
+        raise ValueError("the CPU engine needs its targets before the reads start")
     deliveries: dict[int, list[Delivery]] = {}
-    for array_id in targets:
+    for array_id in (deferred.ids if deferred is not None else targets):
         start, stop = (windows or {}).get(array_id, (0, index.tensors[array_id].nbytes))
         position = 0
         for segment in index.tensors[array_id].segments:
@@ -140,7 +168,18 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: di
                     (array_id, segment.raw_offset + low - position, high - low, low - start))
             position += segment.length
 
-    direct = _direct_destinations(index, engine, targets, deliveries)
+    made: dict[int, ArrayTarget] = {} if deferred is not None else cast(dict[int, ArrayTarget], targets)
+    direct = {} if deferred is not None else _direct_destinations(index, engine, made, deliveries)
+    host_only: set[int] = set()
+    places: dict[int, list[tuple[int, int, int]]] = {}
+
+    def know_destinations() -> None:
+        """Fill ``made``, ``host_only`` and ``places`` (called before the first decode)."""
+        if deferred is not None:
+            made.update(deferred.resolve())
+        host_only.update(chunk for chunk, wanted in deliveries.items()
+                         if not any(getattr(made[array_id], "on_device", True) for array_id, *_rest in wanted))
+        places.update(_device_places(engine, made, deliveries))
 
     def deliver_to_targets(chunk: int) -> Callable[[Any], None]:
         if chunk in direct:
@@ -148,7 +187,7 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: di
 
         def deliver(raw: Any) -> None:
             for array_id, raw_offset, length, position in deliveries[chunk]:
-                target = targets[array_id]
+                target = made[array_id]
                 piece = raw[raw_offset:raw_offset + length]
                 if hasattr(piece, "__cuda_array_interface__"):  # decoded on a GPU
                     target.write_device(position, piece)
@@ -156,12 +195,15 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine, targets: di
                     target.write_host(position, piece)
         return deliver
 
-    host_only = {chunk for chunk, wanted in deliveries.items()
-                 if not any(getattr(targets[array_id], "on_device", True) for array_id, *_rest in wanted)}
-    return _stream_chunks(reader, index, engine, sorted(deliveries), deliver_to_targets,
-                          max_inflight_bytes=max_inflight_bytes, timeout=timeout, direct=direct,
-                          progress=progress, to_host=host_only,
-                          places=_device_places(engine, targets, deliveries))
+    if deferred is None:
+        know_destinations()
+    stored = _stream_chunks(reader, index, engine, sorted(deliveries), deliver_to_targets,
+                            max_inflight_bytes=max_inflight_bytes, timeout=timeout, direct=direct,
+                            progress=progress, to_host=host_only, places=places,
+                            before_first_decode=know_destinations if deferred is not None else None)
+    if deferred is not None:
+        deferred.resolve()  # no chunk to decode (nothing but empty arrays): the targets still
+    return stored
 
 
 def _device_places(engine: Engine, targets: dict[int, ArrayTarget],
@@ -276,10 +318,14 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
                    make_deliver: Callable[[int], Callable[[Any], None]], *, max_inflight_bytes: int,
                    timeout: float | None, direct: dict[int, Any] | None = None,
                    progress: Callable[[int, int], None] | None = None, to_host: set[int] | None = None,
-                   places: dict[int, list[tuple[int, int, int]]] | None = None) -> int:
+                   places: dict[int, list[tuple[int, int, int]]] | None = None,
+                   before_first_decode: Callable[[], None] | None = None) -> int:
     """Read ``chunks`` and decode each as its read lands; ``progress(done, total)`` (raw bytes
     decoded so far) is called in this thread. ``to_host``: the chunks whose every destination is
-    host memory; ``places``: chunk -> its device destinations (both ``Decoder.submit_decode``)."""
+    host memory; ``places``: chunk -> its device destinations (both ``Decoder.submit_decode``;
+    read at each decode). ``before_first_decode``: called once, in this thread, after the first
+    reads are submitted and before the first chunk is handed to the engine (it may fill
+    ``to_host`` and ``places``)."""
     reads: deque[tuple[int, Future[Any], Any]] = deque()
     decodes: deque[tuple[int, Future[None], int]] = deque()
     inflight = 0
@@ -306,7 +352,11 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             raise err
         raise renamed from err
 
+    pending_setup = [before_first_decode] if before_first_decode is not None else []
+
     def start_decode() -> None:
+        if pending_setup:
+            pending_setup.pop()()  # while the reads already submitted run
         chunk, future, buffer = reads.popleft()
         try:
             future.result(timeout=timeout)

@@ -94,13 +94,16 @@ class GpuDecoder(WorkerOwner, Decoder):
     device_places: int | None
 
     def __init__(self, *, device_id: int, max_staging_bytes: int, restore_staging_bytes: int | None = None,
-                 batch_chunks: int = BATCH_CHUNKS, timeout: float = 600.0, device: DeviceBackend | None = None):
+                 batch_chunks: int = BATCH_CHUNKS, timeout: float = 600.0, device: DeviceBackend | None = None,
+                 reserved_bytes: int = 0):
         self.device = device = backend_or_cuda(device, device_id)
         self.device_id = device_id
         self.device_places = device_id
-        self.max_staging_bytes = restore_staging_budget(device.free_bytes(), max_staging_bytes,
-                                                        restore_staging_bytes)
-        """The staging budget of this decoder's restores (``restore_staging_budget``)."""
+        self.max_staging_bytes = restore_staging_budget(max(device.free_bytes() - reserved_bytes, 0),
+                                                        max_staging_bytes, restore_staging_bytes)
+        """The staging budget of this decoder's restores (``restore_staging_budget``, from the device
+        memory free now less ``reserved_bytes``: destination arrays a restore makes after the
+        decoder, ``pipeline.load.DeferredTargets``)."""
         self.timeout = timeout
         self.ring: StagingRing | None = None
         self.staging_bytes = 0
