@@ -706,7 +706,7 @@ def test_deferred_targets_are_made_once_after_the_first_reads_and_restore_bit_ex
 
 def test_deferred_targets_of_a_restore_without_chunks_are_still_made() -> None:
     state = {"empty": np.zeros(0, dtype=np.float32)}
-    store, flat, _ = save_through(FakeDevice(), state, codec="ans")
+    store, _flat, _ = save_through(FakeDevice(), state, codec="ans")
     reader = MemoryReader(store, "ckpt")
     index = open_file(reader).index
     deferred = DeferredTargets([0], lambda: {0: DeviceMemoryTarget((0,), np.float32)})
@@ -742,7 +742,7 @@ def test_deferred_targets_must_match_their_ids_and_need_a_device_decoder() -> No
     with pytest.raises(ValueError, match="other arrays"):
         wrong.resolve()
     state = weights(9)
-    store, flat, _ = save_through(FakeDevice(), state, codec="none", on_device=False)
+    store, _flat, _ = save_through(FakeDevice(), state, codec="none", on_device=False)
     reader = MemoryReader(store, "ckpt")
     index = open_file(reader).index
     engine = HostEngine([], codec="none", byte_planes="never", threads=1)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, NoReturn, Protocol, cast
+from typing import Any, NoReturn, Protocol
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import (
@@ -155,10 +155,11 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine,
     chunk is decoded. ``windows``: array id -> byte range ``[start, stop)`` of that array to
     restore (its target holds just those bytes); only the chunks overlapping the range are read."""
     deferred = targets if isinstance(targets, DeferredTargets) else None
+    made: dict[int, ArrayTarget] = {} if isinstance(targets, DeferredTargets) else targets
     if deferred is not None and engine.name == "cpu":
         raise ValueError("the CPU engine needs its targets before the reads start")
     deliveries: dict[int, list[Delivery]] = {}
-    for array_id in (deferred.ids if deferred is not None else targets):
+    for array_id in (deferred.ids if deferred is not None else list(made)):
         start, stop = (windows or {}).get(array_id, (0, index.tensors[array_id].nbytes))
         position = 0
         for segment in index.tensors[array_id].segments:
@@ -168,7 +169,6 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine,
                     (array_id, segment.raw_offset + low - position, high - low, low - start))
             position += segment.length
 
-    made: dict[int, ArrayTarget] = {} if deferred is not None else cast(dict[int, ArrayTarget], targets)
     direct = {} if deferred is not None else _direct_destinations(index, engine, made, deliveries)
     host_only: set[int] = set()
     places: dict[int, list[tuple[int, int, int]]] = {}
