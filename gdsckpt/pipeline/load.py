@@ -354,14 +354,20 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
 
     pending_setup = [before_first_decode] if before_first_decode is not None else []
 
+    # A host decoder takes the reader's own memory where it offers it (an object's GET response)
+    # instead of a buffer of its own that the reader would copy into.
+    owned_reads = getattr(reader, "owns_read_buffers", False) and engine.name == "cpu"
+
     def start_decode() -> None:
         if pending_setup:
             pending_setup.pop()()  # while the reads already submitted run
         chunk, future, buffer = reads.popleft()
         try:
-            future.result(timeout=timeout)
+            result = future.result(timeout=timeout)
         except BaseException as err:  # noqa: BLE001 - reraise names the chunk, then raises it
             reraise(chunk, err)
+        if buffer is None:
+            buffer = result
         record = index.chunks[chunk]
         decodes.append((chunk, engine.submit_decode(record, index.chains[record.chain], buffer, make_deliver(chunk),
                                                     to_host=to_host is not None and chunk in to_host,
@@ -398,9 +404,12 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
                     finish_decode(block=True)
                 finish_decode(block=False)
             buffer = direct.get(chunk) if direct else None
-            if buffer is None:
-                buffer = engine.read_buffer(align_up(record.stored))
-            reads.append((chunk, reader.submit_read(record.offset, buffer), buffer))
+            if buffer is None and owned_reads:
+                reads.append((chunk, reader.submit_owned_read(record.offset, align_up(record.stored)), None))
+            else:
+                if buffer is None:
+                    buffer = engine.read_buffer(align_up(record.stored))
+                reads.append((chunk, reader.submit_read(record.offset, buffer), buffer))
             inflight += cost
             stored_total += record.stored
         while reads:
