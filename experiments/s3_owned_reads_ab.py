@@ -33,6 +33,9 @@ from gdsckpt.state import flatten  # noqa: E402
 
 
 def main() -> None:
+    if not hasattr(S3Reader, "owns_read_buffers"):
+        raise SystemExit("this probe measures commit 7861ea1 (S3Reader.owns_read_buffers), reverted since: "
+                         "check that commit out to run it")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=6)

@@ -95,15 +95,6 @@ class StorageReader(ABC):
     def submit_read(self, offset: int, out: np.ndarray) -> Future[np.ndarray]:
         """Start reading ``out.nbytes`` bytes at ``offset`` into the host array ``out``."""
 
-    owns_read_buffers = False
-    """Whether ``submit_owned_read`` is offered: the reader fills buffers of its own (a response's
-    memory), which a host decoder can take as they are instead of a copy into its own buffer."""
-
-    def submit_owned_read(self, offset: int, nbytes: int) -> Future[np.ndarray]:
-        """Start reading ``nbytes`` bytes at ``offset`` into memory the reader provides; the future's
-        result is a read-only uint8 array of them (only where ``owns_read_buffers``)."""
-        raise NotImplementedError(f"{type(self).__name__} reads into the caller's buffers only")
-
     @abstractmethod
     def close(self) -> None:
         """Release the file and threads."""

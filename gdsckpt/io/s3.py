@@ -308,10 +308,9 @@ class S3Writer(StorageWriter):
 
 
 class _ReadGroup:
-    """Adjacent reads served by one ranged GET: ``[offset, end)`` and each read's buffer (None: the
-    read takes a view of the response, ``S3Reader.submit_owned_read``), length and future."""
+    """Adjacent reads served by one ranged GET: ``[offset, end)`` and each read's buffer and future."""
 
-    def __init__(self, offset: int, end: int, reads: list[tuple[Any, int, Future[Any]]]):
+    def __init__(self, offset: int, end: int, reads: list[tuple[Any, Future[Any]]]):
         self.offset, self.end, self.reads = offset, end, reads
 
 
@@ -372,29 +371,16 @@ class S3Reader(StorageReader):
             raise CorruptCheckpointError(f"ranged GET of {self.url} returned {len(data)} of {length} bytes")
         return data
 
-    owns_read_buffers = True
-    """A ranged GET's response is memory of its own: a host decoder takes a view of it
-    (``submit_owned_read``) instead of a copy into a buffer of its own (on two cores shared with
-    the server, a memcpy and fresh pages per chunk that the raw download never pays)."""
-
     def submit_read(self, offset: int, out: Any) -> Future[Any]:
-        return self._submit(offset, out, out.nbytes)
-
-    def submit_owned_read(self, offset: int, nbytes: int) -> Future[np.ndarray]:
-        """Read ``nbytes`` at ``offset``; the result is a read-only view of the GET's response (of
-        the GET it joined, which lives as long as any of its views)."""
-        return self._submit(offset, None, nbytes)
-
-    def _submit(self, offset: int, out: Any, nbytes: int) -> Future[Any]:
         future: Future[Any] = Future()
         with self._lock:
             group = self._queued
             if (group is not None and group.end == offset
-                    and group.end - group.offset + nbytes <= self.join_bytes):
-                group.reads.append((out, nbytes, future))
-                group.end += nbytes
+                    and group.end - group.offset + out.nbytes <= self.join_bytes):
+                group.reads.append((out, future))
+                group.end += out.nbytes
                 return future
-            group = self._queued = _ReadGroup(offset, offset + nbytes, [(out, nbytes, future)])
+            group = self._queued = _ReadGroup(offset, offset + out.nbytes, [(out, future)])
         try:
             self._lane.submit(self._fetch, group)
         except BaseException:
@@ -411,24 +397,21 @@ class S3Reader(StorageReader):
             if self._queued is group:
                 self._queued = None  # started: no read joins it any more
         reads, start = [], 0
-        for out, nbytes, future in group.reads:
+        for out, future in group.reads:
             if future.set_running_or_notify_cancel():
-                reads.append((out, start, nbytes, future))
-            start += nbytes
+                reads.append((out, start, future))
+            start += out.nbytes
         try:
             data = np.frombuffer(memoryview(self._get(group.offset, group.end - group.offset)), dtype=np.uint8)
         except BaseException as err:
-            for _out, _start, _nbytes, future in reads:
+            for _out, _start, future in reads:
                 future.set_exception(err)
             if not isinstance(err, Exception):
                 raise
             return
-        for out, start, nbytes, future in reads:
-            if out is None:
-                future.set_result(data[start:start + nbytes])
-                continue
+        for out, start, future in reads:
             try:
-                _deliver(data[start:start + nbytes], out)
+                _deliver(data[start:start + out.nbytes], out)
             except BaseException as err:
                 future.set_exception(err)
                 if not isinstance(err, Exception):
