@@ -72,7 +72,8 @@ def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
     with open_reader(path, cfg) as reader:
         opened = open_checked(reader)
         index = opened.index
-        wanted = [i for i, record in enumerate(index.tensors) if selection.covers(record.key)]
+        wanted = (list(range(len(index.tensors))) if keys is None
+                  else [i for i, record in enumerate(index.tensors) if selection.covers(record.key)])
         gpu_device = restore_gpu_device(cfg, single_destination(location, (index.tensors[i] for i in wanted)),
                                         index, wanted)
         try:

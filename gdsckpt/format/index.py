@@ -15,7 +15,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .checksum import CHECKSUM_ALGORITHM
@@ -46,8 +46,11 @@ _CODEC_NAME = re.compile(r"[a-z0-9_.\-]+/[0-9]+")
 """A versioned stage name; matched with ``fullmatch`` (``$`` would accept a trailing newline)."""
 
 
-@dataclass(frozen=True)
-class ChunkRecord:
+# ChunkRecord and Segment are immutable named tuples rather than frozen dataclasses: a reader
+# makes one per chunk and per segment before its first read, and a tuple is made in about half
+# the time of a frozen dataclass (whose __init__ goes through object.__setattr__ per field).
+
+class ChunkRecord(NamedTuple):
     """One chunk: ``stored`` bytes at ``offset`` that decode through chain ``chain`` to ``raw`` bytes."""
 
     offset: int
@@ -57,11 +60,11 @@ class ChunkRecord:
     chain: int
 
     def to_json(self) -> list[int]:
+        """The chunk's record in the index: ``[offset, stored, raw, crc, chain]``."""
         return [self.offset, self.stored, self.raw, self.crc, self.chain]
 
 
-@dataclass(frozen=True)
-class Segment:
+class Segment(NamedTuple):
     """``length`` bytes of a tensor, found at ``raw_offset`` in the decoded bytes of ``chunk``."""
 
     chunk: int
@@ -163,6 +166,10 @@ def reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+_DECODER = json.JSONDecoder(parse_constant=reject_constant)
+"""Made once: ``json.loads`` with a hook builds a new decoder (and scanner) per call."""
+
+
 def parse_index(data: bytes, *, index_offset: int) -> Index:
     """Parse and fully validate index bytes; ``index_offset`` bounds every chunk's extent.
 
@@ -170,7 +177,8 @@ def parse_index(data: bytes, *, index_offset: int) -> Index:
     ``UnsupportedFormatError`` for an index of another major version.
     """
     try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=reject_constant)
+        # decoded as UTF-8 first: json.loads of bytes would also accept UTF-16 and UTF-32 (§6.1)
+        doc = _DECODER.decode(data.decode("utf-8"))
     except RecursionError:
         raise _fail("nesting too deep") from None
     except (UnicodeDecodeError, ValueError) as err:
@@ -232,7 +240,10 @@ def _check_delta_chunks(chains: list[list[dict[str, Any]]], chunks: list[ChunkRe
     for number, chain in enumerate(chains):
         if any(stage["name"] == XOR_BASE for stage in chain[1:]) or chain[-1]["name"] == XOR_BASE:
             raise _fail(f"chain {number}: {XOR_BASE} must be the first stage, before a codec")
-    delta = [_is_delta_chain(chains[chunk.chain]) for chunk in chunks]
+    delta_chains = [_is_delta_chain(chain) for chain in chains]
+    if not any(delta_chains):
+        return  # no chunk is a delta chunk: every tensor's chunks are all "none", with or without a base
+    delta = [delta_chains[chunk.chain] for chunk in chunks]
     if base is None and any(delta):
         raise _fail(f"chunks use {XOR_BASE} but the index names no base")
     for record in tensors:
@@ -246,6 +257,8 @@ def _check_plane_widths(chains: list[list[dict[str, Any]]], chunks: list[ChunkRe
     open, so that no decoder (the GPU's reshapes included) meets one that is not."""
     widths = [next((stage["width"] for stage in chain if stage["name"] == BYTE_PLANES), 1)
               for chain in chains]
+    if all(width == 1 for width in widths):
+        return  # no chain has byte planes: every length is a multiple of 1
     for number, chunk in enumerate(chunks):
         if chunk.raw % widths[chunk.chain]:
             raise _fail(f"chain {chunk.chain}: {BYTE_PLANES} width {widths[chunk.chain]} does not divide the "
@@ -285,6 +298,7 @@ def _parse_chunks(raw: Any, n_chains: int, index_offset: int) -> list[ChunkRecor
     if not isinstance(raw, list):
         raise _fail("chunks must be a list")
     chunks: list[ChunkRecord] = []
+    append = chunks.append
     previous_end = HEADER_REGION
     for i, entry in enumerate(raw):
         if type(entry) is not list or len(entry) != 5:
@@ -307,13 +321,18 @@ def _parse_chunks(raw: Any, n_chains: int, index_offset: int) -> list[ChunkRecor
             raise _fail(f"chunk offset {offset} is not a multiple of {ALIGNMENT}", chunk=i)
         if offset < previous_end:
             raise _fail(f"chunk at {offset} overlaps the previous chunk or the header", chunk=i)
-        if offset + stored > index_offset:
+        previous_end = offset + stored
+        if previous_end > index_offset:
             raise _fail(f"chunk [{offset}, +{stored}) runs past the index at {index_offset}", chunk=i)
         if raw_len > max(stored, 1) * MAX_EXPANSION or (stored == 0) != (raw_len == 0):
             raise _fail(f"chunk claims {raw_len} raw bytes from {stored} stored bytes", chunk=i)
-        previous_end = offset + stored
-        chunks.append(ChunkRecord(offset, stored, raw_len, crc, chain))
+        append(ChunkRecord(offset, stored, raw_len, crc, chain))
     return chunks
+
+
+_TENSOR_MEMBERS = frozenset(("key", "kind", "dtype", "shape", "device", "segments", "alias", "lossy"))
+"""The members of a tensor record with a meaning of their own; any other is kept in ``extra``."""
+_ITEMSIZES = {name: spec.itemsize for name, spec in DTYPES.items()}
 
 
 def _parse_tensors(raw: Any, chunks: list[ChunkRecord]) -> list[TensorRecord]:
@@ -321,7 +340,9 @@ def _parse_tensors(raw: Any, chunks: list[ChunkRecord]) -> list[TensorRecord]:
         raise _fail("tensors must be a list")
     tensors: list[TensorRecord] = []
     keys: set[str] = set()
-    coverage: list[list[tuple[int, int, int]]] = [[] for _ in chunks]
+    spans: list[Segment] = []  # every segment of every tensor: together they must tile every chunk
+    chunk_raw = [chunk.raw for chunk in chunks]
+    itemsizes = _ITEMSIZES
     for i, entry in enumerate(raw):
         if not isinstance(entry, dict):
             raise _fail(f"tensor {i} must be an object")
@@ -332,27 +353,30 @@ def _parse_tensors(raw: Any, chunks: list[ChunkRecord]) -> list[TensorRecord]:
         kind, dtype, shape_raw = entry.get("kind"), entry.get("dtype"), entry.get("shape")
         if kind not in TENSOR_KINDS:
             raise _fail(f"kind {kind!r:.40} is not one of {TENSOR_KINDS}", key=key)
-        if not isinstance(dtype, str) or dtype not in DTYPES:  # a list is unhashable: check type first
+        if not isinstance(dtype, str) or dtype not in itemsizes:  # a list is unhashable: check type first
             raise _fail(f"unknown dtype {dtype!r:.40}", key=key)
         if not isinstance(shape_raw, list) or len(shape_raw) > 64:
             raise _fail("shape must be a list of at most 64 dimensions", key=key)
         shape = tuple(shape_raw)
-        if not all(type(d) is int and 0 < d < MAX_TENSOR_BYTES for d in shape):
-            shape = tuple(_int(d, f"tensor {key!r} dimension", 0, MAX_TENSOR_BYTES) for d in shape_raw)
-            # An empty array's other dimensions still set its strides: torch and NumPy refuse a
-            # shape whose nonzero dimensions multiply past int64 (e.g. [0, 2^59, 2^59]).
-            if math.prod(max(d, 1) for d in shape) * DTYPES[dtype].itemsize > MAX_TENSOR_BYTES:
-                raise _fail(f"shape {list(shape)!r:.80} spans more than {MAX_TENSOR_BYTES} bytes", key=key)
-        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        for d in shape:  # a loop, not all(...): most shapes have one or two dimensions
+            if type(d) is not int or not 0 < d < MAX_TENSOR_BYTES:
+                shape = tuple(_int(d, f"tensor {key!r} dimension", 0, MAX_TENSOR_BYTES) for d in shape_raw)
+                # An empty array's other dimensions still set its strides: torch and NumPy refuse a
+                # shape whose nonzero dimensions multiply past int64 (e.g. [0, 2^59, 2^59]).
+                if math.prod(max(d, 1) for d in shape) * itemsizes[dtype] > MAX_TENSOR_BYTES:
+                    raise _fail(f"shape {list(shape)!r:.80} spans more than {MAX_TENSOR_BYTES} bytes", key=key)
+                break
+        nbytes = math.prod(shape) * itemsizes[dtype]
         if nbytes > MAX_TENSOR_BYTES:
             raise _fail(f"tensor claims {nbytes} bytes", key=key)
         device = entry.get("device", "cpu")
         if not isinstance(device, str):
             raise _fail("device must be a string", key=key)
-        extra = {k: v for k, v in entry.items()
-                 if k not in ("key", "kind", "dtype", "shape", "device", "segments", "alias", "lossy")}
-        record = TensorRecord(key=key, kind=kind, dtype=dtype, shape=shape, device=device, extra=extra,
-                              lossy=_parse_lossy(entry["lossy"], key) if "lossy" in entry else None)
+        extra = ({} if entry.keys() <= _TENSOR_MEMBERS
+                 else {k: v for k, v in entry.items() if k not in _TENSOR_MEMBERS})
+        # positional, in TensorRecord's field order: keywords cost about twice as much per record
+        record = TensorRecord(key, kind, dtype, shape, device, [], None, extra,
+                              _parse_lossy(entry["lossy"], key) if "lossy" in entry else None)
         if "alias" in entry:
             if "segments" in entry:
                 raise _fail("a tensor has either segments or an alias, not both", key=key)
@@ -367,19 +391,33 @@ def _parse_tensors(raw: Any, chunks: list[ChunkRecord]) -> list[TensorRecord]:
                             f"array but this record is a {kind} {dtype}{list(shape)} one", key=key)
             record.alias = target
         else:
-            record.segments = _parse_segments(entry.get("segments"), chunks, key, nbytes, i, coverage)
+            record.segments = _parse_segments(entry.get("segments"), chunk_raw, key, nbytes, spans)
         tensors.append(record)
-    for c, spans in enumerate(coverage):
-        position = 0
-        for start, length, _owner in sorted(spans):
-            if start != position:
-                raise _fail(f"decoded bytes [{min(start, position)}, {max(start, position)}) are "
-                            f"{'referenced twice' if start < position else 'not referenced by any tensor'}",
-                            chunk=c)
-            position = start + length
-        if position != chunks[c].raw:
-            raise _fail(f"tensors cover {position} of the chunk's {chunks[c].raw} decoded bytes", chunk=c)
+    _check_tiling(spans, chunk_raw)
     return tensors
+
+
+def _check_tiling(spans: list[Segment], chunk_raw: list[int]) -> None:
+    """The segments tile every chunk's decoded bytes exactly: sorted by chunk and offset, each
+    starts where the one before it in its chunk ended, and a chunk's last ends at its raw length
+    (a chunk with no segments must decode to no bytes). Errors name the first bad chunk."""
+    spans.sort()  # writers emit segments in chunk order, so this is about one pass
+    chunk, position = 0, 0
+    for number, start, length in spans:
+        while chunk < number:  # every segment of ``chunk`` seen
+            if position != chunk_raw[chunk]:
+                raise _fail(f"tensors cover {position} of the chunk's {chunk_raw[chunk]} decoded bytes",
+                            chunk=chunk)
+            chunk, position = chunk + 1, 0
+        if start != position:
+            raise _fail(f"decoded bytes [{min(start, position)}, {max(start, position)}) are "
+                        f"{'referenced twice' if start < position else 'not referenced by any tensor'}",
+                        chunk=chunk)
+        position = start + length
+    for last in range(chunk, len(chunk_raw)):  # the chunk of the last segment, then any after it
+        if position != chunk_raw[last]:
+            raise _fail(f"tensors cover {position} of the chunk's {chunk_raw[last]} decoded bytes", chunk=last)
+        position = 0
 
 
 def _parse_lossy(raw: Any, key: str) -> dict[str, Any]:
@@ -395,13 +433,15 @@ def _parse_lossy(raw: Any, key: str) -> dict[str, Any]:
     return raw
 
 
-def _parse_segments(raw: Any, chunks: list[ChunkRecord], key: str, nbytes: int, owner: int,
-                    coverage: list[list[tuple[int, int, int]]]) -> list[Segment]:
+def _parse_segments(raw: Any, chunk_raw: list[int], key: str, nbytes: int,
+                    spans: list[Segment]) -> list[Segment]:
+    """A data record's segments (``chunk_raw``: each chunk's raw length), also added to ``spans``
+    for the tiling check."""
     if not isinstance(raw, list):
         raise _fail("segments must be a list", key=key)
     segments = []
     total = 0
-    count = len(chunks)
+    count = len(chunk_raw)
     for entry in raw:
         if type(entry) is not list or len(entry) != 3:
             raise _fail("segment must be [chunk, raw_offset, length]", key=key)
@@ -413,57 +453,71 @@ def _parse_segments(raw: Any, chunks: list[ChunkRecord], key: str, nbytes: int, 
                 raise _fail(f"segment names chunk {chunk} of {count}", key=key)
             start = _int(entry[1], "segment offset", 0, MAX_CHUNK_RAW_BYTES + 1)
             length = _int(entry[2], "segment length", 1, MAX_CHUNK_RAW_BYTES + 1)
-        if start + length > chunks[chunk].raw:
-            raise _fail(f"segment [{start}, +{length}) runs past the chunk's {chunks[chunk].raw} bytes",
+        if start + length > chunk_raw[chunk]:
+            raise _fail(f"segment [{start}, +{length}) runs past the chunk's {chunk_raw[chunk]} bytes",
                         key=key, chunk=chunk)
-        coverage[chunk].append((start, length, owner))
         segments.append(Segment(chunk, start, length))
         total += length
+    spans.extend(segments)
     if total != nbytes:
         raise _fail(f"segments hold {total} bytes but dtype and shape need {nbytes}", key=key)
     return segments
 
 
-_SCALAR_TYPES = {"int", "float", "bool", "str", "none"}
+_SCALAR_TYPES = frozenset(("int", "float", "bool", "str", "none"))
+_INT_TEXT = re.compile(r"-?[0-9]{1,4300}")
+_FLOAT_BITS = re.compile(r"[0-9a-f]{16}")
 
 
 def validate_tree(tree: Any, n_tensors: int) -> None:
     """Check the structure tree: node kinds, scalar encodings, each tensor referenced exactly once."""
     seen = [False] * n_tensors
     stack: list[tuple[Any, int, bool]] = [(tree, 0, False)]  # (node, depth, inside an OrderedDict's meta)
+    pop, push = stack.pop, stack.append
     while stack:
-        node, depth, in_meta = stack.pop()
+        node, depth, in_meta = pop()
         if depth > MAX_TREE_DEPTH:
             raise _fail(f"structure nested deeper than {MAX_TREE_DEPTH}")
-        if not isinstance(node, dict) or not isinstance(node.get("t"), str):
+        kind = node.get("t") if isinstance(node, dict) else None
+        if not isinstance(kind, str):
             raise _fail(f"structure node must be an object with a type 't': {node!r:.80}")
-        kind = node["t"]
-        if kind in ("list", "tuple"):
-            items = node.get("items")
-            if not isinstance(items, list):
-                raise _fail(f"{kind} node needs an items list")
-            stack.extend((child, depth + 1, in_meta) for child in items)
+        if kind == "tensor":
+            if in_meta:
+                raise _fail("an OrderedDict's meta holds a tensor node (meta holds plain values only)")
+            tid = node.get("id")
+            if type(tid) is not int or not 0 <= tid < n_tensors:
+                tid = _int(tid, "tensor node id", 0, max(n_tensors, 1))
+            if tid >= n_tensors or seen[tid]:
+                raise _fail(f"tensor {tid} is missing or referenced twice by the structure")
+            seen[tid] = True
         elif kind == "dict":
             items = node.get("items")
             if not isinstance(items, list):
                 raise _fail("dict node needs an items list")
+            child = depth + 1
             for pair in items:
                 if not isinstance(pair, list) or len(pair) != 2:
                     raise _fail("dict item must be [key, value]")
-                if not isinstance(pair[0], dict) or not isinstance(pair[0].get("t"), str) \
-                        or pair[0]["t"] not in _SCALAR_TYPES:
-                    raise _fail(f"dict key must be a scalar node: {pair[0]!r:.80}")
-                stack.append((pair[0], depth + 1, in_meta))
-                stack.append((pair[1], depth + 1, in_meta))
+                key, value = pair
+                key_kind = key.get("t") if isinstance(key, dict) else None
+                if not isinstance(key_kind, str) or key_kind not in _SCALAR_TYPES:
+                    raise _fail(f"dict key must be a scalar node: {key!r:.80}")
+                if key_kind == "str" and child <= MAX_TREE_DEPTH:
+                    # the usual key, checked here rather than through the stack
+                    if not isinstance(key.get("v"), str):
+                        raise _fail("str node needs a string")
+                else:
+                    push((key, child, in_meta))
+                push((value, child, in_meta))
             if "meta" in node:
-                stack.append((node["meta"], depth + 1, True))
-        elif kind == "tensor":
-            if in_meta:
-                raise _fail("an OrderedDict's meta holds a tensor node (meta holds plain values only)")
-            tid = _int(node.get("id"), "tensor node id", 0, max(n_tensors, 1))
-            if tid >= n_tensors or seen[tid]:
-                raise _fail(f"tensor {tid} is missing or referenced twice by the structure")
-            seen[tid] = True
+                push((node["meta"], child, True))
+        elif kind == "list" or kind == "tuple":
+            items = node.get("items")
+            if not isinstance(items, list):
+                raise _fail(f"{kind} node needs an items list")
+            child = depth + 1
+            for item in items:
+                push((item, child, in_meta))
         elif kind in _SCALAR_TYPES:
             _validate_scalar(node)
         else:
@@ -474,15 +528,15 @@ def validate_tree(tree: Any, n_tensors: int) -> None:
 
 def _validate_scalar(node: dict[str, Any]) -> None:
     kind, value = node["t"], node.get("v")
-    if kind == "int":
-        if not isinstance(value, str) or not re.fullmatch(r"-?[0-9]{1,4300}", value):
+    if kind == "str":
+        if not isinstance(value, str):
+            raise _fail("str node needs a string")
+    elif kind == "int":
+        if not isinstance(value, str) or not _INT_TEXT.fullmatch(value):
             raise _fail(f"int node needs a decimal string: {value!r:.80}")
     elif kind == "float":
-        if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{16}", value):
+        if not isinstance(value, str) or not _FLOAT_BITS.fullmatch(value):
             raise _fail(f"float node needs 16 hex digits of IEEE-754 bits: {value!r:.80}")
     elif kind == "bool":
         if not isinstance(value, bool):
             raise _fail("bool node needs true or false")
-    elif kind == "str":
-        if not isinstance(value, str):
-            raise _fail("str node needs a string")

@@ -160,8 +160,16 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine,
         raise ValueError("the CPU engine needs its targets before the reads start")
     deliveries: dict[int, list[Delivery]] = {}
     for array_id in (deferred.ids if deferred is not None else list(made)):
-        start, stop = (windows or {}).get(array_id, (0, index.tensors[array_id].nbytes))
+        window = windows.get(array_id) if windows else None
         position = 0
+        if window is None:
+            # the whole array: its segments fill it in order from byte 0 (the index guarantees
+            # that they add up to its size), so nothing is clipped
+            for chunk, raw_offset, length in index.tensors[array_id].segments:
+                deliveries.setdefault(chunk, []).append((array_id, raw_offset, length, position))
+                position += length
+            continue
+        start, stop = window
         for segment in index.tensors[array_id].segments:
             low, high = max(position, start), min(position + segment.length, stop)
             if low < high:
@@ -269,6 +277,8 @@ def _targets_sharing_memory(targets: dict[int, ArrayTarget]) -> set[int]:
         return set()
     spans: dict[int, tuple[int, int, int]] = {}
     for array_id, target in targets.items():
+        if getattr(target, "private_memory", False):
+            continue  # memory the target allocated itself: no other target's (and host_span costs ~1 us)
         host_span = getattr(target, "host_span", None)
         span = host_span() if host_span is not None else None
         if span is not None:
@@ -354,20 +364,14 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
 
     pending_setup = [before_first_decode] if before_first_decode is not None else []
 
-    # A host decoder takes the reader's own memory where it offers it (an object's GET response)
-    # instead of a buffer of its own that the reader would copy into.
-    owned_reads = getattr(reader, "owns_read_buffers", False) and engine.name == "cpu"
-
     def start_decode() -> None:
         if pending_setup:
             pending_setup.pop()()  # while the reads already submitted run
         chunk, future, buffer = reads.popleft()
         try:
-            result = future.result(timeout=timeout)
+            future.result(timeout=timeout)
         except BaseException as err:  # noqa: BLE001 - reraise names the chunk, then raises it
             reraise(chunk, err)
-        if buffer is None:
-            buffer = result
         record = index.chunks[chunk]
         decodes.append((chunk, engine.submit_decode(record, index.chains[record.chain], buffer, make_deliver(chunk),
                                                     to_host=to_host is not None and chunk in to_host,
@@ -404,12 +408,9 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
                     finish_decode(block=True)
                 finish_decode(block=False)
             buffer = direct.get(chunk) if direct else None
-            if buffer is None and owned_reads:
-                reads.append((chunk, reader.submit_owned_read(record.offset, align_up(record.stored)), None))
-            else:
-                if buffer is None:
-                    buffer = engine.read_buffer(align_up(record.stored))
-                reads.append((chunk, reader.submit_read(record.offset, buffer), buffer))
+            if buffer is None:
+                buffer = engine.read_buffer(align_up(record.stored))
+            reads.append((chunk, reader.submit_read(record.offset, buffer), buffer))
             inflight += cost
             stored_total += record.stored
         while reads:

@@ -156,6 +156,9 @@ class CupySource(_SourceBase):
 class _Target:
     nbytes: int
     on_device: bool
+    private_memory = False
+    """True where the memory ``host_view`` hands out was allocated by this target, so that no
+    other target of a restore can share it (the restore's overlap check then skips it)."""
 
     def write_device(self, start: int, data: Any) -> None:
         self.write_host(start, data.get())
@@ -194,6 +197,7 @@ class TorchTarget(_Target):
             self.tensor = existing.detach()
         else:
             self.tensor = torch.empty(shape, dtype=torch_dtype(dtype_name), device=device)
+            self.private_memory = True
         self.nbytes = self.tensor.numel() * self.tensor.element_size()
         self.on_device = self.tensor.is_cuda
         self._device_view: Any = None
@@ -271,6 +275,7 @@ class NumpyTarget(_Target):
     """A new NumPy array (or scalar) to fill."""
 
     on_device = False
+    private_memory = True
 
     def __init__(self, shape: tuple[int, ...], dtype_name: str, *, scalar: bool = False):
         self.array = np.empty(shape, dtype=numpy_dtype(dtype_name))

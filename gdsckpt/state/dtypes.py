@@ -50,10 +50,15 @@ def torch_dtype_name(dtype: Any) -> str | None:
     return name if _TORCH_DTYPE_ATTRS.get(name) == name else None
 
 
+_NUMPY_NATIVE_DTYPES = {name: np.dtype(native).newbyteorder("<") for name, native in _NUMPY_NATIVE.items()}
+"""Made once (dtypes are immutable): a restore asks for one per array."""
+
+
 def numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype of a persisted dtype name (bfloat16 and float8 through ml_dtypes)."""
-    if name in _NUMPY_NATIVE:
-        return np.dtype(_NUMPY_NATIVE[name]).newbyteorder("<")
+    native = _NUMPY_NATIVE_DTYPES.get(name)
+    if native is not None:
+        return native
     if name in _ML_DTYPES:
         try:
             ml_dtypes = importlib.import_module("ml_dtypes")

@@ -99,6 +99,8 @@ def encode_scalar(value: Any, path: list[Any]) -> dict[str, Any] | None:
 def decode_scalar(node: dict[str, Any]) -> Any:
     """The plain value of a scalar JSON node."""
     kind = node["t"]
+    if kind == "str":  # first: nearly every dict key of a state is a string
+        return node["v"]
     if kind == "none":
         return None
     if kind == "bool":
@@ -352,10 +354,9 @@ def unflatten(tree: Any, arrays: dict[int, Any], selection: Selection | None = N
     become None, so every selected value keeps its position in the structure.
     """
     if selection is None or selection.keys is None:
-        value = _build(tree, None, None, True, arrays)
-    else:
-        inside, cursors = selection.start()
-        value = _build(tree, selection, cursors, inside, arrays)
+        return _build_all(tree, arrays)
+    inside, cursors = selection.start()
+    value = _build(tree, selection, cursors, inside, arrays)
     return None if value is _MISSING else value
 
 
@@ -391,6 +392,29 @@ def _build(node: dict[str, Any], selection: Selection | None, cursors: list[tupl
     return decode_scalar(node) if inside else _MISSING
 
 
+def _build_all(node: dict[str, Any], arrays: dict[int, Any]) -> Any:
+    """``_build`` of a node inside the selection and with no cursors (every node of a load without
+    ``keys``): the same result without the selection bookkeeping per child. One Python frame per
+    level, as ``_build`` (so no comprehensions, which would add one)."""
+    kind = node["t"]
+    if kind == "tensor":
+        return arrays[node["id"]]
+    if kind == "dict":
+        ordered = node.get("cls") == "OrderedDict"
+        result: dict[Any, Any] = collections.OrderedDict() if ordered else {}
+        for key_node, child in node["items"]:
+            result[decode_scalar(key_node)] = _build_all(child, arrays)
+        if ordered and "meta" in node:
+            result._metadata = _build_all(node["meta"], arrays)  # type: ignore[attr-defined]
+        return result
+    if kind == "list" or kind == "tuple":
+        items = []
+        for child in node["items"]:
+            items.append(_build_all(child, arrays))
+        return items if kind == "list" else tuple(items)
+    return decode_scalar(node)
+
+
 def _descend(selection: Selection | None, cursors: list[tuple[str, int]] | None, inside: bool,
              component: Any) -> tuple[list[tuple[str, int]] | None, bool]:
     """(cursors, inside) of the child at ``component``; the cursors advance only while some
@@ -409,17 +433,21 @@ def walk_tree(tree: Any) -> Iterator[tuple[dict[str, Any], list[Any]]]:
     path: list[Any] = []
     stack = [_children(tree)]
     while stack:
-        entry = next(stack[-1], None)
-        if entry is None:
+        # resume the innermost open container where it stopped; a child container is entered at
+        # once (break), and the container is closed when its children run out (else)
+        for key, child in stack[-1]:
+            yield child, path + [key]
+            if child["t"] in _CONTAINERS:
+                path.append(key)
+                stack.append(_children(child))
+                break
+        else:
             stack.pop()
             if path:
                 path.pop()
-            continue
-        key, child = entry
-        yield child, path + [key]
-        if child["t"] in ("list", "tuple", "dict"):
-            path.append(key)
-            stack.append(_children(child))
+
+
+_CONTAINERS = frozenset(("list", "tuple", "dict"))
 
 
 def _children(node: dict[str, Any]) -> Iterator[tuple[Any, dict[str, Any]]]:
