@@ -26,12 +26,10 @@ Two ways to write a chunk durably, both used by one writer:
   (``WRITEBACK_MIN_BYTES`` or more) is copied into the page cache and its write-back to storage
   is started right away with ``sync_file_range`` (``start_write_back``) instead of leaving every
   dirty page to the final fsync, so the disk works while later chunks are still being copied.
-  Measured on a virtual disk (2 I/O threads, 4 MiB chunks stored as they are, then fsync;
-  medians of one process alternating the ways): 64 MiB in 39.2 ms, against 52.6 for copies into
-  aligned buffers written with O_DIRECT and 56.4 buffered without write-back; 512 MiB in 215
-  against 246 and 713 (docs/performance.md, "Save and load on the CPU"). Waiting for each
-  write-back as well, so a write's completion would show the storage's speed, lost most of the
-  gain (58 and 375 ms).
+  On a virtual disk this beat both copies into aligned buffers written with O_DIRECT and buffered
+  writes left to the fsync, at 64 and 512 MiB; waiting for each write-back as well, so that a
+  write's completion would show the storage's speed, lost most of the gain (docs/performance.md,
+  "Save and load on the CPU", with the command that measures it).
 
 The writer also measures its storage (``PosixWriter.pace``: bytes pending, bytes per second while
 writing), which the adaptive ``codec="auto"`` of the CPU engine weighs against its codec's speed.
