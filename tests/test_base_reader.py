@@ -134,8 +134,8 @@ def test_a_checkpoint_read_in_windows_keeps_one_engine(tmp_path: Path, monkeypat
     made: list[Any] = []
     original = checkpoint_module.restore_engine
 
-    def counting(config: Any, gpu_device: Any) -> Any:
-        engine = original(config, gpu_device)
+    def counting(config: Any, gpu_device: Any, **options: Any) -> Any:
+        engine = original(config, gpu_device, **options)
         made.append(engine)
         return engine
 

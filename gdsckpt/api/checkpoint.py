@@ -112,41 +112,50 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
     ids = list(ids)
     data_ids = sorted({stored_id(index, i) for i in ids})
     delta = set(index.delta_ids()).intersection(data_ids) if index.base is not None else set()
-    if new_targets and gpu_device is not None and engine is None and not delta and windows is None:
-        deferred = DeferredTargets(data_ids, lambda: {i: make_target(i, index.tensors[i]) for i in data_ids})
-        engine = restore_engine(config, gpu_device, reserved_bytes=sum(index.tensors[i].nbytes for i in data_ids))
-        try:
-            run_restore(reader, index, engine, deferred, timeout=config.timeout, progress=progress,
-                        max_inflight_bytes=inflight_budget(config, engine))
-        finally:
-            engine.close()
-        return _finished(index, ids, deferred.resolve())
-    targets = {i: make_target(i, index.tensors[i]) for i in data_ids}
-    if delta:
-        with _BASE_LOCK:  # restores of one open Checkpoint may run in several threads
-            if opened.base is None:  # kept for the next restore of this file: its cache with it
-                checkpoint = open_base(opened, config)
-                opened.base = (checkpoint, checkpoint._base_reader())
-        opened_base, base_reader = opened.base
-        base = cast(Checkpoint, opened_base)  # this module put it there, just above
-        for i in delta:
-            record = index.tensors[i]
-            base_record = base._data_record(record.key) if record.key in base else None
-            if base_record is None or (base_record.dtype, base_record.shape) != (record.dtype, record.shape):
-                raise DeltaBaseError(f"base checkpoint {base.path!r} holds no {record.dtype}"
-                                     f"{list(record.shape)} array {record.key!r}, which the delta needs")
-            start = (windows or {}).get(i, (0, 0))[0]
-            targets[i] = XorTarget(targets[i], base_reader.view(base_record.key), start)
+
+    def make_all() -> dict[int, Any]:
+        return {i: make_target(i, index.tensors[i]) for i in data_ids}
+
+    defer = new_targets and gpu_device is not None and engine is None and not delta and windows is None
+    targets: dict[int, Any] | DeferredTargets
+    if defer:
+        targets = DeferredTargets(data_ids, make_all)
+    else:
+        targets = make_all()
+        if delta:
+            _read_against_base(opened, config, targets, delta, windows)
     owned = engine is None
     if engine is None:
-        engine = restore_engine(config, gpu_device)
+        engine = restore_engine(config, gpu_device,
+                                reserved_bytes=sum(index.tensors[i].nbytes for i in data_ids) if defer else 0)
     try:
         run_restore(reader, index, engine, targets, timeout=config.timeout, progress=progress,
                     windows=windows, max_inflight_bytes=inflight_budget(config, engine))
     finally:
         if owned:
             engine.close()
-    return _finished(index, ids, targets)
+    return _finished(index, ids, targets.resolve() if isinstance(targets, DeferredTargets) else targets)
+
+
+def _read_against_base(opened: OpenedFile, config: Config, targets: dict[int, Any], delta: set[int],
+                       windows: dict[int, tuple[int, int]] | None) -> None:
+    """Wrap the targets of the arrays ``delta`` stores as XORs in ``XorTarget``s over the base's
+    bytes (the base opened once per file and kept for its later restores)."""
+    index = opened.index
+    with _BASE_LOCK:  # restores of one open Checkpoint may run in several threads
+        if opened.base is None:  # kept for the next restore of this file: its cache with it
+            checkpoint = open_base(opened, config)
+            opened.base = (checkpoint, checkpoint._base_reader())
+    opened_base, base_reader = opened.base
+    base = cast(Checkpoint, opened_base)  # this module put it there, just above
+    for i in delta:
+        record = index.tensors[i]
+        base_record = base._data_record(record.key) if record.key in base else None
+        if base_record is None or (base_record.dtype, base_record.shape) != (record.dtype, record.shape):
+            raise DeltaBaseError(f"base checkpoint {base.path!r} holds no {record.dtype}"
+                                 f"{list(record.shape)} array {record.key!r}, which the delta needs")
+        start = (windows or {}).get(i, (0, 0))[0]
+        targets[i] = XorTarget(targets[i], base_reader.view(base_record.key), start)
 
 
 def _finished(index: Index, ids: list[int], targets: dict[int, Any]) -> dict[int, Any]:
