@@ -607,3 +607,60 @@ def test_fuzz_file_bytes(position: int, xor: int) -> None:
     in_chunk_padding = any(offset + stored <= position < spec.align_up(offset + stored)
                            for offset, stored, *_ in GOLDEN_DOC["chunks"])
     assert in_header_padding or in_chunk_padding, f"damage at byte {position} went unnoticed"
+
+
+def test_parse_holds_off_the_garbage_collector_and_restores_its_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No collection runs while an index is parsed (each would scan a training process's heap),
+    and the collector is left as it was found: running, stopped, or after a rejected index."""
+    import gc
+
+    from gdsckpt.format import index as index_module
+
+    parsing = [False]
+    during_parse: list[int] = []
+    collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+            if parsing[0]:
+                during_parse.append(info["generation"])
+
+    real_parse = index_module._parse_index
+
+    def marked(*args: Any) -> Index:
+        parsing[0] = True
+        try:
+            return real_parse(*args)
+        finally:
+            parsing[0] = False
+
+    monkeypatch.setattr(index_module, "_parse_index", marked)
+    threshold = gc.get_threshold()
+    was_enabled = gc.isenabled()
+    gc.callbacks.append(seen)
+    gc.set_threshold(1)  # a collection at nearly every allocation, were the collector running
+    try:
+        gc.enable()
+        parse_index(GOLDEN_INDEX, index_offset=GOLDEN_OFFSET)
+        assert during_parse == []
+        assert gc.isenabled()
+        doc = golden()
+        doc["chunks"] = "not a list"
+        with pytest.raises(CorruptCheckpointError):
+            parse(doc)
+        assert during_parse == []
+        assert gc.isenabled()
+        gc.disable()
+        parse_index(GOLDEN_INDEX, index_offset=GOLDEN_OFFSET)
+        assert not gc.isenabled()
+        gc.enable()
+        [[] for _ in range(10)]
+        assert collections, "the callback never saw a collection: the test cannot tell"
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*threshold)
+        if was_enabled:
+            gc.enable()
+        else:
+            gc.disable()
