@@ -11,12 +11,9 @@ large allocation.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import math
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -179,27 +176,6 @@ def parse_index(data: bytes, *, index_offset: int) -> Index:
     Raises ``CorruptCheckpointError`` naming the first violated rule, or
     ``UnsupportedFormatError`` for an index of another major version.
     """
-    with collection_paused():
-        return _parse_index(data, index_offset)
-
-
-@contextlib.contextmanager
-def collection_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector held off for the block (and resumed after it if it ran
-    before). Parsing an index allocates tens of thousands of objects, none of them in cycles; in
-    a training process with millions of live objects those allocations set off collections of
-    the whole heap (measured: a 600-tensor index parsed in 7.4 ms with collections, median, and
-    up to 117 ms when a full one ran, against 6.4 ms held off; docs/performance.md, "Fast tiers")."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def _parse_index(data: bytes, index_offset: int) -> Index:
     try:
         # decoded as UTF-8 first: json.loads of bytes would also accept UTF-16 and UTF-32 (§6.1)
         doc = _DECODER.decode(data.decode("utf-8"))
