@@ -77,7 +77,7 @@ def test_a_file_written_from_the_state_memory_is_the_file_written_from_aligned_c
 def _takes_o_direct(directory: Path) -> bool:
     writer = PosixWriter(directory / "probe.gdsckpt", o_direct="auto")
     try:
-        return writer.name == "posix+odirect"
+        return "+odirect" in writer.name
     finally:
         writer.abort()
 
@@ -121,6 +121,28 @@ def test_no_write_back_is_started_without_fsync(tmp_path: Path, spy: WriteBackSp
     gdsckpt.save(_state(), tmp_path / "a.gdsckpt", codec="none", config=gdsckpt.Config(chunk_bytes=CHUNK, fsync=False))
     assert spy.ranges == []
     assert _bits_equal(gdsckpt.load(tmp_path / "a.gdsckpt"), _state())
+
+
+@pytest.mark.parametrize("o_direct", [False, "auto"])
+@pytest.mark.parametrize("fsync", [True, False])
+def test_the_writer_name_lists_each_way_it_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   o_direct: Any, fsync: bool) -> None:
+    """``SaveReport.backend`` names both ways a save may use: ``+odirect`` where the O_DIRECT
+    descriptor opened, ``+writeback`` where bulk buffered writes start their write-back (fsync on,
+    and the host has ``sync_file_range``)."""
+    monkeypatch.setattr(posix, "can_write_back", lambda: True)
+    direct = o_direct == "auto" and _takes_o_direct(tmp_path)
+    writer = PosixWriter(tmp_path / "named.gdsckpt", o_direct=o_direct, fsync=fsync)
+    try:
+        assert writer.name == "posix" + ("+odirect" if direct else "") + ("+writeback" if fsync else "")
+    finally:
+        writer.abort()
+    monkeypatch.setattr(posix, "can_write_back", lambda: False)
+    writer = PosixWriter(tmp_path / "named.gdsckpt", o_direct=o_direct, fsync=fsync)
+    try:
+        assert writer.name == "posix" + ("+odirect" if direct else "")
+    finally:
+        writer.abort()
 
 
 def test_starting_write_back_reports_a_bad_descriptor_and_ignores_a_pipe(tmp_path: Path) -> None:

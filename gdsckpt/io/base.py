@@ -40,7 +40,7 @@ class StorageWriter(ABC):
     """Where a checkpoint's bytes go. See the module docstring for the call order."""
 
     name: str = "abstract"
-    """Reported as ``SaveReport.backend`` (e.g. ``"posix+odirect"``, ``"kvikio-compat"``)."""
+    """Reported as ``SaveReport.backend`` (e.g. ``"posix+odirect+writeback"``, ``"kvikio-compat"``)."""
 
     @abstractmethod
     def submit_write(self, offset: int, data: Any) -> Future[None]:

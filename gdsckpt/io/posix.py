@@ -404,8 +404,10 @@ class PosixWriter(StorageWriter):
                     self.abort()
                     raise
                 self._writes_show_storage = True  # refused O_DIRECT: memory-backed
-        self.name = ("posix+odirect" if self._direct_fd is not None
-                     else "posix+writeback" if self._write_back else "posix")
+        # Both ways can be in one save (aligned chunks through O_DIRECT, chunks stored as they
+        # are buffered with their write-back started): the name lists each one this writer has.
+        self.name = ("posix" + ("+odirect" if self._direct_fd is not None else "")
+                     + ("+writeback" if self._write_back else ""))
         self._closed = False
         self._backlog = 0
         self._backlog_lock = threading.Lock()

@@ -40,7 +40,7 @@ def _config(**changes: Any) -> gdsckpt.Config:
 def _needs_o_direct(path: Path) -> None:
     writer = PosixWriter(path)
     try:
-        if writer.name != "posix+odirect":
+        if "+odirect" not in writer.name:
             pytest.skip(f"{path.parent} refuses O_DIRECT: no write is joined there")
     finally:
         writer.abort()
