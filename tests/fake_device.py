@@ -162,6 +162,10 @@ class FakeDevice:
     def synchronize(self) -> None:
         """Nothing queued: the fake is synchronous."""
 
+    def wait_for_current_streams(self) -> None:
+        """Nothing queued elsewhere either; recorded in ``calls``."""
+        self.calls.append(("wait_for_current_streams", "", None, None, 0))
+
     def empty(self, nbytes: int) -> np.ndarray:
         """New "device" memory, filled with ``GARBAGE``."""
         self.allocated["bytes"] += nbytes

@@ -245,6 +245,19 @@ def test_encoder_ring_is_bounded_by_the_staging_budget_and_its_slots_are_reused(
     assert_same(restore_through(decoder(FakeDevice()), store, flat), state)
 
 
+def test_a_restore_first_waits_for_work_queued_on_the_callers_streams() -> None:
+    """Before a restore's first read (and so before anything is written to a destination), the
+    decoder waits once for the work the caller queued on the device's current streams."""
+    state = weights(2)
+    store, flat, _ = save_through(FakeDevice(), state, codec="ans")
+    device = FakeDevice()
+    got, _targets = restore_into(device, store, flat, lambda a: DeviceMemoryTarget(a.shape, a.dtype))
+    assert_same(got, state)
+    operations = [call[0] for call in device.calls]
+    assert operations.count("wait_for_current_streams") == 1
+    assert operations.index("wait_for_current_streams") < operations.index("decode")
+
+
 def test_decoder_ring_bounds_outstanding_reads_and_returns_every_slot() -> None:
     state = {"big": (np.random.default_rng(3).standard_normal(300_000) * 0.02).astype(np.float32)}
     store, flat, _ = save_through(FakeDevice(), state, codec="zstd")

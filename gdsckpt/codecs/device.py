@@ -24,6 +24,7 @@ a GPU. Nothing in the package constructs anything but ``CudaDevice``.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -204,6 +205,11 @@ class DeviceBackend(Protocol):
         """Wait for everything queued on the stream."""
         ...
 
+    def wait_for_current_streams(self) -> None:
+        """Wait, in the calling thread, for the work torch and CuPy have queued on this device's
+        current streams (work the caller queued before asking for a restore)."""
+        ...
+
     def empty(self, nbytes: int) -> Any:
         """A new uint8 device array."""
         ...
@@ -312,6 +318,17 @@ class CudaDevice:
     def synchronize(self) -> None:
         """Wait for the stream."""
         self.stream.synchronize()
+
+    def wait_for_current_streams(self) -> None:
+        """torch's current stream on the device (where torch has initialized CUDA) and CuPy's,
+        each synchronized: the decoder's stream does not wait for them by itself (it is a
+        non-blocking stream), so without this a restore could write a tensor that a kernel queued
+        before it (an optimizer step) writes after it."""
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.current_stream(self.device_id).synchronize()
+        with self.xp.cuda.Device(self.device_id):
+            self.xp.cuda.get_current_stream().synchronize()
 
     def empty(self, nbytes: int) -> Any:
         """A new uint8 CuPy array on the device."""

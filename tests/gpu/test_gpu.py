@@ -456,3 +456,21 @@ def test_device_byte_planes_kernel_matches_the_cpu_reference(width):
         back = planes_inverse_into(planes, cupy.empty(data.nbytes, dtype=cupy.uint8), width)
         assert back.get().tobytes() == data.tobytes()
         assert planes_inverse_reference(planes.get(), width).tobytes() == data.tobytes()
+
+
+def test_load_into_waits_for_work_queued_on_torchs_stream_before_it(tmp_path):
+    """A kernel queued on torch's current stream before ``load_into`` (a long sleep, then a fill of
+    the destination) has run before the restore writes the destination: the tensor ends up with
+    the checkpoint's values, not the fill's (the decoder's own stream does not wait for torch's
+    by itself)."""
+    saved = {"w": (torch.randn(4 << 20, generator=torch.Generator().manual_seed(3)) * 0.02).cuda()}
+    path = tmp_path / "w.gdsckpt"
+    gdsckpt.save(saved, path, config=gdsckpt.Config(engine="gpu"))
+    target = {"w": torch.zeros(4 << 20, device="cuda")}
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of the GPU's clock, on torch's stream
+    target["w"].fill_(7.0)  # queued behind the sleep
+    gdsckpt.load_into(target, path)
+    torch.cuda.synchronize()
+    assert bit_equal(target["w"], saved["w"])
+

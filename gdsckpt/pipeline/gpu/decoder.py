@@ -125,6 +125,9 @@ class GpuDecoder(WorkerOwner, Decoder):
         ``max_staging_bytes``, at least 2 and at most one per chunk."""
         if not records:
             return None
+        # The destinations may still be in use by work the caller queued on its own streams (an
+        # optimizer step writing the parameters a load_into restores): none is written before it.
+        self.device.wait_for_current_streams()
         largest_raw = align_up(max(r.raw for r in records))
         read_area = max(align_up(max(r.stored for r in records)), largest_raw)
         slots = ring_slots(self.max_staging_bytes, read_area + largest_raw,
