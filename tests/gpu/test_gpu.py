@@ -474,3 +474,37 @@ def test_load_into_waits_for_work_queued_on_torchs_stream_before_it(tmp_path):
     torch.cuda.synchronize()
     assert bit_equal(target["w"], saved["w"])
 
+
+
+_CUPY_ONLY_CHILD = """
+import sys
+import cupy, numpy as np, gdsckpt
+spin = cupy.RawKernel(r'''
+extern "C" __global__ void spin_then_fill(float* out, long long n, long long cycles, float value) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = value;
+}''', "spin_then_fill")
+n = 1 << 22
+array = cupy.zeros(n, dtype=cupy.float32)
+cupy.cuda.Device().synchronize()
+spin((64,), (256,), (array, np.int64(n), np.int64(1_000_000_000), np.float32(7.0)))  # on CuPy's current stream
+gdsckpt.save({"a": array}, "{DIR}/a.gdsckpt", codec="ans", config=gdsckpt.Config(engine="gpu"))
+assert "torch" not in sys.modules, "torch was imported: this child tests a process without it"
+back = gdsckpt.load("{DIR}/a.gdsckpt")
+assert bool((back["a"] == 7.0).all()), "the save read the array before the kernel queued before it had run"
+print("ok")
+"""
+
+
+def test_a_cupy_save_without_torch_waits_for_work_queued_before_it(tmp_path):
+    """In a process without torch, a GPU save of a CuPy array waits for the kernel queued on
+    CuPy's current stream before it (a long spin, then a fill): the file holds the filled values.
+    The encoder's own stream is non-blocking and would not wait by itself."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CUPY_ONLY_CHILD.replace("{DIR}", str(tmp_path))],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
