@@ -449,12 +449,12 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
         torch = sys.modules.get("torch")
         if torch is not None and device is not None:
             torch.cuda.synchronize(device)  # the snapshot: every queued update has landed
-        cupy = sys.modules.get("cupy")
-        if cupy is not None and device is not None and torch is None:
+        elif device is not None:
             # without torch, the same for CuPy's work: the encoder's stream (non-blocking) would
             # not wait for the kernels queued on CuPy's current stream
-            with cupy.cuda.Device(device):
-                cupy.cuda.get_current_stream().synchronize()
+            from ..codecs.device import wait_for_current_streams
+
+            wait_for_current_streams(device)
         if codec != "auto":
             versioned_name(codec)  # ValueError listing the valid names for an unknown one
         elif config.portable:  # engine="gpu" and portable: nvCOMP's Zstd, whatever its budget

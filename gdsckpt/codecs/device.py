@@ -288,6 +288,19 @@ class DeviceBackend(Protocol):
         ...
 
 
+def wait_for_current_streams(device_id: int) -> None:
+    """Synchronize, in the calling thread, torch's current stream on CUDA device ``device_id``
+    (where torch has initialized CUDA) and CuPy's (where CuPy is imported): the work a caller
+    queued there before asking gdsckpt to read or write its arrays on a stream of its own."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.current_stream(device_id).synchronize()
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        with cupy.cuda.Device(device_id):
+            cupy.cuda.get_current_stream().synchronize()
+
+
 class CudaDevice:
     """``DeviceBackend`` on a CUDA device: CuPy arrays, one non-blocking stream, nvCOMP codecs
     (ANS through the C API, ``nvcomp_c.AnsCodec``; the others ``nvcomp.DeviceCodec``) and nvCOMP's
@@ -324,11 +337,7 @@ class CudaDevice:
         each synchronized: the decoder's stream does not wait for them by itself (it is a
         non-blocking stream), so without this a restore could write a tensor that a kernel queued
         before it (an optimizer step) writes after it."""
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            torch.cuda.current_stream(self.device_id).synchronize()
-        with self.xp.cuda.Device(self.device_id):
-            self.xp.cuda.get_current_stream().synchronize()
+        wait_for_current_streams(self.device_id)
 
     def empty(self, nbytes: int) -> Any:
         """A new uint8 CuPy array on the device."""
