@@ -5,9 +5,12 @@ arrays) and a raw download of the same object (``obstore.get_ranges``, 64 MiB ra
 time), round robin in one process; plus the client's extra work measured alone: copying the
 file's bytes into new memory and their CRC-32C, on one thread.
 
-The state is saved with the defaults to a local file and uploaded as it is (16 MiB parts).
+The state is saved with the defaults to a local file and uploaded as it is (16 MiB parts); with
+``--compressed`` it is saved as a ``CheckpointManager`` with a remote tier saves it (``codec="auto"``
+compressing even where the local disk outruns it), the file a manager's upload restores from.
 
     python3 experiments/s3_restore_cpu.py --width 1024 --depth 6 --rounds 7
+    python3 experiments/s3_restore_cpu.py --width 1024 --depth 6 --rounds 7 --compressed
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--compressed", action="store_true",
+                        help="save as a manager with a remote tier does (may_store_as_is=False)")
     args = parser.parse_args()
 
     import numpy as np
@@ -64,7 +69,13 @@ def main() -> int:
                           AWS_REGION="us-east-1")
         create_bucket(endpoint, "cpu")
         local = Path(directory) / "state.gdsckpt"
-        report = gdsckpt.save(state, local)
+        if args.compressed:
+            from gdsckpt.api.saving import save_flat
+            from gdsckpt.state import flatten
+
+            report = save_flat(flatten(state), local, codec="auto", config=gdsckpt.Config(), may_store_as_is=False)
+        else:
+            report = gdsckpt.save(state, local)
         store = open_store("cpu")
         obstore.put(store, "state.gdsckpt", local, use_multipart=True, chunk_size=16 << 20, max_concurrency=8)
         url = "s3://cpu/state.gdsckpt"
