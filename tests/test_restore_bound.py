@@ -46,11 +46,13 @@ class SlotCountingEngine(HostEngine):
 
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
                       deliver: Callable[[Any], None], *, to_host: bool = False,
-                      places: list[tuple[int, int, int]] | None = None) -> Future[None]:
+                      places: list[tuple[int, int, int]] | None = None,
+                      into: Any = None) -> Future[None]:
         def counted(raw: Any) -> None:
             deliver(raw)
             with self.lock:  # the slot is free before the future completes, as on the GPU
                 self.outstanding -= 1
+        # ``into`` is not passed on: every chunk then goes through ``deliver``, which counts it
         return super().submit_decode(record, chain, stored, counted, to_host=to_host, places=places)
 
 

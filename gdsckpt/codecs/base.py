@@ -68,6 +68,15 @@ class Transform(ABC):
     def inverse(self, data: np.ndarray, params: dict[str, Any]) -> np.ndarray:
         """Undo ``forward``."""
 
+    def inverse_into(self, data: np.ndarray, params: dict[str, Any], out: np.ndarray) -> np.ndarray:
+        """``inverse`` written into ``out`` (a contiguous uint8 array of ``data``'s length) and
+        returned; ``ValueError`` before anything is written when the lengths differ. This default
+        copies ``inverse``'s result; a transform that can write its output in place overrides it."""
+        if out.nbytes != data.nbytes:
+            raise ValueError(f"{self.name} of {data.nbytes} bytes cannot fill {out.nbytes} bytes")
+        np.copyto(out, self.inverse(data, params))
+        return out
+
 
 @dataclass(frozen=True)
 class Chain:

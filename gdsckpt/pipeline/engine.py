@@ -131,14 +131,17 @@ class Decoder(ABC):
     @abstractmethod
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
                       deliver: Callable[[Any], None], *, to_host: bool = False,
-                      places: list[tuple[int, int, int]] | None = None) -> Future[None]:
+                      places: list[tuple[int, int, int]] | None = None,
+                      into: np.ndarray | None = None) -> Future[None]:
         """Check ``stored`` (the padded bytes read for ``record``) against the record's checksum,
         decode it through ``chain`` and pass the raw bytes to ``deliver``. ``to_host``: every
         destination of the chunk is host memory (a device decoder then hands ``deliver`` host
         bytes; the host engine always does). ``places``: only for a decoder with
         ``device_places``, every destination of the chunk as ``(raw offset, length, address)`` on
         that device: the decoder may write the raw bytes there itself instead of calling
-        ``deliver`` (either reaches the same bytes).
+        ``deliver`` (either reaches the same bytes). ``into``: host memory that takes the whole
+        raw chunk (its one destination): the decoder may decode into it instead of calling
+        ``deliver`` (either reaches the same bytes; the host engine does).
 
         Raises ``CorruptCheckpointError`` (through the future) on a checksum mismatch or an
         undecodable stream.
@@ -317,8 +320,9 @@ class HostEngine(Engine):
     # -- restore ---------------------------------------------------------------------------
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
                       deliver: Callable[[Any], None], *, to_host: bool = False,
-                      places: list[tuple[int, int, int]] | None = None) -> Future[None]:
-        return self._lane.submit(self._decode, record, chain, stored, deliver)
+                      places: list[tuple[int, int, int]] | None = None,
+                      into: np.ndarray | None = None) -> Future[None]:
+        return self._lane.submit(self._decode, record, chain, stored, deliver, into)
 
     def _codec(self, name: str) -> Codec:
         codec = self._codecs.get(name)
@@ -327,8 +331,11 @@ class HostEngine(Engine):
         return codec
 
     def _decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
-                deliver: Callable[[Any], None]) -> None:
-        deliver(decode_host_chunk(record, chain, stored, self._codec))
+                deliver: Callable[[Any], None], into: np.ndarray | None) -> None:
+        if into is not None:  # the chunk's one destination: its last stage writes there
+            decode_host_chunk(record, chain, stored, self._codec, out=into)
+        else:
+            deliver(decode_host_chunk(record, chain, stored, self._codec))
 
     def close(self) -> None:
         # Chunks not started are cancelled; running ones read sources and write targets the
@@ -355,8 +362,12 @@ def _is_allocation_failure(err: BaseException) -> bool:
 
 
 def decode_host_chunk(record: ChunkRecord, chain: list[dict[str, Any]], stored: np.ndarray,
-                      codec_for: Callable[[str], Codec]) -> np.ndarray:
-    """Verify and decode one chunk on the host; returns its raw bytes as a uint8 array.
+                      codec_for: Callable[[str], Codec], out: np.ndarray | None = None) -> np.ndarray:
+    """Verify and decode one chunk on the host; returns its raw bytes as a uint8 array: ``out``
+    where given (a contiguous uint8 array of the chunk's raw length, written by the chain's last
+    stage, or by a copy where the chain has no transform), else a new array. ``out`` is written
+    only once every check before the last stage has passed: a chunk that fails its checksum or
+    its codec leaves it as it was.
 
     Raises ``CorruptCheckpointError`` only on proof of damage: a checksum mismatch, a stream the
     codec library rejects as corrupt, a size or stage parameter that does not fit the chunk.
@@ -370,8 +381,12 @@ def decode_host_chunk(record: ChunkRecord, chain: list[dict[str, Any]], stored: 
     codec = codec_for(chain[-1]["name"])  # unknown or GPU-only codecs raise their own errors
     try:
         data = np.frombuffer(codec.decode(body, record.raw), dtype=np.uint8)
-        for stage in reversed(chain[:-1]):
-            data = transform(stage["name"]).inverse(data, stage)
+        stages = chain[-2::-1]  # the transforms, last applied first
+        for position, stage in enumerate(stages):
+            if out is not None and position == len(stages) - 1:
+                data = transform(stage["name"]).inverse_into(data, stage, out)
+            else:
+                data = transform(stage["name"]).inverse(data, stage)
     except ValueError as err:
         # The codecs and transforms raise ValueError for a stream or a stage parameter that does
         # not fit the chunk (a wrong size, a width that does not divide it): proof of damage.
@@ -384,4 +399,7 @@ def decode_host_chunk(record: ChunkRecord, chain: list[dict[str, Any]], stored: 
     # the file is damaged and propagates as itself: a restore must stop, not skip a good file.
     if data.nbytes != record.raw:
         raise CorruptCheckpointError(f"chunk decoded to {data.nbytes} bytes, expected {record.raw}")
+    if out is not None and data is not out:  # a chain without a transform
+        np.copyto(out, data)
+        return out
     return data

@@ -177,7 +177,10 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine,
                     (array_id, segment.raw_offset + low - position, high - low, low - start))
             position += segment.length
 
-    direct = {} if deferred is not None else _direct_destinations(index, engine, made, deliveries)
+    whole = {} if deferred is not None else _whole_chunk_views(index, engine, made, deliveries)
+    # Stored as they are: read straight into the destination. Otherwise: decoded into it.
+    direct = {chunk: view for chunk, view in whole.items() if _stored_as_is(index, chunk)}
+    into = {chunk: view for chunk, view in whole.items() if chunk not in direct}
     host_only: set[int] = set()
     places: dict[int, list[tuple[int, int, int]]] = {}
 
@@ -207,7 +210,7 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine,
         know_destinations()
     stored = _stream_chunks(reader, index, engine, sorted(deliveries), deliver_to_targets,
                             max_inflight_bytes=max_inflight_bytes, timeout=timeout, direct=direct,
-                            progress=progress, to_host=host_only, places=places,
+                            progress=progress, to_host=host_only, places=places, into=into,
                             before_first_decode=know_destinations if deferred is not None else None)
     if deferred is not None:
         deferred.resolve()  # no chunk to decode (nothing but empty arrays): the targets still
@@ -242,31 +245,37 @@ def _device_places(engine: Engine, targets: dict[int, ArrayTarget],
 NONE_CHAIN = [{"name": "none/1"}]
 
 
-def _direct_destinations(index: Index, engine: Engine, targets: dict[int, ArrayTarget],
-                         deliveries: dict[int, list[Delivery]]) -> dict[int, Any]:
-    """Chunk -> the destination memory its stored bytes can be read straight into: chunks stored
-    as exactly ``none/1`` (stored == raw bytes) whose raw bytes all go to one contiguous host range
-    of one target. Only on the CPU engine, which decodes host buffers (a GPU engine is given device
-    read buffers)."""
+def _stored_as_is(index: Index, chunk: int) -> bool:
+    """Whether ``chunk``'s stored bytes are its raw bytes (exactly ``none/1``)."""
+    record = index.chunks[chunk]
+    return index.chains[record.chain] == NONE_CHAIN and record.stored == record.raw
+
+
+def _whole_chunk_views(index: Index, engine: Engine, targets: dict[int, ArrayTarget],
+                       deliveries: dict[int, list[Delivery]]) -> dict[int, Any]:
+    """Chunk -> the host memory that takes its whole raw bytes: chunks whose raw bytes all go to
+    one contiguous host range of one target (that shares no memory with another). A chunk stored
+    as it is is read straight into it; any other is decoded into it (``Decoder.submit_decode``'s
+    ``into``), so neither needs a buffer of its own for its raw bytes nor a copy after. Only on
+    the CPU engine, which decodes host buffers (a GPU engine is given device read buffers and
+    writes device destinations itself)."""
     if engine.name != "cpu":
         return {}
     candidates: list[tuple[int, Delivery]] = []
     for chunk, wanted in deliveries.items():
         record = index.chunks[chunk]
-        if len(wanted) != 1 or index.chains[record.chain] != NONE_CHAIN or record.stored != record.raw:
-            continue
-        if wanted[0][1] == 0 and wanted[0][2] == record.raw != 0:
+        if len(wanted) == 1 and wanted[0][1] == 0 and wanted[0][2] == record.raw != 0:
             candidates.append((chunk, wanted[0]))
     shared = _targets_sharing_memory(targets) if candidates else set()
-    direct: dict[int, Any] = {}
+    views: dict[int, Any] = {}
     for chunk, (array_id, _raw_offset, length, position) in candidates:
         if array_id in shared:
             continue
         host_view = getattr(targets[array_id], "host_view", None)
         view = host_view(position, position + length) if host_view is not None else None
         if view is not None and view.nbytes == length:
-            direct[chunk] = view
-    return direct
+            views[chunk] = view
+    return views
 
 
 def _targets_sharing_memory(targets: dict[int, ArrayTarget]) -> set[int]:
@@ -329,13 +338,14 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
                    timeout: float | None, direct: dict[int, Any] | None = None,
                    progress: Callable[[int, int], None] | None = None, to_host: set[int] | None = None,
                    places: dict[int, list[tuple[int, int, int]]] | None = None,
+                   into: dict[int, Any] | None = None,
                    before_first_decode: Callable[[], None] | None = None) -> int:
     """Read ``chunks`` and decode each as its read lands; ``progress(done, total)`` (raw bytes
     decoded so far) is called in this thread. ``to_host``: the chunks whose every destination is
-    host memory; ``places``: chunk -> its device destinations (both ``Decoder.submit_decode``;
-    read at each decode). ``before_first_decode``: called once, in this thread, after the first
-    reads are submitted and before the first chunk is handed to the engine (it may fill
-    ``to_host`` and ``places``)."""
+    host memory; ``places``: chunk -> its device destinations; ``into``: chunk -> the host memory
+    taking its whole raw bytes (all three ``Decoder.submit_decode``'s; read at each decode).
+    ``before_first_decode``: called once, in this thread, after the first reads are submitted and
+    before the first chunk is handed to the engine (it may fill ``to_host`` and ``places``)."""
     reads: deque[tuple[int, Future[Any], Any]] = deque()
     decodes: deque[tuple[int, Future[None], int]] = deque()
     inflight = 0
@@ -375,7 +385,8 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
         record = index.chunks[chunk]
         decodes.append((chunk, engine.submit_decode(record, index.chains[record.chain], buffer, make_deliver(chunk),
                                                     to_host=to_host is not None and chunk in to_host,
-                                                    places=places.get(chunk) if places else None),
+                                                    places=places.get(chunk) if places else None,
+                                                    into=into.get(chunk) if into else None),
                         _cost(record)))
 
     def finish_decode(block: bool) -> None:

@@ -157,8 +157,9 @@ def test_manager_restores_the_newest_step_into_shared_memory(model_class: type, 
 
 
 def test_direct_reads_exclude_overlapping_targets_only(ckpt_path: Path, h: Any) -> None:
-    """``_direct_destinations`` never reads into memory another target of the same restore
-    covers; targets that merely touch (adjacent halves of one buffer) keep their direct reads."""
+    """``_whole_chunk_views`` never reads or decodes into memory another target of the same
+    restore covers; targets that merely touch (adjacent halves of one buffer) keep their direct
+    reads."""
     gdsckpt.save({"x": _random_bits(1), "y": _random_bits(2)}, ckpt_path, codec="none",
                  config=h.small_config())
     index = h.read_index(ckpt_path)
@@ -171,7 +172,7 @@ def test_direct_reads_exclude_overlapping_targets_only(ckpt_path: Path, h: Any) 
     def direct_for(x: torch.Tensor, y: torch.Tensor) -> dict[int, Any]:
         targets = {0: TorchTarget((ROWS, WIDTH), "float32", "cpu", existing=x),
                    1: TorchTarget((ROWS, WIDTH), "float32", "cpu", existing=y)}
-        return load_module._direct_destinations(index, engine, targets, deliveries)
+        return load_module._whole_chunk_views(index, engine, targets, deliveries)
 
     flat = torch.zeros(2, ROWS, WIDTH)
     assert len(direct_for(flat[0], flat[1])) == len(index.chunks), "adjacent is not overlapping"

@@ -154,8 +154,10 @@ class GpuDecoder(WorkerOwner, Decoder):
 
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
                       deliver: Callable[[Any], None], *, to_host: bool = False,
-                      places: list[tuple[int, int, int]] | None = None) -> Future[None]:
-        """Queue a stored chunk for the worker (see ``Decoder.submit_decode``)."""
+                      places: list[tuple[int, int, int]] | None = None,
+                      into: Any = None) -> Future[None]:
+        """Queue a stored chunk for the worker (see ``Decoder.submit_decode``; ``into`` is not
+        used: host destinations get their bytes through ``deliver``)."""
         future: Future[None] = Future()
         self._worker.submit(DecodeJob(record, chain, stored, deliver, future, to_host, places))
         return future
