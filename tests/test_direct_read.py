@@ -13,6 +13,7 @@ import torch
 
 import gdsckpt
 from gdsckpt.errors import CorruptCheckpointError
+from gdsckpt.io import PosixReader
 from gdsckpt.pipeline import engine as engine_module
 from gdsckpt.pipeline import load as load_module
 from gdsckpt.state import NumpyTarget, TorchTarget
@@ -154,3 +155,20 @@ def test_host_view_of_targets() -> None:
     into = TorchTarget((4, 6), "float32", "cpu", existing=existing)
     into_view = into.host_view(0, 4)
     assert into_view is not None and np.shares_memory(into_view, into.tensor.numpy())
+
+
+def test_a_file_up_to_one_reader_bytes_is_read_by_one_thread(tmp_path: Path) -> None:
+    from gdsckpt.io.posix import ONE_READER_BYTES
+
+    small, large = tmp_path / "small.bin", tmp_path / "large.bin"
+    small.write_bytes(bytes(range(256)) * 64)
+    with open(large, "wb") as handle:  # sparse: its size is what counts
+        handle.truncate(ONE_READER_BYTES + 1)
+    with PosixReader(small, threads=4) as reader:
+        assert reader._lane.threads == 1
+        out = np.empty(4096, dtype=np.uint8)
+        assert reader.submit_read(4096, out).result(10).tobytes() == (bytes(range(256)) * 16)
+    with PosixReader(large, threads=4) as reader:
+        assert reader._lane.threads == 4
+    with PosixReader(small, threads=4, o_direct="auto") as reader:  # O_DIRECT has no readahead to lean on
+        assert reader._lane.threads == 4

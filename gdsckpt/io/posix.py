@@ -585,9 +585,19 @@ class PosixWriter(StorageWriter):
         self._fd = -1
 
 
+ONE_READER_BYTES = 256 << 20
+"""A file up to this size is read through the page cache by one thread (``PosixReader``): reading
+in order, one thread lets the kernel's readahead keep the disk busy while it copies, and a second
+thread's reads at other offsets cost more than they overlap. Medians of cold loads on the 2-core
+development host (docs/performance.md, "Save and load on the CPU"; ``experiments/read_threads.py``):
+64 MiB in 27.4 ms on one thread against 39.7 on two, 256 MiB in 98.9 against 115.1; 1 GiB in 466
+against 403, where the second thread pays."""
+
+
 class PosixReader(StorageReader):
     """Positional reads into caller-provided host arrays, at most ``threads`` at once on the
-    process's shared I/O threads. ``timeout``: seconds ``close`` waits for reads still running."""
+    process's shared I/O threads (one for a file of at most ``ONE_READER_BYTES`` read through the
+    page cache). ``timeout``: seconds ``close`` waits for reads still running."""
 
     name = "posix"
 
@@ -595,9 +605,10 @@ class PosixReader(StorageReader):
                  timeout: float = DRAIN_TIMEOUT):
         self.path = Path(path)
         self.timeout = timeout
-        self._lane = Lane("io", threads)  # first: a thread that cannot start leaves no open file
         self._fd = open_regular(self.path)
         self.size = os.fstat(self._fd).st_size
+        # a lane starts no thread until its first read, so making it after the open costs nothing
+        self._lane = Lane("io", 1 if self.size <= ONE_READER_BYTES and not o_direct else threads)
         self._direct_fd: int | None = None
         if o_direct and hasattr(os, "O_DIRECT"):
             try:
