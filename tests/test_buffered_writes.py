@@ -24,14 +24,26 @@ from gdsckpt.io.posix import WRITEBACK_MIN_BYTES, PosixWriter
 CHUNK = 1 << 20
 
 
+def _off_page(array: np.ndarray) -> np.ndarray:
+    """``array``'s values in memory that starts one element past a page boundary: a chunk written
+    from it is never aligned for O_DIRECT, whatever address the allocator hands out (a large
+    array's memory is sometimes page-aligned, and its chunks then took the O_DIRECT path)."""
+    flat = array.reshape(-1)
+    room = np.empty(flat.size + 4096 // flat.itemsize + 1, dtype=flat.dtype)
+    skip = (-room.ctypes.data % 4096) // flat.itemsize + 1
+    view = room[skip:skip + flat.size]
+    view[...] = flat
+    return view.reshape(array.shape)
+
+
 def _state() -> dict[str, Any]:
-    """Arrays whose byte sizes are not multiples of 4096, so chunks written from their memory end
-    between pages and the next chunk starts after a gap."""
+    """Arrays whose byte sizes are not multiples of 4096, in memory off page boundaries, so chunks
+    written from their memory are buffered, end between pages and the next starts after a gap."""
     rng = np.random.default_rng(11)
-    return {"w": rng.standard_normal(700_003).astype(np.float32),
+    return {"w": _off_page(rng.standard_normal(700_003).astype(np.float32)),
             "n": np.array([np.nan, -0.0, 0.0, np.inf], dtype=np.float32).view(np.uint32).copy(),
-            "b": rng.integers(0, 9, 300_001, dtype=np.int64),
-            "h": rng.standard_normal(123_457).astype(np.float16)}
+            "b": _off_page(rng.integers(0, 9, 300_001, dtype=np.int64)),
+            "h": _off_page(rng.standard_normal(123_457).astype(np.float16))}
 
 
 def _bits_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:

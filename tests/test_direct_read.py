@@ -3,6 +3,7 @@ read straight into the destination array and checksummed there."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -157,18 +158,31 @@ def test_host_view_of_targets() -> None:
     assert into_view is not None and np.shares_memory(into_view, into.tensor.numpy())
 
 
-def test_a_file_up_to_one_reader_bytes_is_read_by_one_thread(tmp_path: Path) -> None:
-    from gdsckpt.io.posix import ONE_READER_BYTES
+def test_a_file_up_to_one_reader_bytes_not_in_the_page_cache_is_read_by_one_thread(tmp_path: Path) -> None:
+    from gdsckpt.io.posix import ONE_READER_BYTES, in_page_cache
 
     small, large = tmp_path / "small.bin", tmp_path / "large.bin"
     small.write_bytes(bytes(range(256)) * 64)
     with open(large, "wb") as handle:  # sparse: its size is what counts
         handle.truncate(ONE_READER_BYTES + 1)
+    small.read_bytes()
+    with PosixReader(small, threads=4) as reader:
+        assert in_page_cache(reader._fd, reader.size) is True
+        assert reader._lane.threads == 4  # in the page cache: its reads are copies, on every thread
+    fd = os.open(small, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        evicted = in_page_cache(fd, small.stat().st_size) is False
+    finally:
+        os.close(fd)
+    if not evicted:
+        pytest.skip("this filesystem keeps the file's pages cached (tmpfs) or cannot tell")
     with PosixReader(small, threads=4) as reader:
         assert reader._lane.threads == 1
         out = np.empty(4096, dtype=np.uint8)
         assert reader.submit_read(4096, out).result(10).tobytes() == (bytes(range(256)) * 16)
-    with PosixReader(large, threads=4) as reader:
-        assert reader._lane.threads == 4
     with PosixReader(small, threads=4, o_direct="auto") as reader:  # O_DIRECT has no readahead to lean on
+        assert reader._lane.threads == 4
+    with PosixReader(large, threads=4) as reader:
         assert reader._lane.threads == 4

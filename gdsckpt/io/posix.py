@@ -41,6 +41,7 @@ import contextlib
 import ctypes
 import errno
 import hashlib
+import mmap
 import os
 import secrets
 import stat
@@ -586,18 +587,56 @@ class PosixWriter(StorageWriter):
 
 
 ONE_READER_BYTES = 256 << 20
-"""A file up to this size is read through the page cache by one thread (``PosixReader``): reading
-in order, one thread lets the kernel's readahead keep the disk busy while it copies, and a second
-thread's reads at other offsets cost more than they overlap. Medians of cold loads on the 2-core
-development host (docs/performance.md, "Save and load on the CPU"; ``experiments/read_threads.py``):
-64 MiB in 27.4 ms on one thread against 39.7 on two, 256 MiB in 98.9 against 115.1; 1 GiB in 466
-against 403, where the second thread pays."""
+"""A file up to this size that is not in the page cache is read by one thread (``PosixReader``):
+reading in order, one thread lets the kernel's readahead keep the disk busy while it copies, and
+a second thread's reads at other offsets cost more than they overlap. Medians of cold loads on
+the 2-core development host (docs/performance.md, "Save and load on the CPU";
+``experiments/read_threads.py``): 64 MiB in 27.4 ms on one thread against 39.7 on two, 256 MiB in
+98.9 against 115.1; 1 GiB in 466 against 403, where the second thread pays. A file in the page
+cache keeps ``threads``: its reads are copies, which several cores make faster."""
+
+
+def _load_mincore() -> Any:
+    """libc's ``mincore`` (which pages of a mapping are resident), or None where there is none."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    function.restype = ctypes.c_int
+    return function
+
+
+_mincore = _load_mincore()
+
+
+def in_page_cache(fd: int, size: int) -> bool | None:
+    """Whether the page in the middle of the open file ``fd`` is in the page cache (``mincore`` of
+    a one-page mapping, which reads nothing: a load of some keys still touches no byte of the
+    chunks it skips). The middle, because reading a file's header and index (its first and last
+    pages) pulls their neighbours in. None where the system cannot tell."""
+    page = mmap.PAGESIZE
+    if _mincore is None or size < 2 * page:
+        return None
+    try:
+        # a private mapping: writable for ctypes to take its address, never written
+        mapping = mmap.mmap(fd, page, access=mmap.ACCESS_COPY, offset=size // 2 // page * page)
+    except (OSError, ValueError):
+        return None
+    try:
+        view = ctypes.c_char.from_buffer(mapping)
+        resident = ctypes.c_ubyte(0)
+        failed = _mincore(ctypes.addressof(view), page, ctypes.byref(resident)) != 0
+        del view  # the mapping cannot close while ctypes holds its buffer
+    finally:
+        mapping.close()
+    return None if failed else bool(resident.value & 1)
 
 
 class PosixReader(StorageReader):
     """Positional reads into caller-provided host arrays, at most ``threads`` at once on the
-    process's shared I/O threads (one for a file of at most ``ONE_READER_BYTES`` read through the
-    page cache). ``timeout``: seconds ``close`` waits for reads still running."""
+    process's shared I/O threads (one for a file of at most ``ONE_READER_BYTES`` that is not in the
+    page cache, read through it). ``timeout``: seconds ``close`` waits for reads still running."""
 
     name = "posix"
 
@@ -608,7 +647,8 @@ class PosixReader(StorageReader):
         self._fd = open_regular(self.path)
         self.size = os.fstat(self._fd).st_size
         # a lane starts no thread until its first read, so making it after the open costs nothing
-        self._lane = Lane("io", 1 if self.size <= ONE_READER_BYTES and not o_direct else threads)
+        one_reader = self.size <= ONE_READER_BYTES and not o_direct and in_page_cache(self._fd, self.size) is False
+        self._lane = Lane("io", 1 if one_reader else threads)
         self._direct_fd: int | None = None
         if o_direct and hasattr(os, "O_DIRECT"):
             try:
