@@ -597,7 +597,10 @@ cache keeps ``threads``: its reads are copies, which several cores make faster."
 
 
 def _load_mincore() -> Any:
-    """libc's ``mincore`` (which pages of a mapping are resident), or None where there is none."""
+    """libc's ``mincore`` (which pages of a mapping are resident) on Linux, where the one-reader
+    rule was measured; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         function = ctypes.CDLL(None, use_errno=True).mincore
     except (OSError, AttributeError):
