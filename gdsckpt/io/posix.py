@@ -312,20 +312,22 @@ _SYNC_FILE_RANGE_WRITE = 2
 """Linux's SYNC_FILE_RANGE_WRITE: start writing the range's dirty pages, do not wait."""
 
 
-def _load_sync_file_range() -> Any:
-    """libc's ``sync_file_range`` (Linux), or None: Python's ``os`` module does not offer it."""
+def _linux_libc_function(name: str, argtypes: list[Any]) -> Any:
+    """libc's function ``name`` (returning an int) on Linux, or None elsewhere or where libc lacks
+    it: what Python's ``os`` module does not offer."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.argtypes = argtypes
     function.restype = ctypes.c_int
     return function
 
 
-_sync_file_range = _load_sync_file_range()
+_sync_file_range = _linux_libc_function("sync_file_range",
+                                        [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 
 def can_write_back() -> bool:
@@ -596,21 +598,8 @@ the 2-core development host (docs/performance.md, "Save and load on the CPU";
 cache keeps ``threads``: its reads are copies, which several cores make faster."""
 
 
-def _load_mincore() -> Any:
-    """libc's ``mincore`` (which pages of a mapping are resident) on Linux, where the one-reader
-    rule was measured; None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-    function.restype = ctypes.c_int
-    return function
-
-
-_mincore = _load_mincore()
+_mincore = _linux_libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)])
+"""Which pages of a mapping are resident; Linux only, where the one-reader rule was measured."""
 
 
 def in_page_cache(fd: int, size: int) -> bool | None:
