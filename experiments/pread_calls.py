@@ -130,6 +130,42 @@ def large_read_in_flight(cufile: Any, size: int) -> Iterator[None]:
         future.get()
 
 
+def wake_round_trip(rounds: int = 2000) -> float:
+    """Median seconds for one thread to wake another and be woken back (two ``threading.Event``
+    hand-offs, each a GIL hand-off too): what every read submitted from one Python thread and
+    decoded in another pays at least once, and the figure that differs between virtual machines."""
+    ping, pong = threading.Event(), threading.Event()
+
+    def echo() -> None:
+        for _ in range(rounds):
+            ping.wait()
+            ping.clear()
+            pong.set()
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        ping.set()
+        pong.wait()
+        pong.clear()
+        times.append(time.perf_counter() - started)
+    thread.join(timeout=10)
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def switch_interval(seconds: float) -> Iterator[None]:
+    """``sys.setswitchinterval(seconds)`` for the block."""
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(saved)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="an existing gdsckpt file (else one is saved)")
@@ -176,6 +212,8 @@ def main() -> int:
     cufile = kvikio.CuFile(path, "r")
     small = [(first + i * (512 << 10), 512 << 10) for i in range(256)]
     medium = [(first + i * (4 << 20), 4 << 20) for i in range(256)]
+    large = [(first + i * (64 << 20), 64 << 20) for i in range(16)]
+    print(f"thread wake-up round trip: {wake_round_trip() * 1e6:.1f} us (median)")
 
     def case(label: str, work: Callable[[], tuple[float, float, int, int]]) -> None:
         inside, total = [], []
@@ -237,7 +275,12 @@ def main() -> int:
     case("  the same, gds_threshold 0", with_threshold(0, pattern(small)))
     case("  the same, under a 1 GiB read in flight", under(lambda: large_read_in_flight(cufile, 1 << 30),
                                                              pattern(small)))
+    case("  the same, a Python thread busy, switch interval 0.5 ms",
+         under(lambda: in_background(spin_python), under(lambda: switch_interval(0.0005), pattern(ranges))))
     case("256 reads of 4 MiB", pattern(medium))
+    case("  the same, a Python thread busy", under(lambda: in_background(spin_python), pattern(medium)))
+    case("16 reads of 64 MiB (the same bytes)", pattern(large))
+    case("  the same, a Python thread busy", under(lambda: in_background(spin_python), pattern(large)))
     case("  the same, under a 1 GiB read in flight", under(lambda: large_read_in_flight(cufile, 1 << 30),
                                                              pattern(medium)))
     cufile.close()

@@ -1,0 +1,117 @@
+"""Whole GPU restores from the page cache under settings that change how often, and how long, the
+restore's Python threads wait for each other, alternating in one process, next to a raw read.
+
+The restore's driver thread submits one kvikio ``pread`` per chunk (2,123 for the 8.9 GB tier
+state) and the decoder's worker thread runs Python between its device calls. ``pread`` releases
+the GIL; taking it back waits while the other thread runs Python, up to the interpreter's switch
+interval (5 ms). Where thread wake-ups are slow (some virtual machines) these hand-offs can
+dominate: `experiments/pread_calls.py` measures the reads alone; this measures the restore:
+
+- ``default``: the library's defaults;
+- ``switch 0.5 ms`` / ``switch 0.1 ms``: ``sys.setswitchinterval`` lowered for the restore
+  (a bound on each wait for the GIL, process-wide);
+- ``kvikio 8 threads``: fewer pool threads than the host's cores (``Config.kvikio_threads``);
+- ``gds_threshold 0``: kvikio reads no small device buffer synchronously in the calling thread;
+- ``raw read``: one kvikio read of the whole file (the limit, with the ratio).
+
+Builds the tier benchmark's trained state (``--size``), saves it with the defaults into
+``--dir``, reads it once into the page cache, then ``--rounds`` rounds of every way; the first
+restore of each way is checked bit for bit. Prints the thread wake-up round trip, then medians
+(ms, GB/s of logical bytes, ratio x raw) and every round.
+
+    python3 experiments/restore_handoffs_ab.py --size 8GiB --rounds 5 --dir /root/handoffs
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import benchlib  # noqa: E402
+import tier_bench  # noqa: E402
+from pread_calls import switch_interval, wake_round_trip  # noqa: E402
+
+
+@contextlib.contextmanager
+def kvikio_default(key: str, value: Any) -> Iterator[None]:
+    """``kvikio.defaults`` ``key`` set to ``value`` for the block."""
+    import kvikio.defaults
+
+    saved = kvikio.defaults.get(key)
+    kvikio.defaults.set(key, value)
+    try:
+        yield
+    finally:
+        kvikio.defaults.set(key, saved)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="8GiB")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dir", default="/tmp/restore-handoffs")
+    args = parser.parse_args()
+
+    import torch
+
+    import gdsckpt
+
+    width, depth = benchlib.shape_for_bytes(benchlib.parse_size(args.size))
+    state = benchlib.build_state(width, depth, 2, "cuda")
+    logical = benchlib.logical_bytes(state)
+    directory = Path(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "state.gdsckpt"
+    report = gdsckpt.save(state, path)
+    tier_bench.read_warm(path)
+    defaults = gdsckpt.Config()
+    print(f"state {logical / 1e9:.2f} GB, file {report.file_bytes / 1e9:.2f} GB, ratio {report.ratio:.3f}; "
+          f"thread wake-up round trip {wake_round_trip() * 1e6:.1f} us")
+
+    def restore(config: Any, context: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], Any]:
+        def run() -> Any:
+            with context():
+                return gdsckpt.load(path, device="cuda", config=config)
+        return run
+
+    ways: dict[str, Callable[[], Any]] = {
+        "default": restore(defaults),
+        "switch 0.5 ms": restore(defaults, lambda: switch_interval(0.0005)),
+        "switch 0.1 ms": restore(defaults, lambda: switch_interval(0.0001)),
+        "kvikio 8 threads": restore(defaults.replace(kvikio_threads=8)),
+        "gds_threshold 0": restore(defaults, lambda: kvikio_default("gds_threshold", 0)),
+        "raw read": tier_bench.raw_device_read(path, defaults.kvikio_threads, defaults.kvikio_task_size),
+    }
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for round_number in range(args.rounds):
+        for way, run in ways.items():
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            got = run()
+            torch.cuda.synchronize()
+            times[way].append(time.perf_counter() - started)
+            if round_number == 0 and way != "raw read":
+                problems = benchlib.differences(state, got)
+                assert not problems, (way, problems)
+            del got
+    raw_seconds = statistics.median(times["raw read"])
+    for way, values in times.items():
+        median = statistics.median(values)
+        moved = report.file_bytes if way == "raw read" else logical
+        print(f"  {way:18s} median {median * 1e3:8.1f} ms  {moved / median / 1e9:6.2f} GB/s  "
+              f"x raw {raw_seconds / median:5.2f}  ({', '.join(f'{v * 1e3:.0f}' for v in values)})")
+    path.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
