@@ -20,6 +20,7 @@ only once the read that last used its bytes has finished. Prints kvikio's settin
 
     python3 experiments/pread_calls.py --size 8GiB --dir /root/pread
     python3 experiments/pread_calls.py --checkpoint /root/tier/state.gdsckpt
+    python3 experiments/pread_calls.py --threads-only     # any host, no GPU
 """
 
 from __future__ import annotations
@@ -155,6 +156,30 @@ def wake_round_trip(rounds: int = 2000) -> float:
     return statistics.median(times)
 
 
+def gil_waits(path: Path, calls: int = 300, rounds: int = 5) -> list[tuple[float, float]]:
+    """Per round, seconds in all for ``calls`` reads of 4 KiB (``os.pread``, which releases the
+    GIL) alone, then beside a new thread running Python: the cost of taking the GIL back after
+    each. Rounds differ (whether the other thread gets the GIL at all varies), hence several."""
+    handle = os.open(path, os.O_RDONLY)
+
+    def run() -> float:
+        started = time.perf_counter()
+        for _ in range(calls):
+            os.pread(handle, 4096, 0)
+        return time.perf_counter() - started
+
+    try:
+        results = []
+        for _ in range(rounds):
+            alone = run()
+            with in_background(spin_python, settle=0.01):
+                beside = run()
+            results.append((alone, beside))
+        return results
+    finally:
+        os.close(handle)
+
+
 @contextlib.contextmanager
 def switch_interval(seconds: float) -> Iterator[None]:
     """``sys.setswitchinterval(seconds)`` for the block."""
@@ -175,7 +200,15 @@ def main() -> int:
     parser.add_argument("--in-flight", type=int, default=64)
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads-only", action="store_true",
+                        help="only the host's thread hand-offs (no GPU needed): wake-up round trip and GIL waits")
     args = parser.parse_args()
+    print(f"thread wake-up round trip: {wake_round_trip() * 1e6:.1f} us (median)")
+    rounds = gil_waits(Path(__file__))
+    print("300 reads of 4 KiB, ms alone / beside a thread running Python, per round: "
+          + ", ".join(f"{alone * 1e3:.1f} / {beside * 1e3:.1f}" for alone, beside in rounds))
+    if args.threads_only:
+        return 0
 
     import cupy
     import kvikio
@@ -213,7 +246,6 @@ def main() -> int:
     small = [(first + i * (512 << 10), 512 << 10) for i in range(256)]
     medium = [(first + i * (4 << 20), 4 << 20) for i in range(256)]
     large = [(first + i * (64 << 20), 64 << 20) for i in range(16)]
-    print(f"thread wake-up round trip: {wake_round_trip() * 1e6:.1f} us (median)")
 
     def case(label: str, work: Callable[[], tuple[float, float, int, int]]) -> None:
         inside, total = [], []
