@@ -181,6 +181,19 @@ def gil_waits(path: Path, calls: int = 300, rounds: int = 5) -> list[tuple[float
 
 
 @contextlib.contextmanager
+def kvikio_default(key: str, value: Any) -> Iterator[None]:
+    """``kvikio.defaults`` ``key`` set to ``value`` for the block."""
+    import kvikio.defaults
+
+    saved = kvikio.defaults.get(key)
+    kvikio.defaults.set(key, value)
+    try:
+        yield
+    finally:
+        kvikio.defaults.set(key, saved)
+
+
+@contextlib.contextmanager
 def switch_interval(seconds: float) -> Iterator[None]:
     """``sys.setswitchinterval(seconds)`` for the block."""
     saved = sys.getswitchinterval()
@@ -270,41 +283,23 @@ def main() -> int:
             return inside, total, len(chosen), sum(length for _offset, length in chosen)
         return run
 
-    def with_threshold(value: int, work: Callable[[], Any]) -> Callable[[], Any]:
-        def run() -> Any:
-            saved = kvikio.defaults.get("gds_threshold")
-            kvikio.defaults.set("gds_threshold", value)
-            try:
-                return work()
-            finally:
-                kvikio.defaults.set("gds_threshold", saved)
-        return run
-
     def under(context: Callable[[], Any], work: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
             with context():
                 return work()
         return run
 
-    def with_threads(count: int, work: Callable[[], Any]) -> Callable[[], Any]:
-        def run() -> Any:
-            kvikio.defaults.set("thread_pool_nthreads", count)
-            try:
-                return work()
-            finally:
-                kvikio.defaults.set("thread_pool_nthreads", args.threads)
-        return run
-
     case("raw: one pread of the chunk region", raw)
     case(f"the restore's chunk reads, {args.in_flight} in flight", pattern(ranges))
-    case("  the same, gds_threshold 0 (no read in this thread)", with_threshold(0, pattern(ranges)))
-    case("  the same, 8 pool threads", with_threads(8, pattern(ranges)))
+    case("  the same, gds_threshold 0 (no read in this thread)",
+         under(lambda: kvikio_default("gds_threshold", 0), pattern(ranges)))
+    case("  the same, 8 pool threads", under(lambda: kvikio_default("thread_pool_nthreads", 8), pattern(ranges)))
     case("  the same, 4 in flight", pattern(ranges, 4))
     case("  the same, a Python thread busy", under(lambda: in_background(spin_python), pattern(ranges)))
     case("  the same, the GPU busy on another stream",
          under(lambda: in_background(queue_kernels, settle=0.3), pattern(ranges)))
     case("256 reads of 512 KiB (under gds_threshold)", pattern(small))
-    case("  the same, gds_threshold 0", with_threshold(0, pattern(small)))
+    case("  the same, gds_threshold 0", under(lambda: kvikio_default("gds_threshold", 0), pattern(small)))
     case("  the same, under a 1 GiB read in flight", under(lambda: large_read_in_flight(cufile, 1 << 30),
                                                              pattern(small)))
     case("  the same, a Python thread busy, switch interval 0.5 ms",

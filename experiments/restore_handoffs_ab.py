@@ -29,7 +29,7 @@ import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib  # noqa: E402
 import tier_bench  # noqa: E402
-from pread_calls import switch_interval, wake_round_trip  # noqa: E402
-
-
-@contextlib.contextmanager
-def kvikio_default(key: str, value: Any) -> Iterator[None]:
-    """``kvikio.defaults`` ``key`` set to ``value`` for the block."""
-    import kvikio.defaults
-
-    saved = kvikio.defaults.get(key)
-    kvikio.defaults.set(key, value)
-    try:
-        yield
-    finally:
-        kvikio.defaults.set(key, saved)
+from pread_calls import kvikio_default, switch_interval, wake_round_trip  # noqa: E402
 
 
 def main() -> int:
