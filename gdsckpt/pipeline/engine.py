@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lz4.block
 import numpy as np
@@ -55,6 +55,9 @@ from ..format.index import ChunkRecord
 from ..io.base import WritePace, aligned_empty
 from ..io.pools import DRAIN_TIMEOUT, Lane
 from .plan import ArraySource, ChunkPlan
+
+if TYPE_CHECKING:
+    from .gpu.staging import ReadArena
 
 NONE_CHAIN = Chain.of({"name": "none/1"})
 PACE_WEIGHT = 0.25
@@ -124,9 +127,17 @@ class Decoder(ABC):
         here and returns its slot count."""
         return None
 
-    def read_buffer(self, nbytes: int) -> Any:
-        """A buffer for one chunk read, of the kind ``submit_decode`` takes (host by default)."""
-        return aligned_empty(nbytes)
+    def read_arena(self) -> ReadArena | None:
+        """Memory for grouped reads (several consecutive chunks read by one storage call, each
+        chunk then decoded from its view there: ``read_buffer``'s ``within``), or None: one read
+        per chunk (the default). Valid after ``reserve_reads``."""
+        return None
+
+    def read_buffer(self, nbytes: int, within: Any = None) -> Any:
+        """A buffer for one chunk read, of the kind ``submit_decode`` takes (host by default).
+        ``within``: the chunk's bytes in ``read_arena``, filled by a grouped read: returned, with
+        whatever else the decoder reserves per chunk."""
+        return aligned_empty(nbytes) if within is None else within
 
     @abstractmethod
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,

@@ -7,6 +7,12 @@ reads in file order until ``max_inflight_bytes`` of read buffers and decoded byt
 outstanding; each completed read is verified and decoded by the engine, which hands the raw bytes
 to the destination arrays. Only the chunks that hold the wanted arrays are read.
 
+Grouped reads: where the engine offers a read arena (the GPU decoder), a run of chunks that
+follow each other in the file is read with one call into one piece of it (``Decoder.read_arena``),
+each chunk decoded from its bytes there; a piece is reused once all its chunks are decoded. Every
+read call hands the interpreter's lock back and forth, and taking it back beside a thread running
+Python waits up to the switch interval: fewer, larger calls (docs/performance.md, "Fast tiers").
+
 Direct reads: on the CPU engine, a chunk stored as ``none/1`` whose raw bytes all go to one
 contiguous range of host memory (``target.host_view``) is read straight into that memory; the
 engine then checks its CRC-32C there (``none/1`` decodes without copying) and nothing is copied.
@@ -355,6 +361,44 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
     # The engine may bound the chunks outstanding (the GPU engine's read ring has that many slots).
     reading = [index.chunks[c] for c in chunks if not direct or c not in direct]
     slot_limit = engine.reserve_reads(reading, sorted({index.chains[r.chain][-1]["name"] for r in reading}))
+    # Grouped reads (``Decoder.read_arena``): runs of consecutive chunks read by one call each.
+    arena = engine.read_arena() if reading else None
+    free_pieces = list(range(arena.pieces)) if arena is not None else []
+    grouped: dict[int, tuple[Future[Any], Any, int]] = {}
+    """Chunk -> (its group's read, its bytes in the arena, the piece), until its decode finishes."""
+    piece_users: dict[int, int] = {}
+    """Piece -> chunks read into it whose decode has not finished; the piece is free at 0."""
+
+    def groupable(chunk: int) -> bool:
+        return index.chunks[chunk].stored > 0 and not (direct and chunk in direct)
+
+    def read_group(position: int) -> None:
+        """Read ``chunks[position]`` and the chunks after it that follow it in the file and fit
+        one piece with it, with one call into a free piece."""
+        assert arena is not None
+        start = end = index.chunks[chunks[position]].offset
+        members: list[tuple[int, int, int]] = []  # chunk, start in the piece, padded length
+        for chunk in chunks[position:]:
+            record = index.chunks[chunk]
+            padded = align_up(record.stored)
+            if (not groupable(chunk) or record.offset != end
+                    or record.offset + padded - start > arena.piece_bytes):
+                break
+            members.append((chunk, record.offset - start, padded))
+            end = record.offset + padded
+        piece = free_pieces.pop()
+        view = arena.piece(piece)
+        future = reader.submit_read(start, view[:end - start])
+        piece_users[piece] = len(members)
+        for chunk, at, padded in members:
+            grouped[chunk] = (future, view[at:at + padded], piece)
+
+    def piece_done(chunk: int) -> None:
+        entry = grouped.pop(chunk, None)
+        if entry is not None:
+            piece_users[entry[2]] -= 1
+            if not piece_users[entry[2]]:
+                free_pieces.append(entry[2])
 
     def named(chunk: int, err: BaseException) -> BaseException:
         if isinstance(err, CorruptCheckpointError) and err.chunk is None:
@@ -398,18 +442,29 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             except BaseException as err:  # noqa: BLE001 - reraise names the chunk, then raises it
                 reraise(chunk, err)
             inflight -= cost
+            piece_done(chunk)
             raw_done += index.chunks[chunk].raw
             if progress is not None:
                 progress(raw_done, raw_total)
             block = False
 
     try:
-        for chunk in chunks:
+        for position, chunk in enumerate(chunks):
             record = index.chunks[chunk]
             cost = _cost(record)
             while reads and reads[0][1].done():
                 start_decode()
             finish_decode(block=False)
+            if arena is not None and chunk not in grouped and groupable(chunk):
+                while not free_pieces:  # every piece holds chunks outstanding: finish the oldest
+                    if reads:
+                        start_decode()
+                    elif decodes:
+                        finish_decode(block=True)
+                    else:
+                        raise RuntimeError("a read piece is held by no outstanding chunk")
+                    finish_decode(block=False)
+                read_group(position)
             while ((inflight + cost > max_inflight_bytes
                     or (slot_limit is not None and len(reads) + len(decodes) >= slot_limit))
                    and (reads or decodes)):
@@ -419,9 +474,14 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
                     finish_decode(block=True)
                 finish_decode(block=False)
             buffer = direct.get(chunk) if direct else None
-            if buffer is None:
-                buffer = engine.read_buffer(align_up(record.stored))
-            reads.append((chunk, reader.submit_read(record.offset, buffer), buffer))
+            if chunk in grouped:
+                future, within, _piece = grouped[chunk]
+                buffer = engine.read_buffer(align_up(record.stored), within=within)
+                reads.append((chunk, future, buffer))
+            else:
+                if buffer is None:
+                    buffer = engine.read_buffer(align_up(record.stored))
+                reads.append((chunk, reader.submit_read(record.offset, buffer), buffer))
             inflight += cost
             stored_total += record.stored
         while reads:

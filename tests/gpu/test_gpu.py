@@ -508,3 +508,40 @@ def test_a_cupy_save_without_torch_waits_for_work_queued_before_it(tmp_path):
     done = subprocess.run([sys.executable, "-c", _CUPY_ONLY_CHILD.replace("{DIR}", str(tmp_path))],
                           check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("codec", ["ans", "zstd", "none"])
+def test_gpu_restore_reads_runs_of_chunks_with_one_kvikio_call(tmp_path, monkeypatch, codec):
+    """A GPU restore reads consecutive chunks into its read arena with one kvikio ``pread`` per
+    piece (``pipeline.gpu.staging.GROUP_READ_BYTES``), bit-exact, and a byte flipped in a chunk
+    read that way still names that chunk."""
+    from gdsckpt.io.kvikio import KvikioReader
+
+    calls = []
+    submit = KvikioReader.submit_read
+
+    def counted(self, offset, out):
+        calls.append((offset, out.nbytes))
+        return submit(self, offset, out)
+
+    monkeypatch.setattr(KvikioReader, "submit_read", counted)
+    state = _state()
+    state["big"] = torch.randn(40 << 20, device="cuda") * 0.02  # 160 MiB: tens of chunks
+    state["big"][:4] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf")])
+    path = tmp_path / "x.gdsckpt"
+    gdsckpt.save(state, path, codec=codec)
+    with gdsckpt.open(path) as ckpt:
+        chunks = len(ckpt._opened.index.chunks)
+    calls.clear()
+    _assert_same(gdsckpt.load(path, device="cuda"), state)
+    assert 1 <= len(calls) < chunks / 2, (len(calls), chunks)
+    with gdsckpt.open(path) as ckpt:
+        victim = ckpt._opened.index.chunks[len(ckpt._opened.index.chunks) // 2]
+    with open(path, "r+b") as f:
+        f.seek(victim.offset + victim.stored // 2)
+        byte = f.read(1)
+        f.seek(victim.offset + victim.stored // 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(gdsckpt.CorruptCheckpointError) as info:
+        gdsckpt.load(path, device="cuda")
+    assert info.value.chunk == chunks // 2

@@ -15,6 +15,12 @@ tiers"). The restore driver keeps no more chunks outstanding than there are
 slots, so device memory beyond the destination arrays is the ring plus nvCOMP's scratch, whatever
 the checkpoint's size.
 
+Grouped reads: beside the ring, a restore gets a ``ReadArena`` (a quarter of its staging budget at
+most, ``arena_pieces``) into which the driver reads runs of consecutive chunks with one storage
+call per ``group_read_bytes``; a chunk read that way is decoded from its view there, and its slot's
+read area serves only as the scratch the chain's transforms need. One call per chunk cost a
+restore up to the interpreter's switch interval per call (docs/performance.md, "Fast tiers").
+
 Host destinations (``load(device="cpu")`` of a file only a GPU decodes): a copy from device memory
 into pageable host memory runs at a small fraction of one into pinned memory (docs/performance.md,
 "Fast tiers"), so decoded chunks bound for host memory are copied into a pinned
@@ -44,7 +50,16 @@ from ...format import XOR_BASE, align_up
 from ...format.index import ChunkRecord
 from ...io.pools import Lane
 from ..engine import Decoder
-from .staging import DECODE_SCRATCH, StagingRing, restore_staging_budget, ring_slots, scratch_bytes
+from .staging import (
+    DECODE_SCRATCH,
+    GROUP_READ_BYTES,
+    ReadArena,
+    StagingRing,
+    arena_pieces,
+    restore_staging_budget,
+    ring_slots,
+    scratch_bytes,
+)
 from .worker import BATCH_CHUNKS, BatchWorker, WorkerOwner
 
 _QUEUED_CODECS = frozenset({"nvcomp.ans/1", "none/1"})
@@ -95,7 +110,7 @@ class GpuDecoder(WorkerOwner, Decoder):
 
     def __init__(self, *, device_id: int, max_staging_bytes: int, restore_staging_bytes: int | None = None,
                  batch_chunks: int = BATCH_CHUNKS, timeout: float = 600.0, device: DeviceBackend | None = None,
-                 reserved_bytes: int = 0):
+                 reserved_bytes: int = 0, group_read_bytes: int = GROUP_READ_BYTES):
         self.device = device = backend_or_cuda(device, device_id)
         self.device_id = device_id
         self.device_places = device_id
@@ -106,6 +121,9 @@ class GpuDecoder(WorkerOwner, Decoder):
         decoder, ``pipeline.load.DeferredTargets``)."""
         self.timeout = timeout
         self.ring: StagingRing | None = None
+        self.group_read_bytes = group_read_bytes
+        self.arena: ReadArena | None = None
+        """The restore's grouped-read pieces (``reserve_reads``), None where they do not fit."""
         self.staging_bytes = 0
         self._read_slots: dict[int, int] = {}
         """Device address of a handed-out read buffer -> its slot."""
@@ -129,26 +147,42 @@ class GpuDecoder(WorkerOwner, Decoder):
         # optimizer step writing the parameters a load_into restores): none is written before it.
         self.device.wait_for_current_streams()
         largest_raw = align_up(max(r.raw for r in records))
-        read_area = max(align_up(max(r.stored for r in records)), largest_raw)
-        slots = ring_slots(self.max_staging_bytes, read_area + largest_raw,
+        largest_stored = align_up(max(r.stored for r in records))
+        read_area = max(largest_stored, largest_raw)
+        pieces = arena_pieces(self.max_staging_bytes, self.group_read_bytes, largest_stored) if len(records) > 1 else 0
+        arena_bytes = pieces * self.group_read_bytes
+        slots = ring_slots(self.max_staging_bytes - arena_bytes, read_area + largest_raw,
                            scratch_bytes(DECODE_SCRATCH, codecs, largest_raw), most=len(records))
-        if self.ring is not None:  # a restore's ring replaces any earlier one
-            self.ring.close()
-            self.ring = None
+        self._drop_staging()  # a restore's ring and arena replace any earlier ones
         self.ring = StagingRing(self.device, slots, read_area, largest_raw, timeout=self.timeout)
-        self.staging_bytes = self.ring.nbytes
+        self.arena = ReadArena(self.device, pieces, self.group_read_bytes) if pieces else None
+        self.staging_bytes = self.ring.nbytes + arena_bytes
         self._read_slots = {}
         return slots
 
-    def read_buffer(self, nbytes: int) -> Any:
+    def read_arena(self) -> ReadArena | None:
+        """The restore's grouped-read pieces (see the module docstring), or None."""
+        return self.arena
+
+    def _drop_staging(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+    def read_buffer(self, nbytes: int, within: Any = None) -> Any:
         """A device buffer for a chunk read (kvikio fills it): the read area of a free slot of the
-        restore ring (waiting at most ``timeout`` for one), or (no ring reserved) a new array."""
+        restore ring (waiting at most ``timeout`` for one), or (no ring reserved) a new array.
+        ``within``: the chunk's bytes in the read arena (a grouped read fills them): a slot is
+        still taken (its areas are the decode's output and scratch) and ``within`` returned."""
         if self.ring is None:
-            return self.device.empty(nbytes)
+            return self.device.empty(nbytes) if within is None else within
         if nbytes > self.ring.first_bytes:
             raise ValueError(f"read of {nbytes} bytes exceeds the restore slot ({self.ring.first_bytes})")
         slot = self.ring.acquire()
-        buffer = self.ring.first(slot, nbytes)
+        buffer = self.ring.first(slot, nbytes) if within is None else within
         self._read_slots[self.device.address(buffer)] = slot
         return buffer
 
@@ -166,6 +200,9 @@ class GpuDecoder(WorkerOwner, Decoder):
         """Stop the worker and release the ring (``WorkerOwner.close``), the bounce buffer and its
         copy threads."""
         super().close()
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
         self._bounce = None
         if self._host_copies is not None:
             self._host_copies.close(self.timeout)

@@ -51,6 +51,52 @@ RESTORE_STAGING_CAP = 8 << 30
 a few GiB more chunks in flight stop paying (the reads and the decoder are already overlapped)."""
 
 
+GROUP_READ_BYTES = 64 << 20
+"""Bytes of one grouped read of a restore: consecutive chunks read by one storage call into one
+piece of a ``ReadArena``. Each read call hands the interpreter's lock back and forth; beside the
+decoder's worker thread running Python, taking it back waits up to the switch interval (5 ms),
+so thousands of chunk-sized reads held a restore to a fraction of the storage speed while a few
+large ones did not (``experiments/pread_calls.py``, docs/performance.md "Fast tiers")."""
+GROUP_READ_PIECES = 4
+"""Pieces of a restore's ``ReadArena``: enough that reads run ahead of the decoder."""
+GROUP_READ_SHARE = 4
+"""A restore's arena takes at most ``1 / GROUP_READ_SHARE`` of its staging budget; the slots take
+the rest."""
+
+
+def arena_pieces(budget: int, piece_bytes: int, largest_stored: int) -> int:
+    """Pieces of ``piece_bytes`` a restore's ``ReadArena`` gets from its staging ``budget``: up to
+    ``GROUP_READ_PIECES`` within ``1 / GROUP_READ_SHARE`` of it, or 0 (one read per chunk) where
+    fewer than two fit or a piece cannot hold two of the largest stored chunks (grouping would not
+    cut the calls)."""
+    pieces = min(GROUP_READ_PIECES, budget // GROUP_READ_SHARE // max(piece_bytes, 1))
+    return pieces if pieces >= 2 and piece_bytes >= 2 * largest_stored else 0
+
+
+class ReadArena:
+    """``pieces`` device buffers of ``piece_bytes`` in one allocation, for grouped reads: the
+    restore driver reads a run of consecutive chunks into one piece with one storage call and
+    hands each chunk's decode a view of its bytes there; a piece is reused once every chunk read
+    into it has finished decoding (the driver tracks that: it sees every decode finish)."""
+
+    def __init__(self, device: Any, pieces: int, piece_bytes: int):
+        if pieces < 1 or piece_bytes < 1:
+            raise ValueError(f"a read arena needs pieces and bytes, got {pieces} x {piece_bytes}")
+        self.pieces = pieces
+        self.piece_bytes = piece_bytes
+        self.nbytes = pieces * piece_bytes
+        self.buffer: Any = device.empty(self.nbytes)
+
+    def piece(self, number: int) -> Any:
+        """Piece ``number``'s bytes."""
+        start = number * self.piece_bytes
+        return self.buffer[start:start + self.piece_bytes]
+
+    def close(self) -> None:
+        """Drop the device buffer (views handed out keep it alive until they go)."""
+        self.buffer = None
+
+
 def restore_staging_budget(free_bytes: int, floor: int, explicit: int | None = None) -> int:
     """Staging bytes of a restore: ``explicit`` (``Config.restore_staging_bytes``) when given, else
     ``RESTORE_FREE_SHARE`` of ``free_bytes`` (device memory free now), at least ``floor``
