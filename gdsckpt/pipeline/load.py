@@ -448,6 +448,15 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
                 progress(raw_done, raw_total)
             block = False
 
+    def advance_oldest() -> None:
+        """Hand the oldest read to the engine, or else wait for the oldest decode; then collect
+        whatever decodes have finished (there is a read or a decode outstanding)."""
+        if reads:
+            start_decode()
+        else:
+            finish_decode(block=True)
+        finish_decode(block=False)
+
     try:
         for position, chunk in enumerate(chunks):
             record = index.chunks[chunk]
@@ -457,22 +466,14 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             finish_decode(block=False)
             if arena is not None and chunk not in grouped and groupable(chunk):
                 while not free_pieces:  # every piece holds chunks outstanding: finish the oldest
-                    if reads:
-                        start_decode()
-                    elif decodes:
-                        finish_decode(block=True)
-                    else:
+                    if not (reads or decodes):
                         raise RuntimeError("a read piece is held by no outstanding chunk")
-                    finish_decode(block=False)
+                    advance_oldest()
                 read_group(position)
             while ((inflight + cost > max_inflight_bytes
                     or (slot_limit is not None and len(reads) + len(decodes) >= slot_limit))
                    and (reads or decodes)):
-                if reads:
-                    start_decode()
-                else:
-                    finish_decode(block=True)
-                finish_decode(block=False)
+                advance_oldest()
             buffer = direct.get(chunk) if direct else None
             if chunk in grouped:
                 future, within, _piece = grouped[chunk]

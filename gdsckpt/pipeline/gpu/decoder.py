@@ -197,10 +197,10 @@ class GpuDecoder(WorkerOwner, Decoder):
         return future
 
     def close(self) -> None:
-        """Stop the worker and release the ring (``WorkerOwner.close``), the bounce buffer and its
-        copy threads."""
+        """Stop the worker and release the ring (``WorkerOwner.close``), the read arena, the bounce
+        buffer and its copy threads."""
         super().close()
-        if self.arena is not None:
+        if self.arena is not None:  # the ring stays readable after close, as the encoder's does
             self.arena.close()
             self.arena = None
         self._bounce = None
