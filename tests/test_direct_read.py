@@ -186,3 +186,33 @@ def test_a_file_up_to_one_reader_bytes_not_in_the_page_cache_is_read_by_one_thre
         assert reader._lane.threads == 4
     with PosixReader(large, threads=4) as reader:
         assert reader._lane.threads == 4
+
+
+def test_a_reader_whose_constructor_fails_after_the_open_closes_its_descriptor(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error between opening the file and the end of ``PosixReader.__init__`` (here an EIO from
+    the page-cache probe) leaves no descriptor open: nothing else could ever close it."""
+    from gdsckpt.io import posix
+
+    path = tmp_path / "file.bin"
+    path.write_bytes(b"x" * 8192)
+
+    def failing_probe(fd: int, size: int) -> bool:
+        raise OSError(5, "injected EIO")
+
+    monkeypatch.setattr(posix, "in_page_cache", failing_probe)
+    def descriptors_of_the_file() -> list[str]:
+        found = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") == str(path.resolve()):
+                    found.append(fd)
+            except FileNotFoundError:  # the listing's own descriptor, closed by now
+                pass
+        return found
+
+    with pytest.raises(OSError, match="injected EIO"):
+        PosixReader(path)
+    assert descriptors_of_the_file() == []
+    with open(path, "rb"):  # the check does see a descriptor that is open
+        assert len(descriptors_of_the_file()) == 1

@@ -637,9 +637,13 @@ class PosixReader(StorageReader):
         self.path = Path(path)
         self.timeout = timeout
         self._fd = open_regular(self.path)
-        self.size = os.fstat(self._fd).st_size
-        # a lane starts no thread until its first read, so making it after the open costs nothing
-        one_reader = self.size <= ONE_READER_BYTES and not o_direct and in_page_cache(self._fd, self.size) is False
+        try:
+            self.size = os.fstat(self._fd).st_size
+            # a lane starts no thread until its first read, so making it after the open costs nothing
+            one_reader = self.size <= ONE_READER_BYTES and not o_direct and in_page_cache(self._fd, self.size) is False
+        except BaseException:  # nothing owns the descriptor yet: a failed constructor must not leak it
+            os.close(self._fd)
+            raise
         self._lane = Lane("io", 1 if one_reader else threads)
         self._direct_fd: int | None = None
         if o_direct and hasattr(os, "O_DIRECT"):
