@@ -1,13 +1,16 @@
 """Whole GPU restores from the page cache under settings that change how often, and how long, the
 restore's Python threads wait for each other, alternating in one process, next to a raw read.
 
-The restore's driver thread submits one kvikio ``pread`` per chunk (2,123 for the 8.9 GB tier
-state) and the decoder's worker thread runs Python between its device calls. ``pread`` releases
+Before grouped reads the restore's driver thread submitted one kvikio ``pread`` per chunk (2,123
+for the 8.9 GB tier state); the decoder's worker thread runs Python between its device calls. ``pread`` releases
 the GIL; taking it back waits while the other thread runs Python, up to the interpreter's switch
 interval (5 ms). Where thread wake-ups are slow (some virtual machines) these hand-offs can
 dominate: `experiments/pread_calls.py` measures the reads alone; this measures the restore:
 
-- ``default``: the library's defaults;
+- ``default``: the library's defaults (grouped reads: ``GROUP_READ_PIECES`` pieces of
+  ``GROUP_READ_BYTES``);
+- ``per-chunk reads``: no read arena, one ``pread`` per chunk (the restore before grouped reads);
+- ``16 x 64 MiB`` / ``8 x 32 MiB``: other arena shapes (pieces x bytes per grouped read);
 - ``switch 0.5 ms`` / ``switch 0.1 ms``: ``sys.setswitchinterval`` lowered for the restore
   (a bound on each wait for the GIL, process-wide);
 - ``kvikio 8 threads``: fewer pool threads than the host's cores (``Config.kvikio_threads``);
@@ -29,7 +32,7 @@ import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 import tier_bench  # noqa: E402
 from pread_calls import kvikio_default, switch_interval, wake_round_trip  # noqa: E402
+
+from gdsckpt.pipeline.gpu.staging import GROUP_READ_BYTES  # noqa: E402
+
+
+@contextlib.contextmanager
+def read_arena(pieces: int, piece_bytes: int) -> Iterator[None]:
+    """Restores made inside get a read arena of ``pieces`` x ``piece_bytes`` (0 pieces: none),
+    within the same quarter of the staging budget (``staging.arena_pieces``)."""
+    from gdsckpt.pipeline.gpu import decoder, staging
+
+    defaults = decoder.GpuDecoder.__init__.__kwdefaults__
+    saved = staging.GROUP_READ_PIECES, defaults["group_read_bytes"]
+    staging.GROUP_READ_PIECES, defaults["group_read_bytes"] = pieces, piece_bytes
+    try:
+        yield
+    finally:
+        staging.GROUP_READ_PIECES, defaults["group_read_bytes"] = saved
 
 
 def main() -> int:
@@ -73,7 +93,9 @@ def main() -> int:
     ways: dict[str, Callable[[], Any]] = {
         "default": restore(defaults),
         "switch 0.5 ms": restore(defaults, lambda: switch_interval(0.0005)),
-        "switch 0.1 ms": restore(defaults, lambda: switch_interval(0.0001)),
+        "per-chunk reads": restore(defaults, lambda: read_arena(0, GROUP_READ_BYTES)),
+        "16 x 64 MiB": restore(defaults, lambda: read_arena(16, 64 << 20)),
+        "8 x 32 MiB": restore(defaults, lambda: read_arena(8, 32 << 20)),
         "kvikio 8 threads": restore(defaults.replace(kvikio_threads=8)),
         "gds_threshold 0": restore(defaults, lambda: kvikio_default("gds_threshold", 0)),
         "raw read": tier_bench.raw_device_read(path, defaults.kvikio_threads, defaults.kvikio_task_size),
