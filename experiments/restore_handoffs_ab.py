@@ -17,8 +17,10 @@ dominate: `experiments/pread_calls.py` measures the reads alone; this measures t
 - ``gds_threshold 0``: kvikio reads no small device buffer synchronously in the calling thread;
 - ``raw read``: one kvikio read of the whole file (the limit, with the ratio).
 
-Builds the tier benchmark's trained state (``--size``), saves it with the defaults into
-``--dir``, reads it once into the page cache, then ``--rounds`` rounds of every way; the first
+Builds the tier benchmark's trained state (``--size``), saves it into ``--dir`` with the GPU
+engine (ANS, as the tier benchmark does: a 25-50 GB/s tier keeps ``codec="auto"`` on the GPU; on a
+slow disk ``auto`` may write a portable zstd file, whose restore takes nvCOMP's Zstd path;
+``--save-engine auto`` measures that one), reads it once into the page cache, then ``--rounds`` rounds of every way; the first
 restore of each way is checked bit for bit. Prints the thread wake-up round trip, then medians
 (ms, GB/s of logical bytes, ratio x raw) and every round.
 
@@ -66,6 +68,7 @@ def main() -> int:
     parser.add_argument("--size", default="8GiB")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", default="/tmp/restore-handoffs")
+    parser.add_argument("--save-engine", default="gpu", choices=["gpu", "auto"])
     args = parser.parse_args()
 
     import torch
@@ -78,10 +81,11 @@ def main() -> int:
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "state.gdsckpt"
-    report = gdsckpt.save(state, path)
+    report = gdsckpt.save(state, path, config=gdsckpt.Config(engine=args.save_engine))
     tier_bench.read_warm(path)
     defaults = gdsckpt.Config()
-    print(f"state {logical / 1e9:.2f} GB, file {report.file_bytes / 1e9:.2f} GB, ratio {report.ratio:.3f}; "
+    print(f"state {logical / 1e9:.2f} GB, file {report.file_bytes / 1e9:.2f} GB, ratio {report.ratio:.3f} "
+          f"({report.engine} engine, {report.codec}); "
           f"thread wake-up round trip {wake_round_trip() * 1e6:.1f} us")
 
     def restore(config: Any, context: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], Any]:
