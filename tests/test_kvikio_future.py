@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import threading
 import time
+import types
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,3 +93,146 @@ def test_kvikio_future_delivers_the_converted_error():
     with pytest.raises(OSError) as caught:
         future.result(timeout=1)
     assert caught.value.errno == errno.EIO
+
+
+class HungKvikio:
+    """Fault injection: a stand-in ``kvikio`` module (installed in ``sys.modules``) whose
+    ``CuFile`` transfers finish only when the test says so, recording every transfer still running
+    when the file handle is closed. The real module is exercised in tests/gpu."""
+
+    def __init__(self) -> None:
+        self.transfers: list[ManualTransfer] = []
+        self.files: list[Any] = []
+        self.settings: dict[str, Any] = {"thread_pool_nthreads": 1, "task_size": 4 << 20}
+        fake = self
+
+        class CuFile:
+            def __init__(self, path: Any, mode: str) -> None:
+                self.closed = False
+                self.running_at_close: int | None = None
+                fake.files.append(self)
+
+            def _transfer(self, buffer: Any, size: int, offset: int) -> ManualTransfer:
+                transfer = ManualTransfer()
+                fake.transfers.append(transfer)
+                return transfer
+
+            pread = pwrite = _transfer
+
+            def close(self) -> None:
+                self.running_at_close = sum(not t.done() for t in fake.transfers)
+                self.closed = True
+
+        self.module = types.ModuleType("kvikio")
+        self.module.CuFile = CuFile  # type: ignore[attr-defined]
+        defaults = types.ModuleType("kvikio.defaults")
+        defaults.get = self.settings.__getitem__  # type: ignore[attr-defined]
+        defaults.set = self.settings.__setitem__  # type: ignore[attr-defined]
+        defaults.is_compat_mode_preferred = lambda: True  # type: ignore[attr-defined]
+        self.module.defaults = defaults  # type: ignore[attr-defined]
+        self.defaults = defaults
+
+
+@pytest.fixture()
+def hung_kvikio(monkeypatch: pytest.MonkeyPatch) -> HungKvikio:
+    fake = HungKvikio()
+    monkeypatch.setitem(sys.modules, "kvikio", fake.module)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", fake.defaults)
+    return fake
+
+
+class DeviceBuffer:
+    """What the kvikio paths take: anything but a host array, with ``nbytes``."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+def closing_in_a_thread(close: Any) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            close()
+        except BaseException as err:  # handed to the test
+            errors.append(err)
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
+def test_a_kvikio_reader_closes_its_file_only_after_its_reads_stop(hung_kvikio: HungKvikio, tmp_path: Path) -> None:
+    """A restore that fails with reads still in flight (they were cancelled, but kvikio runs them
+    on) closes the reader: the close waits for them, so the handle never outlives a transfer and
+    the read buffers are not handed to the next restore while a read still fills them."""
+    from gdsckpt.io.kvikio import KvikioReader
+
+    path = tmp_path / "file.bin"
+    path.write_bytes(bytes(64 << 10))
+    reader = KvikioReader(path, threads=4, timeout=30)
+    futures = [reader.submit_read(i * 4096, DeviceBuffer(4096)) for i in range(3)]
+    for future in futures:
+        assert not future.cancel()  # what the restore driver does on an error: the transfers go on
+    hung_kvikio.transfers[0].finish(4096)
+    thread, errors = closing_in_a_thread(reader.close)
+    time.sleep(0.1)
+    assert thread.is_alive() and not hung_kvikio.files[0].closed
+    hung_kvikio.transfers[2].finish(4096)
+    time.sleep(0.05)
+    assert thread.is_alive() and not hung_kvikio.files[0].closed
+    hung_kvikio.transfers[1].finish(4096)
+    thread.join(10)
+    assert not thread.is_alive() and errors == []
+    assert hung_kvikio.files[0].closed and hung_kvikio.files[0].running_at_close == 0
+    assert hung_kvikio.settings["thread_pool_nthreads"] == 1  # the settings found are back
+
+
+def test_a_kvikio_reader_with_a_hung_read_keeps_its_file_open(hung_kvikio: HungKvikio, tmp_path: Path) -> None:
+    from gdsckpt.io.kvikio import KvikioReader
+
+    path = tmp_path / "file.bin"
+    path.write_bytes(bytes(8192))
+    reader = KvikioReader(path, threads=4, timeout=0.05)
+    reader.submit_read(0, DeviceBuffer(4096))
+    with pytest.raises(TimeoutError, match="kvikio reads of .* still running"):
+        reader.close()
+    assert not hung_kvikio.files[0].closed  # the read may still fill its buffer through it
+    hung_kvikio.transfers[0].finish(4096)
+    reader.close()
+    assert hung_kvikio.files[0].closed and hung_kvikio.files[0].running_at_close == 0
+
+
+def test_a_kvikio_writer_aborts_only_after_its_writes_stop(hung_kvikio: HungKvikio, tmp_path: Path) -> None:
+    """A failed save aborts its writer with writes still in flight: the handle (and the descriptor
+    numbers under it) is closed only once they stopped, or kept where one hangs past the timeout."""
+    from gdsckpt.io.kvikio import KvikioWriter
+
+    target = tmp_path / "state.gdsckpt"
+    writer = KvikioWriter(target, threads=4, fsync=False, timeout=30)
+    assert not writer.submit_write(0, DeviceBuffer(4096)).cancel()
+    thread, errors = closing_in_a_thread(writer.abort)
+    time.sleep(0.1)
+    assert thread.is_alive() and not hung_kvikio.files[0].closed
+    hung_kvikio.transfers[0].finish(4096)
+    thread.join(10)
+    assert not thread.is_alive() and errors == []
+    assert hung_kvikio.files[0].closed and hung_kvikio.files[0].running_at_close == 0
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+
+    hung = KvikioWriter(target, threads=4, fsync=False, timeout=0.05)
+    hung.submit_write(0, DeviceBuffer(4096))
+    hung.abort()  # returns (the save's own error is what the caller sees), the handle kept
+    assert not hung_kvikio.files[1].closed and not target.exists()
+
+
+def test_kvikio_transfers_forget_the_finished_ones() -> None:
+    from gdsckpt.io.kvikio import _Transfers
+
+    transfers = _Transfers()
+    for _ in range(1000):
+        done = ManualTransfer()
+        done.finish(1)
+        transfers.add(_KvikioFuture(done, 1, "read"))
+    assert len(transfers._pending) == 1  # the latest, until the next add or wait
+    assert transfers.wait(0)
+    assert len(transfers._pending) == 0

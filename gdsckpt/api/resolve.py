@@ -182,7 +182,8 @@ def open_reader(path: Source, config: Config, gpu: bool = False) -> StorageReade
     if gpu:
         from ..io.kvikio import KvikioReader
 
-        return KvikioReader(path, threads=config.kvikio_threads, task_size=config.kvikio_task_size)
+        return KvikioReader(path, threads=config.kvikio_threads, task_size=config.kvikio_task_size,
+                            timeout=config.timeout)
     return PosixReader(path, threads=config.io_threads, timeout=config.timeout)
 
 

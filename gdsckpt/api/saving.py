@@ -477,7 +477,7 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
                 return posix_writer(path, cfg)  # an object: its writer copies the streams to host memory
             check_path(path)
             return KvikioWriter(path, threads=cfg.kvikio_threads, task_size=cfg.kvikio_task_size,
-                                o_direct=cfg.o_direct, fsync=cfg.fsync)
+                                o_direct=cfg.o_direct, fsync=cfg.fsync, timeout=cfg.timeout)
 
         return engine, make_writer, codec, auto
     adaptive = codec == "auto"

@@ -8,6 +8,16 @@ path this class inherits, as do the temporary file, fsync and atomic rename.
 kvikio's thread pool and task size are process-wide: ``_KvikioSettings`` applies a reader's or
 writer's ``threads`` / ``task_size`` while gdsckpt has kvikio files open and restores the previous
 settings after the last one closes.
+
+Closing: a kvikio transfer must not outlive its file handle (kvikio's contract), and a transfer
+still running after a failure keeps reading into, or writing from, the pipeline's device buffers
+and the handle's descriptors. So a reader or writer keeps every transfer it submitted
+(``_Transfers``) and closes its handle only once all of them have finished, waiting at most its
+``timeout``: a failed restore or save returns only after its reads and writes have stopped, so a
+restore that follows (a manager falling back to an older checkpoint) cannot be handed memory a
+stale read still fills, and a descriptor number is never reused by another file while a transfer
+still uses it. A transfer that outlives the timeout keeps the handle open (``PosixReader`` and
+``PosixWriter`` keep their descriptors for the same reason).
 """
 
 from __future__ import annotations
@@ -17,11 +27,13 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
+from .pools import DRAIN_TIMEOUT
 from .posix import PosixReader, PosixWriter
 
 _POLL_SECONDS = 0.0005
@@ -37,6 +49,18 @@ class _KvikioFuture(Future):  # type: ignore[type-arg]
     def __init__(self, io_future: Any, expected: int, what: str, value: Any = None):
         super().__init__()
         self._io, self._expected, self._what, self._value = io_future, expected, what, value
+
+    def transfer_done(self) -> bool:
+        """Whether kvikio's transfer has finished (whatever this future says: a cancelled future's
+        transfer may still be running)."""
+        return bool(self._io.done())
+
+    def cancel(self) -> bool:
+        """kvikio cannot stop a transfer: False while it runs, as for a running future (its
+        reader or writer waits for it before closing the file)."""
+        if not self._io.done():
+            return False
+        return super().cancel()
 
     def done(self) -> bool:
         if not super().done() and self._io.done():
@@ -67,6 +91,39 @@ class _KvikioFuture(Future):  # type: ignore[type-arg]
             self.set_exception(kvikio_error(err, self._what, self._expected))
         except BaseException as err:  # noqa: BLE001 - delivered through the future
             self.set_exception(err)
+
+
+class _Transfers:
+    """The kvikio transfers a reader or writer submitted that may still run (see the module
+    docstring). Finished ones are dropped from the front as new ones come (transfers finish
+    roughly in submission order), so the list stays about as long as the transfers in flight."""
+
+    def __init__(self) -> None:
+        self._pending: deque[_KvikioFuture] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, future: _KvikioFuture) -> _KvikioFuture:
+        """Track ``future``'s transfer; returns ``future``."""
+        with self._lock:
+            pending = self._pending
+            while pending and pending[0].transfer_done():
+                pending.popleft()
+            pending.append(future)
+        return future
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until every tracked transfer has finished, at most ``timeout`` seconds; True when
+        they all have (they are then forgotten)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending:
+                if self._pending[0].transfer_done():
+                    self._pending.popleft()
+                elif time.monotonic() >= deadline:
+                    return False
+                else:
+                    time.sleep(_POLL_SECONDS)
+        return True
 
 
 _KVIKIO_POSIX = re.compile(r"POSIX error on p(?:read|write):\s*(.*)")
@@ -156,10 +213,11 @@ class KvikioWriter(PosixWriter):
     """``PosixWriter`` whose device-buffer writes go through ``kvikio.CuFile.pwrite``."""
 
     def __init__(self, target: str | os.PathLike[str], *, threads: int = 16, task_size: int | None = None,
-                 o_direct: bool | str = "auto", fsync: bool = True):
+                 o_direct: bool | str = "auto", fsync: bool = True, timeout: float = DRAIN_TIMEOUT):
         import kvikio
 
-        super().__init__(target, threads=threads, o_direct=o_direct, fsync=fsync)
+        super().__init__(target, threads=threads, o_direct=o_direct, fsync=fsync, timeout=timeout)
+        self._transfers = _Transfers()
         self._settings_held = False
         try:
             _SETTINGS.acquire(threads, task_size)
@@ -181,18 +239,25 @@ class KvikioWriter(PosixWriter):
             io_future = self._cufile.pwrite(data, data.nbytes, offset)
         except RuntimeError as err:
             raise kvikio_error(err, "write", data.nbytes) from err
-        return _KvikioFuture(io_future, data.nbytes, "write")
+        return self._transfers.add(_KvikioFuture(io_future, data.nbytes, "write"))
 
     def commit(self) -> None:
-        """Close the kvikio file, then commit as ``PosixWriter`` does."""
+        """Close the kvikio file once its writes have finished, then commit as ``PosixWriter``
+        does (``TimeoutError`` where a write is still running after ``timeout``: nothing is
+        committed)."""
+        if not self._transfers.wait(self.timeout):
+            raise TimeoutError(f"kvikio writes of {str(self.target)!r} still running {self.timeout} s "
+                               f"before the commit")
         self._cufile.close()
         self._release_settings()
         super().commit()
 
     def abort(self) -> None:
-        """Close the kvikio file, then abort as ``PosixWriter`` does (safe more than once)."""
+        """Close the kvikio file once its writes have stopped (at most ``timeout``; a write still
+        running then keeps it open), then abort as ``PosixWriter`` does (safe more than once)."""
         cufile = getattr(self, "_cufile", None)
-        if cufile is not None and not cufile.closed:
+        transfers = getattr(self, "_transfers", None)
+        if cufile is not None and not cufile.closed and (transfers is None or transfers.wait(self.timeout)):
             cufile.close()
         self._release_settings()
         super().abort()
@@ -206,10 +271,12 @@ class KvikioWriter(PosixWriter):
 class KvikioReader(PosixReader):
     """``PosixReader`` that reads into device buffers with ``kvikio.CuFile.pread``."""
 
-    def __init__(self, path: str | os.PathLike[str], *, threads: int = 16, task_size: int | None = None):
+    def __init__(self, path: str | os.PathLike[str], *, threads: int = 16, task_size: int | None = None,
+                 timeout: float = DRAIN_TIMEOUT):
         import kvikio
 
-        super().__init__(path, threads=threads)
+        super().__init__(path, threads=threads, timeout=timeout)
+        self._transfers = _Transfers()
         self._settings_held = False
         try:
             _SETTINGS.acquire(threads, task_size)
@@ -231,12 +298,17 @@ class KvikioReader(PosixReader):
             io_future = self._cufile.pread(out, out.nbytes, offset)
         except RuntimeError as err:
             raise kvikio_error(err, "read", out.nbytes) from err
-        return _KvikioFuture(io_future, out.nbytes, "read", out)
+        return self._transfers.add(_KvikioFuture(io_future, out.nbytes, "read", out))
 
     def close(self) -> None:
-        """Close the kvikio file, then the POSIX one (safe more than once)."""
+        """Close the kvikio file once its reads have stopped, then the POSIX one (safe more than
+        once). ``TimeoutError`` where a read is still running after ``timeout``: the file stays
+        open, as the read may still fill its buffer."""
         cufile = getattr(self, "_cufile", None)
         if cufile is not None and not cufile.closed:
+            if not self._transfers.wait(self.timeout):
+                raise TimeoutError(f"kvikio reads of {str(self.path)!r} still running {self.timeout} s "
+                                   f"after close")
             cufile.close()
         if self._settings_held:
             self._settings_held = False

@@ -545,3 +545,45 @@ def test_gpu_restore_reads_runs_of_chunks_with_one_kvikio_call(tmp_path, monkeyp
     with pytest.raises(gdsckpt.CorruptCheckpointError) as info:
         gdsckpt.load(path, device="cuda")
     assert info.value.chunk == chunks // 2
+
+
+def test_gpu_kvikio_reader_close_waits_for_cancelled_reads(tmp_path):
+    """Reads cancelled by a failing restore still run in kvikio's pool: ``KvikioReader.close``
+    returns only after every one of them has finished (their bytes all landed)."""
+    import cupy
+
+    from gdsckpt.io.kvikio import KvikioReader
+
+    data = np.random.default_rng(5).integers(0, 256, 256 << 20, dtype=np.uint8)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data.tobytes())
+    out = cupy.zeros(data.nbytes, dtype=cupy.uint8)
+    piece = 4 << 20
+    reader = KvikioReader(path, threads=16, timeout=120)
+    futures = [reader.submit_read(start, out[start:start + piece]) for start in range(0, data.nbytes, piece)]
+    for future in futures:
+        future.cancel()
+    reader.close()
+    assert all(future.transfer_done() for future in futures)
+    assert np.array_equal(cupy.asnumpy(out), data)
+
+
+def test_gpu_a_restore_after_a_failed_one_is_bit_exact(tmp_path):
+    """A restore that fails on a damaged chunk early, with many reads in flight behind it, then a
+    restore of an intact file in the same process (a manager falling back to the checkpoint
+    before): the second is bit-exact, whatever the first's stale reads did."""
+    state = {"w": torch.randn(96 << 20, device="cuda") * 0.02}  # 384 MiB
+    damaged, intact = tmp_path / "damaged.gdsckpt", tmp_path / "intact.gdsckpt"
+    gdsckpt.save(state, damaged, codec="ans")
+    gdsckpt.save(state, intact, codec="ans")
+    with gdsckpt.open(damaged) as ckpt:
+        victim = ckpt._opened.index.chunks[1]
+    with open(damaged, "r+b") as f:
+        f.seek(victim.offset + 10)
+        byte = f.read(1)
+        f.seek(victim.offset + 10)
+        f.write(bytes([byte[0] ^ 0x01]))
+    for _round in range(3):
+        with pytest.raises(gdsckpt.CorruptCheckpointError):
+            gdsckpt.load(damaged, device="cuda")
+        _assert_same(gdsckpt.load(intact, device="cuda"), state)
