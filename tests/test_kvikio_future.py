@@ -20,21 +20,32 @@ from gdsckpt.io.kvikio import _KvikioFuture, kvikio_error
 
 
 class ManualTransfer:
-    """An ``IOFuture`` look-alike that finishes when ``finish(count)`` is called."""
+    """An ``IOFuture`` look-alike that finishes when ``finish(count)`` is called. Like kvikio's
+    (a ``std::future``), it is invalid once ``get`` was called: ``done`` and ``get`` then raise."""
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self._count = 0
+        self.taken = False
 
     def finish(self, count: int) -> None:
         self._count = count
         self._done.set()
 
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
     def done(self) -> bool:
+        if self.taken:
+            raise ValueError("The future object does not refer to a valid shared state.")
         return self._done.is_set()
 
     def get(self) -> int:
+        if self.taken:
+            raise ValueError("The future object does not refer to a valid shared state.")
         self._done.wait()
+        self.taken = True
         return self._count
 
 
@@ -120,7 +131,7 @@ class HungKvikio:
             pread = pwrite = _transfer
 
             def close(self) -> None:
-                self.running_at_close = sum(not t.done() for t in fake.transfers)
+                self.running_at_close = sum(not t.finished for t in fake.transfers)
                 self.closed = True
 
         self.module = types.ModuleType("kvikio")
@@ -236,3 +247,26 @@ def test_kvikio_transfers_forget_the_finished_ones() -> None:
     assert len(transfers._pending) == 1  # the latest, until the next add or wait
     assert transfers.wait(0)
     assert len(transfers._pending) == 0
+
+
+def test_a_kvikio_reader_closes_after_reads_whose_results_were_taken(hung_kvikio: HungKvikio,
+                                                                     tmp_path: Path) -> None:
+    """The usual restore: every read's result taken, then close (kvikio's future is invalid after
+    its ``get``: nothing may ask it again), and a cancel of a finished, unsettled read."""
+    from gdsckpt.io.kvikio import KvikioReader
+
+    path = tmp_path / "file.bin"
+    path.write_bytes(bytes(16384))
+    reader = KvikioReader(path, threads=4, timeout=5)
+    buffers = [DeviceBuffer(4096) for _ in range(3)]
+    futures = [reader.submit_read(i * 4096, buffer) for i, buffer in enumerate(buffers)]
+    for transfer in hung_kvikio.transfers:
+        transfer.finish(4096)
+    assert futures[0].result(timeout=1) is buffers[0]
+    assert futures[1].done() and futures[1].result() is buffers[1]
+    assert futures[2].cancel() and futures[2].cancelled()
+    assert all(future.transfer_done() for future in futures)
+    reader.submit_read(3 * 4096, DeviceBuffer(4096))  # pruning asks the taken ones nothing either
+    hung_kvikio.transfers[3].finish(4096)
+    reader.close()
+    assert hung_kvikio.files[0].closed and hung_kvikio.files[0].running_at_close == 0

@@ -22,6 +22,7 @@ still uses it. A transfer that outlives the timeout keeps the handle open (``Pos
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -49,21 +50,33 @@ class _KvikioFuture(Future):  # type: ignore[type-arg]
     def __init__(self, io_future: Any, expected: int, what: str, value: Any = None):
         super().__init__()
         self._io, self._expected, self._what, self._value = io_future, expected, what, value
+        self._got = False
+        """Whether ``get()`` returned or raised: kvikio's future is invalid after it (its
+        ``done()`` raises), so nothing asks it again."""
+        self._io_lock = threading.Lock()
+        """kvikio's future wraps a ``std::future``, which two threads must not use at once (the
+        reader's ``close`` may ask while the restore driver settles)."""
 
     def transfer_done(self) -> bool:
         """Whether kvikio's transfer has finished (whatever this future says: a cancelled future's
         transfer may still be running)."""
-        return bool(self._io.done())
+        with self._io_lock:
+            return self._got or bool(self._io.done())
 
     def cancel(self) -> bool:
         """kvikio cannot stop a transfer: False while it runs, as for a running future (its
         reader or writer waits for it before closing the file)."""
-        if not self._io.done():
-            return False
+        with self._io_lock:
+            if not self._got:
+                if not self._io.done():
+                    return False
+                self._got = True
+                with contextlib.suppress(Exception):  # cancelled: its outcome no longer matters
+                    self._io.get()  # finished, so at once; nothing asks kvikio again
         return super().cancel()
 
     def done(self) -> bool:
-        if not super().done() and self._io.done():
+        if not super().done() and self.transfer_done():
             self._settle()
         return super().done()
 
@@ -73,7 +86,7 @@ class _KvikioFuture(Future):  # type: ignore[type-arg]
                 # kvikio's get() cannot time out: poll (it releases the GIL meanwhile) so that a
                 # hung transfer fails the operation after ``timeout`` instead of blocking forever.
                 deadline = time.monotonic() + timeout
-                while not self._io.done():
+                while not self.transfer_done():
                     if time.monotonic() >= deadline:
                         raise TimeoutError(f"kvikio {self._what} of {self._expected} bytes still running "
                                            f"after {timeout} s")
@@ -83,7 +96,13 @@ class _KvikioFuture(Future):  # type: ignore[type-arg]
 
     def _settle(self) -> None:
         try:
-            count = self._io.get()
+            with self._io_lock:
+                if self._got:
+                    return  # settled by another thread, or cancelled once its transfer had finished
+                try:
+                    count = self._io.get()
+                finally:
+                    self._got = True
             if count != self._expected:
                 raise OSError(f"kvikio {self._what} moved {count} of {self._expected} bytes")
             self.set_result(self._value)
