@@ -172,6 +172,14 @@ def closing_in_a_thread(close: Any) -> tuple[threading.Thread, list[BaseExceptio
     return thread, errors
 
 
+def assert_closed_cleanly(thread: threading.Thread, errors: list[BaseException], fake: HungKvikio) -> None:
+    """The close in ``thread`` returned without an error, having closed the first file with no
+    transfer still running."""
+    thread.join(10)
+    assert not thread.is_alive() and errors == []
+    assert fake.files[0].closed and fake.files[0].running_at_close == 0
+
+
 def test_a_kvikio_reader_closes_its_file_only_after_its_reads_stop(hung_kvikio: HungKvikio, tmp_path: Path) -> None:
     """A restore that fails with reads still in flight (they were cancelled, but kvikio runs them
     on) closes the reader: the close waits for them, so the handle never outlives a transfer and
@@ -192,9 +200,7 @@ def test_a_kvikio_reader_closes_its_file_only_after_its_reads_stop(hung_kvikio: 
     time.sleep(0.05)
     assert thread.is_alive() and not hung_kvikio.files[0].closed
     hung_kvikio.transfers[1].finish(4096)
-    thread.join(10)
-    assert not thread.is_alive() and errors == []
-    assert hung_kvikio.files[0].closed and hung_kvikio.files[0].running_at_close == 0
+    assert_closed_cleanly(thread, errors, hung_kvikio)
     assert hung_kvikio.settings["thread_pool_nthreads"] == 1  # the settings found are back
 
 
@@ -225,9 +231,7 @@ def test_a_kvikio_writer_aborts_only_after_its_writes_stop(hung_kvikio: HungKvik
     time.sleep(0.1)
     assert thread.is_alive() and not hung_kvikio.files[0].closed
     hung_kvikio.transfers[0].finish(4096)
-    thread.join(10)
-    assert not thread.is_alive() and errors == []
-    assert hung_kvikio.files[0].closed and hung_kvikio.files[0].running_at_close == 0
+    assert_closed_cleanly(thread, errors, hung_kvikio)
     assert not target.exists() and list(tmp_path.iterdir()) == []
 
     hung = KvikioWriter(target, threads=4, fsync=False, timeout=0.05)
