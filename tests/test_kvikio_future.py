@@ -236,8 +236,13 @@ def test_a_kvikio_writer_aborts_only_after_its_writes_stop(hung_kvikio: HungKvik
 
     hung = KvikioWriter(target, threads=4, fsync=False, timeout=0.05)
     hung.submit_write(0, DeviceBuffer(4096))
+    hung_kvikio.settings["thread_pool_nthreads"] = 4  # as the first writer's acquire set it
     hung.abort()  # returns (the save's own error is what the caller sees), the handle kept
     assert not hung_kvikio.files[1].closed and not target.exists()
+    assert hung_kvikio.settings["thread_pool_nthreads"] == 4  # the pool is not replaced under the write
+    hung_kvikio.transfers[1].finish(4096)
+    hung.abort()  # once it stopped, a second abort closes the handle and gives the settings back
+    assert hung_kvikio.files[1].closed and hung_kvikio.settings["thread_pool_nthreads"] == 1
 
 
 def test_kvikio_transfers_forget_the_finished_ones() -> None:

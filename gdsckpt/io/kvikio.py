@@ -276,9 +276,11 @@ class KvikioWriter(PosixWriter):
         running then keeps it open), then abort as ``PosixWriter`` does (safe more than once)."""
         cufile = getattr(self, "_cufile", None)
         transfers = getattr(self, "_transfers", None)
-        if cufile is not None and not cufile.closed and (transfers is None or transfers.wait(self.timeout)):
+        stopped = transfers is None or transfers.wait(self.timeout)
+        if cufile is not None and not cufile.closed and stopped:
             cufile.close()
-        self._release_settings()
+        if stopped:  # else the pool keeps its size: restoring the settings would replace it under the write
+            self._release_settings()
         super().abort()
 
     def _release_settings(self) -> None:
