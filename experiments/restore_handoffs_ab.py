@@ -10,7 +10,7 @@ dominate: `experiments/pread_calls.py` measures the reads alone; this measures t
 - ``default``: the library's defaults (grouped reads: ``GROUP_READ_PIECES`` pieces of
   ``GROUP_READ_BYTES``);
 - ``per-chunk reads``: no read arena, one ``pread`` per chunk (the restore before grouped reads);
-- ``16 x 64 MiB`` / ``8 x 32 MiB``: other arena shapes (pieces x bytes per grouped read);
+- ``4 x 64 MiB`` / ``32 x 64 MiB`` / ``8 x 32 MiB``: other arena shapes (pieces x bytes per grouped read);
 - ``switch 0.5 ms`` / ``switch 0.1 ms``: ``sys.setswitchinterval`` lowered for the restore
   (a bound on each wait for the GIL, process-wide);
 - ``kvikio 8 threads``: fewer pool threads than the host's cores (``Config.kvikio_threads``);
@@ -98,7 +98,8 @@ def main() -> int:
         "default": restore(defaults),
         "switch 0.5 ms": restore(defaults, lambda: switch_interval(0.0005)),
         "per-chunk reads": restore(defaults, lambda: read_arena(0, GROUP_READ_BYTES)),
-        "16 x 64 MiB": restore(defaults, lambda: read_arena(16, 64 << 20)),
+        "4 x 64 MiB": restore(defaults, lambda: read_arena(4, 64 << 20)),
+        "32 x 64 MiB": restore(defaults, lambda: read_arena(32, 64 << 20)),
         "8 x 32 MiB": restore(defaults, lambda: read_arena(8, 32 << 20)),
         "kvikio 8 threads": restore(defaults.replace(kvikio_threads=8)),
         "gds_threshold 0": restore(defaults, lambda: kvikio_default("gds_threshold", 0)),

@@ -7,6 +7,7 @@ same path on real nvCOMP and kvikio is in tests/gpu."""
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import threading
 import time
@@ -34,16 +35,18 @@ STAGING = 8 << 20
 
 class RecordingReader(StorageReader):
     """A real file's POSIX reader whose reads complete late, in random order (each on a thread of
-    its own after a random pause), recording every call; ``fail_at``: the call that fails with
-    EIO instead (fault injection)."""
+    its own after a random pause), recording every call. Fault injection: ``fail_at``, the call
+    that fails with EIO instead; ``fail_covering``, a file offset every read of which fails."""
 
     name = "recording"
 
-    def __init__(self, path: Path, *, seed: int = 0, fail_at: int | None = None):
+    def __init__(self, path: Path, *, seed: int = 0, fail_at: int | None = None,
+                 fail_covering: int | None = None):
         self.inner = PosixReader(path, threads=4)
         self.size = self.inner.size
         self.calls: list[tuple[int, int]] = []
         self.fail_at = fail_at
+        self.fail_covering = fail_covering
         self._random = random.Random(seed)
         self._pool = ThreadPoolExecutor(8)
         self._lock = threading.Lock()
@@ -54,7 +57,9 @@ class RecordingReader(StorageReader):
     def submit_read(self, offset: int, out: Any) -> Future[Any]:
         with self._lock:
             self.calls.append((offset, out.nbytes))
-            failing = self.fail_at is not None and len(self.calls) - 1 == self.fail_at
+            failing = ((self.fail_at is not None and len(self.calls) - 1 == self.fail_at)
+                       or (self.fail_covering is not None
+                           and offset <= self.fail_covering < offset + out.nbytes))
             pause = self._random.uniform(0, 0.004)
 
         def run() -> Any:
@@ -158,7 +163,7 @@ def test_arena_and_ring_stay_within_the_restore_staging_budget(tmp_path: Path) -
         index = open_file(reader).index
         dec.reserve_reads(index.chunks, ["nvcomp.ans/1"])
         assert dec.arena is not None and dec.ring is not None
-        assert dec.arena.pieces == GROUP_READ_PIECES
+        assert dec.arena.pieces == min(GROUP_READ_PIECES, STAGING // GROUP_READ_SHARE // PIECE)
         assert dec.staging_bytes == dec.ring.nbytes + dec.arena.nbytes <= STAGING
         assert dec.arena.nbytes <= STAGING // GROUP_READ_SHARE
     dec.close()
@@ -174,7 +179,10 @@ def test_no_arena_where_the_budget_or_the_piece_is_too_small(tmp_path: Path) -> 
         got = restore(reader, flat, dec)
         assert_same(got, state)
         assert len(reader.calls) == len(chunks)  # one read per chunk, as without an arena
-    assert arena_pieces(1 << 30, 64 << 20, 16 << 20) == GROUP_READ_PIECES
+    # as many pieces as the budget's share holds, up to GROUP_READ_PIECES
+    assert arena_pieces(1 << 30, 64 << 20, 16 << 20) == 4
+    assert arena_pieces(8 << 30, 64 << 20, 16 << 20) == GROUP_READ_PIECES == 16
+    assert arena_pieces(64 << 30, 64 << 20, 16 << 20) == GROUP_READ_PIECES
     assert arena_pieces(1 << 30, 64 << 20, 40 << 20) == 0  # a piece holds fewer than two chunks
     assert arena_pieces(GROUP_READ_SHARE * (64 << 20), 64 << 20, 1 << 20) == 0
     assert arena_pieces(GROUP_READ_SHARE * 2 * (64 << 20), 64 << 20, 1 << 20) == 2
@@ -220,16 +228,75 @@ def test_a_damaged_chunk_inside_a_group_names_that_chunk(tmp_path: Path) -> None
     assert caught.value.chunk == victim
 
 
-def test_a_failed_grouped_read_stops_the_restore_with_an_io_error(tmp_path: Path) -> None:
+def test_a_failed_grouped_read_is_read_again_chunk_by_chunk(tmp_path: Path) -> None:
+    """One grouped call fails once (EIO): its chunks are read again one by one and the restore
+    completes, bit-exact, instead of discarding an intact file."""
     state = big_state(6)
     path, flat = saved_file(tmp_path, state, codec="ans")
-    with RecordingReader(path, fail_at=1) as reader:
+    with RecordingReader(path) as reader:
         index = open_file(reader).index
-        reader.fail_at = len(reader.calls) + 1  # the second chunk read of the restore
-        dec = grouped_decoder(FakeDevice())
-        with pytest.raises(CheckpointError, match="I/O error reading chunk"):
-            restore(reader, flat, dec)
-    assert len(index.chunks) > 2
+        reader.calls.clear()
+        reader.fail_at = 1  # the restore's second grouped call
+        got = restore(reader, flat, grouped_decoder(FakeDevice()))
+        calls = list(reader.calls)
+    assert_same(got, state)
+    failed_offset, failed_length = calls[1]
+    spanned = [c for c in index.chunks if failed_offset <= c.offset < failed_offset + failed_length]
+    assert len(spanned) >= 2, "the failed call held one chunk: nothing grouped"
+    for record in spanned:  # each read again on its own
+        assert (record.offset, align_up(record.stored)) in calls[2:], record
+
+
+def chunk_inside_a_group(path: Path, flat: Any) -> tuple[Any, int]:
+    """The file's index and a chunk in the middle of the file that a clean grouped restore reads
+    inside a group (not as a group's first chunk)."""
+    with RecordingReader(path) as reader:
+        index = open_file(reader).index
+        reader.calls.clear()
+        restore(reader, flat, grouped_decoder(FakeDevice()))
+        calls = list(reader.calls)
+    inside = [i for i, c in enumerate(index.chunks)
+              if any(offset < c.offset < offset + length for offset, length in calls)]
+    assert inside, "no group held more than one chunk"
+    return index, inside[len(inside) // 2]
+
+
+def test_an_unreadable_chunk_inside_a_group_is_the_one_named(tmp_path: Path) -> None:
+    """Every read of one chunk's bytes fails: the grouped call holding it does, and so does the
+    chunk's own read after it; the error names that chunk, not the group's first."""
+    state = big_state(8)
+    path, flat = saved_file(tmp_path, state, codec="ans")
+    index, victim = chunk_inside_a_group(path, flat)
+    record = index.chunks[victim]
+    with RecordingReader(path, fail_covering=record.offset + record.stored // 2) as reader:
+        with pytest.raises(CheckpointError, match=f"I/O error reading chunk {victim} ") as caught:
+            restore(reader, flat, grouped_decoder(FakeDevice()))
+        assert (record.offset, align_up(record.stored)) in reader.calls  # read again on its own
+    assert isinstance(caught.value.__cause__, OSError)
+
+
+def test_a_file_cut_inside_a_group_names_the_chunk_it_ends_in(tmp_path: Path) -> None:
+    """The file is truncated after its index was read, half-way through a chunk in the middle
+    of a group: the chunks before it are read again on their own, and the error names the cut
+    chunk (``CorruptCheckpointError.chunk``)."""
+    state = big_state(9)
+    path, flat = saved_file(tmp_path, state, codec="zstd")
+    index, cut = chunk_inside_a_group(path, flat)
+    record = index.chunks[cut]
+    with RecordingReader(path) as reader:
+        submit_read = reader.submit_read
+
+        def cut_then_read(offset: int, out: Any) -> Future[Any]:
+            if not reader.calls:  # the restore's first chunk read: its index was read already
+                os.truncate(path, record.offset + record.stored // 2)
+            return submit_read(offset, out)
+
+        reader.calls.clear()
+        reader.submit_read = cut_then_read  # type: ignore[method-assign]
+        with pytest.raises(CorruptCheckpointError) as caught:
+            restore(reader, flat, grouped_decoder(FakeDevice()))
+        assert any(offset < record.offset < offset + length for offset, length in reader.calls)
+    assert caught.value.chunk == cut, str(caught.value)
 
 
 def test_verify_reads_grouped_too(tmp_path: Path) -> None:

@@ -12,6 +12,9 @@ follow each other in the file is read with one call into one piece of it (``Deco
 each chunk decoded from its bytes there; a piece is reused once all its chunks are decoded. Every
 read call hands the interpreter's lock back and forth, and taking it back beside a thread running
 Python waits up to the switch interval: fewer, larger calls (docs/performance.md, "Fast tiers").
+A grouped read that fails (an I/O error, the end of a truncated file) is not the end of the
+restore: each of its chunks is read again on its own, so the error, if it recurs, names the chunk
+whose bytes cannot be read, and chunks the failed call merely spanned are restored.
 
 Direct reads: on the CPU engine, a chunk stored as ``none/1`` whose raw bytes all go to one
 contiguous range of host memory (``target.host_view``) is read straight into that memory; the
@@ -422,11 +425,19 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
         if pending_setup:
             pending_setup.pop()()  # while the reads already submitted run
         chunk, future, buffer = reads.popleft()
+        record = index.chunks[chunk]
         try:
             future.result(timeout=timeout)
+        except (OSError, CorruptCheckpointError) as err:
+            # A hung read (TimeoutError) may still fill the piece: no second read into it.
+            if chunk not in grouped or isinstance(err, TimeoutError):
+                reraise(chunk, err)
+            try:  # the group's call failed: this chunk alone (see the module docstring)
+                reader.submit_read(record.offset, buffer).result(timeout=timeout)
+            except BaseException as again:  # noqa: BLE001 - reraise names the chunk, then raises it
+                reraise(chunk, again)
         except BaseException as err:  # noqa: BLE001 - reraise names the chunk, then raises it
             reraise(chunk, err)
-        record = index.chunks[chunk]
         decodes.append((chunk, engine.submit_decode(record, index.chains[record.chain], buffer, make_deliver(chunk),
                                                     to_host=to_host is not None and chunk in to_host,
                                                     places=places.get(chunk) if places else None,

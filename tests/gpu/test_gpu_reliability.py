@@ -351,13 +351,13 @@ class _FailingIO:
 class KvikioFault:
     """Replaces ``kvikio.CuFile``, which ``gdsckpt/io/kvikio.py`` opens for device-buffer writes
     and reads, with the real class wrapped: the ``method`` calls (``"pwrite"`` / ``"pread"``) that
-    ``matches(offset)`` selects fail with ``code`` (raised as ``form``, see ``FORMS``) from the
+    ``matches(offset, size)`` selects fail with ``code`` (raised as ``form``, see ``FORMS``) from the
     ``after``-th of them on, either at submission (``when="submit"``: the call raises) or at
     completion (``when="complete"``: the transfer runs, its future's ``get`` raises, as kvikio
     reports a failed transfer). Every file it opened is remembered, to check it was closed."""
 
     def __init__(self, method: str, code: int, *, form: str = "OSError", after: int = 0, when: str = "complete",
-                 matches: Any = lambda offset: True):
+                 matches: Any = lambda offset, size: True):
         self.method, self.code, self.form, self.after, self.when = method, code, form, after, when
         self.matches = matches
         self.selected = self.raised = 0
@@ -365,7 +365,7 @@ class KvikioFault:
         self._lock = threading.Lock()
 
     def _call(self, name: str, real: Any, buf: Any, size: Any = None, file_offset: int = 0, *rest: Any) -> Any:
-        if name == self.method and self.matches(file_offset):
+        if name == self.method and self.matches(file_offset, size):
             with self._lock:
                 number = self.selected
                 self.selected += 1
@@ -524,7 +524,10 @@ def test_kvikio_read_error_names_the_chunk_and_tensor(reader: str, form: str, ck
     owner = chunk_owner(index, chunk)
     offset = index.chunks[chunk].offset
     with monkeypatch.context() as m:
-        fault = KvikioFault("pread", errno.EIO, form=form, matches=lambda at: at == offset).install(m)
+        # every read of the chunk's bytes: a grouped read spanning it, then its own read (the
+        # restore reads a failed group's chunks again one by one, pipeline/load.py)
+        fault = KvikioFault("pread", errno.EIO, form=form,
+                            matches=lambda at, size: at <= offset < at + size).install(m)
         with pytest.raises(gdsckpt.CheckpointError) as caught:
             GPU_READERS[reader](ckpt_path)  # raises: no state is returned
     assert fault.raised >= 1, "the fault never fired: the GPU load read no chunk through kvikio.CuFile.pread"

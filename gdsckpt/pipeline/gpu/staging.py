@@ -57,8 +57,12 @@ piece of a ``ReadArena``. Each read call hands the interpreter's lock back and f
 decoder's worker thread running Python, taking it back waits up to the switch interval (5 ms),
 so thousands of chunk-sized reads held a restore to a fraction of the storage speed while a few
 large ones did not (``experiments/pread_calls.py``, docs/performance.md "Fast tiers")."""
-GROUP_READ_PIECES = 4
-"""Pieces of a restore's ``ReadArena``: enough that reads run ahead of the decoder."""
+GROUP_READ_PIECES = 16
+"""The most pieces a restore's ``ReadArena`` gets (fewer where its share of the staging budget
+holds fewer): the pieces are how far reads run ahead of the decoder. An 8.9 GB restore from the
+page cache ran at 0.47 of its limit with 4 pieces of 64 MiB and 0.82 with 16, one read per chunk
+(ring slots as read-ahead) 0.75 (``experiments/restore_handoffs_ab.py``, docs/performance.md
+"Fast tiers")."""
 GROUP_READ_SHARE = 4
 """A restore's arena takes at most ``1 / GROUP_READ_SHARE`` of its staging budget; the slots take
 the rest."""
