@@ -29,6 +29,7 @@ import re
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -85,12 +86,9 @@ class _KvikioFuture(Future):  # type: ignore[type-arg]
             if timeout is not None:
                 # kvikio's get() cannot time out: poll (it releases the GIL meanwhile) so that a
                 # hung transfer fails the operation after ``timeout`` instead of blocking forever.
-                deadline = time.monotonic() + timeout
-                while not self.transfer_done():
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"kvikio {self._what} of {self._expected} bytes still running "
-                                           f"after {timeout} s")
-                    time.sleep(_POLL_SECONDS)
+                if not _poll(self.transfer_done, timeout):
+                    raise TimeoutError(f"kvikio {self._what} of {self._expected} bytes still running "
+                                       f"after {timeout} s")
             self._settle()
         return super().result(timeout)
 
@@ -124,25 +122,33 @@ class _Transfers:
     def add(self, future: _KvikioFuture) -> _KvikioFuture:
         """Track ``future``'s transfer; returns ``future``."""
         with self._lock:
-            pending = self._pending
-            while pending and pending[0].transfer_done():
-                pending.popleft()
-            pending.append(future)
+            self._drop_finished()
+            self._pending.append(future)
         return future
 
     def wait(self, timeout: float) -> bool:
         """Wait until every tracked transfer has finished, at most ``timeout`` seconds; True when
         they all have (they are then forgotten)."""
-        deadline = time.monotonic() + timeout
         with self._lock:
-            while self._pending:
-                if self._pending[0].transfer_done():
-                    self._pending.popleft()
-                elif time.monotonic() >= deadline:
-                    return False
-                else:
-                    time.sleep(_POLL_SECONDS)
-        return True
+            return _poll(self._drop_finished, timeout)
+
+    def _drop_finished(self) -> bool:
+        """Forget the finished transfers at the front (under ``_lock``); True when none is left."""
+        pending = self._pending
+        while pending and pending[0].transfer_done():
+            pending.popleft()
+        return not pending
+
+
+def _poll(finished: Callable[[], bool], timeout: float) -> bool:
+    """Ask ``finished`` every ``_POLL_SECONDS`` until it says True (True) or ``timeout`` seconds
+    have passed (False): kvikio's futures have no callbacks and their ``get`` no timeout."""
+    deadline = time.monotonic() + timeout
+    while not finished():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_SECONDS)
+    return True
 
 
 _KVIKIO_POSIX = re.compile(r"POSIX error on p(?:read|write):\s*(.*)")
