@@ -11,16 +11,27 @@ dominate: `experiments/pread_calls.py` measures the reads alone; this measures t
   ``GROUP_READ_BYTES``);
 - ``per-chunk reads``: no read arena, one ``pread`` per chunk (the restore before grouped reads);
 - ``4 x 64 MiB`` / ``32 x 64 MiB`` / ``8 x 32 MiB``: other arena shapes (pieces x bytes per grouped read);
-- ``switch 0.5 ms`` / ``switch 0.1 ms``: ``sys.setswitchinterval`` lowered for the restore
+- ``switch 0.5 ms``: ``sys.setswitchinterval`` lowered for the restore
   (a bound on each wait for the GIL, process-wide);
-- ``kvikio 8 threads``: fewer pool threads than the host's cores (``Config.kvikio_threads``);
+- ``kvikio 8 threads`` (12, 14): fewer pool threads than the host's cores (``Config.kvikio_threads``);
 - ``gds_threshold 0``: kvikio reads no small device buffer synchronously in the calling thread;
+- ``gc off``: Python's garbage collector disabled for the restore;
+- ``no collect before``: the defaults, without the full collection the other ways get before
+  each restore (below), so a restore may collect what earlier ones left;
 - ``raw read``: one kvikio read of the whole file (the limit, with the ratio).
+
+``--ways`` picks some of them (comma-separated; ``raw read`` is always run). ``--profile`` times
+every round of the restore ways with the tier benchmark's stage timer and prints, per round, where
+its time went (setup before the chunk stream, last read landed, stream end, worker busy, worker
+waiting for its stream) and the time Python's cyclic garbage collector ran during it (all
+collections, and the full ones), to tell a slow round's cause from the others'.
 
 Builds the tier benchmark's trained state (``--size``), saves it into ``--dir`` with the GPU
 engine (ANS, as the tier benchmark does: a 25-50 GB/s tier keeps ``codec="auto"`` on the GPU; on a
 slow disk ``auto`` may write a portable zstd file, whose restore takes nvCOMP's Zstd path;
-``--save-engine auto`` measures that one), reads it once into the page cache, then ``--rounds`` rounds of every way; the first
+``--save-engine auto`` measures that one), reads it once into the page cache, then ``--rounds``
+rounds of every way (each after a full collection, so that no restore collects what earlier
+ones left; the library's restores run with the collector on, as callers have it); the first
 restore of each way is checked bit for bit. Prints the thread wake-up round trip, then medians
 (ms, GB/s of logical bytes, ratio x raw) and every round.
 
@@ -31,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import sys
 import time
@@ -63,13 +75,59 @@ def read_arena(pieces: int, piece_bytes: int) -> Iterator[None]:
         staging.GROUP_READ_PIECES, defaults["group_read_bytes"] = saved
 
 
+WAYS = ("default", "switch 0.5 ms", "per-chunk reads", "4 x 64 MiB", "32 x 64 MiB", "8 x 32 MiB",
+        "kvikio 8 threads", "kvikio 12 threads", "kvikio 14 threads", "gds_threshold 0", "gc off", "no collect before", "raw read")
+
+
+@contextlib.contextmanager
+def gc_off() -> Iterator[None]:
+    """Python's garbage collector disabled for the block (re-enabled if it was on)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def collections() -> Iterator[dict[str, float]]:
+    """Seconds the cyclic garbage collector ran during the block, in every thread: ``gc`` all
+    collections, ``gc_full`` those of the oldest generation (filled in when the block ends)."""
+    spent = {"gc": 0.0, "gc_full": 0.0}
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            took = time.perf_counter() - started.pop()
+            spent["gc"] += took
+            if info.get("generation") == 2:
+                spent["gc_full"] += took
+
+    gc.callbacks.append(callback)
+    try:
+        yield spent
+    finally:
+        gc.callbacks.remove(callback)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="8GiB")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", default="/tmp/restore-handoffs")
     parser.add_argument("--save-engine", default="gpu", choices=["gpu", "auto"])
+    parser.add_argument("--ways", default="", help="comma-separated ways to run (default: all)")
+    parser.add_argument("--profile", action="store_true", help="stage times of every restore round")
     args = parser.parse_args()
+    wanted = set(WAYS)
+    if args.ways:  # checked before the state is built
+        wanted = {name.strip() for name in args.ways.split(",")} | {"raw read"}
+        if wanted - set(WAYS):
+            parser.error(f"unknown ways {sorted(wanted - set(WAYS))}; known: {list(WAYS)}")
 
     import torch
 
@@ -102,17 +160,31 @@ def main() -> int:
         "32 x 64 MiB": restore(defaults, lambda: read_arena(32, 64 << 20)),
         "8 x 32 MiB": restore(defaults, lambda: read_arena(8, 32 << 20)),
         "kvikio 8 threads": restore(defaults.replace(kvikio_threads=8)),
+        "kvikio 12 threads": restore(defaults.replace(kvikio_threads=12)),
+        "kvikio 14 threads": restore(defaults.replace(kvikio_threads=14)),
         "gds_threshold 0": restore(defaults, lambda: kvikio_default("gds_threshold", 0)),
+        "gc off": restore(defaults, gc_off),
+        "no collect before": restore(defaults),
         "raw read": tier_bench.raw_device_read(path, defaults.kvikio_threads, defaults.kvikio_task_size),
     }
+    assert set(ways) == set(WAYS)
+    ways = {way: run for way, run in ways.items() if way in wanted}
     times: dict[str, list[float]] = {way: [] for way in ways}
+    stages: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
     for round_number in range(args.rounds):
         for way, run in ways.items():
+            profiled = args.profile and way != "raw read"
+            timer = tier_bench.stage_timer("cuda") if profiled else contextlib.nullcontext({})
+            if way != "no collect before":
+                gc.collect()  # garbage of earlier rounds is not collected inside this one
             torch.cuda.synchronize()
-            started = time.perf_counter()
-            got = run()
-            torch.cuda.synchronize()
-            times[way].append(time.perf_counter() - started)
+            with timer as stage, collections() as collected:
+                started = time.perf_counter()
+                got = run()
+                torch.cuda.synchronize()
+                times[way].append(time.perf_counter() - started)
+            if profiled:
+                stages[way].append({**stage, **collected})
             if round_number == 0 and way != "raw read":
                 problems = benchlib.differences(state, got)
                 assert not problems, (way, problems)
@@ -123,6 +195,14 @@ def main() -> int:
         moved = report.file_bytes if way == "raw read" else logical
         print(f"  {way:18s} median {median * 1e3:8.1f} ms  {moved / median / 1e9:6.2f} GB/s  "
               f"x raw {raw_seconds / median:5.2f}  ({', '.join(f'{v * 1e3:.0f}' for v in values)})")
+    if args.profile:
+        columns = ("setup_to_stream", "t_last_read", "t_stream_end", "worker_busy", "stream_waits",
+                   "worker_queue_checked", "gc", "gc_full")
+        print("per round, ms: total | " + " | ".join(columns))
+        for way, rounds in stages.items():
+            for total, stage in zip(times[way], rounds):
+                print(f"  {way:18s} {total * 1e3:7.1f} | "
+                      + " | ".join(f"{stage.get(column, float('nan')) * 1e3:7.1f}" for column in columns))
     path.unlink()
     return 0
 
