@@ -26,10 +26,15 @@ class ManualTransfer:
     def __init__(self) -> None:
         self._done = threading.Event()
         self._count = 0
+        self._error: BaseException | None = None
         self.taken = False
 
     def finish(self, count: int) -> None:
         self._count = count
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
         self._done.set()
 
     @property
@@ -46,7 +51,38 @@ class ManualTransfer:
             raise ValueError("The future object does not refer to a valid shared state.")
         self._done.wait()
         self.taken = True
+        if self._error is not None:
+            raise self._error
         return self._count
+
+
+class GatheredTasks:
+    """What kvikio returns for a call it splits into tasks: a future of their gathered results.
+    ``waits``: it ends only once every task has stopped, also when one failed (kvikio 26.10 on);
+    else it ends at the first failed task while the tasks after it may still run (25.10-26.8)."""
+
+    def __init__(self, tasks: list[ManualTransfer], waits: bool) -> None:
+        self.tasks, self.waits = tasks, waits
+        self.taken = False
+
+    def done(self) -> bool:
+        if self.taken:
+            raise ValueError("The future object does not refer to a valid shared state.")
+        for task in self.tasks:
+            if not task.finished:
+                return False
+            if task._error is not None and not self.waits:
+                return True
+        return True
+
+    def get(self) -> int:
+        if self.taken:
+            raise ValueError("The future object does not refer to a valid shared state.")
+        self.taken = True
+        if self.waits:
+            for task in self.tasks:
+                task._done.wait()
+        return sum(task.get() for task in self.tasks)
 
 
 def test_a_hung_transfer_times_out_instead_of_blocking() -> None:
@@ -113,6 +149,9 @@ class HungKvikio:
 
     def __init__(self) -> None:
         self.transfers: list[ManualTransfer] = []
+        """Every task of every call, in order."""
+        self.calls: list[tuple[int, int, int | None]] = []
+        """(file offset, size, task_size) of every call."""
         self.files: list[Any] = []
         self.settings: dict[str, Any] = {"thread_pool_nthreads": 1, "task_size": 4 << 20}
         fake = self
@@ -123,10 +162,14 @@ class HungKvikio:
                 self.running_at_close: int | None = None
                 fake.files.append(self)
 
-            def _transfer(self, buffer: Any, size: int, offset: int) -> ManualTransfer:
-                transfer = ManualTransfer()
-                fake.transfers.append(transfer)
-                return transfer
+            def _transfer(self, buffer: Any, size: int, offset: int, task_size: int | None = None) -> Any:
+                """Tasks of ``task_size`` bytes (kvikio's default when None), as kvikio splits a call."""
+                fake.calls.append((offset, size, task_size))
+                task = task_size or fake.settings["task_size"]
+                tasks = [ManualTransfer() for _ in range(max(1, -(-size // task)))]
+                fake.transfers.extend(tasks)
+                waits = tuple(int(part) for part in fake.module.__version__.split(".")[:2]) >= (26, 10)
+                return tasks[0] if len(tasks) == 1 else GatheredTasks(tasks, waits)
 
             pread = pwrite = _transfer
 
@@ -136,6 +179,7 @@ class HungKvikio:
 
         self.module = types.ModuleType("kvikio")
         self.module.CuFile = CuFile  # type: ignore[attr-defined]
+        self.module.__version__ = "26.10.00"  # type: ignore[attr-defined]
         defaults = types.ModuleType("kvikio.defaults")
         defaults.get = self.settings.__getitem__  # type: ignore[attr-defined]
         defaults.set = self.settings.__setitem__  # type: ignore[attr-defined]
@@ -279,3 +323,66 @@ def test_a_kvikio_reader_closes_after_reads_whose_results_were_taken(hung_kvikio
     hung_kvikio.transfers[3].finish(4096)
     reader.close()
     assert hung_kvikio.files[0].closed and hung_kvikio.files[0].running_at_close == 0
+
+
+@pytest.mark.parametrize("version, calls", [("26.10.00", [(0, 16 << 10, None)]),
+                                            ("26.08.00", [(0, 16 << 10, 16 << 10)])])
+def test_a_read_failing_part_way_closes_its_file_only_after_every_task_stops(
+        hung_kvikio: HungKvikio, tmp_path: Path, version: str, calls: list[Any]) -> None:
+    """kvikio splits a call into tasks; before 26.10 it ended the call's future at the first
+    failed task while the others still ran. Under such a kvikio each read is one task (its
+    ``task_size`` its length), so the failed read's close still waits for all of it: else the file
+    would be closed, and the failed restore's buffer reused, under the tasks still reading."""
+    from gdsckpt.io.kvikio import KvikioReader
+
+    hung_kvikio.module.__version__ = version  # type: ignore[attr-defined]
+    hung_kvikio.settings["task_size"] = 4096
+    path = tmp_path / "file.bin"
+    path.write_bytes(bytes(64 << 10))
+    reader = KvikioReader(path, threads=4, timeout=30)
+    future = reader.submit_read(0, DeviceBuffer(16 << 10))
+    assert hung_kvikio.calls == calls
+    hung_kvikio.transfers[0].fail(RuntimeError("KvikIO failure at: x: POSIX error on pread: Input/output error"))
+    thread, errors = closing_in_a_thread(reader.close)
+    time.sleep(0.05)
+    for task in hung_kvikio.transfers[1:]:  # any task kvikio still runs: close waits for it
+        assert thread.is_alive() and not hung_kvikio.files[0].closed
+        task.finish(4096)
+    assert_closed_cleanly(thread, errors, hung_kvikio)
+    with pytest.raises(OSError, match="Input/output error"):
+        future.result(timeout=5)
+
+
+@pytest.mark.parametrize("version", ["26.10.00", "26.08.00"])
+def test_a_write_failing_part_way_aborts_only_after_every_task_stops(hung_kvikio: HungKvikio, tmp_path: Path,
+                                                                      version: str) -> None:
+    """The same for a failed save (ENOSPC in one task of a chunk's write): its temporary file is
+    closed and removed only once nothing writes through its descriptors."""
+    from gdsckpt.io.kvikio import KvikioWriter
+
+    hung_kvikio.module.__version__ = version  # type: ignore[attr-defined]
+    hung_kvikio.settings["task_size"] = 4096
+    target = tmp_path / "state.gdsckpt"
+    writer = KvikioWriter(target, threads=4, fsync=False, timeout=30)
+    future = writer.submit_write(8192, DeviceBuffer(12 << 10))
+    hung_kvikio.transfers[0].fail(RuntimeError("KvikIO failure at: x: POSIX error on pwrite: No space left on device"))
+    thread, errors = closing_in_a_thread(writer.abort)
+    time.sleep(0.05)
+    for task in hung_kvikio.transfers[1:]:
+        assert thread.is_alive() and not hung_kvikio.files[0].closed
+        task.finish(4096)
+    assert_closed_cleanly(thread, errors, hung_kvikio)
+    assert not target.exists()
+    with pytest.raises(OSError) as caught:
+        future.result(timeout=5)
+    assert caught.value.errno == errno.ENOSPC
+
+
+@pytest.mark.parametrize("version, one_task", [("26.10.00", False), ("27.02.00", False), ("26.08.00", True),
+                                               ("25.10.0", True), ("", True), ("unknown", True)])
+def test_calls_are_one_task_each_under_a_kvikio_that_ends_split_calls_early(
+        hung_kvikio: HungKvikio, version: str, one_task: bool) -> None:
+    from gdsckpt.io.kvikio import _one_task_calls
+
+    hung_kvikio.module.__version__ = version  # type: ignore[attr-defined]
+    assert _one_task_calls() is one_task

@@ -18,6 +18,13 @@ restore that follows (a manager falling back to an older checkpoint) cannot be h
 stale read still fills, and a descriptor number is never reused by another file while a transfer
 still uses it. A transfer that outlives the timeout keeps the handle open (``PosixReader`` and
 ``PosixWriter`` keep their descriptors for the same reason).
+
+The close wait trusts that a transfer's future ends only once the transfer has stopped. kvikio
+splits a call into tasks of its task size and gathers them into that future. From 26.10 it does
+so only once every task has stopped, also when one failed. Releases 25.10 to 26.8 end it at the
+first failed task, while the tasks after it may still be running or queued
+(``parallel_operation.hpp`` of each release's libkvikio). Under those, each call gdsckpt makes is
+one task (``task_size`` = its length: ``_one_task_calls``), so that its future means the same.
 """
 
 from __future__ import annotations
@@ -37,6 +44,20 @@ import numpy as np
 
 from .pools import DRAIN_TIMEOUT
 from .posix import PosixReader, PosixWriter
+
+_SPLIT_CALLS_END_WHEN_STOPPED = (26, 10)
+"""The first kvikio release whose split calls end only once every task has stopped (module
+docstring)."""
+
+
+def _one_task_calls() -> bool:
+    """Whether the installed kvikio ends a split call at its first failed task (before 26.10), so
+    that each of gdsckpt's calls must be one task; True too where the version cannot be read."""
+    import kvikio
+
+    found = re.match(r"(\d+)\.(\d+)", str(getattr(kvikio, "__version__", "")))
+    return found is None or (int(found.group(1)), int(found.group(2))) < _SPLIT_CALLS_END_WHEN_STOPPED
+
 
 _POLL_SECONDS = 0.0005
 """How often a ``result(timeout=...)`` looks at an unfinished kvikio transfer (a 16 MiB chunk
@@ -151,6 +172,12 @@ def _poll(finished: Callable[[], bool], timeout: float) -> bool:
     return True
 
 
+def _task_size(whole: bool, nbytes: int) -> tuple[int, ...]:
+    """The ``task_size`` argument of a kvikio call of ``nbytes``: the whole call as one task where
+    ``whole`` (``_one_task_calls``), else none (kvikio's task size)."""
+    return (max(nbytes, 1),) if whole else ()
+
+
 _KVIKIO_POSIX = re.compile(r"POSIX error on p(?:read|write):\s*(.*)")
 _BY_STRERROR = {os.strerror(code): code for code in errno.errorcode}
 
@@ -252,6 +279,7 @@ class KvikioWriter(PosixWriter):
             self.abort()
             raise
         self.name = f"kvikio-{kvikio_mode()}"
+        self._one_task_each = _one_task_calls()
 
     def backlog(self) -> int | None:
         """None: device-buffer writes run in kvikio's pool, which does not say what it holds."""
@@ -261,7 +289,7 @@ class KvikioWriter(PosixWriter):
         if isinstance(data, (np.ndarray, bytes, bytearray, memoryview)):
             return super().submit_write(offset, data)
         try:
-            io_future = self._cufile.pwrite(data, data.nbytes, offset)
+            io_future = self._cufile.pwrite(data, data.nbytes, offset, *_task_size(self._one_task_each, data.nbytes))
         except RuntimeError as err:
             raise kvikio_error(err, "write", data.nbytes) from err
         return self._transfers.add(_KvikioFuture(io_future, data.nbytes, "write"))
@@ -313,6 +341,7 @@ class KvikioReader(PosixReader):
             self.close()
             raise
         self.name = f"kvikio-{kvikio_mode()}"
+        self._one_task_each = _one_task_calls()
 
     def submit_read(self, offset: int, out: Any) -> Future[Any]:
         if isinstance(out, np.ndarray):
@@ -322,7 +351,7 @@ class KvikioReader(PosixReader):
 
             raise CorruptCheckpointError(f"range [{offset}, +{out.nbytes}) runs past the end of the file")
         try:
-            io_future = self._cufile.pread(out, out.nbytes, offset)
+            io_future = self._cufile.pread(out, out.nbytes, offset, *_task_size(self._one_task_each, out.nbytes))
         except RuntimeError as err:
             raise kvikio_error(err, "read", out.nbytes) from err
         return self._transfers.add(_KvikioFuture(io_future, out.nbytes, "read", out))
