@@ -8,7 +8,9 @@ interval (5 ms). Where thread wake-ups are slow (some virtual machines) these ha
 dominate: `experiments/pread_calls.py` measures the reads alone; this measures the restore:
 
 - ``default``: the library's defaults (grouped reads: ``GROUP_READ_PIECES`` pieces of
-  ``GROUP_READ_BYTES``);
+  ``GROUP_READ_BYTES``; the first pieces read while the index is parsed, ``resolve.lead_read``);
+- ``no lead read``: the defaults, with the chunk reads waiting for the index (the restore before
+  lead reads; the arena-shape ways below run without one too);
 - ``per-chunk reads``: no read arena, one ``pread`` per chunk (the restore before grouped reads);
 - ``4 x 64 MiB`` / ``32 x 64 MiB`` / ``8 x 32 MiB``: other arena shapes (pieces x bytes per grouped read);
 - ``switch 0.5 ms``: ``sys.setswitchinterval`` lowered for the restore
@@ -70,12 +72,25 @@ def read_arena(pieces: int, piece_bytes: int) -> Iterator[None]:
     saved = staging.GROUP_READ_PIECES, defaults["group_read_bytes"]
     staging.GROUP_READ_PIECES, defaults["group_read_bytes"] = pieces, piece_bytes
     try:
-        yield
+        with no_lead_read():  # its pieces would change the arena's shape
+            yield
     finally:
         staging.GROUP_READ_PIECES, defaults["group_read_bytes"] = saved
 
 
-WAYS = ("default", "switch 0.5 ms", "per-chunk reads", "4 x 64 MiB", "32 x 64 MiB", "8 x 32 MiB",
+@contextlib.contextmanager
+def no_lead_read() -> Iterator[None]:
+    """Restores made inside wait for the index before their first chunk read (``resolve.lead_read``)."""
+    from gdsckpt.api import resolve
+
+    saved, resolve.LEAD_READS = resolve.LEAD_READS, False
+    try:
+        yield
+    finally:
+        resolve.LEAD_READS = saved
+
+
+WAYS = ("default", "no lead read", "switch 0.5 ms", "per-chunk reads", "4 x 64 MiB", "32 x 64 MiB", "8 x 32 MiB",
         "kvikio 8 threads", "kvikio 12 threads", "kvikio 14 threads", "gds_threshold 0", "gc off", "no collect before", "raw read")
 
 
@@ -154,6 +169,7 @@ def main() -> int:
 
     ways: dict[str, Callable[[], Any]] = {
         "default": restore(defaults),
+        "no lead read": restore(defaults, no_lead_read),
         "switch 0.5 ms": restore(defaults, lambda: switch_interval(0.0005)),
         "per-chunk reads": restore(defaults, lambda: read_arena(0, GROUP_READ_BYTES)),
         "4 x 64 MiB": restore(defaults, lambda: read_arena(4, 64 << 20)),

@@ -21,11 +21,17 @@ from fake_device import FakeDevice
 from test_fake_device import CHUNK, KIB, TIMEOUT, assert_same, save_through, weights
 
 from gdsckpt.errors import CheckpointError, CorruptCheckpointError
-from gdsckpt.format import align_up
+from gdsckpt.format import HEADER_REGION, TRAILER_SIZE, align_up
 from gdsckpt.io.base import StorageReader
 from gdsckpt.io.posix import PosixReader
 from gdsckpt.pipeline.gpu import GpuDecoder
-from gdsckpt.pipeline.gpu.staging import GROUP_READ_PIECES, GROUP_READ_SHARE, arena_pieces
+from gdsckpt.pipeline.gpu.staging import (
+    GROUP_READ_PIECES,
+    GROUP_READ_SHARE,
+    LeadRead,
+    arena_pieces,
+    lead_read_pieces,
+)
 from gdsckpt.pipeline.load import open_file, run_restore, run_verify
 from gdsckpt.state import NumpyTarget
 
@@ -41,12 +47,17 @@ class RecordingReader(StorageReader):
     name = "recording"
 
     def __init__(self, path: Path, *, seed: int = 0, fail_at: int | None = None,
-                 fail_covering: int | None = None):
+                 fail_covering: int | None = None, slow: tuple[int, ...] = ()):
         self.inner = PosixReader(path, threads=4)
         self.size = self.inner.size
         self.calls: list[tuple[int, int]] = []
         self.fail_at = fail_at
         self.fail_covering = fail_covering
+        self.slow = slow
+        """Calls (by number) that pause 50 ms (a lead read still running when the restore starts)."""
+        self.overlaps: list[tuple[int, int]] = []
+        """Calls (offset, bytes) submitted into memory that a read still running fills."""
+        self._running: dict[int, tuple[int, int]] = {}
         self._random = random.Random(seed)
         self._pool = ThreadPoolExecutor(8)
         self._lock = threading.Lock()
@@ -55,18 +66,28 @@ class RecordingReader(StorageReader):
         return self.inner.read(offset, length)
 
     def submit_read(self, offset: int, out: Any) -> Future[Any]:
+        low = int(out.__array_interface__["data"][0])
+        span = (low, low + out.nbytes)
         with self._lock:
+            number = len(self.calls)
             self.calls.append((offset, out.nbytes))
-            failing = ((self.fail_at is not None and len(self.calls) - 1 == self.fail_at)
+            if any(span[0] < high and start < span[1] for start, high in self._running.values()):
+                self.overlaps.append((offset, out.nbytes))
+            self._running[number] = span
+            failing = ((self.fail_at is not None and number == self.fail_at)
                        or (self.fail_covering is not None
                            and offset <= self.fail_covering < offset + out.nbytes))
-            pause = self._random.uniform(0, 0.004)
+            pause = 0.05 if number in self.slow else self._random.uniform(0, 0.004)
 
         def run() -> Any:
-            time.sleep(pause)
-            if failing:
-                raise OSError(5, "Input/output error (injected)")
-            return self.inner.submit_read(offset, out).result(TIMEOUT)
+            try:
+                time.sleep(pause)
+                if failing:
+                    raise OSError(5, "Input/output error (injected)")
+                return self.inner.submit_read(offset, out).result(TIMEOUT)
+            finally:
+                with self._lock:
+                    del self._running[number]
         return self._pool.submit(run)
 
     def close(self) -> None:
@@ -312,3 +333,220 @@ def test_verify_reads_grouped_too(tmp_path: Path) -> None:
             dec.close()
         assert stored == sum(c.stored for c in index.chunks)
         assert len(reader.calls) < len(index.chunks) / 2
+
+
+# ---------------------------------------------------------------------------------------------
+# lead reads: the data region's first pieces read while the index is parsed (``LeadRead``)
+
+
+def lead_of(reader: StorageReader, device: FakeDevice, length: int, piece: int = PIECE) -> LeadRead:
+    return LeadRead(device, reader, HEADER_REGION, min(length, reader.size - HEADER_REGION - TRAILER_SIZE), piece,
+                    timeout=TIMEOUT)
+
+
+def lead_decoder(device: FakeDevice, lead: LeadRead | None, staging: int = STAGING,
+                 piece: int = PIECE) -> GpuDecoder:
+    return GpuDecoder(device_id=0, max_staging_bytes=staging, restore_staging_bytes=staging, timeout=TIMEOUT,
+                      device=device, group_read_bytes=piece, lead=lead)
+
+
+def inside(index: Any, end: int) -> list[Any]:
+    """The chunks whose padded bytes lie wholly before ``end``."""
+    return [c for c in index.chunks if c.offset + align_up(c.stored) <= end]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_lead_read_serves_every_chunk_inside_it(tmp_path: Path, seed: int) -> None:
+    """The lead's pieces are read first, late and out of order; no chunk inside them is read again
+    (those crossing two pieces wait for both), the reads after them start at the first chunk
+    outside, the restore is bit-exact, and the arena with the lead stays within the budget."""
+    state = big_state(10 + seed)
+    path, flat = saved_file(tmp_path, state, codec="zstd")
+    with RecordingReader(path, seed=seed, slow=(1 + seed % 2,)) as reader:  # a later piece lands last
+        index = open_file(reader).index
+        reader.calls.clear()
+        device = FakeDevice()
+        lead = lead_of(reader, device, 3 * PIECE)
+        dec = lead_decoder(device, lead)
+        got = restore(reader, flat, dec)
+        lead.close()
+        calls = list(reader.calls)
+        assert not reader.overlaps
+    assert_same(got, state)
+    assert dec.staging_bytes <= STAGING
+    assert calls[:3] == [(HEADER_REGION + i * PIECE, PIECE) for i in range(3)]
+    end = HEADER_REGION + 3 * PIECE
+    served = inside(index, end)
+    assert len(served) >= 8
+    assert any(c.offset // PIECE != (c.offset + c.stored) // PIECE for c in served), "no chunk crosses two pieces"
+    later = calls[3:]
+    for chunk in served:
+        assert not any(offset <= chunk.offset < offset + length for offset, length in later), chunk
+    assert min(offset for offset, _length in later) == min(c.offset for c in index.chunks if c not in served)
+
+
+def test_a_lead_read_of_the_whole_file_leaves_no_read_to_do(tmp_path: Path) -> None:
+    state = big_state(13)
+    path, flat = saved_file(tmp_path, state, codec="ans")
+    with RecordingReader(path) as reader:
+        device = FakeDevice()
+        lead = lead_of(reader, device, reader.size)
+        staging = 16 * PIECE
+        # more pieces than the arena's usual share, within the lead's
+        assert arena_pieces(staging, PIECE, CHUNK) < lead.pieces <= lead_read_pieces(staging, PIECE)
+        dec = lead_decoder(device, lead, staging=staging)
+        got = restore(reader, flat, dec)
+        lead.close()
+        assert len(reader.calls) == lead.pieces
+    assert_same(got, state)
+    assert dec.staging_bytes <= staging
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_unused_lead_pieces_take_new_reads_only_once_theirs_ended(tmp_path: Path, seed: int) -> None:
+    """A partial restore needs none of the lead's chunks; the lead's reads are slow. Its pieces
+    are the arena's only two: a new read into one while the lead's read still fills it would
+    mix the two (the reader records any read submitted into memory a running read fills)."""
+    state = big_state(20 + seed)
+    path, flat = saved_file(tmp_path, state, codec="zstd")
+    keys = [a.key for a in flat.arrays]
+    big = keys.index("big")
+    staging = GROUP_READ_SHARE * 2 * PIECE
+    with RecordingReader(path, seed=seed, slow=(0, 1)) as reader:
+        index = open_file(reader).index
+        end = HEADER_REGION + 2 * PIECE
+        window = {big: (state["big"].nbytes // 2, state["big"].nbytes)}
+        position, needed = 0, []
+        for segment in index.tensors[big].segments:
+            if position + segment.length > window[big][0]:
+                needed.append(index.chunks[segment.chunk])
+            position += segment.length
+        assert all(c.offset >= end for c in needed)
+        reader.calls.clear()
+        device = FakeDevice()
+        lead = lead_of(reader, device, 2 * PIECE)
+        dec = lead_decoder(device, lead, staging=staging)
+        got = restore(reader, flat, dec, windows=window, ids=[big])
+        lead.close()
+        assert not reader.overlaps, reader.overlaps
+        assert len(reader.calls) > 4  # the two pieces were read into again
+    assert got["big"].tobytes() == state["big"].tobytes()[window[big][0]:]
+
+
+def test_a_failed_lead_read_is_read_again_chunk_by_chunk(tmp_path: Path) -> None:
+    """The lead's first piece fails (EIO): its chunks are read again on their own and the restore
+    completes, bit-exact; a chunk crossing into the second piece waits for that read too."""
+    state = big_state(14)
+    path, flat = saved_file(tmp_path, state, codec="ans")
+    with RecordingReader(path, fail_at=0) as reader:
+        index = open_file(reader).index
+        reader.calls.clear()
+        device = FakeDevice()
+        lead = lead_of(reader, device, 2 * PIECE)
+        got = restore(reader, flat, lead_decoder(device, lead))
+        lead.close()
+        calls = list(reader.calls)
+        assert not reader.overlaps
+    assert_same(got, state)
+    in_first = [c for c in inside(index, HEADER_REGION + 2 * PIECE) if c.offset < HEADER_REGION + PIECE]
+    assert len(in_first) >= 2
+    for chunk in in_first:
+        assert (chunk.offset, align_up(chunk.stored)) in calls[2:], chunk
+
+
+def test_an_unreadable_chunk_in_a_lead_read_is_the_one_named(tmp_path: Path) -> None:
+    state = big_state(15)
+    path, flat = saved_file(tmp_path, state, codec="ans")
+    with PosixReader(path) as plain:
+        index = open_file(plain).index
+    victim = len(inside(index, HEADER_REGION + 2 * PIECE)) // 2
+    record = index.chunks[victim]
+    with RecordingReader(path, fail_covering=record.offset + record.stored // 2) as reader:
+        device = FakeDevice()
+        lead = lead_of(reader, device, 2 * PIECE)
+        with pytest.raises(CheckpointError, match=f"I/O error reading chunk {victim} "):
+            restore(reader, flat, lead_decoder(device, lead))
+        lead.close()
+        assert (record.offset, align_up(record.stored)) in reader.calls
+
+
+def test_a_lead_the_decoder_cannot_hold_is_left_unused(tmp_path: Path) -> None:
+    """A decoder whose pieces are of another size reads every chunk as usual; the lead's starter
+    still closes it after its reads."""
+    state = big_state(16)
+    path, flat = saved_file(tmp_path, state, codec="zstd")
+    with RecordingReader(path) as reader:
+        index = open_file(reader).index
+        reader.calls.clear()
+        device = FakeDevice()
+        lead = lead_of(reader, device, 2 * PIECE)
+        dec = lead_decoder(device, lead, piece=2 * PIECE)
+        got = restore(reader, flat, dec)
+        later = reader.calls[2:]
+        lead.close()
+        assert lead.buffer is None and not reader.overlaps
+    assert_same(got, state)
+    assert min(offset for offset, _length in later) == index.chunks[0].offset
+
+
+def test_lead_reads_stay_within_half_of_the_least_budget() -> None:
+    assert lead_read_pieces(1 << 30, 64 << 20) == 8  # the default max_staging_bytes: 512 MiB
+    assert lead_read_pieces(8 << 30, 64 << 20) == GROUP_READ_PIECES
+    assert lead_read_pieces(256 << 20, 64 << 20) == 2
+    assert lead_read_pieces(128 << 20, 64 << 20) == 0  # one piece: none
+    for floor in (1 << 28, 3 << 29, 1 << 30, 5 << 30):
+        assert lead_read_pieces(floor, 64 << 20) * (64 << 20) <= floor // 2
+
+
+def test_a_lead_read_close_waits_for_its_reads() -> None:
+    """``close`` never releases the buffer under a running read: past its timeout it raises and
+    keeps the buffer; once the read ends it releases it."""
+    release = threading.Event()
+
+    class HeldReader(StorageReader):
+        name = "held"
+        size = 1 << 20
+
+        def read(self, offset: int, length: int) -> bytes:
+            raise AssertionError("not called")
+
+        def submit_read(self, offset: int, out: Any) -> Future[Any]:
+            future: Future[Any] = Future()
+            threading.Thread(target=lambda: (release.wait(TIMEOUT), future.set_result(out)), daemon=True).start()
+            return future
+
+        def close(self) -> None:
+            pass
+
+    lead = LeadRead(FakeDevice(), HeldReader(), HEADER_REGION, 3 * KIB, KIB, timeout=0.05)
+    assert lead.pieces == 3 and len(lead.futures) == 3
+    with pytest.raises(TimeoutError, match="lead read still running"):
+        lead.close()
+    assert lead.buffer is not None
+    release.set()
+    lead.timeout = TIMEOUT
+    lead.close()
+    assert lead.buffer is None
+
+
+def test_lead_reads_only_where_the_gpu_is_known_and_the_file_local(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``api.resolve.lead_read`` yields None (and starts nothing) for a CPU restore, a source that
+    is not a local path, a file too short to hold a data region, a configuration whose least
+    budget holds no two pieces, or with lead reads turned off."""
+    from gdsckpt.api import resolve
+    from gdsckpt.config import Config
+
+    path, _flat = saved_file(tmp_path, big_state(17), codec="zstd")
+    short = tmp_path / "short.gdsckpt"
+    short.write_bytes(path.read_bytes()[:HEADER_REGION + TRAILER_SIZE])
+    with PosixReader(path) as reader, PosixReader(short) as cut:
+        cases = [(path, Config(), reader, None), (path.read_bytes(), Config(), reader, 0),
+                 ("s3://bucket/key", Config(), reader, 0), (short, Config(), cut, 0),
+                 (path, Config(max_staging_bytes=64 << 20), reader, 0)]
+        for source, config, opened, gpu_device in cases:
+            with resolve.lead_read(source, config, opened, gpu_device) as lead:
+                assert lead is None, (source, config)
+        monkeypatch.setattr(resolve, "LEAD_READS", False)
+        with resolve.lead_read(path, Config(), reader, 0) as lead:
+            assert lead is None

@@ -101,13 +101,14 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
                     make_target: Any, gpu_device: int | None = None,
                     progress: Progress | None = None,
                     windows: dict[int, tuple[int, int]] | None = None, engine: Any = None,
-                    new_targets: bool = False) -> dict[int, Any]:
+                    new_targets: bool = False, lead: Any = None) -> dict[int, Any]:
     """Restore the arrays ``ids`` (aliases resolved) and return id -> finished object.
     ``windows``: data array id -> the byte range of it to restore (``run_restore``). ``engine``:
     a decoding engine the caller keeps (and closes) across restores; by default one is made for
     this restore and closed after it. ``new_targets``: ``make_target`` allocates new arrays (a
     ``load``), so on the GPU engine they may be made while the first chunks are read
-    (``pipeline.load.DeferredTargets``), the decoder's staging budget leaving room for them."""
+    (``pipeline.load.DeferredTargets``), the decoder's staging budget leaving room for them.
+    ``lead``: a ``LeadRead`` of the file (``resolve.lead_read``), for the decoder made here."""
     index = opened.index
     ids = list(ids)
     data_ids = sorted({stored_id(index, i) for i in ids})
@@ -127,7 +128,8 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
     owned = engine is None
     if engine is None:
         engine = restore_engine(config, gpu_device,
-                                reserved_bytes=sum(index.tensors[i].nbytes for i in data_ids) if defer else 0)
+                                reserved_bytes=sum(index.tensors[i].nbytes for i in data_ids) if defer else 0,
+                                lead=lead)
     try:
         run_restore(reader, index, engine, targets, timeout=config.timeout, progress=progress,
                     windows=windows, max_inflight_bytes=inflight_budget(config, engine))

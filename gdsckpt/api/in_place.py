@@ -28,7 +28,15 @@ from ..state import (
 )
 from .checkpoint import new_target, restore_arrays, stored_id, warn_lossy
 from .reports import Progress
-from .resolve import Source, open_checked, open_data_reader, open_reader, resolve_config, restore_gpu_device
+from .resolve import (
+    Source,
+    lead_read,
+    open_checked,
+    open_data_reader,
+    open_reader,
+    resolve_config,
+    restore_gpu_device,
+)
 
 
 def load_into(target: Any, path: Source, *, strict: bool | str = True, config: Config | None = None,
@@ -71,7 +79,9 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
     devices = {str(t.device) for t in existing.values()}
     device = devices.pop() if len(devices) == 1 else None
     gpu_device = restore_gpu_device(cfg, device)
-    with open_reader(path, cfg, gpu_device is not None) as reader:
+    with open_reader(path, cfg, gpu_device is not None) as reader, contextlib.ExitStack() as stack:
+        # tensors on one GPU: the reads start while the index is parsed
+        lead = stack.enter_context(lead_read(path, cfg, reader, gpu_device, fills_device=True))
         opened = open_checked(reader)
         index = opened.index
         by_key = {record.key: i for i, record in enumerate(index.tensors)}
@@ -121,7 +131,7 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
             with open_data_reader(path, cfg, reader, decode_on) if decode_on != gpu_device else (
                     contextlib.nullcontext(reader)) as data_reader:
                 arrays = _restore_in_target_order(data_reader, opened, wanted, optimizer_ids, cfg, decode_on,
-                                                  progress)
+                                                  progress, lead.read if lead is not None else None)
         finally:
             opened.close_base()
         warn_lossy(index, arrays)
@@ -149,9 +159,10 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
 
 def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: dict[int, Any],
                              optimizer_ids: list[int], config: Config, gpu_device: int | None,
-                             progress: Progress | None) -> dict[int, Any]:
+                             progress: Progress | None, lead: Any = None) -> dict[int, Any]:
     """Restore ``wanted`` (checkpoint id -> existing tensor, in the target's key order) in place,
     and ``optimizer_ids`` into new arrays; return id -> finished object as ``restore_arrays`` does.
+    ``lead``: a ``LeadRead`` of the file, for the first phase's decoder.
 
     Tensors that share memory are filled as ``load_state_dict`` fills them, key by key, the last
     key winning: a tensor overwritten whole by a later key's exact alias is not restored at all,
@@ -211,7 +222,8 @@ def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: 
             progress(before + done, before + total)
 
         restored = restore_arrays(reader, opened, ids, config, make_target, gpu_device,
-                                   phase_progress if progress is not None else None)
+                                   phase_progress if progress is not None else None, lead=lead)
+        lead = None  # it serves one restore
         arrays.update((i, restored[i]) for i in ids)  # not the stored arrays of other phases' keys
         finished_bytes += phase_total[0]
     for i in shared:  # restored in place (or overwritten whole by a later key): nothing to copy

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -32,6 +33,7 @@ from .resolve import (
     Source,
     destination,
     inflight_budget,
+    lead_read,
     open_checked,
     open_data_reader,
     open_reader,
@@ -69,18 +71,25 @@ def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
     cfg = resolve_config(config)
     location = resolve_location(device, map_location)
     selection = Selection(keys)
-    with open_reader(path, cfg) as reader:
+    with open_reader(path, cfg) as reader, contextlib.ExitStack() as stack:
+        # a whole restore into a named GPU starts reading while the index is parsed
+        lead = (stack.enter_context(lead_read(path, cfg, reader, restore_gpu_device(cfg, location)))
+                if keys is None and isinstance(location, str) else None)
         opened = open_checked(reader)
         index = opened.index
         wanted = (list(range(len(index.tensors))) if keys is None
                   else [i for i, record in enumerate(index.tensors) if selection.covers(record.key)])
         gpu_device = restore_gpu_device(cfg, single_destination(location, (index.tensors[i] for i in wanted)),
                                         index, wanted)
+        if lead is not None and lead.gpu_device != gpu_device:
+            lead = None  # not this restore's device: closed on exit, unused
         try:
-            with open_data_reader(path, cfg, reader, gpu_device) as data_reader:
-                arrays = restore_arrays(data_reader, opened, wanted, cfg,
-                                         lambda _i, record: new_target(record, destination(location, record)),
-                                         gpu_device, progress, new_targets=True)
+            data_reader = (lead.reader if lead is not None
+                           else stack.enter_context(open_data_reader(path, cfg, reader, gpu_device)))
+            arrays = restore_arrays(data_reader, opened, wanted, cfg,
+                                    lambda _i, record: new_target(record, destination(location, record)),
+                                    gpu_device, progress, new_targets=True,
+                                    lead=lead.read if lead is not None else None)
         finally:
             opened.close_base()
     warn_lossy(index, wanted)

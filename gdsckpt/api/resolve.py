@@ -13,6 +13,7 @@ import re
 import sys
 import warnings
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -187,17 +188,73 @@ def open_reader(path: Source, config: Config, gpu: bool = False) -> StorageReade
     return PosixReader(path, threads=config.io_threads, timeout=config.timeout)
 
 
-def restore_engine(config: Config, gpu_device: int | None, reserved_bytes: int = 0) -> Any:
+def restore_engine(config: Config, gpu_device: int | None, reserved_bytes: int = 0, lead: Any = None) -> Any:
     """The decoding engine of a restore: the CPU engine, or the GPU decoder on ``gpu_device``, whose
     staging budget leaves out ``reserved_bytes`` of the device memory free now (destination
-    arrays still to be made)."""
+    arrays still to be made) and takes in ``lead`` (a ``LeadRead`` of the file, ``lead_read``)."""
     if gpu_device is None:
         return host_engine(config)
     from ..pipeline.gpu import GpuDecoder
 
     return GpuDecoder(device_id=gpu_device, max_staging_bytes=config.max_staging_bytes,
                       restore_staging_bytes=config.restore_staging_bytes, timeout=config.timeout,
-                      reserved_bytes=reserved_bytes)
+                      reserved_bytes=reserved_bytes, lead=lead)
+
+
+@dataclass
+class Lead:
+    """A lead read under way (``lead_read``): the GPU it reads into, the reader of chunk reads it
+    opened (the restore's own, ``open_data_reader``) and the ``LeadRead``."""
+
+    gpu_device: int
+    reader: StorageReader
+    read: Any
+
+
+LEAD_READS = True
+"""Whether a restore into a named GPU reads ahead while the index is parsed (``lead_read``);
+experiments turn it off to measure what it brings."""
+
+
+@contextlib.contextmanager
+def lead_read(path: Source, config: Config, reader: StorageReader, gpu_device: int | None, *,
+              fills_device: bool = False) -> Iterator[Lead | None]:
+    """Start reading the first bytes of a file's data region into memory of GPU ``gpu_device``
+    before its index is parsed, for a restore whose GPU is known before the index (a load into a
+    named GPU, a ``load_into`` of tensors on one GPU) of a local file; yields the ``Lead`` (None
+    where it does not apply) and, on exit, waits for its reads and releases its buffer, then
+    closes the device reader it opened. ``fills_device``: ``reader`` reads into device buffers
+    itself (a kvikio reader), so the lead reads through it.
+
+    Why: on a fast tier the index of a trained model's state (hundreds of tensor records) takes
+    longer to read and parse than the storage takes to deliver hundreds of MiB; without a lead the
+    chunk reads wait for it (docs/performance.md, "Fast tiers"). The lead takes
+    ``lead_read_pieces`` of ``GROUP_READ_BYTES``: at most half of the least staging budget the
+    restore can get (``max_staging_bytes``, or ``restore_staging_bytes`` where set), so it fits the
+    budget sized after the index, of which it becomes the first arena pieces. Nothing is allocated
+    from the unvalidated index: the lead's size comes from the configuration and the file's size."""
+    if not LEAD_READS or gpu_device is None or not isinstance(path, (str, os.PathLike)) or is_url(path):
+        yield None
+        return
+    from ..format import HEADER_REGION, TRAILER_SIZE
+    from ..pipeline.gpu.staging import GROUP_READ_BYTES, LeadRead, lead_read_pieces
+
+    floor = config.restore_staging_bytes if config.restore_staging_bytes is not None else config.max_staging_bytes
+    length = min(lead_read_pieces(floor, GROUP_READ_BYTES) * GROUP_READ_BYTES,
+                 reader.size - HEADER_REGION - TRAILER_SIZE)
+    if length <= 0:
+        yield None
+        return
+    from ..codecs.device import backend_or_cuda
+
+    with contextlib.nullcontext(reader) if fills_device else open_data_reader(
+            path, config, reader, gpu_device) as data_reader:
+        read = LeadRead(backend_or_cuda(None, gpu_device), data_reader, HEADER_REGION, length, GROUP_READ_BYTES,
+                        timeout=config.timeout)
+        try:
+            yield Lead(gpu_device, data_reader, read)
+        finally:
+            read.close()
 
 
 def host_engine(config: Config, sources: list[Any] | None = None, codec: str = "none",

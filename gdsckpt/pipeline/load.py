@@ -25,10 +25,12 @@ write that memory between the read and the check of its CRC.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, NoReturn, Protocol
@@ -367,13 +369,47 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
     # Grouped reads (``Decoder.read_arena``): runs of consecutive chunks read by one call each.
     arena = engine.read_arena() if reading else None
     free_pieces = list(range(arena.pieces)) if arena is not None else []
-    grouped: dict[int, tuple[Future[Any], Any, int]] = {}
-    """Chunk -> (its group's read, its bytes in the arena, the piece), until its decode finishes."""
+    grouped: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}
+    """Chunk -> (its group's read, its bytes in the arena, its pieces), until its decode finishes."""
     piece_users: dict[int, int] = {}
     """Piece -> chunks read into it whose decode has not finished; the piece is free at 0."""
+    draining: deque[tuple[int, Future[Any]]] = deque()
+    """Lead pieces no chunk to restore lies in, with their reads: free once the read is done."""
 
     def groupable(chunk: int) -> bool:
         return index.chunks[chunk].stored > 0 and not (direct and chunk in direct)
+
+    lead = arena.lead if arena is not None else None
+    if lead is not None:
+        # The chunks inside the lead read are read already: each takes its bytes there, and waits
+        # for the read of every piece it lies in.
+        for number in range(lead.pieces):
+            free_pieces.remove(number)
+            piece_users[number] = 0
+        for chunk in chunks:
+            record = index.chunks[chunk]
+            end = record.offset + align_up(record.stored)
+            if end > lead.start + lead.length:
+                break  # chunks are in file order
+            if record.offset < lead.start or not groupable(chunk):
+                continue
+            at = record.offset - lead.start
+            pieces = tuple(range(at // lead.piece_bytes, (end - lead.start - 1) // lead.piece_bytes + 1))
+            for number in pieces:
+                piece_users[number] += 1
+            futures = [lead.futures[number] for number in pieces]
+            grouped[chunk] = (futures[0] if len(futures) == 1 else _AllReads(futures),
+                              lead.buffer[at:end - lead.start], pieces)
+        draining.extend((number, lead.futures[number]) for number in range(lead.pieces) if not piece_users[number])
+
+    def drained(wait: bool) -> None:
+        """Free the unused lead pieces whose reads are done (with ``wait``, the oldest at least)."""
+        while draining and (wait or draining[0][1].done()):
+            number, future = draining.popleft()
+            with contextlib.suppress(OSError, CorruptCheckpointError):  # no chunk needs its bytes
+                future.result(timeout=timeout)
+            free_pieces.append(number)
+            wait = False
 
     def read_group(position: int) -> None:
         """Read ``chunks[position]`` and the chunks after it that follow it in the file and fit
@@ -394,14 +430,15 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
         future = reader.submit_read(start, view[:end - start])
         piece_users[piece] = len(members)
         for chunk, at, padded in members:
-            grouped[chunk] = (future, view[at:at + padded], piece)
+            grouped[chunk] = (future, view[at:at + padded], (piece,))
 
     def piece_done(chunk: int) -> None:
         entry = grouped.pop(chunk, None)
         if entry is not None:
-            piece_users[entry[2]] -= 1
-            if not piece_users[entry[2]]:
-                free_pieces.append(entry[2])
+            for piece in entry[2]:
+                piece_users[piece] -= 1
+                if not piece_users[piece]:
+                    free_pieces.append(piece)
 
     def named(chunk: int, err: BaseException) -> BaseException:
         if isinstance(err, CorruptCheckpointError) and err.chunk is None:
@@ -475,11 +512,15 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             while reads and reads[0][1].done():
                 start_decode()
             finish_decode(block=False)
+            drained(wait=False)
             if arena is not None and chunk not in grouped and groupable(chunk):
                 while not free_pieces:  # every piece holds chunks outstanding: finish the oldest
-                    if not (reads or decodes):
+                    if draining:
+                        drained(wait=True)
+                    elif reads or decodes:
+                        advance_oldest()
+                    else:
                         raise RuntimeError("a read piece is held by no outstanding chunk")
-                    advance_oldest()
                 read_group(position)
             while ((inflight + cost > max_inflight_bytes
                     or (slot_limit is not None and len(reads) + len(decodes) >= slot_limit))
@@ -507,6 +548,33 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             future.cancel()
         raise
     return stored_total
+
+
+class _AllReads:
+    """The reads of the lead pieces one chunk lies in, as one read: done when all are; ``result``
+    waits for every one before it raises the first failure, so that none still writes the chunk's
+    bytes when the driver reads them again on their own."""
+
+    def __init__(self, futures: list[Future[Any]]):
+        self.futures = futures
+
+    def done(self) -> bool:
+        return all(future.done() for future in self.futures)
+
+    def result(self, timeout: float | None = None) -> None:
+        failure: BaseException | None = None
+        for future in self.futures:
+            try:
+                future.result(timeout=timeout)
+            except (TimeoutError, FutureTimeout):
+                raise
+            except BaseException as err:  # noqa: BLE001 - raised below, once every read has ended
+                failure = failure or err
+        if failure is not None:
+            raise failure
+
+    def cancel(self) -> bool:
+        return all([future.cancel() for future in self.futures])
 
 
 def _cost(record: Any) -> int:

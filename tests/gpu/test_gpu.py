@@ -547,6 +547,80 @@ def test_gpu_restore_reads_runs_of_chunks_with_one_kvikio_call(tmp_path, monkeyp
     assert info.value.chunk == chunks // 2
 
 
+def test_gpu_load_reads_ahead_while_the_index_is_parsed(tmp_path, monkeypatch):
+    """``load(device="cuda")`` (and ``load_into`` CUDA tensors) of a local file starts reading the
+    data region into the read arena's first pieces before it parses the index
+    (``api.resolve.lead_read``): a file that fits the lead needs no read after the index, and loads
+    bit-exact; a partial load reads no lead; a lead piece
+    whose read fails (EIO, once) only makes its chunks be read again on their own."""
+    from concurrent.futures import Future
+
+    from gdsckpt.api import in_place, reading
+    from gdsckpt.format import HEADER_REGION, TRAILER_SIZE
+    from gdsckpt.io.kvikio import KvikioReader
+    from gdsckpt.pipeline.gpu.staging import GROUP_READ_BYTES
+
+    events = []
+    failing = []
+    submit = KvikioReader.submit_read
+    open_checked = reading.open_checked
+
+    def counted(self, offset, out):
+        events.append(("read", offset, out.nbytes))
+        if failing and offset == failing[0]:
+            failing.clear()
+            failed = Future()
+            failed.set_exception(OSError(5, "Input/output error (injected)"))
+            return failed
+        return submit(self, offset, out)
+
+    def marked(reader):
+        events.append(("index",))
+        return open_checked(reader)
+
+    monkeypatch.setattr(KvikioReader, "submit_read", counted)
+    monkeypatch.setattr(reading, "open_checked", marked)
+    monkeypatch.setattr(in_place, "open_checked", marked)
+    state = _state()
+    state["big"] = torch.randn(60 << 20, device="cuda") * 0.02  # 240 MiB: a few lead pieces
+    state["big"][:4] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf")])
+    path = tmp_path / "x.gdsckpt"
+    gdsckpt.save(state, path, codec="ans")
+    size = path.stat().st_size
+    assert size - HEADER_REGION - TRAILER_SIZE <= 8 * GROUP_READ_BYTES  # the lead holds it all
+    with gdsckpt.open(path) as ckpt:
+        chunks = list(ckpt._opened.index.chunks)
+
+    events.clear()
+    _assert_same(gdsckpt.load(path, device="cuda"), state)
+    parsed = events.index(("index",))
+    lead = events[:parsed]
+    pieces = -(-(size - HEADER_REGION - TRAILER_SIZE) // GROUP_READ_BYTES)
+    assert len(lead) == pieces >= 3, events
+    assert [offset for _read, offset, _nbytes in lead] == [HEADER_REGION + i * GROUP_READ_BYTES for i in range(pieces)]
+    assert events[parsed + 1:] == [], "a chunk inside the lead was read again"
+
+    events.clear()  # load_into tensors on one GPU: the same lead, through its one kvikio reader
+    target = {"big": torch.zeros_like(state["big"])}
+    gdsckpt.load_into(target, path, strict=False)
+    assert bit_equal(target["big"], state["big"])
+    parsed = events.index(("index",))
+    assert len(events[:parsed]) == pieces and events[parsed + 1:] == []
+
+    events.clear()
+    got = gdsckpt.load(path, device="cuda", keys=["big"])
+    assert bit_equal(got["big"], state["big"])
+    assert events[0] == ("index",) and len(events) > 1
+
+    first_piece = [c for c in chunks if c.offset + c.stored <= HEADER_REGION + GROUP_READ_BYTES]
+    assert len(first_piece) >= 2
+    events.clear()
+    failing.append(HEADER_REGION)
+    _assert_same(gdsckpt.load(path, device="cuda"), state)
+    again = {offset for _read, offset, _nbytes in events[events.index(("index",)) + 1:]}
+    assert {c.offset for c in first_piece} <= again
+
+
 def test_gpu_kvikio_reader_close_waits_for_cancelled_reads(tmp_path):
     """Reads cancelled by a failing restore still run in kvikio's pool: ``KvikioReader.close``
     returns only after every one of them has finished (their bytes all landed)."""

@@ -20,6 +20,8 @@ most, ``arena_pieces``) into which the driver reads runs of consecutive chunks w
 call per ``group_read_bytes``; a chunk read that way is decoded from its view there, and its slot's
 read area serves only as the scratch the chain's transforms need. One call per chunk cost a
 restore up to the interpreter's switch interval per call (docs/performance.md, "Fast tiers").
+A restore whose reads began before its index was parsed (a ``LeadRead``, given to the decoder)
+gets the lead's pieces as its arena's first ones.
 
 Host destinations (``load(device="cpu")`` of a file only a GPU decodes): a copy from device memory
 into pageable host memory runs at a small fraction of one into pinned memory (docs/performance.md,
@@ -53,6 +55,7 @@ from ..engine import Decoder
 from .staging import (
     DECODE_SCRATCH,
     GROUP_READ_BYTES,
+    LeadRead,
     ReadArena,
     StagingRing,
     arena_pieces,
@@ -110,15 +113,21 @@ class GpuDecoder(WorkerOwner, Decoder):
 
     def __init__(self, *, device_id: int, max_staging_bytes: int, restore_staging_bytes: int | None = None,
                  batch_chunks: int = BATCH_CHUNKS, timeout: float = 600.0, device: DeviceBackend | None = None,
-                 reserved_bytes: int = 0, group_read_bytes: int = GROUP_READ_BYTES):
+                 reserved_bytes: int = 0, group_read_bytes: int = GROUP_READ_BYTES, lead: LeadRead | None = None):
+        if device is None and lead is not None:
+            device = lead.device  # the backend the lead's buffer came from
         self.device = device = backend_or_cuda(device, device_id)
         self.device_id = device_id
         self.device_places = device_id
-        self.max_staging_bytes = restore_staging_budget(max(device.free_bytes() - reserved_bytes, 0),
+        held = 0 if lead is None else lead.nbytes  # allocated already, and part of the budget
+        self.max_staging_bytes = restore_staging_budget(max(device.free_bytes() + held - reserved_bytes, 0),
                                                         max_staging_bytes, restore_staging_bytes)
         """The staging budget of this decoder's restores (``restore_staging_budget``, from the device
         memory free now less ``reserved_bytes``: destination arrays a restore makes after the
         decoder, ``pipeline.load.DeferredTargets``)."""
+        self.lead = lead
+        """A ``LeadRead`` of the file the next restore reads: its pieces become that restore's first
+        arena pieces (``reserve_reads``); it serves one restore."""
         self.timeout = timeout
         self.ring: StagingRing | None = None
         self.group_read_bytes = group_read_bytes
@@ -150,12 +159,18 @@ class GpuDecoder(WorkerOwner, Decoder):
         largest_stored = align_up(max(r.stored for r in records))
         read_area = max(largest_stored, largest_raw)
         pieces = arena_pieces(self.max_staging_bytes, self.group_read_bytes, largest_stored) if len(records) > 1 else 0
+        lead, self.lead = self.lead, None
+        if lead is not None and pieces and lead.piece_bytes == self.group_read_bytes:
+            # ``lead_read_pieces`` keeps it within half of the least budget: the ring keeps the rest
+            pieces = max(pieces, lead.pieces)
+        else:
+            lead = None  # no arena to hold it: its starter closes it, and every chunk is read as usual
         arena_bytes = pieces * self.group_read_bytes
         slots = ring_slots(self.max_staging_bytes - arena_bytes, read_area + largest_raw,
                            scratch_bytes(DECODE_SCRATCH, codecs, largest_raw), most=len(records))
         self._drop_staging()  # a restore's ring and arena replace any earlier ones
         self.ring = StagingRing(self.device, slots, read_area, largest_raw, timeout=self.timeout)
-        self.arena = ReadArena(self.device, pieces, self.group_read_bytes) if pieces else None
+        self.arena = ReadArena(self.device, pieces, self.group_read_bytes, lead) if pieces else None
         self.staging_bytes = self.ring.nbytes + arena_bytes
         self._read_slots = {}
         return slots

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Iterable
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ...codecs.nvcomp import MAX_CHUNK_BYTES
@@ -77,28 +78,110 @@ def arena_pieces(budget: int, piece_bytes: int, largest_stored: int) -> int:
     return pieces if pieces >= 2 and piece_bytes >= 2 * largest_stored else 0
 
 
-class ReadArena:
-    """``pieces`` device buffers of ``piece_bytes`` in one allocation, for grouped reads: the
-    restore driver reads a run of consecutive chunks into one piece with one storage call and
-    hands each chunk's decode a view of its bytes there; a piece is reused once every chunk read
-    into it has finished decoding (the driver tracks that: it sees every decode finish)."""
+LEAD_READ_SHARE = 2
+"""A lead read (``LeadRead``) takes at most ``1 / LEAD_READ_SHARE`` of the least staging budget
+the restore can get (``lead_read_pieces``); it becomes the first pieces of the restore's arena,
+which may then exceed its usual ``1 / GROUP_READ_SHARE`` share, never the budget."""
 
-    def __init__(self, device: Any, pieces: int, piece_bytes: int):
+
+def lead_read_pieces(floor: int, piece_bytes: int) -> int:
+    """Pieces of ``piece_bytes`` a lead read gets when the restore's staging budget will be at least
+    ``floor`` (``Config.max_staging_bytes``, or ``restore_staging_bytes`` where configured; the
+    budget is sized only after the index is read, ``restore_staging_budget``): up to
+    ``GROUP_READ_PIECES`` within ``1 / LEAD_READ_SHARE`` of it, or 0 where fewer than two fit."""
+    pieces = min(GROUP_READ_PIECES, floor // LEAD_READ_SHARE // max(piece_bytes, 1))
+    return pieces if pieces >= 2 else 0
+
+
+class LeadRead:
+    """The first ``length`` bytes of a file from ``start`` (its data region), read into device memory
+    in pieces of ``piece_bytes`` (one storage call each) while the file's index is still being read
+    and parsed, so that a restore's reads need not wait for it.
+
+    The bytes are a guess made before the index is known: the restore driver takes from them
+    every chunk to restore that lies wholly inside ``[start, start + length)`` (a chunk crossing
+    two pieces waits for both reads) and reads the others as usual; the pieces then serve as its
+    read arena's first pieces (``ReadArena``). Whoever started the lead read closes it after the
+    restore: ``close`` waits for its reads (a buffer is never released under a running read)."""
+
+    def __init__(self, device: Any, reader: Any, start: int, length: int, piece_bytes: int, *,
+                 timeout: float | None):
+        if length < 1 or piece_bytes < 1:
+            raise ValueError(f"a lead read needs bytes, got {length} in pieces of {piece_bytes}")
+        self.device = device
+        self.start = start
+        self.length = length
+        self.piece_bytes = piece_bytes
+        self.pieces = -(-length // piece_bytes)
+        self.nbytes = self.pieces * piece_bytes
+        self.timeout = timeout
+        self.buffer: Any = device.empty(self.nbytes)
+        self.futures: list[Any] = []
+        try:
+            for number in range(self.pieces):
+                at = number * piece_bytes
+                count = min(piece_bytes, length - at)
+                self.futures.append(reader.submit_read(start + at, self.buffer[at:at + count]))
+        except BaseException:
+            self.close()  # the reads already submitted finish before their buffer goes
+            raise
+
+    def piece(self, number: int) -> Any:
+        """Piece ``number``'s bytes (the last piece's tail past ``length`` is never read)."""
+        at = number * self.piece_bytes
+        return self.buffer[at:at + self.piece_bytes]
+
+    def close(self) -> None:
+        """Wait for every read (at most ``timeout`` each; a failed one is no error here: the
+        restore read its chunks again), then drop the buffer. ``TimeoutError`` where a read is
+        still running: the buffer stays referenced then."""
+        for future in self.futures:
+            try:
+                future.result(timeout=self.timeout)
+            except (TimeoutError, FutureTimeout):
+                raise TimeoutError(f"a lead read still running {self.timeout} s after its restore") from None
+            except Exception:  # noqa: BLE001 - the restore read these chunks again, or failed on its own
+                pass
+        self.futures = []
+        self.buffer = None
+
+
+class ReadArena:
+    """``pieces`` device buffers of ``piece_bytes``, for grouped reads: the restore driver reads a
+    run of consecutive chunks into one piece with one storage call and hands each chunk's decode a
+    view of its bytes there; a piece is reused once every chunk read into it has finished decoding
+    (the driver tracks that: it sees every decode finish). With a ``lead`` (``LeadRead``), its
+    pieces are the arena's first ``lead.pieces`` and one allocation holds the rest; otherwise one
+    allocation holds them all."""
+
+    def __init__(self, device: Any, pieces: int, piece_bytes: int, lead: LeadRead | None = None):
         if pieces < 1 or piece_bytes < 1:
             raise ValueError(f"a read arena needs pieces and bytes, got {pieces} x {piece_bytes}")
+        if lead is not None and (lead.piece_bytes != piece_bytes or lead.pieces > pieces):
+            raise ValueError(f"a lead read of {lead.pieces} x {lead.piece_bytes} bytes does not fit an arena "
+                             f"of {pieces} x {piece_bytes}")
         self.pieces = pieces
         self.piece_bytes = piece_bytes
         self.nbytes = pieces * piece_bytes
-        self.buffer: Any = device.empty(self.nbytes)
+        self.lead = lead
+        self._first = 0 if lead is None else lead.pieces
+        """The pieces before this are the lead's."""
+        rest = (pieces - self._first) * piece_bytes
+        self.buffer: Any = device.empty(rest) if rest else None
 
     def piece(self, number: int) -> Any:
         """Piece ``number``'s bytes."""
-        start = number * self.piece_bytes
+        if number < self._first:
+            assert self.lead is not None
+            return self.lead.piece(number)
+        start = (number - self._first) * self.piece_bytes
         return self.buffer[start:start + self.piece_bytes]
 
     def close(self) -> None:
-        """Drop the device buffer (views handed out keep it alive until they go)."""
+        """Drop the device buffer (views handed out keep it alive until they go); a lead read is
+        its starter's to close."""
         self.buffer = None
+        self.lead = None
 
 
 def restore_staging_budget(free_bytes: int, floor: int, explicit: int | None = None) -> int:
