@@ -47,14 +47,16 @@ class RecordingReader(StorageReader):
     name = "recording"
 
     def __init__(self, path: Path, *, seed: int = 0, fail_at: int | None = None,
-                 fail_covering: int | None = None, slow: tuple[int, ...] = ()):
+                 fail_covering: int | None = None, slow: tuple[int, ...] = (), slow_seconds: float = 0.05):
         self.inner = PosixReader(path, threads=4)
         self.size = self.inner.size
         self.calls: list[tuple[int, int]] = []
         self.fail_at = fail_at
         self.fail_covering = fail_covering
         self.slow = slow
-        """Calls (by number) that pause 50 ms (a lead read still running when the restore starts)."""
+        """Calls (by number) that pause ``slow_seconds`` (a lead read still running when the restore
+        starts)."""
+        self.slow_seconds = slow_seconds
         self.overlaps: list[tuple[int, int]] = []
         """Calls (offset, bytes) submitted into memory that a read still running fills."""
         self._running: dict[int, tuple[int, int]] = {}
@@ -77,7 +79,7 @@ class RecordingReader(StorageReader):
             failing = ((self.fail_at is not None and number == self.fail_at)
                        or (self.fail_covering is not None
                            and offset <= self.fail_covering < offset + out.nbytes))
-            pause = 0.05 if number in self.slow else self._random.uniform(0, 0.004)
+            pause = self.slow_seconds if number in self.slow else self._random.uniform(0, 0.004)
 
         def run() -> Any:
             try:
@@ -431,6 +433,31 @@ def test_unused_lead_pieces_take_new_reads_only_once_theirs_ended(tmp_path: Path
         assert not reader.overlaps, reader.overlaps
         assert len(reader.calls) > 4  # the two pieces were read into again
     assert got["big"].tobytes() == state["big"].tobytes()[window[big][0]:]
+
+
+def test_a_hung_lead_read_fails_the_restore_instead_of_taking_a_new_read(tmp_path: Path) -> None:
+    """A lead piece no chunk needs, whose read outlasts the restore's timeout: the restore raises
+    ``TimeoutError`` rather than read into the piece (the hung read may still fill it)."""
+    state = big_state(24)
+    path, flat = saved_file(tmp_path, state, codec="zstd")
+    keys = [a.key for a in flat.arrays]
+    big = keys.index("big")
+    window = {big: (state["big"].nbytes // 2, state["big"].nbytes)}
+    with RecordingReader(path, slow=(0, 1), slow_seconds=1.0) as reader:
+        index = open_file(reader).index
+        device = FakeDevice()
+        lead = lead_of(reader, device, 2 * PIECE)
+        dec = lead_decoder(device, lead, staging=GROUP_READ_SHARE * 2 * PIECE)
+        target = NumpyTarget(((window[big][1] - window[big][0]) // 4,), flat.arrays[big].dtype)
+        try:
+            with pytest.raises(TimeoutError):
+                run_restore(reader, index, dec, {big: target}, max_inflight_bytes=1 << 30, timeout=0.2,
+                            windows=window)
+        finally:
+            dec.close()
+            lead.close()
+        assert not reader.overlaps, reader.overlaps
+        assert len(reader.calls) == 2  # no read went into either piece
 
 
 def test_a_failed_lead_read_is_read_again_chunk_by_chunk(tmp_path: Path) -> None:

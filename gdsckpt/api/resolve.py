@@ -221,7 +221,8 @@ def lead_read(path: Source, config: Config, reader: StorageReader, gpu_device: i
               fills_device: bool = False) -> Iterator[Lead | None]:
     """Start reading the first bytes of a file's data region into memory of GPU ``gpu_device``
     before its index is parsed, for a restore whose GPU is known before the index (a load into a
-    named GPU, a ``load_into`` of tensors on one GPU) of a local file; yields the ``Lead`` (None
+    named GPU, a ``load_into`` of tensors on one GPU) of a local file or a ``PreloadedReader``
+    (the file in host memory); yields the ``Lead`` (None
     where it does not apply) and, on exit, waits for its reads and releases its buffer, then
     closes the device reader it opened. ``fills_device``: ``reader`` reads into device buffers
     itself (a kvikio reader), so the lead reads through it.
@@ -233,7 +234,10 @@ def lead_read(path: Source, config: Config, reader: StorageReader, gpu_device: i
     restore can get (``max_staging_bytes``, or ``restore_staging_bytes`` where set), so it fits the
     budget sized after the index, of which it becomes the first arena pieces. Nothing is allocated
     from the unvalidated index: the lead's size comes from the configuration and the file's size."""
-    if not LEAD_READS or gpu_device is None or not isinstance(path, (str, os.PathLike)) or is_url(path):
+    from ..io.memory import PreloadedReader
+
+    held = isinstance(path, PreloadedReader)  # copies into device buffers itself: the null source
+    if not LEAD_READS or gpu_device is None or not (held or isinstance(path, (str, os.PathLike))) or is_url(path):
         yield None
         return
     from ..format import HEADER_REGION, TRAILER_SIZE
@@ -247,7 +251,7 @@ def lead_read(path: Source, config: Config, reader: StorageReader, gpu_device: i
         return
     from ..codecs.device import backend_or_cuda
 
-    with contextlib.nullcontext(reader) if fills_device else open_data_reader(
+    with contextlib.nullcontext(reader) if fills_device or held else open_data_reader(
             path, config, reader, gpu_device) as data_reader:
         read = LeadRead(backend_or_cuda(None, gpu_device), data_reader, HEADER_REGION, length, GROUP_READ_BYTES,
                         timeout=config.timeout)

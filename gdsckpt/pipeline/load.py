@@ -25,7 +25,6 @@ write that memory between the read and the check of its CRC.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections import deque
 from collections.abc import Callable
@@ -406,8 +405,12 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
         """Free the unused lead pieces whose reads are done (with ``wait``, the oldest at least)."""
         while draining and (wait or draining[0][1].done()):
             number, future = draining.popleft()
-            with contextlib.suppress(OSError, CorruptCheckpointError):  # no chunk needs its bytes
+            try:
                 future.result(timeout=timeout)
+            except (TimeoutError, FutureTimeout):
+                raise  # a hung read may still fill the piece: no new read into it
+            except (OSError, CorruptCheckpointError):
+                pass  # no chunk needs its bytes
             free_pieces.append(number)
             wait = False
 

@@ -557,6 +557,7 @@ def test_gpu_load_reads_ahead_while_the_index_is_parsed(tmp_path, monkeypatch):
 
     from gdsckpt.api import in_place, reading
     from gdsckpt.format import HEADER_REGION, TRAILER_SIZE
+    from gdsckpt.io import PreloadedReader
     from gdsckpt.io.kvikio import KvikioReader
     from gdsckpt.pipeline.gpu.staging import GROUP_READ_BYTES
 
@@ -611,6 +612,18 @@ def test_gpu_load_reads_ahead_while_the_index_is_parsed(tmp_path, monkeypatch):
     got = gdsckpt.load(path, device="cuda", keys=["big"])
     assert bit_equal(got["big"], state["big"])
     assert events[0] == ("index",) and len(events) > 1
+
+    preloaded_submit = PreloadedReader.submit_read
+
+    def copied(self, offset, out):
+        events.append(("copy", offset, out.nbytes))
+        return preloaded_submit(self, offset, out)
+
+    monkeypatch.setattr(PreloadedReader, "submit_read", copied)
+    events.clear()  # the null source: the file held in pinned host memory, the lead copied from it
+    _assert_same(gdsckpt.load(PreloadedReader(path, pinned=True), device="cuda"), state)
+    parsed = events.index(("index",))
+    assert [entry[0] for entry in events[:parsed]] == ["copy"] * pieces and events[parsed + 1:] == [], events
 
     first_piece = [c for c in chunks if c.offset + c.stored <= HEADER_REGION + GROUP_READ_BYTES]
     assert len(first_piece) >= 2
