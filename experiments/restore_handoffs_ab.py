@@ -212,7 +212,7 @@ def main() -> int:
         print(f"  {way:18s} median {median * 1e3:8.1f} ms  {moved / median / 1e9:6.2f} GB/s  "
               f"x raw {raw_seconds / median:5.2f}  ({', '.join(f'{v * 1e3:.0f}' for v in values)})")
     if args.profile:
-        columns = ("setup_to_stream", "t_last_read", "t_stream_end", "worker_busy", "stream_waits",
+        columns = ("setup_to_stream", "t_first_read", "t_first_batch", "t_last_read", "t_stream_end", "worker_busy", "stream_waits",
                    "worker_queue_checked", "gc", "gc_full")
         print("per round, ms: total | " + " | ".join(columns))
         for way, rounds in stages.items():

@@ -692,7 +692,7 @@ class RecordingReader(MemoryReader):
 
 
 @pytest.mark.parametrize("codec", ["ans", "zstd", "none"])
-def test_deferred_targets_are_made_once_after_the_first_reads_and_restore_bit_exact(codec: str) -> None:
+def test_deferred_targets_are_made_one_by_one_as_their_chunks_come_and_restore_bit_exact(codec: str) -> None:
     state = weights(7)
     store, flat, _ = save_through(FakeDevice(), state, codec=codec)
     events: list[str] = []
@@ -700,17 +700,32 @@ def test_deferred_targets_are_made_once_after_the_first_reads_and_restore_bit_ex
     index = open_file(reader).index
     ids = list(range(len(flat.arrays)))
 
-    def make() -> dict[int, Any]:
-        events.append("targets")
-        return {i: DeviceMemoryTarget(a.shape, a.dtype) for i, a in enumerate(flat.arrays)}
+    def make(i: int) -> Any:
+        events.append(f"target {i}")
+        return DeviceMemoryTarget(flat.arrays[i].shape, flat.arrays[i].dtype)
 
     deferred = DeferredTargets(ids, make)
     dec = decoder(FakeDevice())
+    submit_decode = dec.submit_decode
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        events.append("decode")
+        return submit_decode(*args, **kwargs)
+
+    dec.submit_decode = noted  # type: ignore[method-assign]
     try:
         run_restore(reader, index, dec, deferred, max_inflight_bytes=1 << 30, timeout=TIMEOUT)
     finally:
         dec.close()
-    assert events.count("targets") == 1 and events[0] == "read"  # made once, after a read was under way
+    made = [event for event in events if event.startswith("target")]
+    assert sorted(made) == sorted(f"target {i}" for i in ids)  # each made once
+    assert events[0] == "read"  # after a read was under way
+    # each when the first chunk holding it comes: in the order of their first chunks, not all at once
+    first_chunk = {i: min(s.chunk for s in index.tensors[i].segments) for i in ids if index.tensors[i].segments}
+    order = [int(event.split()[1]) for event in made if int(event.split()[1]) in first_chunk]
+    assert [first_chunk[i] for i in order] == sorted(first_chunk[i] for i in order)
+    assert len(set(first_chunk.values())) > 2
+    assert events.index("decode") < events.index(made[-1])  # not all made before the first decode
     targets = deferred.resolve()
     assert_same({a.key: targets[i].finish() for i, a in enumerate(flat.arrays)}, state)
     # the decoder still wrote its device destinations itself
@@ -722,7 +737,7 @@ def test_deferred_targets_of_a_restore_without_chunks_are_still_made() -> None:
     store, _flat, _ = save_through(FakeDevice(), state, codec="ans")
     reader = MemoryReader(store, "ckpt")
     index = open_file(reader).index
-    deferred = DeferredTargets([0], lambda: {0: DeviceMemoryTarget((0,), np.float32)})
+    deferred = DeferredTargets([0], lambda _i: DeviceMemoryTarget((0,), np.float32))
     dec = decoder(FakeDevice())
     try:
         run_restore(reader, index, dec, deferred, max_inflight_bytes=1 << 30, timeout=TIMEOUT)
@@ -737,7 +752,7 @@ def test_a_failure_making_deferred_targets_fails_the_restore_and_returns_the_slo
     reader = MemoryReader(store, "ckpt")
     index = open_file(reader).index
 
-    def make() -> dict[int, Any]:
+    def make(_i: int) -> Any:
         raise MemoryError("no room for the destinations")
 
     dec = decoder(FakeDevice(), staging=4 * CHUNK * 2)
@@ -751,9 +766,9 @@ def test_a_failure_making_deferred_targets_fails_the_restore_and_returns_the_slo
 
 
 def test_deferred_targets_must_match_their_ids_and_need_a_device_decoder() -> None:
-    wrong = DeferredTargets([0, 1], lambda: {0: NumpyTarget((1,), "float32")})
-    with pytest.raises(ValueError, match="other arrays"):
-        wrong.resolve()
+    wrong = DeferredTargets([0, 1], lambda _i: NumpyTarget((1,), "float32"))
+    with pytest.raises(ValueError, match="not announced"):
+        wrong.take([2])
     state = weights(9)
     store, _flat, _ = save_through(FakeDevice(), state, codec="none", on_device=False)
     reader = MemoryReader(store, "ckpt")
@@ -761,7 +776,7 @@ def test_deferred_targets_must_match_their_ids_and_need_a_device_decoder() -> No
     engine = HostEngine([], codec="none", byte_planes="never", threads=1)
     try:
         with pytest.raises(ValueError, match="CPU engine needs its targets"):
-            run_restore(reader, index, engine, DeferredTargets([0], dict), max_inflight_bytes=1 << 30)
+            run_restore(reader, index, engine, DeferredTargets([0], NumpyTarget), max_inflight_bytes=1 << 30)
     finally:
         engine.close()
 

@@ -120,7 +120,7 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
     defer = new_targets and gpu_device is not None and engine is None and not delta and windows is None
     targets: dict[int, Any] | DeferredTargets
     if defer:
-        targets = DeferredTargets(data_ids, make_all)
+        targets = DeferredTargets(data_ids, lambda i: make_target(i, index.tensors[i]))
     else:
         targets = make_all()
         if delta:

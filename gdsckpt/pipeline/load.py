@@ -132,25 +132,33 @@ Delivery = tuple[int, int, int, int]
 
 
 class DeferredTargets:
-    """The targets of a restore, made only once its first chunk reads are under way: ``make()``
-    returns them (array id -> target) for exactly ``ids``. A decoder that writes device memory
-    itself (the GPU decoder) needs the destinations only when the first chunk is decoded, so the
-    storage reads while hundreds of destination arrays are allocated (docs/performance.md,
-    "Fast tiers"). ``resolve()`` makes them once and returns the same dict after."""
+    """The targets of a restore, each made only when the restore first decodes a chunk holding its
+    bytes: ``make(i)`` returns array ``i``'s target, for ``i`` in ``ids``. A decoder that writes
+    device memory itself (the GPU decoder) needs a destination only when a chunk of it is decoded,
+    so the storage reads, and the decoder works on the first chunks, while the rest of hundreds of
+    destination arrays are made: made all at once before the first decode, they held the decoder
+    back while the read arena filled (docs/performance.md, "Fast tiers"). ``take(ids)`` makes those
+    of ``ids`` not made yet and returns them; ``resolve()`` makes every one left and returns all."""
 
-    def __init__(self, ids: list[int], make: Callable[[], dict[int, ArrayTarget]]):
+    def __init__(self, ids: list[int], make: Callable[[int], ArrayTarget]):
         self.ids = ids
         self._make = make
-        self._made: dict[int, ArrayTarget] | None = None
+        self._announced = set(ids)
+        self._made: dict[int, ArrayTarget] = {}
+
+    def take(self, ids: list[int]) -> dict[int, ArrayTarget]:
+        """The targets of ``ids``, made where not made yet."""
+        for array_id in ids:
+            if array_id not in self._made:
+                if array_id not in self._announced:
+                    raise ValueError(f"deferred target {array_id} asked for but not announced")
+                self._made[array_id] = self._make(array_id)
+        return {array_id: self._made[array_id] for array_id in ids}
 
     def resolve(self) -> dict[int, ArrayTarget]:
-        """The targets, made on the first call."""
-        if self._made is None:
-            made = self._make()
-            if sorted(made) != sorted(self.ids):
-                raise ValueError("deferred targets made for other arrays than announced")
-            self._made = made
-        return self._made
+        """Every target, made where not made yet."""
+        self.take(self.ids)
+        return dict(self._made)
 
 
 def run_restore(reader: StorageReader, index: Index, engine: Engine,
@@ -161,8 +169,8 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine,
     """Fill ``targets`` (array id -> target) from the file; returns the stored bytes read.
 
     ``targets`` may be ``DeferredTargets`` where the engine decodes on a device (not the CPU
-    engine, which may read straight into a target's memory): they are made just before the first
-    chunk is decoded. ``windows``: array id -> byte range ``[start, stop)`` of that array to
+    engine, which may read straight into a target's memory): each is made just before the first
+    chunk holding its bytes is decoded. ``windows``: array id -> byte range ``[start, stop)`` of that array to
     restore (its target holds just those bytes); only the chunks overlapping the range are read."""
     deferred = targets if isinstance(targets, DeferredTargets) else None
     made: dict[int, ArrayTarget] = {} if isinstance(targets, DeferredTargets) else targets
@@ -194,13 +202,21 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine,
     host_only: set[int] = set()
     places: dict[int, list[tuple[int, int, int]]] = {}
 
-    def know_destinations() -> None:
-        """Fill ``made``, ``host_only`` and ``places`` (called before the first decode)."""
-        if deferred is not None:
-            made.update(deferred.resolve())
-        host_only.update(chunk for chunk, wanted in deliveries.items()
+    def know_destinations(chunks: dict[int, list[Delivery]]) -> None:
+        """Fill ``host_only`` and ``places`` for ``chunks`` (chunk -> its deliveries), whose
+        targets are in ``made``."""
+        host_only.update(chunk for chunk, wanted in chunks.items()
                          if not any(getattr(made[array_id], "on_device", True) for array_id, *_rest in wanted))
-        places.update(_device_places(engine, made, deliveries))
+        places.update(_device_places(engine, made, chunks))
+
+    def know_chunk(chunk: int) -> None:
+        """Make the deferred targets of ``chunk``'s arrays, then note where its bytes go (called
+        before the chunk's decode)."""
+        wanted = deliveries.get(chunk)
+        if deferred is None or not wanted:
+            return
+        made.update(deferred.take([array_id for array_id, *_rest in wanted if array_id not in made]))
+        know_destinations({chunk: wanted})
 
     def deliver_to_targets(chunk: int) -> Callable[[Any], None]:
         if chunk in direct:
@@ -217,13 +233,13 @@ def run_restore(reader: StorageReader, index: Index, engine: Engine,
         return deliver
 
     if deferred is None:
-        know_destinations()
+        know_destinations(deliveries)
     stored = _stream_chunks(reader, index, engine, sorted(deliveries), deliver_to_targets,
                             max_inflight_bytes=max_inflight_bytes, timeout=timeout, direct=direct,
                             progress=progress, to_host=host_only, places=places, into=into,
-                            before_first_decode=know_destinations if deferred is not None else None)
+                            before_decode=know_chunk if deferred is not None else None)
     if deferred is not None:
-        deferred.resolve()  # no chunk to decode (nothing but empty arrays): the targets still
+        deferred.resolve()  # arrays no chunk holds (empty ones) are made too
     return stored
 
 
@@ -349,13 +365,13 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
                    progress: Callable[[int, int], None] | None = None, to_host: set[int] | None = None,
                    places: dict[int, list[tuple[int, int, int]]] | None = None,
                    into: dict[int, Any] | None = None,
-                   before_first_decode: Callable[[], None] | None = None) -> int:
+                   before_decode: Callable[[int], None] | None = None) -> int:
     """Read ``chunks`` and decode each as its read lands; ``progress(done, total)`` (raw bytes
     decoded so far) is called in this thread. ``to_host``: the chunks whose every destination is
     host memory; ``places``: chunk -> its device destinations; ``into``: chunk -> the host memory
     taking its whole raw bytes (all three ``Decoder.submit_decode``'s; read at each decode).
-    ``before_first_decode``: called once, in this thread, after the first reads are submitted and
-    before the first chunk is handed to the engine (it may fill ``to_host`` and ``places``)."""
+    ``before_decode(chunk)``: called in this thread before each chunk is handed to the engine,
+    while its read may still run (it may fill ``to_host`` and ``places`` for that chunk)."""
     reads: deque[tuple[int, Future[Any], Any]] = deque()
     decodes: deque[tuple[int, Future[None], int]] = deque()
     inflight = 0
@@ -459,11 +475,9 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             raise err
         raise renamed from err
 
-    pending_setup = [before_first_decode] if before_first_decode is not None else []
-
     def start_decode() -> None:
-        if pending_setup:
-            pending_setup.pop()()  # while the reads already submitted run
+        if before_decode is not None:
+            before_decode(reads[0][0])  # while its read may still run
         chunk, future, buffer = reads.popleft()
         record = index.chunks[chunk]
         try:
