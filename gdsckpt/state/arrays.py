@@ -55,6 +55,30 @@ def array_range(array: Any, start: int, stop: int, xp: Any) -> Any:
     return xp.concatenate(pieces)
 
 
+def read_on_cupy_stream(tensor: Any, *, made: bool) -> None:
+    """Order the read of CUDA ``tensor`` on CuPy's current stream (the GPU encoder's, a
+    non-blocking stream: nothing orders it after torch's) after the work queued so far on torch's
+    current stream, which may still be writing it (a copy of a non-contiguous range, a rounding).
+    ``made``: the tensor was made for this read and is dropped once the read is queued, so torch's
+    allocator is told that CuPy's stream uses its memory (``record_stream``); otherwise it could
+    hand the memory to a new tensor, and a kernel write it, before the queued read ran.
+
+    Without the wait, a save of transposed CUDA views stored stale bytes under a valid checksum
+    while another thread kept torch's stream busy (tests/gpu/test_gpu_reliability.py)."""
+    import cupy
+    import torch
+
+    reader = cupy.cuda.get_current_stream()
+    writer = torch.cuda.current_stream(tensor.device)
+    if reader.ptr == writer.cuda_stream:
+        return
+    done = torch.cuda.Event()
+    done.record(writer)
+    cupy.cuda.runtime.streamWaitEvent(reader.ptr, done.cuda_event)
+    if made:
+        tensor.record_stream(torch.cuda.ExternalStream(reader.ptr, device=tensor.device))
+
+
 @dataclass
 class _SourceBase:
     nbytes: int
@@ -93,7 +117,12 @@ class TorchSource(_SourceBase):
         import cupy
 
         part = self._part(start, stop)
-        return cupy.asarray(part if part.device.type == "cuda" else part.numpy())
+        if part.device.type != "cuda":
+            return cupy.asarray(part.numpy())
+        # a non-contiguous range is a new tensor torch copied on its current stream
+        made = part.untyped_storage().data_ptr() != self.tensor.untyped_storage().data_ptr()
+        read_on_cupy_stream(part, made=made)
+        return cupy.asarray(part)
 
     def device_span(self, start: int, stop: int) -> int | None:
         """The device address of bytes ``[start, stop)`` where they are one contiguous range of a

@@ -80,6 +80,7 @@ import numpy as np
 
 from ..errors import LossyWarning
 from . import FlatState, NumpySource, TorchSource
+from .arrays import read_on_cupy_stream
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 """Dtypes a policy rounds; arrays of other dtypes are stored losslessly whatever their key."""
@@ -446,10 +447,9 @@ class RoundedSource:
 
             return cupy.asarray(self.host_bytes(start, stop))
         if rounded.is_cuda:
-            import torch
-
-            # torch rounded on its own current stream; the GPU engine reads on another one.
-            torch.cuda.current_stream(rounded.device).synchronize()
+            # torch rounded on its own current stream; the GPU engine reads on another one, and
+            # ``rounded`` is dropped once that read is queued
+            read_on_cupy_stream(rounded, made=True)
         return TorchSource(rounded, self.dtype).device_bytes(0, stop - start)
 
 

@@ -673,3 +673,45 @@ def test_cuda_tensor_on_another_gpu_than_the_load_device(tmp_path: Path) -> None
     assert torch.equal(back.cpu().view(torch.int32), tensor.cpu().view(torch.int32))
     again = gdsckpt.load(path, device="cuda:1")["w"]
     assert again.device == torch.device("cuda:1") and torch.equal(again.view(torch.int32), tensor.view(torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# streams
+
+
+def test_non_contiguous_cuda_tensors_save_bit_exact_while_torch_is_busy(tmp_path: Path) -> None:
+    """The GPU encoder reads on a non-blocking stream of its own; a non-contiguous CUDA tensor's
+    bytes are first copied by torch on torch's current stream. Another thread keeps that stream
+    busy during the save (the copies queue behind its matrix products): every saved byte must be
+    the tensor's, in packed chunks (small views) and in chunks of one large view, with the ANS
+    and the Zstd path. Before the encoder's stream waited for torch's, the small views were
+    saved as stale memory under valid checksums."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    state = {f"small{i}": torch.randn(300, 257, device="cuda", generator=g).t() for i in range(24)}
+    state["large"] = torch.randn(4096, 2304, device="cuda", generator=g).t()  # 36 MiB: several chunks
+    assert not any(t.is_contiguous() for t in state.values())
+    square = torch.randn(4096, 4096, device="cuda", generator=g)
+    stop = threading.Event()
+
+    def keep_torch_busy() -> None:
+        while not stop.is_set():
+            for _ in range(8):
+                torch.mm(square, square)  # on the default stream, which every thread shares
+            time.sleep(0.002)
+
+    busy = threading.Thread(target=keep_torch_busy, daemon=True)
+    busy.start()
+    wrong: list[str] = []
+    try:
+        for round_number, codec in enumerate(["ans", "zstd", "ans", "zstd"]):
+            path = tmp_path / f"views{round_number}.gdsckpt"
+            report = gdsckpt.save(state, path, codec=codec, config=gdsckpt.Config(max_staging_bytes=2 << 30))
+            assert report.engine == "gpu", report
+            loaded = gdsckpt.load(path, device="cuda")
+            torch.cuda.synchronize()
+            wrong += [f"{codec} {key}" for key, tensor in state.items()
+                      if not torch.equal(loaded[key].view(torch.int32), tensor.contiguous().view(torch.int32))]
+    finally:
+        stop.set()
+        busy.join(timeout=60)
+    assert not wrong, wrong
