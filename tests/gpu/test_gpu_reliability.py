@@ -679,13 +679,15 @@ def test_cuda_tensor_on_another_gpu_than_the_load_device(tmp_path: Path) -> None
 # streams
 
 
-def test_non_contiguous_cuda_tensors_save_bit_exact_while_torch_is_busy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("other_thread", ["queues work on torch's stream", "reuses torch's freed memory"])
+def test_non_contiguous_cuda_tensors_save_bit_exact_beside_other_torch_work(tmp_path: Path, other_thread: str) -> None:
     """The GPU encoder reads on a non-blocking stream of its own; a non-contiguous CUDA tensor's
-    bytes are first copied by torch on torch's current stream. Another thread keeps that stream
-    busy during the save (the copies queue behind its matrix products): every saved byte must be
-    the tensor's, in packed chunks (small views) and in chunks of one large view, with the ANS
-    and the Zstd path. Before the encoder's stream waited for torch's, the small views were
-    saved as stale memory under valid checksums."""
+    bytes are first copied by torch, on torch's current stream, into a tensor dropped once the
+    encoder's read is queued. Another thread either keeps torch's stream busy (the copies queue
+    behind its matrix products) or keeps allocating tensors of the copies' sizes and filling them
+    (it gets a dropped copy's memory as soon as torch's allocator hands it out): every saved byte
+    must still be the tensor's, in packed chunks (small views) and in chunks of one large view,
+    with the ANS and the Zstd path."""
     g = torch.Generator(device="cuda").manual_seed(3)
     state = {f"small{i}": torch.randn(300, 257, device="cuda", generator=g).t() for i in range(24)}
     state["large"] = torch.randn(4096, 2304, device="cuda", generator=g).t()  # 36 MiB: several chunks
@@ -693,19 +695,28 @@ def test_non_contiguous_cuda_tensors_save_bit_exact_while_torch_is_busy(tmp_path
     square = torch.randn(4096, 4096, device="cuda", generator=g)
     stop = threading.Event()
 
-    def keep_torch_busy() -> None:
+    def queue_work() -> None:
         while not stop.is_set():
             for _ in range(8):
                 torch.mm(square, square)  # on the default stream, which every thread shares
             time.sleep(0.002)
 
-    busy = threading.Thread(target=keep_torch_busy, daemon=True)
-    busy.start()
+    def reuse_memory() -> None:
+        sizes = [300 * 257, 4096 * 1024, 2304 * 1024]  # a small view's copy, pieces of the large one's
+        value = 0.0
+        while not stop.is_set():
+            for size in sizes:
+                value += 1.0
+                torch.empty(size, device="cuda").fill_(value)  # dropped at once: the block goes back
+
+    other = threading.Thread(target=queue_work if other_thread.startswith("queues") else reuse_memory, daemon=True)
+    other.start()
     wrong: list[str] = []
     try:
         for round_number, codec in enumerate(["ans", "zstd", "ans", "zstd"]):
             path = tmp_path / f"views{round_number}.gdsckpt"
-            report = gdsckpt.save(state, path, codec=codec, config=gdsckpt.Config(max_staging_bytes=2 << 30))
+            report = gdsckpt.save(state, path, codec=codec,
+                                  config=gdsckpt.Config(engine="gpu", max_staging_bytes=2 << 30))
             assert report.engine == "gpu", report
             loaded = gdsckpt.load(path, device="cuda")
             torch.cuda.synchronize()
@@ -713,5 +724,5 @@ def test_non_contiguous_cuda_tensors_save_bit_exact_while_torch_is_busy(tmp_path
                       if not torch.equal(loaded[key].view(torch.int32), tensor.contiguous().view(torch.int32))]
     finally:
         stop.set()
-        busy.join(timeout=60)
+        other.join(timeout=60)
     assert not wrong, wrong
