@@ -692,16 +692,18 @@ def test_non_contiguous_cuda_tensors_save_bit_exact_beside_other_torch_work(tmp_
     state = {f"small{i}": torch.randn(300, 257, device="cuda", generator=g).t() for i in range(24)}
     state["large"] = torch.randn(4096, 2304, device="cuda", generator=g).t()  # 36 MiB: several chunks
     assert not any(t.is_contiguous() for t in state.values())
-    square = torch.randn(4096, 4096, device="cuda", generator=g)
+    square = torch.randn(2048, 2048, device="cuda", generator=g)
     stop = threading.Event()
 
     def queue_work() -> None:
+        torch.cuda.set_device(square.device)  # a thread sets its device before touching it
         while not stop.is_set():
-            for _ in range(8):
+            for _ in range(4):
                 torch.mm(square, square)  # on the default stream, which every thread shares
             time.sleep(0.002)
 
     def reuse_memory() -> None:
+        torch.cuda.set_device(square.device)
         sizes = [300 * 257, 4096 * 1024, 2304 * 1024]  # a small view's copy, pieces of the large one's
         value = 0.0
         while not stop.is_set():
