@@ -63,8 +63,11 @@ def read_on_cupy_stream(tensor: Any, *, made: bool) -> None:
     allocator is told that CuPy's stream uses its memory (``record_stream``); otherwise it could
     hand the memory to a new tensor, and a kernel write it, before the queued read ran.
 
-    Without the wait, a save of transposed CUDA views stored stale bytes under a valid checksum
-    while another thread kept torch's stream busy (tests/gpu/test_gpu_reliability.py)."""
+    CuPy's import of a torch tensor already waits for the stream torch names in it; what this adds
+    is the ordering where that stream is not the one torch copied on, and the memory's lifetime.
+    One GPU test once loaded a transposed CUDA view with other bytes than saved (valid checksums:
+    the wrong bytes were written); it did not recur, and the stress test beside it
+    (tests/gpu/test_gpu_reliability.py) passed without this guard too: a guard, not a measured fix."""
     import cupy
     import torch
 

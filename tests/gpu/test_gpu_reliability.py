@@ -687,7 +687,8 @@ def test_non_contiguous_cuda_tensors_save_bit_exact_beside_other_torch_work(tmp_
     behind its matrix products) or keeps allocating tensors of the copies' sizes and filling them
     (it gets a dropped copy's memory as soon as torch's allocator hands it out): every saved byte
     must still be the tensor's, in packed chunks (small views) and in chunks of one large view,
-    with the ANS and the Zstd path."""
+    with the ANS and the Zstd path. (``state.arrays.read_on_cupy_stream`` guards both; this test
+    also passed on the GPU host with the guard disabled.)"""
     g = torch.Generator(device="cuda").manual_seed(3)
     state = {f"small{i}": torch.randn(300, 257, device="cuda", generator=g).t() for i in range(24)}
     state["large"] = torch.randn(4096, 2304, device="cuda", generator=g).t()  # 36 MiB: several chunks
