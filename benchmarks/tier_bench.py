@@ -220,6 +220,15 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
     marks: dict[str, list[float]] = {"stream": [], "submits": [], "batches": [], "open": [], "restore": [],
                                      "engine": []}
     sizes: list[int] = []
+    issued: list[tuple[float, int]] = []
+    """(time, bytes) of every storage read the restore submitted (the lead's before its stream):
+    whether the driver issues reads at the storage's pace or behind it."""
+
+    def mark_read(original: Any) -> Any:
+        def submit_read(self: Any, offset: int, out: Any) -> Any:
+            issued.append((time.perf_counter(), int(out.nbytes)))
+            return original(self, offset, out)
+        return submit_read
 
     def mark_submit(original: Any) -> Any:
         def submitted(*args: Any, **kwargs: Any) -> Any:
@@ -250,6 +259,8 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
 
     from gdsckpt.api import checkpoint as checkpoint_module
     from gdsckpt.api import reading as reading_module
+    from gdsckpt.io import PreloadedReader
+    from gdsckpt.io.kvikio import KvikioReader
     from gdsckpt.pipeline import load as load_module
 
     patches = []
@@ -258,7 +269,9 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
                                  (checkpoint_module, "restore_engine", mark_span("engine")),
                                  (load_module, "_stream_chunks", mark_span("stream")),
                                  (decoder_module.GpuDecoder, "submit_decode", mark_submit),
-                                 (decoder_module.GpuDecoder, "_decode_batch", mark_batch)):
+                                 (decoder_module.GpuDecoder, "_decode_batch", mark_batch),
+                                 (KvikioReader, "submit_read", mark_read),
+                                 (PreloadedReader, "submit_read", mark_read)):
         original = getattr(owner, name)
         setattr(owner, name, wrapper(original))
         patches.append((owner, name, original))
@@ -290,6 +303,17 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
                           setup_to_stream=zero - marks["open"][0] if marks["open"] else float("nan"),
                           after_stream=(marks["restore"][1] - marks["stream"][1]) if marks["restore"] else float("nan"),
                           batch_chunks_mean=float(np.mean(sizes)), batch_chunks_max=float(max(sizes)))
+            if issued:
+                # when a quarter, half, three quarters and all of the read bytes had been issued
+                total, done = sum(nbytes for _at, nbytes in issued), 0
+                marks_at = iter((0.25, 0.5, 0.75, 1.0))
+                share = next(marks_at)
+                for at, nbytes in issued:
+                    done += nbytes
+                    while share is not None and done >= share * total:
+                        totals[f"t_issued_{int(share * 100)}"] = at - zero
+                        share = next(marks_at, None)
+                totals["reads_issued"] = len(issued)
         if cprofile:
             for direction, profiler in profilers.items():
                 text = io.StringIO()
