@@ -305,14 +305,10 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
                           batch_chunks_mean=float(np.mean(sizes)), batch_chunks_max=float(max(sizes)))
             if issued:
                 # when a quarter, half, three quarters and all of the read bytes had been issued
-                total, done = sum(nbytes for _at, nbytes in issued), 0
-                marks_at = iter((0.25, 0.5, 0.75, 1.0))
-                share = next(marks_at)
-                for at, nbytes in issued:
-                    done += nbytes
-                    while share is not None and done >= share * total:
-                        totals[f"t_issued_{int(share * 100)}"] = at - zero
-                        share = next(marks_at, None)
+                at, issued_bytes = np.array([t for t, _n in issued]), np.cumsum([n for _t, n in issued])
+                for percent in (25, 50, 75, 100):
+                    first = int(np.searchsorted(issued_bytes, issued_bytes[-1] * percent / 100))
+                    totals[f"t_issued_{percent}"] = float(at[first]) - zero
                 totals["reads_issued"] = len(issued)
         if cprofile:
             for direction, profiler in profilers.items():

@@ -383,7 +383,9 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
     slot_limit = engine.reserve_reads(reading, sorted({index.chains[r.chain][-1]["name"] for r in reading}))
     # Grouped reads (``Decoder.read_arena``): runs of consecutive chunks read by one call each.
     arena = engine.read_arena() if reading else None
-    free_pieces = list(range(arena.pieces)) if arena is not None else []
+    lead = arena.lead if arena is not None else None
+    # a lead read's pieces (the arena's first) are taken: by the chunks inside them, or draining
+    free_pieces = list(range(lead.pieces if lead is not None else 0, arena.pieces)) if arena is not None else []
     grouped: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}
     """Chunk -> (its group's read, its bytes in the arena, its pieces), until its decode finishes."""
     piece_users: dict[int, int] = {}
@@ -394,13 +396,10 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
     def groupable(chunk: int) -> bool:
         return index.chunks[chunk].stored > 0 and not (direct and chunk in direct)
 
-    lead = arena.lead if arena is not None else None
     if lead is not None:
         # The chunks inside the lead read are read already: each takes its bytes there, and waits
         # for the read of every piece it lies in.
-        for number in range(lead.pieces):
-            free_pieces.remove(number)
-            piece_users[number] = 0
+        piece_users.update(dict.fromkeys(range(lead.pieces), 0))
         for chunk in chunks:
             record = index.chunks[chunk]
             end = record.offset + align_up(record.stored)
