@@ -31,21 +31,36 @@ def _free(port: int) -> bool:
     return True
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux's default where unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+PORT_FLOOR = 10000
+"""The lowest port ``free_ports`` hands out."""
+
+
 def free_ports(count: int) -> list[int]:
-    """``count`` ports whose gRPC twins (+10000) are free too, from the ephemeral range's lower
-    half (so that the twins stay below 65536)."""
+    """``count`` ports whose gRPC twins (+10000) are free too, both below the kernel's ephemeral
+    range: a port inside it may be taken at any moment by an outgoing connection (weed's own: the
+    gRPC twin of an S3 port chosen free was once bound by the time weed listened on it). The
+    search starts at a port that differs between processes, so parallel runs spread out."""
+    ceiling = max(_ephemeral_floor() - GRPC_OFFSET, PORT_FLOOR + 4 * count)
+    span = ceiling - PORT_FLOOR
     found: list[int] = []
     with socket.socket() as anchor:
         anchor.bind(("127.0.0.1", 0))
-        start = 20000 + anchor.getsockname()[1] % 20000
-    port = start
-    while len(found) < count:
-        if port + GRPC_OFFSET >= 65536:
-            port = 20000
+        offset = anchor.getsockname()[1] % span
+    for step in range(span):
+        port = PORT_FLOOR + (offset + step) % span
         if _free(port) and _free(port + GRPC_OFFSET):
             found.append(port)
-        port += 1
-    return found
+            if len(found) == count:
+                return found
+    raise RuntimeError(f"no {count} free ports with free gRPC twins in [{PORT_FLOOR}, {ceiling})")
 
 
 class SeaweedServer:
