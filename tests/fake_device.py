@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+import weakref
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -125,6 +126,12 @@ class FakeDevice:
         """Operation ("encode", "decode", "crc32c", "upload", "codec") -> error its next call raises."""
         self.garble_lossy = False
         self.allocated = Counter[str]()
+        self.live_bytes = 0
+        """"Device" bytes allocated by ``empty`` and still referenced (views keep their base alive,
+        as a CuPy view keeps its memory)."""
+        self.peak_bytes = 0
+        """The most ``live_bytes`` reached."""
+        self._live_lock = threading.Lock()
         self.device_threads: set[int] = set()
         self.closed = 0
         self.free = 16 << 30
@@ -170,7 +177,16 @@ class FakeDevice:
         """New "device" memory, filled with ``GARBAGE``."""
         self.allocated["bytes"] += nbytes
         self.allocated["arrays"] += 1
-        return np.full(nbytes, GARBAGE, dtype=np.uint8)
+        array = np.full(nbytes, GARBAGE, dtype=np.uint8)
+        with self._live_lock:
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(array, self._released, nbytes)
+        return array
+
+    def _released(self, nbytes: int) -> None:
+        with self._live_lock:
+            self.live_bytes -= nbytes
 
     def free_bytes(self) -> int:
         return self.free

@@ -577,3 +577,42 @@ def test_lead_reads_only_where_the_gpu_is_known_and_the_file_local(tmp_path: Pat
         monkeypatch.setattr(resolve, "LEAD_READS", False)
         with resolve.lead_read(path, Config(), reader, 0) as lead:
             assert lead is None
+
+
+def test_a_lead_the_decoder_cannot_hold_goes_before_its_ring_is_allocated(tmp_path: Path) -> None:
+    """The lead takes half of the budget and the decoder's pieces are of another size (no arena):
+    its ring fills the budget, so the lead must be released (once its reads end) before the ring
+    is allocated, or the two together exceed the budget."""
+    state = big_state(30)
+    path, flat = saved_file(tmp_path, state, codec="ans")  # no decode scratch: the ring takes the budget
+    staging = 8 * PIECE
+    with RecordingReader(path, slow=(0,)) as reader:
+        device = FakeDevice()
+        lead = lead_of(reader, device, lead_read_pieces(staging, PIECE) * PIECE)
+        dec = lead_decoder(device, lead, staging=staging, piece=2 * PIECE)
+        got = restore(reader, flat, dec)
+        assert lead.buffer is None and not reader.overlaps
+        lead.close()  # the starter's close: nothing left to do
+    assert_same(got, state)
+    assert dec.staging_bytes > staging // 2  # the ring alone takes more than the lead left
+    assert device.peak_bytes <= staging, (device.peak_bytes, staging)
+
+
+def test_an_adopted_lead_goes_with_its_arena(tmp_path: Path) -> None:
+    """A ``load_into`` restores in phases, each with a decoder of its own: the lead the first
+    phase's arena adopted is released when that decoder closes, so the next phase's ring and
+    arena have the whole budget to themselves."""
+    state = big_state(31)
+    path, flat = saved_file(tmp_path, state, codec="zstd")
+    staging = 16 * PIECE
+    ids = list(range(len(flat.arrays)))
+    with RecordingReader(path) as reader:
+        device = FakeDevice()
+        lead = lead_of(reader, device, lead_read_pieces(staging, PIECE) * PIECE)
+        first = restore(reader, flat, lead_decoder(device, lead, staging=staging), ids=ids[:1])
+        assert lead.buffer is None  # closed with the first decoder's arena
+        assert device.live_bytes == 0, device.live_bytes
+        second = restore(reader, flat, lead_decoder(device, None, staging=staging), ids=ids[1:])
+        lead.close()
+    assert_same({**first, **second}, state)
+    assert device.peak_bytes <= staging, (device.peak_bytes, staging)

@@ -82,7 +82,8 @@ def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
         gpu_device = restore_gpu_device(cfg, single_destination(location, (index.tensors[i] for i in wanted)),
                                         index, wanted)
         if lead is not None and lead.gpu_device != gpu_device:
-            lead = None  # not this restore's device: closed on exit, unused
+            lead.read.close()  # not this restore's device: released before the restore allocates
+            lead = None
         try:
             data_reader = (lead.reader if lead is not None
                            else stack.enter_context(open_data_reader(path, cfg, reader, gpu_device)))

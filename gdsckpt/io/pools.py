@@ -100,6 +100,10 @@ class WorkerPool:
                 # A lane delivers its tasks' errors through their futures; this only keeps the
                 # worker (which the pool counts on) alive should that bookkeeping itself fail.
                 pass
+            # An idle worker must not keep its last task: the task holds its arguments and its
+            # future (a read's buffer, a chunk's bytes), which would stay allocated, outside every
+            # memory bound, until this thread's next task.
+            del task
 
 
 _POOLS: dict[str, WorkerPool] = {}

@@ -132,6 +132,32 @@ def test_a_lane_runs_at_most_its_thread_count_in_a_bigger_pool() -> None:
         assert narrow.close(HANG_GUARD) and wide.close(HANG_GUARD)
 
 
+def test_an_idle_worker_keeps_nothing_of_its_last_task() -> None:
+    """A task's arguments and result (a read's buffer, a chunk's bytes) go once the caller drops
+    its future: the pool's threads live as long as the process, so one holding its last task would
+    keep that memory allocated outside every bound until its next task."""
+    import weakref
+
+    class Buffer:
+        pass
+
+    lane = Lane("io", 2)
+    gone = []
+    try:
+        for _ in range(4):
+            buffer = Buffer()
+            gone.append(threading.Event())
+            weakref.finalize(buffer, gone[-1].set)
+            future = lane.submit(lambda b: b, buffer)
+            assert future.result(HANG_GUARD) is buffer
+            del future, buffer
+        deadline = time.monotonic() + 10  # the worker drops it right after settling the future
+        for event in gone:
+            assert event.wait(max(0.0, deadline - time.monotonic())), "a worker still holds a finished task"
+    finally:
+        assert lane.close(HANG_GUARD)
+
+
 def test_a_forked_child_starts_pools_of_its_own(tmp_path: Path) -> None:
     # The parent's workers do not exist in a forked child: a child that believed it had them
     # would queue its tasks for nobody (then fail after Config.timeout).

@@ -163,8 +163,11 @@ class GpuDecoder(WorkerOwner, Decoder):
         if lead is not None and pieces and lead.piece_bytes == self.group_read_bytes:
             # ``lead_read_pieces`` keeps it within half of the least budget: the ring keeps the rest
             pieces = max(pieces, lead.pieces)
-        else:
-            lead = None  # no arena to hold it: its starter closes it, and every chunk is read as usual
+        elif lead is not None:
+            # No arena to hold it: every chunk is read as usual. Its buffer is not part of the ring
+            # sized next, so it goes first (once its reads end): the two never exceed the budget.
+            lead.close()
+            lead = None
         arena_bytes = pieces * self.group_read_bytes
         slots = ring_slots(self.max_staging_bytes - arena_bytes, read_area + largest_raw,
                            scratch_bytes(DECODE_SCRATCH, codecs, largest_raw), most=len(records))
@@ -215,13 +218,15 @@ class GpuDecoder(WorkerOwner, Decoder):
         """Stop the worker and release the ring (``WorkerOwner.close``), the read arena, the bounce
         buffer and its copy threads."""
         super().close()
-        if self.arena is not None:  # the ring stays readable after close, as the encoder's does
-            self.arena.close()
-            self.arena = None
-        self._bounce = None
-        if self._host_copies is not None:
-            self._host_copies.close(self.timeout)
-            self._host_copies = None
+        arena, self.arena = self.arena, None  # the ring stays readable after close, as the encoder's does
+        try:
+            if arena is not None:
+                arena.close()  # waits for a lead read's last reads: it may raise TimeoutError
+        finally:
+            self._bounce = None
+            if self._host_copies is not None:
+                self._host_copies.close(self.timeout)
+                self._host_copies = None
 
     # -- the worker's batch --------------------------------------------------------------------
     def _decode_batch(self, jobs: list[DecodeJob]) -> None:

@@ -101,8 +101,11 @@ class LeadRead:
     The bytes are a guess made before the index is known: the restore driver takes from them
     every chunk to restore that lies wholly inside ``[start, start + length)`` (a chunk crossing
     two pieces waits for both reads) and reads the others as usual; the pieces then serve as its
-    read arena's first pieces (``ReadArena``). Whoever started the lead read closes it after the
-    restore: ``close`` waits for its reads (a buffer is never released under a running read)."""
+    read arena's first pieces (``ReadArena``), and the arena closes the lead with itself. A decoder
+    that cannot hold the lead closes it before allocating its own staging, so the lead never adds to
+    a budget it is not part of. Whoever started the lead read closes it after the restore too (a
+    second ``close`` does nothing): ``close`` waits for its reads (a buffer is never released under
+    a running read)."""
 
     def __init__(self, device: Any, reader: Any, start: int, length: int, piece_bytes: int, *,
                  timeout: float | None):
@@ -178,10 +181,14 @@ class ReadArena:
         return self.buffer[start:start + self.piece_bytes]
 
     def close(self) -> None:
-        """Drop the device buffer (views handed out keep it alive until they go); a lead read is
-        its starter's to close."""
+        """Drop the device buffer (views handed out keep it alive until they go) and close the
+        lead read (``LeadRead.close``: it waits for the lead's reads), whose pieces were this
+        arena's: a restore that follows on the same device (the next phase of a ``load_into``)
+        then has the whole budget without the lead still holding part of it."""
         self.buffer = None
-        self.lead = None
+        lead, self.lead = self.lead, None
+        if lead is not None:
+            lead.close()
 
 
 def restore_staging_budget(free_bytes: int, floor: int, explicit: int | None = None) -> int:
