@@ -616,3 +616,25 @@ def test_an_adopted_lead_goes_with_its_arena(tmp_path: Path) -> None:
         lead.close()
     assert_same({**first, **second}, state)
     assert device.peak_bytes <= staging, (device.peak_bytes, staging)
+
+
+@pytest.mark.parametrize("codec", ["ans", "zstd", "none"])
+@pytest.mark.parametrize("with_lead", [False, True])
+@pytest.mark.parametrize("partial", [False, True])
+def test_device_memory_in_use_never_exceeds_the_staging_budget(tmp_path: Path, codec: str, with_lead: bool,
+                                                               partial: bool) -> None:
+    """What the decoder holds at any moment (ring, arena, a lead, any temporary: the fake device's
+    peak of live allocations) stays within the restore's staging budget, whatever its share."""
+    state = big_state(40)
+    path, flat = saved_file(tmp_path, state, codec=codec)
+    staging = 8 * PIECE
+    keys = [a.key for a in flat.arrays]
+    ids = [keys.index("big"), keys.index("w32")] if partial else None
+    with RecordingReader(path, seed=3) as reader:
+        device = FakeDevice()
+        lead = lead_of(reader, device, lead_read_pieces(staging, PIECE) * PIECE) if with_lead and not partial else None
+        got = restore(reader, flat, lead_decoder(device, lead, staging=staging), ids=ids)
+        if lead is not None:
+            lead.close()
+    assert_same(got, {k: state[k] for k in got})
+    assert device.peak_bytes <= staging, (device.peak_bytes, staging)
