@@ -31,6 +31,7 @@ from gdsckpt.codecs import codec_spec, host_codec
 from gdsckpt.codecs.device import CheckedBatch, planes_inverse_into
 from gdsckpt.codecs.nvcomp import BITCOMP_LOSSY_TYPES, codec_stage
 from gdsckpt.format import checksum
+from gdsckpt.pipeline.gpu.staging import DECODE_SCRATCH, ENCODE_SCRATCH, scratch_bytes
 
 FAKE_MARKER = b"FAKE-NVCOMP"
 """Prefix of every stream a fake GPU-only codec writes: such a file can never pass for a real one."""
@@ -76,9 +77,18 @@ class FakeCodec:
         except zstandard.ZstdError as err:
             raise RuntimeError(f"nvcompErrorCannotDecompress: {err}") from err
 
+    def _scratch(self, table: dict[str, tuple[int, int]], name: str, largest: int, count: int) -> np.ndarray:
+        """What nvCOMP holds beyond our buffers during a call, as the encoder and decoder budget
+        for it (``ENCODE_SCRATCH`` / ``DECODE_SCRATCH`` scaled to the largest chunk of the call):
+        counted in the device's live bytes while the call runs."""
+        fixed, per_chunk = scratch_bytes(table, [name], largest)
+        return self.device.scratch(fixed + per_chunk * count)
+
     def encode_into(self, inputs: list[Any], buffer: Any, offsets: list[int], capacity: int) -> list[int]:
         """Compress each input into ``buffer`` at its offset; the stream sizes."""
         self.device.record("encode", self, len(inputs))
+        scratch = self._scratch(ENCODE_SCRATCH, self.user_name, max((int(x.nbytes) for x in inputs), default=0),
+                                len(inputs))
         sizes = []
         for data, offset in zip(inputs, offsets):
             stream = self._compress(data)
@@ -86,6 +96,7 @@ class FakeCodec:
                 raise RuntimeError(f"fake nvCOMP: stream of {len(stream)} bytes exceeds its {capacity}")
             buffer[offset:offset + len(stream)] = np.frombuffer(stream, dtype=np.uint8)
             sizes.append(len(stream))
+        del scratch
         return sizes
 
     def decode_into(self, inputs: list[Any], buffer: Any, offsets: list[int], sizes: list[int]) -> list[int]:
@@ -93,6 +104,7 @@ class FakeCodec:
         does not decode raises what nvCOMP's Python API raises for one (``RuntimeError`` naming
         ``nvcompErrorCannotDecompress``); one that decodes to more than its room, ``ValueError``."""
         self.device.record("decode", self, len(inputs))
+        scratch = self._scratch(DECODE_SCRATCH, str(self.stage()["name"]), max(sizes, default=0), len(inputs))
         got = []
         for data, offset, size in zip(inputs, offsets, sizes):
             try:
@@ -106,6 +118,7 @@ class FakeCodec:
                 out = out ^ np.uint8(1)  # values other than the rounded ones: the check must catch it
             buffer[offset:offset + len(raw)] = out
             got.append(len(raw))
+        del scratch
         return got
 
     def close(self) -> None:
@@ -178,6 +191,16 @@ class FakeDevice:
         self.allocated["bytes"] += nbytes
         self.allocated["arrays"] += 1
         array = np.full(nbytes, GARBAGE, dtype=np.uint8)
+        with self._live_lock:
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(array, self._released, nbytes)
+        return array
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """Memory a codec call holds while it runs (``FakeCodec._scratch``): counted in
+        ``live_bytes`` like ``empty``'s, neither filled nor counted in ``allocated``."""
+        array = np.empty(nbytes, dtype=np.uint8)
         with self._live_lock:
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)

@@ -245,6 +245,71 @@ def test_encoder_ring_is_bounded_by_the_staging_budget_and_its_slots_are_reused(
     assert_same(restore_through(decoder(FakeDevice()), store, flat), state)
 
 
+def fitted_save(device: FakeDevice, state: dict[str, np.ndarray], codec: str, staging: int,
+                chunk_bytes: int = 16 * CHUNK) -> tuple[MemoryStore, Any, GpuEncoder]:
+    """A save as ``gdsckpt.save`` runs one on the GPU: the encoder may fit its chunk size to the
+    budget, and the chunks are planned after it with the size it chose."""
+    flat = flatten(state)
+    sources = [DeviceSource(a.source) for a in flat.arrays]
+    encoder = GpuEncoder(sources, codec=codec, byte_planes="auto", device_id=0, chunk_bytes=chunk_bytes,
+                         max_staging_bytes=staging, timeout=TIMEOUT, device=device, fit_chunk=True)
+    plans = plan_chunks([(s.nbytes, s.itemsize, s.plane_width) for s in sources], chunk_bytes=encoder.chunk_bytes,
+                        pack_below=encoder.chunk_bytes // 4)
+    store = MemoryStore()
+    try:
+        run_save(plans, encoder, MemoryWriter(store, "ckpt"), max_inflight_bytes=1 << 30, index=index_template(flat),
+                 timeout=TIMEOUT)
+    finally:
+        encoder.close()
+    return store, flat, encoder
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4", "deflate", "bitcomp", "ans", "none"])
+def test_a_gpu_save_fits_its_chunks_to_the_staging_budget(codec: str) -> None:
+    """Everything the encoder holds at once (ring, nvCOMP's scratch as ``ENCODE_SCRATCH`` scales it,
+    the byte-plane trial's buffer: the fake device's peak of live allocations) stays within
+    ``max_staging_bytes``: where two slots of the chunk size asked for do not fit with the
+    codec's scratch, the chunks shrink until they do, and the file reads back bit-exact."""
+    rng = np.random.default_rng(5)
+    state = {"w": (rng.standard_normal(600_000) * 0.02).astype(np.float32), "n": rng.integers(0, 256, 90_000,
+                                                                                               dtype=np.uint8)}
+    asked = 16 * CHUNK  # 1 MiB: nvCOMP Zstd's scratch for it is 70 MiB, Deflate's 9 MiB a chunk
+    for staging in (8 << 20, 24 << 20, 96 << 20):
+        device = FakeDevice()
+        store, flat, encoder = fitted_save(device, state, codec, staging, asked)
+        assert device.peak_bytes <= staging, (codec, staging, device.peak_bytes, encoder.chunk_bytes)
+        assert encoder.chunk_bytes <= asked and encoder.ring is not None and encoder.ring.slots >= 2
+        chunks = open_file(MemoryReader(store, "ckpt")).index.chunks
+        assert max(c.raw for c in chunks) <= encoder.chunk_bytes
+        assert_same(restore_through(decoder(FakeDevice()), store, flat), state)
+    # the chunk size asked for is kept wherever it fits
+    assert fitted_save(FakeDevice(), state, codec, 1 << 30, asked)[2].chunk_bytes == asked
+
+
+def test_zstd_chunks_shrink_to_fit_the_default_budget_and_a_budget_too_small_is_refused() -> None:
+    """At the default 1 GiB budget, nvCOMP Zstd's ~1.1 GiB of scratch for 16 MiB chunks does not
+    fit: the encoder takes the largest halving that does (8 MiB, half the scratch, with room for
+    several slots). A budget that cannot hold two slots of the smallest chunk is a ValueError
+    naming the least that would."""
+    from gdsckpt.codecs.nvcomp import MAX_CHUNK_BYTES
+    from gdsckpt.pipeline.gpu.encoder import MIN_FITTED_CHUNK_BYTES
+
+    source = [DeviceSource(flatten({"w": np.zeros(1 << 20, np.float32)}).arrays[0].source)]
+    encoder = GpuEncoder(source, codec="zstd", byte_planes="auto", device_id=0, chunk_bytes=MAX_CHUNK_BYTES,
+                         max_staging_bytes=1 << 30, device=FakeDevice(), fit_chunk=True)
+    assert encoder.chunk_bytes == 8 << 20 and encoder.staging_bytes <= 1 << 30
+    assert encoder.ring is not None and encoder.ring.slots >= 8
+    encoder.close()
+    with pytest.raises(ValueError, match=r"max_staging_bytes=1048576 cannot hold two staging slots.*needs at least"):
+        GpuEncoder(source, codec="zstd", byte_planes="auto", device_id=0, chunk_bytes=MAX_CHUNK_BYTES,
+                   max_staging_bytes=1 << 20, device=FakeDevice(), fit_chunk=True)
+    # without fit_chunk (chunks planned already) the size stays and the ring keeps two slots
+    kept = GpuEncoder(source, codec="zstd", byte_planes="auto", device_id=0, chunk_bytes=MIN_FITTED_CHUNK_BYTES * 4,
+                      max_staging_bytes=1 << 20, device=FakeDevice())
+    assert kept.chunk_bytes == MIN_FITTED_CHUNK_BYTES * 4 and kept.ring is not None and kept.ring.slots == 2
+    kept.close()
+
+
 def test_a_restore_first_waits_for_work_queued_on_the_callers_streams() -> None:
     """Before a restore's first read (and so before anything is written to a destination), the
     decoder waits once for the work the caller queued on the device's current streams."""

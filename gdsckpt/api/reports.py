@@ -40,7 +40,9 @@ class SaveReport:
     (``gdsckpt.pipeline.engine``, adaptive compression). A save of host state to a local file adds
     ``stored`` (``"compressed"`` or ``"as it is"``) and ``stored_reason``, and where the codec's
     pace was known, ``codec_gbps`` (the codec threads' predicted speed) and ``storage_gbps``
-    (``gdsckpt.pipeline.host_auto``)."""
+    (``gdsckpt.pipeline.host_auto``). A GPU save whose staging fits ``max_staging_bytes`` only with
+    chunks smaller than ``gpu_chunk_bytes`` (nvCOMP's Zstd scratch under the default budget) adds
+    ``chunk_bytes`` (the size it saved) and ``chunk_reason``."""
     base: str | None = None
     """The base checkpoint of a delta save (as the index records it), None for a full one."""
     delta_tensors: int = 0

@@ -182,7 +182,12 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
                                                               weigh_cpu=not delta and devices is None,
                                                               learn=not delta and not background
                                                               and may_store_as_is)
-        chunk = cfg.gpu_chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
+        # the GPU encoder's chunks: gpu_chunk_bytes, or smaller where its staging fits the budget only then
+        chunk = engine.chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
+        if engine.name == "gpu" and chunk != cfg.gpu_chunk_bytes:
+            auto.update(chunk_bytes=chunk, chunk_reason=(
+                f"gpu_chunk_bytes={cfg.gpu_chunk_bytes} leaves no room for two staging slots beside nvCOMP's "
+                f"{codec_name} scratch within max_staging_bytes={cfg.max_staging_bytes}"))
         plans = plan_chunks(
             [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
               a.source.plane_width if a.source else 0) for a in flat.arrays],
@@ -470,7 +475,7 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
         engine = GpuEncoder([a.source for a in flat.arrays], codec=codec, byte_planes=config.byte_planes,
                             device_id=device or 0,
                             chunk_bytes=config.gpu_chunk_bytes, max_staging_bytes=config.max_staging_bytes,
-                            timeout=config.timeout)
+                            timeout=config.timeout, fit_chunk=True)
 
         def make_writer(path: PathLike, cfg: Config) -> StorageWriter:
             if is_url(path):

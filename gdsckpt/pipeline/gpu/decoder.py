@@ -62,6 +62,7 @@ from .staging import (
     restore_staging_budget,
     ring_slots,
     scratch_bytes,
+    slots_that_fit,
 )
 from .worker import BATCH_CHUNKS, BatchWorker, WorkerOwner
 
@@ -149,7 +150,11 @@ class GpuDecoder(WorkerOwner, Decoder):
         docstring). A slot holds the largest padded stored chunk (then, after decoding, a chunk's
         byte-planed raw bytes) and the largest raw chunk; there are as many slots as fit with
         nvCOMP's decode scratch for ``codecs`` (bitstream names) in the ring's share of
-        ``max_staging_bytes``, at least 2 and at most one per chunk."""
+        ``max_staging_bytes``, at least 2 and at most one per chunk. The read arena (a lead read's
+        pieces among them) takes its share only where the ring keeps room for two slots beside
+        it: a lead that would leave less is closed before the ring is allocated, an arena that
+        would is left out (one read per chunk). Only a budget that holds no two slots at all is
+        exceeded (by the ring's two slots: the chunks' sizes are the file's)."""
         if not records:
             return None
         # The destinations may still be in use by work the caller queued on its own streams (an
@@ -158,19 +163,28 @@ class GpuDecoder(WorkerOwner, Decoder):
         largest_raw = align_up(max(r.raw for r in records))
         largest_stored = align_up(max(r.stored for r in records))
         read_area = max(largest_stored, largest_raw)
+        scratch = scratch_bytes(DECODE_SCRATCH, codecs, largest_raw)
+
+        def ring_fits(pieces: int) -> bool:
+            left = self.max_staging_bytes - pieces * self.group_read_bytes
+            return slots_that_fit(left, read_area + largest_raw, scratch) >= min(2, len(records))
+
         pieces = arena_pieces(self.max_staging_bytes, self.group_read_bytes, largest_stored) if len(records) > 1 else 0
         lead, self.lead = self.lead, None
-        if lead is not None and pieces and lead.piece_bytes == self.group_read_bytes:
+        if (lead is not None and pieces and lead.piece_bytes == self.group_read_bytes
+                and ring_fits(max(pieces, lead.pieces))):
             # ``lead_read_pieces`` keeps it within half of the least budget: the ring keeps the rest
             pieces = max(pieces, lead.pieces)
         elif lead is not None:
-            # No arena to hold it: every chunk is read as usual. Its buffer is not part of the ring
-            # sized next, so it goes first (once its reads end): the two never exceed the budget.
+            # No arena to hold it (or no room for the ring beside it): every chunk is read as
+            # usual. Its buffer is not part of the ring sized next, so it goes first (once its
+            # reads end): the two never exceed the budget.
             lead.close()
             lead = None
+        if pieces and lead is None and not ring_fits(pieces):
+            pieces = 0
         arena_bytes = pieces * self.group_read_bytes
-        slots = ring_slots(self.max_staging_bytes - arena_bytes, read_area + largest_raw,
-                           scratch_bytes(DECODE_SCRATCH, codecs, largest_raw), most=len(records))
+        slots = ring_slots(self.max_staging_bytes - arena_bytes, read_area + largest_raw, scratch, most=len(records))
         self._drop_staging()  # a restore's ring and arena replace any earlier ones
         self.ring = StagingRing(self.device, slots, read_area, largest_raw, timeout=self.timeout)
         self.arena = ReadArena(self.device, pieces, self.group_read_bytes, lead) if pieces else None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -49,12 +50,16 @@ from ...codecs.nvcomp import BITCOMP_LOSSY_TYPES
 from ...format import align_up
 from ..engine import NONE_CHAIN, EncodedChunk, Encoder
 from ..plan import ArraySource, ChunkPlan
-from .staging import ENCODE_SCRATCH, StagingRing, ring_slots, scratch_bytes
+from .staging import ENCODE_SCRATCH, STAGING_RING_SHARE, StagingRing, scratch_bytes, slots_that_fit
 from .worker import BATCH_CHUNKS, BatchWorker, WorkerOwner
 
 _log = logging.getLogger(__name__)
 TRIAL_BYTES = 1 << 20
 """Bytes of a chunk compressed both ways when a trial decides byte planes."""
+MIN_FITTED_CHUNK_BYTES = 64 << 10
+"""The smallest chunk ``GpuEncoder`` shrinks its chunks to (``fitted``) so that its staging fits
+``max_staging_bytes``: below it the per-chunk costs (nvCOMP's per-chunk work, index records)
+would dominate; a budget that cannot hold two slots of it is refused instead."""
 
 
 class Rounding(Protocol):
@@ -141,7 +146,7 @@ class GpuEncoder(WorkerOwner, Encoder):
 
     def __init__(self, sources: list[ArraySource], *, codec: str, byte_planes: str, device_id: int,
                  chunk_bytes: int, max_staging_bytes: int, batch_chunks: int = BATCH_CHUNKS, timeout: float = 600.0,
-                 device: DeviceBackend | None = None):
+                 device: DeviceBackend | None = None, fit_chunk: bool = False):
         if codec != "none" and codec not in gpu_codec_names():
             raise ValueError(f"codec {codec!r} has no GPU implementation (expected one of: "
                              f"{', '.join(['none', *gpu_codec_names()])})")
@@ -157,6 +162,9 @@ class GpuEncoder(WorkerOwner, Encoder):
         self._lossy_bitcomp = codec not in PORTABLE_CODECS and any(
             bitcomp_data_type(source) is not None for source in sources)
         self.ring: StagingRing | None = None
+        self.fit_chunk = fit_chunk
+        """Whether ``chunk_bytes`` may shrink to fit the budget (``_fit``): for a caller that plans
+        its chunks after making the encoder, with ``chunk_bytes`` as it is then (``api.saving``)."""
         try:
             with device.on_stream():
                 self._allocate()
@@ -171,35 +179,81 @@ class GpuEncoder(WorkerOwner, Encoder):
         self._closed = False
 
     def _allocate(self) -> None:
-        """Size the output areas from nvCOMP's bounds, then allocate the ring and the buffers of
+        """Fit the chunk size to the budget (``_fit``), then allocate the ring and the buffers of
         the byte-plane trial and the Bitcomp lossy check (on the device's stream)."""
-        device, codec, chunk_bytes = self.device, self.codec, self.chunk_bytes
-        self._out_bytes, self._trial_out = chunk_bytes, TRIAL_BYTES
-        if self.sources and codec != "none":
-            probe = device.empty(chunk_bytes)
-            bound = device.codec(codec).max_compressed_bytes(probe)
-            trial_bound = device.codec(codec).max_compressed_bytes(probe[:TRIAL_BYTES])
-            if self._lossy_bitcomp:
-                bound = max(bound, *(device.codec("bitcomp", data_type, 1.0).max_compressed_bytes(probe)
-                                     for data_type in BITCOMP_LOSSY_TYPES.values()))
-            del probe
-            self._out_bytes = align_up(max(bound, chunk_bytes))
-            self._trial_out = align_up(max(trial_bound, TRIAL_BYTES))
-        # The ring and nvCOMP's scratch share the budget (ENCODE_SCRATCH); the Bitcomp lossy
-        # check's decode buffer (one chunk) comes out of the fixed part.
-        fixed, per_chunk = scratch_bytes(ENCODE_SCRATCH, [codec] + ["bitcomp"] * self._lossy_bitcomp, chunk_bytes)
-        slots = ring_slots(self.max_staging_bytes, chunk_bytes + self._out_bytes,
-                           (fixed + chunk_bytes * self._lossy_bitcomp, per_chunk))
+        device, codec = self.device, self.codec
+        trials = codec not in ("none", "ans") or any(isinstance(s, RoundedArraySource) for s in self.sources)
+        with_trial = bool(self.sources) and codec != "none" and self.byte_planes == "auto" and trials
+        slots = self._fit(with_trial)
+        chunk_bytes = self.chunk_bytes
         self.max_pending = slots
         self.staging_bytes = 0
         if self.sources:
             self.ring = StagingRing(device, slots, chunk_bytes, self._out_bytes, timeout=self.timeout)
             self.staging_bytes = self.ring.nbytes
-        trials = codec not in ("none", "ans") or any(isinstance(s, RoundedArraySource) for s in self.sources)
         self._trial_scratch: Any = None
-        if self.sources and codec != "none" and self.byte_planes == "auto" and trials:
-            self._trial_scratch = device.empty(TRIAL_BYTES + 2 * self._trial_out)
+        if with_trial:
+            self._trial_scratch = device.empty(self._trial_bytes + 2 * self._trial_out)
+            self.staging_bytes += self._trial_scratch.nbytes
         self._verify: Any = device.empty(chunk_bytes) if self._lossy_bitcomp else None
+        if self._verify is not None:
+            self.staging_bytes += chunk_bytes
+
+    def _fit(self, with_trial: bool) -> int:
+        """Choose ``chunk_bytes`` and the output areas, return the ring's slot count.
+
+        Everything the encoder allocates shares ``STAGING_RING_SHARE`` of ``max_staging_bytes``:
+        nvCOMP's scratch (``ENCODE_SCRATCH``, which grows with the chunk size), the byte-plane
+        trial's buffer, the Bitcomp lossy check's buffer and at least two ring slots (one filling,
+        one being written). With ``fit_chunk``, where they do not fit at the chunk size asked for,
+        the chunks are halved until they do (down to ``MIN_FITTED_CHUNK_BYTES``): the file then
+        has smaller chunks, which any reader reads, and the save keeps its bound. nvCOMP's Zstd,
+        for one, holds about 1.1 GiB of scratch for 16 MiB chunks, more than the default 1 GiB
+        budget, and half of it for 8 MiB chunks, which leaves room for a dozen slots. A budget
+        that holds no two slots even then is a ``ValueError`` naming the least that would.
+        Without ``fit_chunk`` (chunks planned already) the ring keeps two slots whatever the
+        budget."""
+        device, codec = self.device, self.codec
+        probe = device.empty(self.chunk_bytes) if self.sources and codec != "none" else None
+        chunk_bytes = self.chunk_bytes
+        while True:
+            needed, slots = self._layout(probe, chunk_bytes, with_trial)
+            if slots >= 2 or not self.fit_chunk or chunk_bytes <= MIN_FITTED_CHUNK_BYTES or not self.sources:
+                break
+            chunk_bytes = max(MIN_FITTED_CHUNK_BYTES, align_up(chunk_bytes // 2))
+        del probe
+        if slots < 2 and self.sources and self.fit_chunk:
+            raise ValueError(f"max_staging_bytes={self.max_staging_bytes} cannot hold two staging slots and "
+                             f"nvCOMP's {codec} scratch even with {chunk_bytes}-byte chunks: it needs at least "
+                             f"{needed} bytes")
+        if chunk_bytes != self.chunk_bytes:
+            _log.info("GPU chunks of %d bytes instead of %d: %s's staging fits max_staging_bytes=%d only then",
+                      chunk_bytes, self.chunk_bytes, codec, self.max_staging_bytes)
+        self.chunk_bytes = chunk_bytes
+        return max(2, slots) if self.sources else 2
+
+    def _layout(self, probe: Any, chunk_bytes: int, with_trial: bool) -> tuple[int, int]:
+        """Set the output areas for chunks of ``chunk_bytes`` from nvCOMP's bounds (``probe``:
+        a device buffer at least that long, None for ``codec="none"``); return the least budget
+        that holds two slots, and the slots that fit ``max_staging_bytes``."""
+        device, codec = self.device, self.codec
+        self._trial_bytes = min(TRIAL_BYTES, chunk_bytes)
+        self._out_bytes, self._trial_out = chunk_bytes, self._trial_bytes
+        if probe is not None:
+            sample = probe[:chunk_bytes]
+            bound = device.codec(codec).max_compressed_bytes(sample)
+            if self._lossy_bitcomp:
+                bound = max(bound, *(device.codec("bitcomp", data_type, 1.0).max_compressed_bytes(sample)
+                                     for data_type in BITCOMP_LOSSY_TYPES.values()))
+            self._out_bytes = align_up(max(bound, chunk_bytes))
+            trial_bound = device.codec(codec).max_compressed_bytes(probe[:self._trial_bytes])
+            self._trial_out = align_up(max(trial_bound, self._trial_bytes))
+        fixed, per_chunk = scratch_bytes(ENCODE_SCRATCH, [codec] + ["bitcomp"] * self._lossy_bitcomp, chunk_bytes)
+        fixed += chunk_bytes * self._lossy_bitcomp  # the check's decode buffer
+        fixed += (self._trial_bytes + 2 * self._trial_out) if with_trial else 0
+        slot = chunk_bytes + self._out_bytes
+        needed = math.ceil((fixed + 2 * (slot + per_chunk)) / STAGING_RING_SHARE)
+        return needed, slots_that_fit(self.max_staging_bytes, slot, (fixed, per_chunk))
 
     # -- interface ---------------------------------------------------------------------------
     def submit_encode(self, chunk: ChunkPlan) -> Future[EncodedChunk]:
@@ -307,12 +361,12 @@ class GpuEncoder(WorkerOwner, Encoder):
         (ANS's typed mode; None for the LZ family). Uses the trial scratch: the planes at its
         start, the two streams after them."""
         scratch = self._trial_scratch
-        sample = data[: min(data.nbytes, TRIAL_BYTES) // width * width]
-        planed = planes_forward_into(sample, scratch[:TRIAL_BYTES], width)
+        sample = data[: min(data.nbytes, self._trial_bytes) // width * width]
+        planed = planes_forward_into(sample, scratch[:self._trial_bytes], width)
         plain = self.device.codec(self.codec, plain_type).encode_into(
-            [sample], scratch, [TRIAL_BYTES], self._trial_out)[0]
+            [sample], scratch, [self._trial_bytes], self._trial_out)[0]
         as_planes = self.device.codec(self.codec, None).encode_into(
-            [planed], scratch, [TRIAL_BYTES + self._trial_out], self._trial_out)[0]
+            [planed], scratch, [self._trial_bytes + self._trial_out], self._trial_out)[0]
         return as_planes < plain
 
     # -- the worker's batch --------------------------------------------------------------------

@@ -38,8 +38,8 @@ ENCODE_SCRATCH = {  # codec: (bytes held whatever the batch, bytes per chunk in 
 the encoder subtracts it from the staging budget before sizing its ring, so the ring plus the
 scratch stay within ``max_staging_bytes``. Scaled linearly for smaller chunks (an upper bound:
 the temporaries grow with the chunk size). nvCOMP's Zstd alone needs more than the 1 GiB default
-to compress 16 MiB chunks; the ring then keeps its minimum of two slots and the bound cannot hold
-(documented in docs/performance.md)."""
+to compress 16 MiB chunks: a save then halves its chunks until two slots fit beside the scratch
+(``GpuEncoder._fit``)."""
 DECODE_SCRATCH = {"zstd/1": (128 << 20, 44 << 20)}
 """The same for decompression, by bitstream name (the others measured 0)."""
 
@@ -212,11 +212,16 @@ def scratch_bytes(table: dict[str, tuple[int, int]], names: Iterable[str], chunk
     return int(fixed * scale), int(per_chunk * scale)
 
 
-def ring_slots(budget: int, slot_bytes: int, scratch: tuple[int, int], *, most: int | None = None) -> int:
+def slots_that_fit(budget: int, slot_bytes: int, scratch: tuple[int, int]) -> int:
     """Slots of ``slot_bytes`` that fit with ``scratch`` (fixed, per slot) in the ring's share of
-    ``budget``: at least 2 (one filling, one draining), at most ``most``."""
+    ``budget`` (0 or 1 where the budget is too small for a ring)."""
     fixed, per_slot = scratch
-    slots = max(2, (int(budget * STAGING_RING_SHARE) - fixed) // (slot_bytes + per_slot))
+    return max(0, (int(budget * STAGING_RING_SHARE) - fixed) // (slot_bytes + per_slot))
+
+
+def ring_slots(budget: int, slot_bytes: int, scratch: tuple[int, int], *, most: int | None = None) -> int:
+    """``slots_that_fit``, but at least 2 (one filling, one draining) and at most ``most``."""
+    slots = max(2, slots_that_fit(budget, slot_bytes, scratch))
     return slots if most is None else max(1, min(most, slots))
 
 

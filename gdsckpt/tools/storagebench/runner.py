@@ -120,6 +120,9 @@ def _run_once(case: _Case, path: Path, sync: Callable[[], None]) -> None:
     m.bit_exact = exact and m.bit_exact is not False
     m.backend = details.pop("backend", m.backend)
     m.details.update(details)
+    fitted = (details.get("auto") or {}).get("chunk_bytes")
+    if fitted is not None:  # the GPU engine saved smaller chunks than asked: its staging fits only then
+        m.chunk_bytes = fitted
     if not exact:
         logger.warning("%s: the load was not bit-exact", m.label)
 
