@@ -70,13 +70,18 @@ def weights(seed: int = 0) -> dict[str, np.ndarray]:
 
 def save_through(device: FakeDevice, state: dict[str, np.ndarray], *, codec: str = "ans",
                  byte_planes: str = "auto", on_device: bool = True, staging: int = 64 << 20,
-                 batch_chunks: int = 64) -> tuple[MemoryStore, Any, GpuEncoder]:
+                 batch_chunks: int = 64, chunk_bytes: int = CHUNK,
+                 fit_chunk: bool = False) -> tuple[MemoryStore, Any, GpuEncoder]:
+    """Save ``state`` through a ``GpuEncoder`` on ``device`` into memory. The chunks are planned
+    after the encoder is made, with the chunk size it took (``fit_chunk``: as ``gdsckpt.save``
+    lets it fit its chunks to the budget)."""
     flat = flatten(state)
     sources = [DeviceSource(a.source) if on_device else a.source for a in flat.arrays]
-    plans = plan_chunks([(s.nbytes, s.itemsize, s.plane_width) for s in sources], chunk_bytes=CHUNK,
-                        pack_below=CHUNK // 4)
-    encoder = GpuEncoder(sources, codec=codec, byte_planes=byte_planes, device_id=0, chunk_bytes=CHUNK,
-                         max_staging_bytes=staging, batch_chunks=batch_chunks, timeout=TIMEOUT, device=device)
+    encoder = GpuEncoder(sources, codec=codec, byte_planes=byte_planes, device_id=0, chunk_bytes=chunk_bytes,
+                         max_staging_bytes=staging, batch_chunks=batch_chunks, timeout=TIMEOUT, device=device,
+                         fit_chunk=fit_chunk)
+    plans = plan_chunks([(s.nbytes, s.itemsize, s.plane_width) for s in sources], chunk_bytes=encoder.chunk_bytes,
+                        pack_below=encoder.chunk_bytes // 4)
     store = MemoryStore()
 
     try:
@@ -245,25 +250,6 @@ def test_encoder_ring_is_bounded_by_the_staging_budget_and_its_slots_are_reused(
     assert_same(restore_through(decoder(FakeDevice()), store, flat), state)
 
 
-def fitted_save(device: FakeDevice, state: dict[str, np.ndarray], codec: str, staging: int,
-                chunk_bytes: int = 16 * CHUNK) -> tuple[MemoryStore, Any, GpuEncoder]:
-    """A save as ``gdsckpt.save`` runs one on the GPU: the encoder may fit its chunk size to the
-    budget, and the chunks are planned after it with the size it chose."""
-    flat = flatten(state)
-    sources = [DeviceSource(a.source) for a in flat.arrays]
-    encoder = GpuEncoder(sources, codec=codec, byte_planes="auto", device_id=0, chunk_bytes=chunk_bytes,
-                         max_staging_bytes=staging, timeout=TIMEOUT, device=device, fit_chunk=True)
-    plans = plan_chunks([(s.nbytes, s.itemsize, s.plane_width) for s in sources], chunk_bytes=encoder.chunk_bytes,
-                        pack_below=encoder.chunk_bytes // 4)
-    store = MemoryStore()
-    try:
-        run_save(plans, encoder, MemoryWriter(store, "ckpt"), max_inflight_bytes=1 << 30, index=index_template(flat),
-                 timeout=TIMEOUT)
-    finally:
-        encoder.close()
-    return store, flat, encoder
-
-
 @pytest.mark.parametrize("codec", ["zstd", "lz4", "deflate", "bitcomp", "ans", "none"])
 def test_a_gpu_save_fits_its_chunks_to_the_staging_budget(codec: str) -> None:
     """Everything the encoder holds at once (ring, nvCOMP's scratch as ``ENCODE_SCRATCH`` scales it,
@@ -276,14 +262,17 @@ def test_a_gpu_save_fits_its_chunks_to_the_staging_budget(codec: str) -> None:
     asked = 16 * CHUNK  # 1 MiB: nvCOMP Zstd's scratch for it is 70 MiB, Deflate's 9 MiB a chunk
     for staging in (8 << 20, 24 << 20, 96 << 20):
         device = FakeDevice()
-        store, flat, encoder = fitted_save(device, state, codec, staging, asked)
+        store, flat, encoder = save_through(device, state, codec=codec, staging=staging, chunk_bytes=asked,
+                                            fit_chunk=True)
         assert device.peak_bytes <= staging, (codec, staging, device.peak_bytes, encoder.chunk_bytes)
         assert encoder.chunk_bytes <= asked and encoder.ring is not None and encoder.ring.slots >= 2
         chunks = open_file(MemoryReader(store, "ckpt")).index.chunks
         assert max(c.raw for c in chunks) <= encoder.chunk_bytes
         assert_same(restore_through(decoder(FakeDevice()), store, flat), state)
     # the chunk size asked for is kept wherever it fits
-    assert fitted_save(FakeDevice(), state, codec, 1 << 30, asked)[2].chunk_bytes == asked
+    _store, _flat, roomy = save_through(FakeDevice(), state, codec=codec, staging=1 << 30, chunk_bytes=asked,
+                                        fit_chunk=True)
+    assert roomy.chunk_bytes == asked
 
 
 def test_zstd_chunks_shrink_to_fit_the_default_budget_and_a_budget_too_small_is_refused() -> None:
