@@ -359,6 +359,19 @@ def chunk_owner(index: Index, chunk: int) -> str | None:
     return None
 
 
+def _submit_read(reader: StorageReader, offset: int, out: Any) -> Future[Any]:
+    """``reader.submit_read``, with a read the reader refuses at once (kvikio's reader checks the
+    range against the file's size before it queues anything) delivered as that read's failure:
+    the driver then handles it where it handles every failed read (a grouped read's chunks read
+    again one by one, the error naming its chunk), not as an error of the whole restore."""
+    try:
+        return reader.submit_read(offset, out)
+    except (OSError, CorruptCheckpointError) as err:
+        failed: Future[Any] = Future()
+        failed.set_exception(err)
+        return failed
+
+
 def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: list[int],
                    make_deliver: Callable[[int], Callable[[Any], None]], *, max_inflight_bytes: int,
                    timeout: float | None, direct: dict[int, Any] | None = None,
@@ -445,7 +458,7 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             end = record.offset + padded
         piece = free_pieces.pop()
         view = arena.piece(piece)
-        future = reader.submit_read(start, view[:end - start])
+        future = _submit_read(reader, start, view[:end - start])
         piece_users[piece] = len(members)
         for chunk, at, padded in members:
             grouped[chunk] = (future, view[at:at + padded], (piece,))
@@ -550,7 +563,7 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             else:
                 if buffer is None:
                     buffer = engine.read_buffer(align_up(record.stored))
-                reads.append((chunk, reader.submit_read(record.offset, buffer), buffer))
+                reads.append((chunk, _submit_read(reader, record.offset, buffer), buffer))
             inflight += cost
             stored_total += record.stored
         while reads:

@@ -258,6 +258,8 @@ class GpuDecoder(WorkerOwner, Decoder):
             for slot in slots:
                 if slot is not None:
                     self.ring.release(slot)  # type: ignore[union-attr]  # slots come from the ring
+            for job in jobs:  # nor the views of them: the driver may reserve the next ring at once
+                job.stored = None
         for future in delivered:
             future.set_result(None)
 

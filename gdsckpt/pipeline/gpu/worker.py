@@ -104,6 +104,11 @@ class BatchWorker:
                 for each in batch:
                     if not each.future.done():
                         each.future.set_exception(err)
+            # An idle worker must not keep its last batch: its jobs hold views of the staging it
+            # read (a decoder's ring and arena), which would stay allocated beside the next
+            # restore's until the next batch came (pools.WorkerPool drops its last task too).
+            job = extra = each = None
+            batch = []
 
 
 

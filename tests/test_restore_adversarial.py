@@ -1,0 +1,146 @@
+"""Adversarial cases of the GPU restore driver (``pipeline.load._stream_chunks``) and the GPU
+decoder, run on the fake device (tests/fake_device.py) with real files: memory bounds, reads that
+fail or land late, timeouts, decoders reused across restores. See tests/test_grouped_reads.py for
+the helpers and the cases already covered there."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fake_device import FakeDevice
+from test_fake_device import TIMEOUT
+from test_grouped_reads import (
+    PIECE,
+    RecordingReader,
+    big_state,
+    chunk_inside_a_group,
+    grouped_decoder,
+    lead_decoder,
+    lead_of,
+    restore,
+    saved_file,
+)
+
+from gdsckpt.errors import CorruptCheckpointError
+from gdsckpt.io.posix import PosixReader
+from gdsckpt.pipeline.gpu.staging import GROUP_READ_SHARE, lead_read_pieces
+from gdsckpt.pipeline.load import open_file, run_restore
+from gdsckpt.state import NumpyTarget
+
+
+def _targets(flat: object) -> dict[int, NumpyTarget]:
+    return {i: NumpyTarget(a.shape, a.dtype) for i, a in enumerate(flat.arrays)}  # type: ignore[attr-defined]
+
+
+# -- memory bounds ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("staging", [2 << 20, GROUP_READ_SHARE * 4 * PIECE])
+def test_a_decoder_reused_across_restores_stays_within_its_staging_budget(tmp_path: Path, staging: int) -> None:
+    """``Checkpoint._window_restorer`` keeps one GpuDecoder for every window restore of a file
+    (rebase, convert, a delta's base reads). Each restore's ``reserve_reads`` drops the previous
+    ring and arena and allocates new ones, so device memory stays within the budget only if
+    nothing still holds views of the previous ones: the decoder's idle worker thread
+    (``BatchWorker._run``) once kept its last batch, whose ``DecodeJob.stored`` views kept the
+    previous restore's ring (or arena) allocated while the next ring was made."""
+    state = big_state(40)
+    path, flat = saved_file(tmp_path, state, codec="ans")  # no decode scratch: the ring fills the budget
+    device = FakeDevice()
+    dec = grouped_decoder(device, staging=staging)
+    try:
+        with PosixReader(path) as reader:
+            index = open_file(reader).index
+            for _round in range(2):
+                run_restore(reader, index, dec, _targets(flat), max_inflight_bytes=1 << 30, timeout=TIMEOUT)
+                assert dec.staging_bytes <= staging
+    finally:
+        dec.close()
+    assert device.peak_bytes <= staging, (device.peak_bytes, staging)
+
+
+def test_a_finished_restore_leaves_nothing_but_the_decoders_own_staging(tmp_path: Path) -> None:
+    """The same retention seen directly: once a restore has returned and the decoder's ring and
+    arena are released, no device memory stays allocated (the idle worker's last batch kept part
+    of it)."""
+    state = big_state(41)
+    path, flat = saved_file(tmp_path, state, codec="zstd")
+    device = FakeDevice()
+    dec = grouped_decoder(device)
+    try:
+        with PosixReader(path) as reader:
+            run_restore(reader, open_file(reader).index, dec, _targets(flat), max_inflight_bytes=1 << 30,
+                        timeout=TIMEOUT)
+        dec._drop_staging()  # what the next restore's reserve_reads does first
+        time.sleep(0.2)  # the worker is idle, waiting for its next job
+        gc.collect()
+        assert device.live_bytes == 0, device.live_bytes
+    finally:
+        dec.close()
+
+
+# -- errors name the chunk ----------------------------------------------------------------------
+
+class SizeCheckingReader(PosixReader):
+    """A POSIX reader that refuses, when the call is made, a read running past the file's end, as
+    ``KvikioReader.submit_read`` does for device buffers (gdsckpt/io/kvikio.py: ``offset +
+    out.nbytes > self.size`` raises ``CorruptCheckpointError`` before any future exists)."""
+
+    def submit_read(self, offset: int, out: np.ndarray):  # type: ignore[override]
+        if offset + out.nbytes > self.size:
+            raise CorruptCheckpointError(f"range [{offset}, +{out.nbytes}) runs past the end of the file")
+        return super().submit_read(offset, out)
+
+
+def test_a_file_cut_inside_a_group_names_its_chunk_with_a_reader_that_refuses_at_submit(tmp_path: Path) -> None:
+    """The file is cut half-way through a chunk in the middle of a group after its index was read
+    (the data reader is opened after the index, as ``open_data_reader`` opens kvikio's). With the
+    POSIX reader the grouped call fails through its future, its chunks are read again one by one
+    and the error names the cut chunk (test_grouped_reads). A reader that refuses the range when
+    the call is made (kvikio) must be handled the same way: its refusal becomes that read's
+    failure (``pipeline.load._submit_read``), not an error of the whole restore naming no chunk."""
+    state = big_state(9)
+    path, flat = saved_file(tmp_path, state, codec="zstd")
+    index, cut = chunk_inside_a_group(path, flat)
+    record = index.chunks[cut]
+    os.truncate(path, record.offset + record.stored // 2)
+    dec = grouped_decoder(FakeDevice())
+    with SizeCheckingReader(path) as reader:
+        try:
+            with pytest.raises(CorruptCheckpointError) as caught:
+                run_restore(reader, index, dec, _targets(flat), max_inflight_bytes=1 << 30, timeout=TIMEOUT)
+        finally:
+            dec.close()
+    assert caught.value.chunk == cut, str(caught.value)
+
+
+# -- a combination covered nowhere else ----------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_window_across_the_lead_end_with_a_failed_lead_piece_restores_within_bounds(tmp_path: Path,
+                                                                                       seed: int) -> None:
+    """A partial restore (some arrays, a window of one that starts inside the lead and ends past
+    it), reads landing late and out of order, the lead's second piece failing once: bit-exact,
+    no read into memory a running read fills, and device memory within the budget."""
+    state = big_state(80 + seed)
+    path, flat = saved_file(tmp_path, state, codec="zstd")
+    keys = [a.key for a in flat.arrays]
+    big = keys.index("big")
+    ids = [big, keys.index("w16"), keys.index("steps")]
+    window = {big: (4 * 1000 + 4 * seed, state["big"].nbytes - 4 * 777)}
+    staging = GROUP_READ_SHARE * 3 * PIECE
+    with RecordingReader(path, seed=seed, fail_at=1, slow=(0,)) as reader:
+        device = FakeDevice()
+        lead = lead_of(reader, device, lead_read_pieces(staging, PIECE) * PIECE)
+        dec = lead_decoder(device, lead, staging=staging)
+        got = restore(reader, flat, dec, windows=window, ids=ids)
+        lead.close()
+        assert not reader.overlaps, reader.overlaps
+    start, stop = window[big]
+    assert got["big"].tobytes() == state["big"].tobytes()[start:stop]
+    for key in ("w16", "steps"):
+        assert got[key].tobytes() == state[key].tobytes()
+    assert device.peak_bytes <= staging, (device.peak_bytes, staging)
