@@ -638,3 +638,22 @@ def test_device_memory_in_use_never_exceeds_the_staging_budget(tmp_path: Path, c
             lead.close()
     assert_same(got, {k: state[k] for k in got})
     assert device.peak_bytes <= staging, (device.peak_bytes, staging)
+
+
+def test_a_hung_chunk_read_is_a_timeout_naming_its_chunk(tmp_path: Path) -> None:
+    """A chunk read that outlasts the restore's timeout fails the restore with ``TimeoutError``
+    (docs/troubleshooting.md), naming the chunk and its tensor, and its memory takes no second
+    read (the hung read may still fill it)."""
+    state = big_state(25)
+    path, flat = saved_file(tmp_path, state, codec="zstd")
+    with RecordingReader(path, slow=(3,), slow_seconds=1.0) as reader:
+        index = open_file(reader).index
+        reader.calls.clear()
+        dec = grouped_decoder(FakeDevice())
+        targets = {i: NumpyTarget(a.shape, a.dtype) for i, a in enumerate(flat.arrays)}
+        try:
+            with pytest.raises(TimeoutError, match=r"chunk \d+ \(tensor '\w+'\) was not read and decoded within 0.2 s"):
+                run_restore(reader, index, dec, targets, max_inflight_bytes=1 << 30, timeout=0.2)
+        finally:
+            dec.close()
+        assert not reader.overlaps, reader.overlaps

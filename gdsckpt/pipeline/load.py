@@ -474,6 +474,11 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
     def named(chunk: int, err: BaseException) -> BaseException:
         if isinstance(err, CorruptCheckpointError) and err.chunk is None:
             return CorruptCheckpointError(err.reason, key=chunk_owner(index, chunk), chunk=chunk)
+        if isinstance(err, (TimeoutError, FutureTimeout)):
+            # a hung read stays a TimeoutError (docs/troubleshooting.md), on Python 3.10 too, where
+            # a future's timeout is not the builtin one
+            return TimeoutError(f"chunk {chunk} (tensor {chunk_owner(index, chunk)!r}) was not read and "
+                                f"decoded within {timeout} s: {err}")
         if isinstance(err, OSError):
             return CheckpointError(f"I/O error reading chunk {chunk} (tensor "
                                    f"{chunk_owner(index, chunk)!r}): {err}")
@@ -494,9 +499,9 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
         record = index.chunks[chunk]
         try:
             future.result(timeout=timeout)
-        except (OSError, CorruptCheckpointError) as err:
+        except (OSError, CorruptCheckpointError, FutureTimeout) as err:
             # A hung read (TimeoutError) may still fill the piece: no second read into it.
-            if chunk not in grouped or isinstance(err, TimeoutError):
+            if chunk not in grouped or isinstance(err, (TimeoutError, FutureTimeout)):
                 reraise(chunk, err)
             try:  # the group's call failed: this chunk alone (see the module docstring)
                 reader.submit_read(record.offset, buffer).result(timeout=timeout)
