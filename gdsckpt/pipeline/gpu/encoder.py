@@ -57,7 +57,7 @@ _log = logging.getLogger(__name__)
 TRIAL_BYTES = 1 << 20
 """Bytes of a chunk compressed both ways when a trial decides byte planes."""
 MIN_FITTED_CHUNK_BYTES = 64 << 10
-"""The smallest chunk ``GpuEncoder`` shrinks its chunks to (``fitted``) so that its staging fits
+"""The smallest size ``GpuEncoder._fit`` halves chunks to so that a save's staging fits
 ``max_staging_bytes``: below it the per-chunk costs (nvCOMP's per-chunk work, index records)
 would dominate; a budget that cannot hold two slots of it is refused instead."""
 
