@@ -257,8 +257,13 @@ def lead_read(path: Source, config: Config, reader: StorageReader, gpu_device: i
                         timeout=config.timeout)
         try:
             yield Lead(gpu_device, data_reader, read)
-        finally:
-            read.close()
+        except BaseException:
+            # the restore's own error (it names the chunk) is the one raised; a lead read still
+            # running keeps its buffer (``LeadRead.close``)
+            with contextlib.suppress(TimeoutError):
+                read.close()
+            raise
+        read.close()
 
 
 def host_engine(config: Config, sources: list[Any] | None = None, codec: str = "none",
@@ -447,13 +452,10 @@ def open_data_reader(path: Source, config: Config, reader: StorageReader,
     if gpu_device is None or not isinstance(path, (str, os.PathLike)) or is_url(path):
         yield reader  # an object's reader fills device buffers through host memory itself
         return
-    device_reader = open_reader(path, config, gpu=True)
-    try:
+    with open_reader(path, config, gpu=True) as device_reader:
         # kvikio opens the path again: a save that renamed a new file over it since the index was
         # read would otherwise make the chunks look corrupt. Same inode, or a clear error.
         if device_reader.file_identity() != reader.file_identity():
             raise CheckpointError(f"{str(path)!r} was replaced by another file while being loaded; "
                                   f"load it again")
         yield device_reader
-    finally:
-        device_reader.close()

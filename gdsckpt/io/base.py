@@ -16,8 +16,10 @@ implementations. Call order for a writer (the pipeline keeps it):
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,8 +106,23 @@ class StorageReader(ABC):
         readers of one path read the same bytes only if these match."""
         return None
 
+    def close_after(self, error: BaseException | None) -> None:
+        """``close``, at the end of an operation that raised ``error`` (None: it succeeded). Where
+        the operation failed because one of this reader's reads outlasted ``Config.timeout``
+        (``TimeoutError``), the reader is closed without waiting a second timeout for that read,
+        and without raising: a read still running keeps its file open and its buffer referenced
+        (as ``close`` leaves them after its own timeout), and the operation's error, which names
+        the chunk, is the one the caller gets."""
+        if not isinstance(error, (TimeoutError, FutureTimeout)):
+            self.close()
+            return
+        if hasattr(self, "timeout"):
+            self.timeout = 0.0
+        with contextlib.suppress(TimeoutError, FutureTimeout):
+            self.close()
+
     def __enter__(self) -> StorageReader:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, error: BaseException | None, traceback: object) -> None:
+        self.close_after(error)

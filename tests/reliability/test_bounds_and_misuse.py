@@ -398,3 +398,37 @@ def test_documented_behaviour_of_unusual_values(case: str, tmp_path: Path) -> No
 if __name__ == "__main__":
     if sys.argv[1] == "memory":
         _memory_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+
+
+def test_a_load_whose_storage_hangs_fails_once_naming_the_chunk(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: one chunk read of a real file hangs (the storage stops answering). The load
+    fails with ``TimeoutError`` naming the chunk after its one wait; closing the reader does not
+    wait a second timeout for the same read nor replace that error with its own (the reader keeps
+    its file open while the read runs, as its ``close`` does after a timeout)."""
+    import threading
+
+    from gdsckpt.io.posix import PosixReader
+
+    rng = np.random.default_rng(7)
+    state = {"w": torch.from_numpy(rng.standard_normal(1 << 20).astype(np.float32))}
+    path = tmp_path / "hung.gdsckpt"
+    config = gdsckpt.Config(chunk_bytes="256KiB", timeout=0.3)
+    gdsckpt.save(state, path, config=config)
+    release = threading.Event()
+    original = PosixReader._read_into
+    hung: list[int] = []
+
+    def read_into(self: PosixReader, fd: int, offset: int, out: np.ndarray) -> np.ndarray:
+        if not hung and out.nbytes > 4096:  # the first chunk read, not the header or the index
+            hung.append(offset)
+            release.wait(30)
+        return original(self, fd, offset, out)
+
+    monkeypatch.setattr(PosixReader, "_read_into", read_into)
+    try:
+        with pytest.raises(TimeoutError, match=r"chunk \d+ \(tensor 'w'\) was not read and decoded within 0.3 s"):
+            gdsckpt.load(path, config=config)
+    finally:
+        release.set()
+    assert hung, "no chunk read was held"

@@ -120,6 +120,8 @@ class LeadRead:
         self.timeout = timeout
         self.buffer: Any = device.empty(self.nbytes)
         self.futures: list[Any] = []
+        self._hung = False
+        """A ``close`` timed out: a read still runs, and later closes do not wait for it again."""
         try:
             for number in range(self.pieces):
                 at = number * piece_bytes
@@ -140,8 +142,9 @@ class LeadRead:
         still running: the buffer stays referenced then."""
         for future in self.futures:
             try:
-                future.result(timeout=self.timeout)
+                future.result(timeout=0.0 if self._hung else self.timeout)
             except (TimeoutError, FutureTimeout):
+                self._hung = True  # one wait of ``timeout`` per lead, not one per close
                 raise TimeoutError(f"a lead read still running {self.timeout} s after its restore") from None
             except Exception:  # noqa: BLE001 - the restore read these chunks again, or failed on its own
                 pass
