@@ -400,12 +400,14 @@ if __name__ == "__main__":
         _memory_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
 
 
-def test_a_load_whose_storage_hangs_fails_once_naming_the_chunk(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("how", ["load", "open"])
+def test_a_load_whose_storage_hangs_fails_once_naming_the_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 how: str) -> None:
     """Fault injection: one chunk read of a real file hangs (the storage stops answering). The load
-    fails with ``TimeoutError`` naming the chunk after its one wait; closing the reader does not
-    wait a second timeout for the same read nor replace that error with its own (the reader keeps
-    its file open while the read runs, as its ``close`` does after a timeout)."""
+    (or ``Checkpoint.get``) fails with ``TimeoutError`` naming the chunk after its one wait;
+    closing the reader (the checkpoint) does not wait a second timeout for the same read nor
+    replace that error with its own (the reader keeps its file open while the read runs, as its
+    ``close`` does after a timeout)."""
     import threading
 
     from gdsckpt.io.posix import PosixReader
@@ -428,7 +430,11 @@ def test_a_load_whose_storage_hangs_fails_once_naming_the_chunk(tmp_path: Path,
     monkeypatch.setattr(PosixReader, "_read_into", read_into)
     try:
         with pytest.raises(TimeoutError, match=r"chunk \d+ \(tensor 'w'\) was not read and decoded within 0.3 s"):
-            gdsckpt.load(path, config=config)
+            if how == "load":
+                gdsckpt.load(path, config=config)
+            else:
+                with gdsckpt.open(path, config=config) as checkpoint:
+                    checkpoint.get("w")
     finally:
         release.set()
     assert hung, "no chunk read was held"
