@@ -301,6 +301,10 @@ def test_chunk_bytes_argument_overrides_config(ckpt_path: Path, h: Any) -> None:
     gdsckpt.save(state, ckpt_path, chunk_bytes="16KiB", config=h.small_config())
     assert len(h.read_index(ckpt_path).chunks) == 2
     h.assert_same(state, gdsckpt.load(ckpt_path))
+    # larger than the GPU engine's largest chunk (16 MiB, nvCOMP's): the CPU engine takes it
+    big = {"w": torch.zeros(10 << 20, dtype=torch.float32)}  # 40 MiB
+    gdsckpt.save(big, ckpt_path, chunk_bytes="32MiB", codec="none", config=h.small_config())
+    assert max(c.raw for c in h.read_index(ckpt_path).chunks) == 32 << 20
 
 
 def test_environment_variables_configure_defaults(ckpt_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from ..codecs import versioned_name
-from ..config import Config
+from ..codecs.nvcomp import MAX_CHUNK_BYTES
+from ..config import Config, parse_size
 from ..errors import (
     CheckpointError,
     DeltaBaseError,
@@ -82,7 +83,8 @@ def save(state: Any, path: PathLike | StorageWriter | BinaryIO, *, codec: str = 
     holds both engines back the file any machine reads costs nothing (``pipeline.autotune``;
     ``SaveReport.auto`` records the figures). ``"zstd"``, ``"lz4"`` and ``"deflate"`` named for
     CUDA state run on the CPU engine, faster than nvCOMP's, unless ``config.engine == "gpu"``.
-    ``chunk_bytes`` overrides ``config.chunk_bytes`` and ``config.gpu_chunk_bytes``. Raises
+    ``chunk_bytes`` overrides ``config.chunk_bytes`` and ``config.gpu_chunk_bytes`` (at most
+    nvCOMP's 16 MiB there: a larger size still applies to the CPU engine). Raises
     ``TypeError`` naming the key path of
     any value that cannot be saved. ``progress``: see ``Progress``.
 
@@ -136,6 +138,12 @@ def save(state: Any, path: PathLike | StorageWriter | BinaryIO, *, codec: str = 
                      progress=progress, base=base, max_chain=max_chain, lossy=lossy)
 
 
+def _gpu_chunk_bytes(chunk_bytes: int | str | None) -> int | None:
+    """The GPU engine's share of a save's ``chunk_bytes=``: the same size, at most nvCOMP's largest
+    chunk, so that a size only the CPU engine can take (``chunk_bytes="32MiB"``) is no error."""
+    return None if chunk_bytes is None else min(parse_size(chunk_bytes), MAX_CHUNK_BYTES)
+
+
 def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "auto",
               chunk_bytes: int | str | None = None, config: Config | None = None,
               devices: list[str] | None = None, progress: Progress | None = None, base: PathLike | None = None,
@@ -157,7 +165,7 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
     threads are slower than the local disk (a ``CheckpointManager`` with a remote tier: the file
     is uploaded as well, where every byte saved is worth ``ratio`` bytes of state)."""
     started = time.perf_counter()
-    cfg = resolve_config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=chunk_bytes,
+    cfg = resolve_config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=_gpu_chunk_bytes(chunk_bytes),
                          codec=None if codec == "auto" else codec)
     gpu_device = None
     if devices is not None:

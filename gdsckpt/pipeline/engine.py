@@ -91,6 +91,10 @@ class Encoder(ABC):
     max_pending: int | None = None
     """Most chunks that may be between ``submit_encode`` and the release of their payload
     (None: no limit beyond the driver's byte budget). The GPU encoder's staging slots set it."""
+    stalled: bool = False
+    """Set by a driver whose wait for one of this engine's chunks outlasted its timeout: ``close``
+    then does not wait another timeout for the stuck work (which keeps what it holds), so the
+    operation fails after one timeout with the driver's error, which names the chunk."""
 
     @abstractmethod
     def submit_encode(self, chunk: ChunkPlan) -> Future[EncodedChunk]:
@@ -115,6 +119,8 @@ class Decoder(ABC):
     returned; then ``close()``."""
 
     name: str
+    stalled: bool = False
+    """As ``Encoder.stalled``, for a restore driver's wait on a decode."""
     device_places: int | None = None
     """The CUDA device whose memory this decoder writes itself when ``submit_decode`` names
     ``places`` there; None for a decoder that only hands bytes to ``deliver``."""
@@ -350,8 +356,9 @@ class HostEngine(Engine):
 
     def close(self) -> None:
         # Chunks not started are cancelled; running ones read sources and write targets the
-        # caller owns again once this returns, so they are waited for (bounded).
-        if not self._lane.close(self.timeout):
+        # caller owns again once this returns, so they are waited for (bounded; not again where
+        # the driver's own wait already timed out: ``stalled``).
+        if not self._lane.close(0.0 if self.stalled else self.timeout) and not self.stalled:
             raise TimeoutError(f"codec tasks still running {self.timeout} s after the engine was closed")
 
 

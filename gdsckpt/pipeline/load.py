@@ -522,6 +522,8 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             try:
                 future.result(timeout=timeout)
             except BaseException as err:  # noqa: BLE001 - reraise names the chunk, then raises it
+                if isinstance(err, (TimeoutError, FutureTimeout)):
+                    engine.stalled = True  # its close then does not wait for the stuck decode again
                 reraise(chunk, err)
             inflight -= cost
             piece_done(chunk)

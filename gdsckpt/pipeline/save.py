@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from ..codecs import Chain
@@ -73,7 +74,12 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
     def place_oldest_encoded() -> None:
         nonlocal offset
         plan, future = encodes.popleft()
-        encoded = future.result(timeout=timeout)
+        try:
+            encoded = future.result(timeout=timeout)
+        except (TimeoutError, FutureTimeout):
+            engine.stalled = True
+            raise TimeoutError(f"chunk {len(result.chunks)} (of {plan.raw} bytes) was not encoded within "
+                               f"{timeout} s") from None
         chain = Chain.of({"name": XOR_BASE}, *encoded.chain.to_json()) if plan.delta else encoded.chain
         chain_id = chain_ids.setdefault(chain, len(chain_ids))
         number = len(result.chunks)

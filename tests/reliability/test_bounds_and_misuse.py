@@ -438,3 +438,39 @@ def test_a_load_whose_storage_hangs_fails_once_naming_the_chunk(tmp_path: Path, 
     finally:
         release.set()
     assert hung, "no chunk read was held"
+
+
+def test_a_save_whose_codec_hangs_fails_once_naming_the_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: one chunk's compression never returns (a stuck codec thread). The save
+    fails with ``TimeoutError`` naming the chunk after the driver's one wait; closing the CPU
+    engine does not wait a second timeout for the stuck task nor replace that error with its own
+    ("codec tasks still running"), and the file already at the path is kept."""
+    import threading
+
+    from gdsckpt.codecs.cpu import PlanesZstdCodec, ZstdCodec
+
+    rng = np.random.default_rng(8)
+    state = {"w": torch.from_numpy(rng.standard_normal(1 << 20).astype(np.float32))}
+    path = tmp_path / "hung.gdsckpt"
+    path.write_bytes(b"the previous checkpoint")
+    release = threading.Event()
+    stuck: list[int] = []
+
+    def hang(original: Any) -> Any:
+        def encode(self: Any, data: np.ndarray) -> Any:
+            if not stuck:
+                stuck.append(data.nbytes)
+                release.wait(30)
+            return original(self, data)
+        return encode
+
+    for codec in (ZstdCodec, PlanesZstdCodec):
+        monkeypatch.setattr(codec, "encode", hang(codec.encode))
+    config = gdsckpt.Config(chunk_bytes="256KiB", timeout=0.3, codec="zstd")
+    try:
+        with pytest.raises(TimeoutError, match=r"chunk \d+ \(of \d+ bytes\) was not encoded within 0.3 s"):
+            gdsckpt.save(state, path, config=config)
+    finally:
+        release.set()
+    assert stuck, "no chunk's compression was held"
+    assert path.read_bytes() == b"the previous checkpoint"

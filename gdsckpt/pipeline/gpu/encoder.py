@@ -213,15 +213,19 @@ class GpuEncoder(WorkerOwner, Encoder):
         that holds no two slots even then is a ``ValueError`` naming the least that would.
         Without ``fit_chunk`` (chunks planned already) the ring keeps two slots whatever the
         budget."""
-        device, codec = self.device, self.codec
-        probe = device.empty(self.chunk_bytes) if self.sources and codec != "none" else None
+        codec = self.codec
+        probing = bool(self.sources) and codec != "none"
         chunk_bytes = self.chunk_bytes
         while True:
-            needed, slots = self._layout(probe, chunk_bytes, with_trial)
+            # Output areas of the chunk size are a lower bound of nvCOMP's: a size that cannot fit
+            # even so is passed over without allocating a probe of it (which could exceed the
+            # budget by itself); one that might fit is measured with a probe of its size.
+            needed, slots = self._layout(None, chunk_bytes, with_trial)
+            if probing and (slots >= 2 or not self.fit_chunk or chunk_bytes <= MIN_FITTED_CHUNK_BYTES):
+                needed, slots = self._measured_layout(chunk_bytes, with_trial)
             if slots >= 2 or not self.fit_chunk or chunk_bytes <= MIN_FITTED_CHUNK_BYTES or not self.sources:
                 break
             chunk_bytes = max(MIN_FITTED_CHUNK_BYTES, align_up(chunk_bytes // 2))
-        del probe
         if slots < 2 and self.sources and self.fit_chunk:
             raise ValueError(f"max_staging_bytes={self.max_staging_bytes} cannot hold two staging slots and "
                              f"nvCOMP's {codec} scratch even with {chunk_bytes}-byte chunks: it needs at least "
@@ -231,6 +235,14 @@ class GpuEncoder(WorkerOwner, Encoder):
                       chunk_bytes, self.chunk_bytes, codec, self.max_staging_bytes)
         self.chunk_bytes = chunk_bytes
         return max(2, slots) if self.sources else 2
+
+    def _measured_layout(self, chunk_bytes: int, with_trial: bool) -> tuple[int, int]:
+        """``_layout`` with nvCOMP's bounds, from a probe of ``chunk_bytes`` released at once."""
+        probe = self.device.empty(chunk_bytes)
+        try:
+            return self._layout(probe, chunk_bytes, with_trial)
+        finally:
+            del probe
 
     def _layout(self, probe: Any, chunk_bytes: int, with_trial: bool) -> tuple[int, int]:
         """Set the output areas for chunks of ``chunk_bytes`` from nvCOMP's bounds (``probe``:

@@ -55,16 +55,16 @@ class BatchWorker:
                 self._thread.start()
         self._jobs.put(job)
 
-    def close(self) -> bool:
-        """Let the queued jobs finish, stop the thread (waiting at most ``timeout``); True when
-        it has stopped (or never started)."""
+    def close(self, wait: bool = True) -> bool:
+        """Let the queued jobs finish, stop the thread (waiting at most ``timeout``, not at all
+        without ``wait``); True when it has stopped (or never started)."""
         with self._lock:
             self._closing = True
             thread = self._thread
         if thread is None:
             return True
         self._jobs.put(None)
-        thread.join(timeout=self._timeout)
+        thread.join(timeout=self._timeout if wait else 0.0)
         return not thread.is_alive()
 
     def _next(self) -> Any:
@@ -128,7 +128,7 @@ class WorkerOwner:
         if self._closed:
             return
         self._closed = True
-        if self._worker.close():
+        if self._worker.close(wait=not getattr(self, "stalled", False)):
             self.device.close()
         else:
             self.device.forget_codecs()
