@@ -105,20 +105,13 @@ def test_a_save_whose_device_hangs_fails_after_one_timeout() -> None:
 
 # -- combinations nothing else covers -------------------------------------------------------------
 
-class DeviceRounded:
+class DeviceRounded(DeviceSource):
     """A device-resident array rounded by ``save(lossy=...)`` (a ``RoundedArraySource`` on the
     device): its chunks take Bitcomp's lossy path with the check decoded in the slot's input."""
 
     def __init__(self, source: Any):
-        self.source, self.rounding, self.dtype = source, source.rounding, source.dtype
-        self.nbytes, self.itemsize, self.plane_width = source.nbytes, source.itemsize, source.plane_width
-        self.on_device = True
-
-    def host_bytes(self, start: int, stop: int) -> np.ndarray:
-        return self.source.host_bytes(start, stop)
-
-    def device_bytes(self, start: int, stop: int) -> np.ndarray:
-        return self.source.host_bytes(start, stop)
+        super().__init__(source)
+        self.rounding, self.dtype = source.rounding, source.dtype
 
 
 @pytest.mark.parametrize("garble", [False, True])
