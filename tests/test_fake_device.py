@@ -299,6 +299,34 @@ def test_zstd_chunks_shrink_to_fit_the_default_budget_and_a_budget_too_small_is_
     kept.close()
 
 
+def test_chunks_cancelled_while_encoding_give_their_slots_back() -> None:
+    """A failing save cancels the chunks it no longer wants while the worker is encoding them:
+    their slots come back to the ring once the batch ends (nobody will write or release them)."""
+    gate = threading.Event()
+
+    class SlowDevice(FakeDevice):
+        def record(self, operation: str, codec: Any, count: int) -> None:
+            super().record(operation, codec, count)
+            if operation == "encode":
+                gate.wait(TIMEOUT)
+
+    flat = flatten({"w": (np.random.default_rng(4).standard_normal(100_000) * 0.02).astype(np.float32)})
+    sources = [DeviceSource(a.source) for a in flat.arrays]
+    encoder = GpuEncoder(sources, codec="ans", byte_planes="auto", device_id=0, chunk_bytes=CHUNK,
+                         max_staging_bytes=64 << 20, timeout=TIMEOUT, device=SlowDevice())
+    plans = plan_chunks([(s.nbytes, s.itemsize, s.plane_width) for s in sources], chunk_bytes=CHUNK,
+                        pack_below=CHUNK // 4)
+    try:
+        futures = [encoder.submit_encode(plan) for plan in plans[:3]]
+        assert all(future.cancel() for future in futures)
+        gate.set()
+        encoder._worker.close()  # the batch has ended
+        assert encoder.ring is not None and encoder.ring.free_slots() == encoder.ring.slots
+    finally:
+        gate.set()
+        encoder.close()
+
+
 def test_a_restore_first_waits_for_work_queued_on_the_callers_streams() -> None:
     """Before a restore's first read (and so before anything is written to a destination), the
     decoder waits once for the work the caller queued on the device's current streams."""

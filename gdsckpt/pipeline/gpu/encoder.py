@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -410,8 +410,12 @@ class GpuEncoder(WorkerOwner, Encoder):
         finally:
             self._batch_slots = []
         for result, crc in zip(results, crcs):
-            result.job.future.set_result(EncodedChunk(result.padded, result.stored, result.job.chunk.raw, int(crc),
-                                                      result.chain, release=partial(self._release, result.slot)))
+            try:
+                result.job.future.set_result(EncodedChunk(result.padded, result.stored, result.job.chunk.raw,
+                                                          int(crc), result.chain,
+                                                          release=partial(self._release, result.slot)))
+            except InvalidStateError:  # cancelled by a save that failed meanwhile: nobody writes it
+                self._release(result.slot)
 
     def _encode_codec(self, jobs: list[EncodeJob]) -> list[_Encoded]:
         """Gather, transform and compress chunks with the encoder's codec, on the stream,
