@@ -258,9 +258,6 @@ class Checkpoint:
         self._window_restorers: dict[int | None, tuple[Any, StorageReader, contextlib.ExitStack]] = {}
         """GPU device (None: the CPU engine) -> the engine, data reader and their exit stack that
         ``_read_many`` keeps across its restores (closed by ``close``)."""
-        self._timed_out: BaseException | None = None
-        """A restore's ``TimeoutError`` (a read of the file hung): ``close`` then closes the reader
-        without waiting for that read again (``StorageReader.close_after``)."""
 
     def keys(self) -> list[str]:
         """Key strings of every array, in file order."""
@@ -299,8 +296,7 @@ class Checkpoint:
         index = self._opened.index
         gpu_device = restore_gpu_device(self._config, single_destination(location, (index.tensors[i] for i in ids)),
                                         index, ids)
-        with self._noting_timeouts(), open_data_reader(self._source, self._config, self._reader,
-                                                       gpu_device) as data_reader:
+        with open_data_reader(self._source, self._config, self._reader, gpu_device) as data_reader:
             arrays = restore_arrays(data_reader, self._opened, ids, self._config,
                                      lambda _i, record: new_target(record, destination(location, record)),
                                      gpu_device)
@@ -321,8 +317,7 @@ class Checkpoint:
         row_bytes = data.nbytes // data.shape[0] if data.shape[0] else 0
         target_device = destination(resolve_location(device, map_location), data)
         gpu_device = restore_gpu_device(self._config, target_device, index, [data_id])
-        with self._noting_timeouts(), open_data_reader(self._source, self._config, self._reader,
-                                                       gpu_device) as data_reader:
+        with open_data_reader(self._source, self._config, self._reader, gpu_device) as data_reader:
             def rows_target(_i: int, data_record: TensorRecord) -> Any:
                 window = dataclasses.replace(data_record, shape=(stop - start, *data_record.shape[1:]))
                 return new_target(window, target_device)
@@ -357,27 +352,17 @@ class Checkpoint:
             windows[i] = (start, stop)
             records[i] = window
         gpu_device = restore_gpu_device(self._config, target_device, index, ids)
-        with self._window_lock, self._noting_timeouts():
+        with self._window_lock:
             engine, data_reader = self._window_restorer(gpu_device)
             try:
                 arrays = restore_arrays(data_reader, self._opened, ids, self._config,
                                          lambda i, _record: new_target(records[i], target_device), gpu_device,
                                          windows=windows, engine=engine)
-            except BaseException as error:
+            except BaseException:
                 # a failed restore may leave its engine mid-batch: the next window gets new ones
-                # (its data reader closed as after any error: ``StorageReader.close_after``)
-                self._window_restorers.pop(gpu_device)[2].__exit__(type(error), error, error.__traceback__)
+                self._window_restorers.pop(gpu_device)[2].close()
                 raise
         return [arrays[i] for i in ids]
-
-    @contextlib.contextmanager
-    def _noting_timeouts(self) -> Iterator[None]:
-        """Note a restore's ``TimeoutError`` for ``close`` (``_timed_out``)."""
-        try:
-            yield
-        except TimeoutError as error:
-            self._timed_out = error
-            raise
 
     def _window_restorer(self, gpu_device: int | None) -> tuple[Any, StorageReader]:
         """The engine and data reader of ``_read_many``'s restores on ``gpu_device``, made on first
@@ -407,7 +392,7 @@ class Checkpoint:
                 stack.close()
         finally:
             self._opened.close_base()
-            self._reader.close_after(self._timed_out)
+            self._reader.close()
 
     def __enter__(self) -> Checkpoint:
         return self

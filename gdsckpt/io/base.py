@@ -16,10 +16,8 @@ implementations. Call order for a writer (the pipeline keeps it):
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +41,10 @@ class StorageWriter(ABC):
 
     name: str = "abstract"
     """Reported as ``SaveReport.backend`` (e.g. ``"posix+odirect+writeback"``, ``"kvikio-compat"``)."""
+    stalled: bool = False
+    """Set by a save whose wait for one of this writer's writes outlasted ``Config.timeout``:
+    ``abort`` then does not wait another timeout for that write (it keeps its file open), so the
+    save fails once, with its error naming the chunk."""
 
     @abstractmethod
     def submit_write(self, offset: int, data: Any) -> Future[None]:
@@ -88,6 +90,10 @@ class StorageReader(ABC):
 
     name: str = "abstract"
     size: int
+    stalled: bool = False
+    """Set by a restore whose wait for one of this reader's reads outlasted ``Config.timeout``:
+    ``close`` then does not wait another timeout for that read nor raise (the read keeps its file
+    open and its buffer referenced), so the restore fails once, with its error naming the chunk."""
 
     @abstractmethod
     def read(self, offset: int, length: int) -> bytes:
@@ -106,23 +112,8 @@ class StorageReader(ABC):
         readers of one path read the same bytes only if these match."""
         return None
 
-    def close_after(self, error: BaseException | None) -> None:
-        """``close``, at the end of an operation that raised ``error`` (None: it succeeded). Where
-        the operation failed because one of this reader's reads outlasted ``Config.timeout``
-        (``TimeoutError``), the reader is closed without waiting a second timeout for that read,
-        and without raising: a read still running keeps its file open and its buffer referenced
-        (as ``close`` leaves them after its own timeout), and the operation's error, which names
-        the chunk, is the one the caller gets."""
-        if not isinstance(error, (TimeoutError, FutureTimeout)):
-            self.close()
-            return
-        if hasattr(self, "timeout"):
-            self.timeout = 0.0
-        with contextlib.suppress(TimeoutError, FutureTimeout):
-            self.close()
-
     def __enter__(self) -> StorageReader:
         return self
 
-    def __exit__(self, exc_type: object, error: BaseException | None, traceback: object) -> None:
-        self.close_after(error)
+    def __exit__(self, *exc: object) -> None:
+        self.close()

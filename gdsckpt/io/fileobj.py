@@ -18,6 +18,7 @@ file object: it belongs to the caller.
 
 from __future__ import annotations
 
+import errno
 import io
 import threading
 from concurrent.futures import Future
@@ -86,7 +87,13 @@ class FileObjectWriter(StorageWriter):
         done = 0
         while done < len(view):
             written = self._file.write(view[done:])
-            # a raw (unbuffered) file may write less than asked; None means "would block"
+            if written is None and isinstance(self._file, io.RawIOBase):
+                # a raw stream returns None when it would block: nothing of this write was taken
+                raise BlockingIOError(errno.EAGAIN, f"the file object would block after {self._position + done} "
+                                      f"bytes: save needs a blocking stream (a non-blocking pipe or "
+                                      f"socket takes what fits and drops the rest)")
+            # a raw (unbuffered) file may write less than asked; another file-like that returns
+            # None took it all (the ``io`` convention before write returned a count)
             done += len(view) - done if written is None else written
         self._position += len(view)
 

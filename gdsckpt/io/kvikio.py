@@ -310,7 +310,7 @@ class KvikioWriter(PosixWriter):
         running then keeps it open), then abort as ``PosixWriter`` does (safe more than once)."""
         cufile = getattr(self, "_cufile", None)
         transfers = getattr(self, "_transfers", None)
-        stopped = transfers is None or transfers.wait(self.timeout)
+        stopped = transfers is None or transfers.wait(0.0 if self.stalled else self.timeout)
         if cufile is not None and not cufile.closed and stopped:
             cufile.close()
         if stopped:  # else the pool keeps its size: restoring the settings would replace it under the write
@@ -362,7 +362,9 @@ class KvikioReader(PosixReader):
         open, as the read may still fill its buffer."""
         cufile = getattr(self, "_cufile", None)
         if cufile is not None and not cufile.closed:
-            if not self._transfers.wait(self.timeout):
+            if not self._transfers.wait(0.0 if self.stalled else self.timeout):
+                if self.stalled:
+                    return  # the restore's own error names the chunk; the file stays open
                 raise TimeoutError(f"kvikio reads of {str(self.path)!r} still running {self.timeout} s "
                                    f"after close")
             cufile.close()

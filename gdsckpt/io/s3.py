@@ -304,7 +304,7 @@ class S3Writer(StorageWriter):
         if self._thread.is_alive():
             self._drop_queued()  # make room: the writes queued will not be sent
             self._queue.put(_ABORT)
-            self._thread.join(self.timeout)
+            self._thread.join(0.0 if self.stalled else self.timeout)
 
 
 class _ReadGroup:
@@ -420,5 +420,5 @@ class S3Reader(StorageReader):
                 future.set_result(out)
 
     def close(self) -> None:
-        if not self._lane.close(self.timeout):
+        if not self._lane.close(0.0 if self.stalled else self.timeout) and not self.stalled:
             raise TimeoutError(f"reads of {self.url} still running {self.timeout} s after close")

@@ -436,7 +436,8 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             try:
                 future.result(timeout=timeout)
             except (TimeoutError, FutureTimeout):
-                raise  # a hung read may still fill the piece: no new read into it
+                reader.stalled = True  # a hung read may still fill the piece: no new read into it
+                raise
             except (OSError, CorruptCheckpointError):
                 pass  # no chunk needs its bytes
             free_pieces.append(number)
@@ -492,6 +493,14 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             raise err
         raise renamed from err
 
+    def is_timeout(err: BaseException) -> bool:
+        """Whether a read's ``err`` is its wait timing out: the reader is then ``stalled``, so that
+        closing it does not wait for the hung read again."""
+        if isinstance(err, (TimeoutError, FutureTimeout)):
+            reader.stalled = True
+            return True
+        return False
+
     def start_decode() -> None:
         if before_decode is not None:
             before_decode(reads[0][0])  # while its read may still run
@@ -501,11 +510,12 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             future.result(timeout=timeout)
         except (OSError, CorruptCheckpointError, FutureTimeout) as err:
             # A hung read (TimeoutError) may still fill the piece: no second read into it.
-            if chunk not in grouped or isinstance(err, (TimeoutError, FutureTimeout)):
+            if is_timeout(err) or chunk not in grouped:
                 reraise(chunk, err)
             try:  # the group's call failed: this chunk alone (see the module docstring)
                 reader.submit_read(record.offset, buffer).result(timeout=timeout)
             except BaseException as again:  # noqa: BLE001 - reraise names the chunk, then raises it
+                is_timeout(again)
                 reraise(chunk, again)
         except BaseException as err:  # noqa: BLE001 - reraise names the chunk, then raises it
             reraise(chunk, err)

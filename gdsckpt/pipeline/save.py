@@ -67,7 +67,7 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
     result = SaveResult(0, 0, 0.0, [], [])
     chain_ids: dict[Chain, int] = {}
     encodes: deque[tuple[ChunkPlan, Future[EncodedChunk]]] = deque()
-    writes: deque[tuple[Future[None], int, EncodedChunk]] = deque()
+    writes: deque[tuple[Future[None], int, EncodedChunk, int]] = deque()  # (write, raw bytes, chunk, its number)
     inflight = 0
     offset = HEADER_REGION
 
@@ -88,15 +88,24 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
         for part in plan.parts:
             result.segments.setdefault(part.array, []).append(Segment(number, position, part.length))
             position += part.length
-        writes.append((writer.submit_write(offset, encoded.payload), plan.raw, encoded))
+        writes.append((writer.submit_write(offset, encoded.payload), plan.raw, encoded, number))
         offset += align_up(encoded.stored)
         result.raw_bytes += encoded.raw
+
+    def written(future: Future[None], what: str) -> None:
+        """Wait for a write; one that outlasts ``timeout`` marks the writer ``stalled`` (its abort
+        then does not wait for that write again) and fails the save naming ``what``."""
+        try:
+            future.result(timeout=timeout)
+        except (TimeoutError, FutureTimeout):
+            writer.stalled = True
+            raise TimeoutError(f"the write of {what} did not complete within {timeout} s") from None
 
     def retire_written(block: bool) -> None:
         nonlocal inflight, done
         while writes and (block or writes[0][0].done()):
-            future, raw, encoded = writes.popleft()
-            future.result(timeout=timeout)
+            future, raw, encoded, number = writes.popleft()
+            written(future, f"chunk {number} (of {encoded.stored} bytes)")
             if encoded.release is not None:
                 encoded.release()
             inflight -= raw
@@ -107,7 +116,7 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
 
     engine.watch_storage(writer.backlog, writer.pace)
     try:
-        writer.submit_write(0, pack_header(index.minor)).result(timeout=timeout)
+        written(writer.submit_write(0, pack_header(index.minor)), "the header")
         for plan in plans:
             while encodes and encodes[0][1].done():
                 place_oldest_encoded()

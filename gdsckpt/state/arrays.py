@@ -241,7 +241,14 @@ class TorchTarget(_Target):
     def _flat(self) -> Any:
         import torch
 
-        return self.tensor.reshape(-1).view(torch.uint8) if self.nbytes else None
+        if not self.nbytes:
+            return None
+        flat = self.tensor.reshape(-1)
+        if flat.numel() == 1 and flat.stride(0) != 1:
+            # torch calls one element contiguous whatever its stride, but view() to bytes needs 1
+            # (as ``TorchSource._part`` on the save side)
+            flat = flat.as_strided((1,), (1,))
+        return flat.view(torch.uint8)
 
     @functools.cached_property
     def _host(self) -> np.ndarray | None:
