@@ -172,6 +172,22 @@ def seaweedfs(directory: Path, timeout: float = 60.0) -> Iterator[str]:
         server.close()
 
 
+@contextlib.contextmanager
+def serving_bucket(directory: Path, bucket: str, credentials: tuple[str, str] | None = None
+                   ) -> Iterator[SeaweedServer]:
+    """A started ``SeaweedServer`` in ``directory`` holding ``bucket``, requiring ``credentials``
+    (None: taking any request), and the AWS environment pointing at it for the ``with`` block;
+    stopped after."""
+    server = SeaweedServer(directory, credentials=credentials)
+    try:
+        endpoint = server.start()
+        with aws_environment(endpoint, *(credentials or ("test", "test"))):
+            server.create_bucket(bucket)
+            yield server
+    finally:
+        server.close()
+
+
 AWS_NAMES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
 
 

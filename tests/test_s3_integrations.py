@@ -20,7 +20,7 @@ from typing import Any
 import obstore
 import pytest
 import torch
-from seaweed import SeaweedServer, aws_environment
+from seaweed import SeaweedServer, serving_bucket
 
 import gdsckpt
 from gdsckpt.errors import CheckpointError, RemoteUploadError, RemoteUploadWarning, SkippedCheckpointWarning
@@ -34,13 +34,8 @@ KEY, SECRET = "gdsckpt-test", "gdsckpt-test-secret"
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
     """A running server with bucket ``ckpt``, the AWS environment pointing at it for the module.
     A test that stops it starts it again before it ends."""
-    weed = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"), credentials=(KEY, SECRET))
-    try:
-        with aws_environment(weed.start(), KEY, SECRET):
-            weed.create_bucket(BUCKET)
-            yield weed
-    finally:
-        weed.close()
+    with serving_bucket(tmp_path_factory.mktemp("seaweedfs"), BUCKET, (KEY, SECRET)) as weed:
+        yield weed
 
 
 @pytest.fixture

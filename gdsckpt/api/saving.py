@@ -376,7 +376,7 @@ def _object_dependents(url: str, config: Config) -> list[str]:
     from ..io.s3 import ObjectDirectory
 
     prefix, _slash, name = url.rpartition("/")
-    directory = ObjectDirectory(prefix, endpoint=config.s3_endpoint)
+    directory = ObjectDirectory(prefix, endpoint=config.s3_endpoint, timeout=config.timeout)
     if directory.size(name) is None:
         return []
     entries = [directory.url_of(other) for other in sorted(directory.names())

@@ -276,7 +276,7 @@ def _check_paths(src: Any, dst: Any, src_kind: str, dst_kind: str, overwrite: bo
             raise ConvertError(f"source {str(src)!r} is not a regular file (a FIFO, a device or a socket)")
     if is_url(dst):
         prefix, _slash, name = dst.rpartition("/")
-        exists = ObjectDirectory(prefix, endpoint=config.s3_endpoint).size(name) is not None
+        exists = ObjectDirectory(prefix, endpoint=config.s3_endpoint, timeout=config.timeout).size(name) is not None
     else:
         if dst.is_dir():
             raise IsADirectoryError(f"destination {str(dst)!r} is a directory; give a file path")

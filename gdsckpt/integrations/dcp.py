@@ -142,7 +142,8 @@ class _Files:
         if isinstance(location, str):
             from ..io.s3 import ObjectDirectory
 
-            self._objects = ObjectDirectory(location, endpoint=resolve_config(config).s3_endpoint)
+            resolved = resolve_config(config)
+            self._objects = ObjectDirectory(location, endpoint=resolved.s3_endpoint, timeout=resolved.timeout)
 
     def of(self, name: str) -> Path | str:
         """Where file ``name`` is: a path, or an object's URL."""

@@ -30,9 +30,11 @@ opened with ``join_bytes`` at most ``Config.max_inflight_bytes`` over its thread
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -55,6 +57,10 @@ READ_THREADS = 8
 """The fewest ranged GETs a reader keeps in flight, whatever ``Config.io_threads`` says: a GET
 waits on the network and the server, not on a local core, so a 2-core host still needs several
 at once (``Config.io_threads`` sizes local disk reads by cores)."""
+REQUEST_TIMEOUT = 30.0
+RETRY_TIMEOUT = 180.0
+"""obstore's defaults (seconds): one request, and the retries of one since it began (``open_store``
+shortens them to ``Config.timeout``)."""
 QUEUED_WRITES = 4
 """Writes waiting for the upload's iterator; a further ``submit_write`` waits for room."""
 _END = object()
@@ -97,10 +103,13 @@ def split_prefix(url: str) -> tuple[str, str]:
     return bucket, f"{prefix}/" if prefix else ""
 
 
-def open_store(bucket: str, endpoint: str | None = None) -> Any:
+def open_store(bucket: str, endpoint: str | None = None, timeout: float | None = None) -> Any:
     """An obstore ``S3Store`` for ``bucket`` configured from the AWS environment (module
-    docstring); ``endpoint`` (``Config.s3_endpoint``) before ``AWS_ENDPOINT_URL``. ``ImportError``
-    naming the extra to install when obstore is missing."""
+    docstring); ``endpoint`` (``Config.s3_endpoint``) before ``AWS_ENDPOINT_URL``. ``timeout``
+    (``Config.timeout``) bounds each request and its retries, where it is shorter than obstore's
+    own defaults (``REQUEST_TIMEOUT``, ``RETRY_TIMEOUT``): a server that stops answering fails the
+    operation within about that time. ``ImportError`` naming the extra to install when obstore
+    is missing."""
     try:
         from obstore.store import S3Store
     except ImportError as err:
@@ -112,8 +121,11 @@ def open_store(bucket: str, endpoint: str | None = None) -> Any:
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         options["region"] = region
-    client_options: Any = {"allow_http": True} if endpoint and endpoint.startswith("http://") else None
-    return S3Store(bucket, client_options=client_options, **options)
+    client_options: Any = {"allow_http": True} if endpoint and endpoint.startswith("http://") else {}
+    if timeout is not None:
+        client_options["timeout"] = datetime.timedelta(seconds=min(timeout, REQUEST_TIMEOUT))
+        options["retry_config"] = {"retry_timeout": datetime.timedelta(seconds=min(timeout, RETRY_TIMEOUT))}
+    return S3Store(bucket, client_options=client_options or None, **options)
 
 
 def _storage_error(err: BaseException, what: str, url: str) -> CheckpointError:
@@ -128,13 +140,13 @@ class ObjectDirectory:
     ``FileNotFoundError``)."""
 
     def __init__(self, url: str, *, endpoint: str | None = None, part_bytes: int = PART_BYTES,
-                 concurrency: int = CONCURRENCY):
+                 concurrency: int = CONCURRENCY, timeout: float | None = None):
         import obstore
 
         self._obstore = obstore
         bucket, self.prefix = split_prefix(url)
         self.url = f"{SCHEME}{bucket}/{self.prefix}"
-        self.store = open_store(bucket, endpoint)
+        self.store = open_store(bucket, endpoint, timeout)
         self.part_bytes = part_bytes
         self.concurrency = concurrency
 
@@ -220,7 +232,7 @@ class S3Writer(StorageWriter):
 
         self.url = url
         bucket, self.key = split_url(url)
-        self.store = open_store(bucket, endpoint)
+        self.store = open_store(bucket, endpoint, timeout)
         self.timeout = timeout
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=QUEUED_WRITES)
         self._position = 0
@@ -258,6 +270,7 @@ class S3Writer(StorageWriter):
                 return
 
     def _enqueue(self, item: Any) -> None:
+        deadline = time.monotonic() + self.timeout
         while True:
             if self._error is not None or not self._thread.is_alive():
                 raise _storage_error(self._error or RuntimeError("upload stopped"), "upload of", self.url)
@@ -265,7 +278,9 @@ class S3Writer(StorageWriter):
                 self._queue.put(item, timeout=0.5)
                 return
             except queue.Full:
-                continue
+                if time.monotonic() > deadline:  # the upload took nothing for a whole timeout
+                    self.stalled = True
+                    raise TimeoutError(f"upload of {self.url} took no data for {self.timeout} s") from None
 
     def submit_write(self, offset: int, data: Any) -> Future[None]:
         """Queue a copy of ``data`` at ``offset`` (at or after the end of the previous write: the
@@ -341,7 +356,7 @@ class S3Reader(StorageReader):
         self.path = url
         """Where a delta read through this reader finds its base (``base_location_of``)."""
         bucket, self.key = split_url(url)
-        self.store = open_store(bucket, endpoint)
+        self.store = open_store(bucket, endpoint, timeout)
         self.timeout = timeout
         try:
             self.size = int(obstore.head(self.store, self.key)["size"])

@@ -46,7 +46,13 @@ names the newest one uploaded. Guarantees on that tier:
 - an object appears only whole (one multipart upload), and ``latest`` moves only after the object
   it names and every base that object needs are there;
 - an upload that fails is reported (``RemoteUploadWarning``) and retried by the next save and by
-  ``wait()``, which raises ``RemoteUploadError`` if the remote tier still lacks a checkpoint;
+  ``wait()``, which raises ``RemoteUploadError`` if the remote tier still lacks a checkpoint; a
+  new manager's first upload round sends the checkpoint the local ``latest`` names if the remote
+  tier lacks it (a process that died with that upload pending);
+- ``latest`` there moves to the newest checkpoint uploaded even when a later upload of the same
+  round fails;
+- every request is bounded by ``Config.timeout`` (``gdsckpt.io.s3.open_store``): a server that
+  stops answering fails the operation instead of holding it;
 - local pruning keeps every checkpoint the remote tier still lacks, except those that
   ``keep_last_remote`` newer ones already supersede (the remote tier would prune them at once),
   so the local tier holds at most ``keep_last + keep_last_remote`` checkpoints and their bases
@@ -57,7 +63,10 @@ names the newest one uploaded. Guarantees on that tier:
 
 ``restore_latest`` restores from the local tier when it holds a usable checkpoint, else from the
 remote tier (a replacement node after a failure): the one its ``latest`` names, then the others by
-step, descending, read straight from the objects (ranged GETs, nothing copied to local disk).
+step, descending, read straight from the objects (ranged GETs, nothing copied to local disk). A
+local checkpoint found damaged is followed by the remote tier's copy of the same step, where
+there is one, before any older local one: a disk fault does not cost the progress the remote
+copy kept.
 
 ``CheckpointManager("s3://bucket/prefix")`` keeps its checkpoints on object storage only: each save
 goes straight into its object (``gdsckpt.io.s3.S3Writer``, which appears whole), then ``latest``
@@ -76,9 +85,11 @@ Which checkpoint: the newest complete one. That is the one ``latest`` names, pro
 passes the cheap check (header, trailer and index, as ``gdsckpt.open`` reads them; with
 ``verify=True``, ``gdsckpt.verify`` of every chunk); else the highest step that passes. A
 ``SkippedCheckpointWarning`` names each file passed over and why. One refinement: a checkpoint
-with a higher step than ``latest`` names whose file was written after ``latest`` was (the process
-died between that save's rename and its pointer update) is newer, and is tried first; ``latest``
-still wins over higher-numbered files of an abandoned run (a run restarted from an older step).
+with a higher step than ``latest`` names whose file was renamed into place after ``latest`` was
+written (the process died between that save's rename and its pointer update; with saves in
+flight together its writes may have ended before) is newer, and is tried first; ``latest`` still
+wins over higher-numbered files of an abandoned run (a run restarted from an older step), and
+pruning never removes the checkpoint ``latest`` names, whichever process wrote it.
 
 How: in place, with ``gdsckpt.load_into`` (``strict=False``): ``model`` into the checkpoint's
 top-level key ``"model"``, ``optimizer`` into ``"optimizer"``, and every key of ``state`` (a dict
@@ -233,6 +244,9 @@ class CheckpointManager:
         self.remote = self._open_remote(remote)
         self._unsent: set[int] = set()
         """Steps complete on the local tier that the remote tier still lacks."""
+        self._recovered = False
+        """Whether an upload round has looked for what an earlier process left unsent
+        (``_upload_round``)."""
         self._remote_newest: int | None = None
         """The highest step this manager uploaded: what the remote ``latest`` should name."""
         self._remote_pointer: int | None = None
@@ -253,7 +267,7 @@ class CheckpointManager:
             raise ValueError(f"remote must be an s3://bucket/prefix URL, got {remote!r}")
         config = resolve_config(self.config)
         return ObjectDirectory(remote, endpoint=config.s3_endpoint,
-                               concurrency=upload_concurrency(config.max_inflight_bytes))
+                               concurrency=upload_concurrency(config.max_inflight_bytes), timeout=config.timeout)
 
     # -----------------------------------------------------------------------------------------
     # names
@@ -426,10 +440,19 @@ class CheckpointManager:
     def _upload_round(self) -> None:
         """Upload what the remote tier lacks (oldest first: bases before their deltas), then move
         its ``latest``, then prune it. Raises on the first failure (the rest stays pending)."""
-        with self._lock:
+        with self._lock:  # before the listing: a step joins ``_unsent`` once its file is in place
             unsent = set(self._unsent)
         files = self._files()
         remote = self._remote_objects()
+        if not self._recovered:
+            # An earlier process may have died with an upload pending (its ``_unsent`` died with
+            # it): the checkpoint the local ``latest`` names goes up if the remote tier lacks it.
+            named = self._pointer(warn=False) if files else None  # no local tier: nothing to resend
+            if named is not None and named[0] in files and named[0] not in remote:
+                unsent.add(named[0])
+                with self._lock:
+                    self._unsent.add(named[0])
+            self._recovered = True
         vanished = unsent - files.keys()
         if vanished:  # removed from the local tier by something other than this manager
             with self._lock:
@@ -438,25 +461,29 @@ class CheckpointManager:
                           f"before their upload to {self.remote.url}", RemoteUploadWarning, stacklevel=1)
         wanted = unsent & files.keys()
         wanted |= {step for step in self._bases_of(wanted, files) if step not in remote}
-        for step in sorted(wanted):
-            path = files[step]
-            try:
-                self.remote.upload(path, path.name)
-            except FileNotFoundError:
-                # pruned locally since the listing: superseded, or a base no kept delta needs now
+        try:
+            for step in sorted(wanted):
+                path = files[step]
+                try:
+                    self.remote.upload(path, path.name)
+                except FileNotFoundError:
+                    # pruned locally since the listing: superseded, or a base no kept delta needs now
+                    with self._lock:
+                        self._unsent.discard(step)
+                    continue
                 with self._lock:
                     self._unsent.discard(step)
-                continue
+                    if self._remote_newest is None or step > self._remote_newest:
+                        self._remote_newest = step
+        finally:
+            # even after a failed upload: what did go up (its bases before it) is whole, and a
+            # replacement node restores the newest of it
             with self._lock:
-                self._unsent.discard(step)
-                if self._remote_newest is None or step > self._remote_newest:
-                    self._remote_newest = step
-        with self._lock:
-            newest, pointed = self._remote_newest, self._remote_pointer
-        if newest is not None and newest != pointed:
-            self._write_remote_pointer(newest)
-            with self._lock:
-                self._remote_pointer = newest
+                newest, pointed = self._remote_newest, self._remote_pointer
+            if newest is not None and newest != pointed:
+                self._write_remote_pointer(newest)
+                with self._lock:
+                    self._remote_pointer = newest
         self._prune_remote()
         with self._lock:  # what was kept only because it was not uploaded yet may go now
             self._prune(completed=-1)
@@ -599,6 +626,9 @@ class CheckpointManager:
         keep = set(busy)
         if self._pointer_step is not None:
             keep.add(self._pointer_step)
+        on_disk = self._pointer(warn=False) if files else None
+        if on_disk is not None:  # what ``latest`` names, whoever wrote it (a run this one resumes)
+            keep.add(on_disk[0])
         readable = [step for step in sorted(files, reverse=True)
                     if step not in busy and _problem(files[step], config=self.config) is None]
         keep.update(readable[:self.keep_last])
@@ -701,7 +731,7 @@ class CheckpointManager:
         if pointer is not None:
             pointed, pointer_mtime = pointer
             for step in sorted(files, reverse=True):
-                if step > pointed and _mtime_ns(files[step]) > pointer_mtime:
+                if step > pointed and _changed_ns(files[step]) >= pointer_mtime:
                     order.append((step, files[step], "completed after latest was written"))
             order.append((pointed, self.path(pointed), "named by latest"))
         listed = {step for step, _path, _source in order}
@@ -720,31 +750,43 @@ class CheckpointManager:
         if state is not None and not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__qualname__}")
         local: list[tuple[int, str | Path, str]] = list(self._candidates(warn=True))
-        restored = self._restore_first(local, model, optimizer, state, verify)
+        restored = self._restore_first(local, model, optimizer, state, verify,
+                                       instead=self._remote_copy if self.remote is not None else None)
         if restored is None and self.remote is not None:
             restored = self._restore_first(self._remote_candidates(), model, optimizer, state, verify)
         return restored
 
+    def _remote_copy(self, step: int, path: str | Path) -> tuple[int, str | Path, str] | None:
+        """The remote tier's copy of local checkpoint ``step`` as a candidate, or None where it has
+        none. Asked only once the local file proved damaged: a restore of intact local files
+        sends no request to the remote tier."""
+        assert self.remote is not None
+        name = Path(path).name
+        return (step, self.remote.url_of(name), "remote copy") if self.remote.size(name) is not None else None
+
     def _restore_first(self, candidates: Any, model: Any, optimizer: Any, state: dict[Any, Any] | None,
-                       verify: bool) -> tuple[int, dict[Any, Any]] | None:
+                       verify: bool, instead: Any = None) -> tuple[int, dict[Any, Any]] | None:
         """Restore the first usable of ``candidates`` ((step, path or URL, source)), passing over
-        damaged ones with a warning (module docstring)."""
-        for step, path, source in candidates:
+        damaged ones with a warning (module docstring). ``instead(step, path)``: another copy of a
+        damaged candidate's step to try before the older ones (the remote tier's), or None; a
+        newer step whole elsewhere beats an older one here."""
+        pending = list(candidates)
+        while pending:
+            step, path, source = pending.pop(0)
             problem = _problem(path, verify=verify, config=self.config)
-            if problem is not None:
-                warnings.warn(f"skipping checkpoint {str(path)!r}"
-                              f"{f' ({source})' if source != 'scan' else ''}: {problem}",
-                              SkippedCheckpointWarning, stacklevel=3)
-                continue
-            try:
-                extra = self._load(path, model, optimizer, state)
-            except Exception as err:
-                if not _is_damage(err):
-                    raise
-                warnings.warn(f"skipping checkpoint {str(path)!r}: failed while loading: {err}",
-                              SkippedCheckpointWarning, stacklevel=3)
-                continue
-            return step, extra
+            if problem is None:
+                try:
+                    return step, self._load(path, model, optimizer, state)
+                except Exception as err:
+                    if not _is_damage(err):
+                        raise
+                    problem = f"failed while loading: {err}"
+            warnings.warn(f"skipping checkpoint {str(path)!r}"
+                          f"{f' ({source})' if source != 'scan' else ''}: {problem}",
+                          SkippedCheckpointWarning, stacklevel=3)
+            other = instead(step, path) if instead is not None else None
+            if other is not None:
+                pending.insert(0, other)
         return None
 
     def _load(self, path: str | Path, model: Any, optimizer: Any, state: dict[Any, Any] | None) -> dict[Any, Any]:
@@ -779,11 +821,16 @@ def _is_regular(entry: os.DirEntry[str]) -> bool:
         return False
 
 
-def _mtime_ns(path: Path) -> int:
+def _changed_ns(path: Path) -> int:
+    """When ``path`` last changed, its rename included (ns; -1 where it cannot be read). A
+    checkpoint's mtime is its last write, before its fsync and rename: a save whose file was
+    renamed after ``latest`` was written may have finished writing before it (saves in flight
+    together), so the rename's ctime is what tells it completed after ``latest``."""
     try:
-        return path.stat().st_mtime_ns
+        stat = path.stat()
     except OSError:
         return -1
+    return max(stat.st_mtime_ns, stat.st_ctime_ns)
 
 
 def _check_step(step: int) -> int:

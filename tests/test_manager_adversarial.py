@@ -1,0 +1,349 @@
+"""Adversarial tests of ``CheckpointManager`` (local tier, remote tier on a real SeaweedFS server
+from ``tests/seaweed.py``). Each test but the last found a bug (its docstring says what happened
+before the fix); faults are injected (an exception at a chosen step, a frozen server process),
+the S3 service itself is never mocked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from seaweed import SeaweedServer, serving_bucket
+
+import gdsckpt
+from gdsckpt import CheckpointManager
+from gdsckpt.errors import RemoteUploadError
+from gdsckpt.io import posix
+from gdsckpt.io.s3 import ObjectDirectory
+
+BUCKET = "ckpt"
+
+
+class Killed(BaseException):
+    """Stands for the process being killed at the point where it is raised."""
+
+
+def _ckpt(step: int) -> str:
+    return f"step-{step:010d}.gdsckpt"
+
+
+def _state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(2000, generator=g), "b": torch.randn(10, generator=g), "step": step}
+
+
+@pytest.fixture
+def config(h: Any) -> gdsckpt.Config:
+    return h.small_config()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    with serving_bucket(tmp_path_factory.mktemp("seaweedfs"), BUCKET) as weed:
+        yield weed
+
+
+@pytest.fixture
+def remote(server: SeaweedServer, request: pytest.FixtureRequest) -> str:
+    return f"s3://{BUCKET}/{request.node.name.replace('[', '-').replace(']', '')}"
+
+
+@pytest.fixture
+def quiet() -> Iterator[None]:
+    """Upload and skip warnings are expected in these scenarios (pytest turns warnings into errors)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# local tier
+
+
+def test_a_kill_after_the_rename_of_a_concurrent_save_restores_that_newer_step(tmp_path: Path, config: gdsckpt.Config,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_inflight=2: step 20's file is fully written, then step 10 completes and moves ``latest``;
+    step 20 is renamed into place and the process dies before its pointer update. Step 20 is
+    complete, the highest, of this run: restore must pick it (the docstring's refinement for a death
+    between rename and pointer update). It picked 10 when the refinement compared the file's
+    mtime (its last write, before fsync and rename) with the pointer's."""
+    manager = CheckpointManager(tmp_path, keep_last=None, config=config, max_inflight=2)
+    manager.save(5, _state(5))
+    entered, release = threading.Event(), threading.Event()
+    publish = posix.publish
+
+    def held_publish(temp: Path, target: Path, **kwargs: Any) -> None:
+        if Path(target).name == _ckpt(20):
+            entered.set()
+            assert release.wait(30)
+        publish(temp, target, **kwargs)
+
+    monkeypatch.setattr(posix, "publish", held_publish)
+    handle = manager.save_async(20, _state(20))
+    assert entered.wait(30)  # 20 is written and fsynced, waiting for its rename
+    time.sleep(0.05)  # beyond the coarse timestamp granularity
+    manager.save(10, _state(10))  # completes first: latest -> 10
+    assert (tmp_path / "latest").read_text() == _ckpt(10) + "\n"
+
+    write_pointer = manager._write_pointer
+
+    def dies_before_pointer(name: str) -> None:
+        if name == _ckpt(20):
+            raise Killed
+        write_pointer(name)
+
+    monkeypatch.setattr(manager, "_write_pointer", dies_before_pointer)
+    release.set()
+    with pytest.raises(Killed):
+        handle.wait(timeout=30)
+    assert (tmp_path / _ckpt(20)).exists() and gdsckpt.verify(tmp_path / _ckpt(20))
+    monkeypatch.undo()
+
+    restored = CheckpointManager(tmp_path, keep_last=None, config=config).restore_latest()
+    assert restored is not None
+    assert restored[0] == 20, f"restored step {restored[0]}: the complete step 20 (renamed after latest) is lost"
+
+
+# ---------------------------------------------------------------------------------------------
+# remote tier (real SeaweedFS server)
+
+
+def _fail_uploads_of(manager: CheckpointManager, steps: set[int] | None) -> None:
+    """Injected fault: this manager's uploads of ``steps`` (None: all) fail as a network error would."""
+    upload = ObjectDirectory.upload.__get__(manager.remote)
+
+    def failing(path: Any, name: str) -> None:
+        if steps is None or name in {_ckpt(s) for s in steps}:
+            raise gdsckpt.CheckpointError(f"upload of {name}: injected connection reset")
+        upload(path, name)
+
+    manager.remote.upload = failing  # type: ignore[method-assign]
+
+
+def test_wait_of_a_fresh_manager_keeps_the_checkpoint_latest_names(tmp_path: Path, config: gdsckpt.Config,
+                                                                     remote: str, quiet: None) -> None:
+    """A run restarted from step 2 left ``latest`` -> 2 beside the abandoned run's step 5. A new
+    process (remote tier on) restores step 2 and calls ``wait()`` before its first save (e.g. a
+    ``finally`` after training failed early). The docstring: pruning runs only after a save
+    completed, and keeps the step ``latest`` names. ``wait()`` ran an upload round whose
+    ``_prune(completed=-1)`` saw ``_pointer_step is None`` and deleted step 2: ``latest`` named a
+    missing file and the next restore resumed the abandoned run's step 5."""
+    abandoned = CheckpointManager(tmp_path, keep_last=3, config=config)
+    for step in (3, 4, 5):
+        abandoned.save(step, _state(step))
+    restarted = CheckpointManager(tmp_path, keep_last=1, config=config)
+    restarted.save(2, _state(2))
+    assert (tmp_path / "latest").read_text() == _ckpt(2) + "\n" and restarted.steps() == [2, 5]
+
+    fresh = CheckpointManager(tmp_path, keep_last=1, config=config, remote=remote)
+    restored = fresh.restore_latest()
+    assert restored is not None and restored[0] == 2
+    fresh.wait()
+    assert (tmp_path / _ckpt(2)).exists(), "wait() pruned the checkpoint latest names (no save completed)"
+    again = CheckpointManager(tmp_path, keep_last=1, config=config).restore_latest()
+    assert again is not None and again[0] == 2
+
+
+def test_a_fresh_manager_sends_the_upload_a_dead_process_left_pending(tmp_path: Path, config: gdsckpt.Config,
+                                                                      remote: str, quiet: None) -> None:
+    """Process A saves step 2 but its upload fails, then A dies (no ``wait``). Process B opens the
+    same directory and calls ``wait()``: the remote tier lacks step 2, the newest checkpoint, and
+    ``wait()`` must upload it (or raise ``RemoteUploadError``). It did neither (``_unsent`` started
+    empty), and a replacement node would have restored step 1."""
+    first = CheckpointManager(tmp_path, config=config, remote=remote)
+    first.save(1, _state(1))
+    first.wait()
+    _fail_uploads_of(first, {2})
+    first.save(2, _state(2))
+    assert first._uploader.wait_idle(30) and first.pending_uploads() == [2]
+    del first  # killed: no wait(), no further save
+
+    second = CheckpointManager(tmp_path, config=config, remote=remote)
+    restored = second.restore_latest()
+    assert restored is not None and restored[0] == 2
+    try:
+        second.wait()
+    except RemoteUploadError:
+        return  # told: acceptable
+    assert 2 in second.remote_steps(), \
+        f"wait() returned, but the remote tier has only {second.remote_steps()} (step 2 silently never uploaded)"
+
+
+def test_a_round_that_fails_midway_still_moves_the_remote_latest_to_what_it_uploaded(
+        tmp_path: Path, config: gdsckpt.Config, remote: str, quiet: None) -> None:
+    """Steps 6 and 7 are pending; a round uploads 6, then 7's upload fails. The remote ``latest``
+    must name 6: the node may die before a later round, and a replacement node restored step 5
+    when ``_upload_round`` raised out of its loop before moving the pointer."""
+    manager = CheckpointManager(tmp_path / "node-a", config=config, remote=remote, keep_last_remote=None)
+    manager.save(5, _state(5))
+    manager.wait()
+    _fail_uploads_of(manager, None)  # the server is unreachable for a while
+    manager.save(6, _state(6))
+    manager.save(7, _state(7))
+    assert manager._uploader.wait_idle(30) and manager.pending_uploads() == [6, 7]
+    _fail_uploads_of(manager, {7})  # it is back, but step 7's upload fails once more
+    with pytest.raises(RemoteUploadError):
+        manager.wait()
+    assert manager.remote_steps() == [5, 6]
+    # the node is lost now
+    restored = CheckpointManager(tmp_path / "node-b", config=config, remote=remote).restore_latest()
+    assert restored is not None
+    assert restored[0] == 6, f"restored step {restored[0]} from the remote tier; step 6 there is intact and newer"
+
+
+def test_a_damaged_local_newest_restores_the_remote_copy_of_that_step(
+        tmp_path: Path, config: gdsckpt.Config, remote: str, quiet: None) -> None:
+    """Steps 1..3 are saved and uploaded. Step 3's local file is then damaged (truncated by a disk
+    fault). ``restore_latest`` must restore step 3 from the remote tier, where it is intact; it
+    restored local step 2, throwing away the progress of step 3."""
+    manager = CheckpointManager(tmp_path, keep_last=3, config=config, remote=remote)
+    for step in (1, 2, 3):
+        manager.save(step, _state(step))
+    manager.wait()
+    assert manager.remote_steps() == [1, 2, 3]
+    path = tmp_path / _ckpt(3)
+    with open(path, "r+b") as handle:
+        handle.truncate(path.stat().st_size - 100)
+    restored = CheckpointManager(tmp_path, keep_last=3, config=config, remote=remote).restore_latest()
+    assert restored is not None
+    assert restored[0] == 3, f"restored step {restored[0]}; the remote tier's step 3 is intact"
+
+
+def test_restore_from_a_hung_remote_fails_within_config_timeout(tmp_path: Path, server: SeaweedServer,
+                                                                 remote: str, quiet: None) -> None:
+    """The S3 service stops answering (process frozen with SIGSTOP; TCP still accepts). A replacement
+    node's ``restore_latest`` with ``Config(timeout=1)`` fails with a clear error, not after the
+    minutes obstore's default client timeouts and retries took (``io.s3.open_store``)."""
+    config = gdsckpt.Config(timeout=1.0)
+    manager = CheckpointManager(tmp_path / "a", config=config, remote=remote)
+    manager.save(1, _state(1))
+    manager.wait()
+    fresh = CheckpointManager(tmp_path / "b", config=config, remote=remote)
+    outcome = _while_frozen(server, fresh.restore_latest)
+    assert isinstance(outcome.get("error"), gdsckpt.CheckpointError), outcome  # a clear error, not a fresh start
+
+
+def _while_frozen(server: SeaweedServer, call: Any) -> dict[str, Any]:
+    """Run ``call`` on a thread while the S3 server's process is stopped (SIGSTOP: it accepts
+    connections and answers nothing); its ``result`` or ``error``. Fails if it is still running
+    15 s later, with every ``Config.timeout`` of the callers 1 s (a hang, not a slow failure)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = call()
+        except BaseException as err:
+            outcome["error"] = err
+
+    assert server._server is not None
+    os.kill(server._server.pid, signal.SIGSTOP)
+    try:
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(15.0)
+        hung = thread.is_alive()
+    finally:
+        os.kill(server._server.pid, signal.SIGCONT)
+    thread.join(120)
+    assert not hung, "still blocked 15 s after Config.timeout=1 s on an unresponsive server"
+    return outcome
+
+
+def test_an_objects_only_save_to_a_hung_remote_fails_within_config_timeout(server: SeaweedServer, remote: str,
+                                                                           quiet: None) -> None:
+    """``CheckpointManager("s3://...")`` saving a 48 MiB state while the S3 service is frozen, with
+    ``Config(timeout=1)``: the save fails with a clear error (``S3Writer._enqueue`` used to retry
+    forever while the upload thread was alive, and obstore's requests to wait for minutes)."""
+    config = gdsckpt.Config(timeout=1.0, max_inflight_bytes=16 << 20)
+    manager = CheckpointManager(remote, config=config)
+    state = {"w": torch.randn(12 << 20, generator=torch.Generator().manual_seed(0))}
+    outcome = _while_frozen(server, lambda: manager.save(1, state, codec="none"))
+    assert isinstance(outcome.get("error"), gdsckpt.CheckpointError), outcome
+
+
+# ---------------------------------------------------------------------------------------------
+# passing: a risky combination nothing else covers
+
+
+def _trained(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3000, generator=g)
+    w[: 50 * step] += 0.001 * step  # deltas change part of the weights
+    return {"model": {"w": w}, "step": step}
+
+
+@pytest.mark.parametrize("delta_base", ["previous", "full"])
+def test_killed_at_every_publish_and_prune_step_of_a_delta_run_restores_the_newest(
+        tmp_path: Path, config: gdsckpt.Config, monkeypatch: pytest.MonkeyPatch, h: Any, delta_base: str) -> None:
+    """Coverage nothing else has: deltas (chain or star) with keep_last=1, the process killed before
+    each checkpoint rename, each pointer update and each file removal of pruning, in turn. A fresh
+    manager then restores the newest renamed step bit-exact, ``latest`` names an existing file, and
+    a continued run saves and restores again."""
+    import gdsckpt.manager as manager_module
+
+    events: list[str] = []
+    kill_at: list[int | None] = [None]
+    published: set[int] = set()
+    publish, remove = posix.publish, manager_module.remove_releasing
+
+    def point(what: str) -> None:
+        events.append(what)
+        if kill_at[0] is not None and len(events) - 1 == kill_at[0]:
+            raise Killed(what)
+
+    def counted_publish(temp: Path, target: Path, **kwargs: Any) -> None:
+        point(f"publish {Path(target).name}")
+        publish(temp, target, **kwargs)
+        if Path(target).name.startswith("step-"):
+            published.add(int(Path(target).name[5:15]))
+
+    def counted_remove(path: Any, *args: Any, **kwargs: Any) -> Any:
+        point(f"remove {Path(path).name}")
+        return remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(posix, "publish", counted_publish)
+    monkeypatch.setattr(manager_module, "remove_releasing", counted_remove)
+    options = dict(keep_last=1, config=config, delta_every=1, full_every=3, delta_base=delta_base)
+
+    def run(directory: Path) -> None:
+        manager = CheckpointManager(directory, **options)
+        for step in range(1, 8):
+            manager.save(step, _trained(step))
+
+    run(tmp_path / "dry")
+    total = len(events)
+    assert total > 15 and any(e.startswith("remove") for e in events)
+    for k in range(total):
+        events.clear()
+        published.clear()
+        kill_at[0] = k
+        directory = tmp_path / f"kill-{k}"
+        with pytest.raises(Killed):
+            run(directory)
+        kill_at[0] = None
+        expected = max(published, default=None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fresh = CheckpointManager(directory, **options)
+            restored = fresh.restore_latest()
+        if expected is None:
+            assert restored is None, (k, events[-1])
+            continue
+        assert restored is not None and restored[0] == expected, (k, events[-1], restored and restored[0])
+        h.assert_same(_trained(expected), restored[1])
+        pointer = directory / "latest"
+        if pointer.exists():
+            assert (directory / pointer.read_text().strip()).exists(), (k, events[-1])
+        fresh.save(expected + 1, _trained(expected + 1))
+        again = CheckpointManager(directory, **options).restore_latest()
+        assert again is not None and again[0] == expected + 1
+        h.assert_same(_trained(expected + 1), again[1])
