@@ -128,6 +128,9 @@ def test_load_keys_shape_of_the_result(saved: Any, h: Any) -> None:
     h.assert_same(state["model"]["bias"], loaded["model"]["bias"])
     everything = gdsckpt.load(path, keys=[""])
     h.assert_same(state, everything)
+    # one key given as a plain string is that key, not its characters
+    h.assert_same({"model": state["model"]}, gdsckpt.load(path, keys="model"))
+    h.assert_same({"model": {"bias": state["model"]["bias"]}}, gdsckpt.load(path, keys="model/bias"))
 
 
 def test_load_unknown_key_raises_key_error(saved: Any) -> None:

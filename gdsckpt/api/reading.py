@@ -57,7 +57,7 @@ def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
     saved from to the one it loads to (``{"cuda:1": "cuda:0"}``, ``{"cuda:0": "cpu"}``; arrays
     saved from a device the dict does not name load to that device, as with ``torch.load``). Give
     ``device`` or ``map_location``, not both (``TypeError``); a function as ``map_location`` is
-    ``TypeError`` too. ``keys``: key strings (``"model/layer.weight"``) or prefixes of subtrees
+    ``TypeError`` too. ``keys``: key strings (``"model/layer.weight"``; one may be given alone) or prefixes of subtrees
     (``"optimizer"``) to load; only the chunks holding them are read. Dict entries outside the
     selection are left out, list and tuple slots outside it are None. Unknown keys raise
     ``KeyError``. ``progress``: see ``Progress``.

@@ -300,7 +300,8 @@ class Selection:
     """Which key paths a partial load wants: each requested key selects itself and its subtree."""
 
     def __init__(self, keys: Iterable[str] | None):
-        self.keys = None if keys is None else list(keys)
+        # a lone string is one key (``keys="model"``), not the characters it iterates to
+        self.keys = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
         self.matched: set[str] = set()
 
     def covers(self, key: str) -> bool:
