@@ -16,6 +16,7 @@ implementations. Call order for a writer (the pipeline keeps it):
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -115,5 +116,11 @@ class StorageReader(ABC):
     def __enter__(self) -> StorageReader:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, error: BaseException | None, traceback: object) -> None:
+        if error is None:
+            self.close()
+            return
+        # Closing after a failure never replaces the failure's error (a corrupt chunk named, say)
+        # with the close's own timeout for a read still running elsewhere.
+        with contextlib.suppress(TimeoutError):
+            self.close()

@@ -474,3 +474,34 @@ def test_a_save_whose_codec_hangs_fails_once_naming_the_chunk(tmp_path: Path, mo
         release.set()
     assert stuck, "no chunk's compression was held"
     assert path.read_bytes() == b"the previous checkpoint"
+
+
+def test_closing_a_reader_after_a_failure_keeps_that_failure(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader closed by its ``with`` block after an error (a corrupt chunk found, say) while
+    another of its reads hangs: the close times out waiting for that read (and keeps the file
+    open), but the error raised is the block's, not the close's ``TimeoutError``."""
+    import threading
+
+    from gdsckpt.io.posix import PosixReader
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(1 << 16))
+    release = threading.Event()
+    original = PosixReader._read_into
+
+    def read_into(self: PosixReader, fd: int, offset: int, out: np.ndarray) -> np.ndarray:
+        release.wait(30)
+        return original(self, fd, offset, out)
+
+    monkeypatch.setattr(PosixReader, "_read_into", read_into)
+    try:
+        with (pytest.raises(gdsckpt.CorruptCheckpointError, match="chunk checksum mismatch"),
+              PosixReader(path, timeout=0.2) as reader):
+            reader.submit_read(0, np.empty(4096, dtype=np.uint8))
+            raise gdsckpt.CorruptCheckpointError("chunk checksum mismatch")
+        # without an error of its own, the block gets the close's
+        with pytest.raises(TimeoutError, match="still running"), PosixReader(path, timeout=0.2) as reader:
+            reader.submit_read(0, np.empty(4096, dtype=np.uint8))
+    finally:
+        release.set()
