@@ -283,7 +283,7 @@ def test_zstd_chunks_shrink_to_fit_the_default_budget_and_a_budget_too_small_is_
     from gdsckpt.codecs.nvcomp import MAX_CHUNK_BYTES
     from gdsckpt.pipeline.gpu.encoder import MIN_FITTED_CHUNK_BYTES
 
-    source = [DeviceSource(flatten({"w": np.zeros(1 << 20, np.float32)}).arrays[0].source)]
+    source = [DeviceSource(flatten({"w": np.zeros(16 << 20, np.float32)}).arrays[0].source)]  # 8 chunks of 8 MiB
     encoder = GpuEncoder(source, codec="zstd", byte_planes="auto", device_id=0, chunk_bytes=MAX_CHUNK_BYTES,
                          max_staging_bytes=1 << 30, device=FakeDevice(), fit_chunk=True)
     assert encoder.chunk_bytes == 8 << 20 and encoder.staging_bytes <= 1 << 30
@@ -297,6 +297,19 @@ def test_zstd_chunks_shrink_to_fit_the_default_budget_and_a_budget_too_small_is_
                       max_staging_bytes=1 << 20, device=FakeDevice())
     assert kept.chunk_bytes == MIN_FITTED_CHUNK_BYTES * 4 and kept.ring is not None and kept.ring.slots == 2
     kept.close()
+
+
+def test_a_small_state_takes_no_more_slots_than_it_can_have_chunks() -> None:
+    """The ring holds at most one slot per chunk the sources can make (each array's own chunks;
+    packing only makes fewer): three small arrays under the default 1 GiB budget take three
+    slots, not the ~27 of 32 MiB the budget holds."""
+    state = {"a": np.ones(1000, np.float32), "b": np.ones(5, np.int64), "c": np.zeros(300_000, np.float32)}
+    device = FakeDevice()
+    store, flat, encoder = save_through(device, state, codec="ans", staging=1 << 30, chunk_bytes=16 << 20,
+                                        fit_chunk=True)
+    assert encoder.ring is not None and encoder.ring.slots == 3 and encoder.max_pending == 3
+    assert device.peak_bytes < 4 * (32 << 20)
+    assert_same(restore_through(decoder(FakeDevice()), store, flat), state)
 
 
 def test_chunks_cancelled_while_encoding_give_their_slots_back() -> None:

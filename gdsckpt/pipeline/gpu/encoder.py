@@ -186,6 +186,10 @@ class GpuEncoder(WorkerOwner, Encoder):
         with_trial = bool(self.sources) and codec != "none" and self.byte_planes == "auto" and trials
         slots = self._fit(with_trial)
         chunk_bytes = self.chunk_bytes
+        # No more slots than the save can have chunks (each array's own chunks; packing only makes
+        # fewer): a small state does not take the whole budget.
+        most = sum(max(1, -(-source.nbytes // chunk_bytes)) for source in self.sources if source is not None)
+        slots = max(1, min(slots, most))
         self.max_pending = slots
         self.staging_bytes = 0
         if self.sources:
