@@ -55,6 +55,16 @@ def array_range(array: Any, start: int, stop: int, xp: Any) -> Any:
     return xp.concatenate(pieces)
 
 
+def _byte_view(flat: Any) -> Any:
+    """The bytes of a contiguous one-dimensional torch tensor, as a uint8 view of its memory."""
+    import torch
+
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        # torch calls one element contiguous whatever its stride, but view() to bytes needs 1
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
+
+
 def read_on_cupy_stream(tensor: Any, *, made: bool) -> None:
     """Order the read of CUDA ``tensor`` on CuPy's current stream (the GPU encoder's, a
     non-blocking stream: nothing orders it after torch's) after the work queued so far on torch's
@@ -104,13 +114,8 @@ class TorchSource(_SourceBase):
         self.tensor = tensor
 
     def _part(self, start: int, stop: int) -> Any:
-        import torch
 
-        part = torch_range(self.tensor, start // self.itemsize, stop // self.itemsize)
-        if part.numel() == 1 and part.stride(0) != 1:
-            # torch calls one element contiguous whatever its stride, but view() to bytes needs 1
-            part = part.as_strided((1,), (1,))
-        return part.view(torch.uint8)
+        return _byte_view(torch_range(self.tensor, start // self.itemsize, stop // self.itemsize))
 
     def host_bytes(self, start: int, stop: int) -> np.ndarray:
         part = self._part(start, stop)
@@ -239,16 +244,8 @@ class TorchTarget(_Target):
     # never needs them.
     @functools.cached_property
     def _flat(self) -> Any:
-        import torch
 
-        if not self.nbytes:
-            return None
-        flat = self.tensor.reshape(-1)
-        if flat.numel() == 1 and flat.stride(0) != 1:
-            # torch calls one element contiguous whatever its stride, but view() to bytes needs 1
-            # (as ``TorchSource._part`` on the save side)
-            flat = flat.as_strided((1,), (1,))
-        return flat.view(torch.uint8)
+        return _byte_view(self.tensor.reshape(-1)) if self.nbytes else None
 
     @functools.cached_property
     def _host(self) -> np.ndarray | None:

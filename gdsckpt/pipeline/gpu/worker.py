@@ -120,6 +120,8 @@ class WorkerOwner:
     ring: Any
     _worker: BatchWorker
     _closed: bool = False
+    stalled: bool = False
+    """``Encoder.stalled`` / ``Decoder.stalled``: a driver's wait on the worker timed out."""
 
     def close(self) -> None:
         """Stop the worker (bounded by its timeout), then release the codecs and the ring: codecs
@@ -128,7 +130,7 @@ class WorkerOwner:
         if self._closed:
             return
         self._closed = True
-        if self._worker.close(wait=not getattr(self, "stalled", False)):
+        if self._worker.close(wait=not self.stalled):
             self.device.close()
         else:
             self.device.forget_codecs()
