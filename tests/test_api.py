@@ -131,6 +131,16 @@ def test_load_keys_shape_of_the_result(saved: Any, h: Any) -> None:
     # one key given as a plain string is that key, not its characters
     h.assert_same({"model": state["model"]}, gdsckpt.load(path, keys="model"))
     h.assert_same({"model": {"bias": state["model"]["bias"]}}, gdsckpt.load(path, keys="model/bias"))
+    # no key selects nothing: the root keeps its type, as every unselected level does
+    assert gdsckpt.load(path, keys=[]) == {}
+    assert gdsckpt.load(path, keys=()) == {}
+
+
+def test_load_no_keys_keeps_a_list_or_tuple_roots_slots(tmp_path: Path) -> None:
+    for root in ([torch.ones(2), 3], (torch.ones(2), "x")):
+        path = tmp_path / f"{type(root).__name__}.gdsckpt"
+        gdsckpt.save(root, path)
+        assert gdsckpt.load(path, keys=[]) == type(root)([None, None])
 
 
 def test_load_unknown_key_raises_key_error(saved: Any) -> None:
