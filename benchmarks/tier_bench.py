@@ -33,6 +33,10 @@ first chunk read), the chunk stream's timeline (``t_*``: seconds from its start 
 last read seen landed, the worker's first batch and last batch end, the stream's end), what
 follows it (``after_stream``), and the decoder worker's time per stage (queueing a checked ANS
 batch, waiting for the stream, other codecs' checksums and decoding, copies to host memory);
+The null sink's save gets a timeline as well (seconds from the start of ``save_flat``, after
+flattening: ``save_flatten``, ``save_save_engine`` choosing and starting the encoder,
+``save_plan``, ``save_run_save`` the chunk stream, ``save_encoder_close``, and
+``t_save_first_encode`` / ``t_save_last_encode_end`` / ``t_save_run_end`` / ``t_save_end``).
 ``--cprofile`` adds a cProfile of the workers' batches.
 
 GB/s are logical tensor bytes (10**9) over wall seconds; every restore is compared bit for bit.
@@ -218,7 +222,8 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
     # the stream ended; and the setup before it: opening the file (reading and validating the
     # index), making the destination tensors, starting the decoder.
     marks: dict[str, list[float]] = {"stream": [], "submits": [], "batches": [], "open": [], "restore": [],
-                                     "engine": []}
+                                     "engine": [], "flatten": [], "save": [], "save_engine": [], "plan": [],
+                                     "run_save": [], "encoder_close": [], "encodes": []}
     sizes: list[int] = []
     issued: list[tuple[float, int]] = []
     """(time, bytes) of every storage read the restore submitted (the lead's before its stream):
@@ -259,6 +264,7 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
 
     from gdsckpt.api import checkpoint as checkpoint_module
     from gdsckpt.api import reading as reading_module
+    from gdsckpt.api import saving as saving_module
     from gdsckpt.io import PreloadedReader
     from gdsckpt.io.kvikio import KvikioReader
     from gdsckpt.pipeline import load as load_module
@@ -271,7 +277,16 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
                                  (decoder_module.GpuDecoder, "submit_decode", mark_submit),
                                  (decoder_module.GpuDecoder, "_decode_batch", mark_batch),
                                  (KvikioReader, "submit_read", mark_read),
-                                 (PreloadedReader, "submit_read", mark_read)):
+                                 (PreloadedReader, "submit_read", mark_read),
+                                 # a save's timeline: flattening, choosing and starting the engine,
+                                 # planning, the chunk stream, closing the encoder; its batches
+                                 (saving_module, "flatten", mark_span("flatten")),
+                                 (saving_module, "save_flat", mark_span("save")),
+                                 (saving_module, "_save_engine", mark_span("save_engine")),
+                                 (saving_module, "plan_chunks", mark_span("plan")),
+                                 (saving_module, "run_save", mark_span("run_save")),
+                                 (encoder_module.GpuEncoder, "close", mark_span("encoder_close")),
+                                 (encoder_module.GpuEncoder, "_encode_batch", mark_span("encodes"))):
         original = getattr(owner, name)
         setattr(owner, name, wrapper(original))
         patches.append((owner, name, original))
@@ -310,6 +325,15 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
                     first = int(np.searchsorted(issued_bytes, issued_bytes[-1] * percent / 100))
                     totals[f"t_issued_{percent}"] = float(at[first]) - zero
                 totals["reads_issued"] = len(issued)
+        if len(marks["save"]) >= 2 and marks["run_save"] and marks["encodes"]:
+            # seconds from the start of save_flat (flattening comes before it)
+            zero, encodes = marks["save"][0], marks["encodes"]
+            span = {label: marks[label][1] - marks[label][0] for label in
+                    ("flatten", "save_engine", "plan", "run_save", "encoder_close") if len(marks[label]) >= 2}
+            totals.update({f"save_{label}": seconds for label, seconds in span.items()},
+                          t_save_first_encode=encodes[0] - zero, t_save_last_encode_end=encodes[-1] - zero,
+                          t_save_run_end=marks["run_save"][1] - zero, t_save_end=marks["save"][1] - zero,
+                          save_encoder_busy=sum(encodes[i + 1] - encodes[i] for i in range(0, len(encodes), 2)))
         if cprofile:
             for direction, profiler in profilers.items():
                 text = io.StringIO()
