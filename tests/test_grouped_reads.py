@@ -460,6 +460,34 @@ def test_a_hung_lead_read_fails_the_restore_instead_of_taking_a_new_read(tmp_pat
         assert len(reader.calls) == 2  # no read went into either piece
 
 
+def test_a_hung_lead_read_that_chunks_need_fails_the_restore_once(tmp_path: Path) -> None:
+    """The lead's first piece, which the file's first chunks lie in, is read for longer than the
+    restore's timeout: the restore raises one ``TimeoutError`` naming a chunk, and the closes that
+    follow (the decoder's, whose arena adopted the lead, then the starter's) neither wait for that
+    read again nor raise their own error, which would replace the restore's. The running read
+    keeps its buffer."""
+    state = big_state(25)
+    path, flat = saved_file(tmp_path, state, codec="zstd")
+    with RecordingReader(path, slow=(0,), slow_seconds=1.5) as reader:
+        index = open_file(reader).index
+        device = FakeDevice()
+        # the restore's timeout for the lead too, as ``api.resolve.lead_read`` gives it
+        lead = LeadRead(device, reader, HEADER_REGION, 2 * PIECE, PIECE, timeout=0.2)
+        dec = lead_decoder(device, lead, staging=GROUP_READ_SHARE * 4 * PIECE)
+        targets = {i: NumpyTarget(a.shape, a.dtype) for i, a in enumerate(flat.arrays)}
+        try:
+            with pytest.raises(TimeoutError, match=r"chunk \d+ \(tensor '.*'\) was not read and decoded"):
+                run_restore(reader, index, dec, targets, max_inflight_bytes=1 << 30, timeout=0.2)
+            assert reader.stalled
+            dec.close()
+            lead.close()
+            assert 0 in reader._running, "a close waited for the hung read"
+            assert lead.buffer is not None  # still filled by that read
+        finally:
+            dec.close()
+            lead.close()
+
+
 def test_a_failed_lead_read_is_read_again_chunk_by_chunk(tmp_path: Path) -> None:
     """The lead's first piece fails (EIO): its chunks are read again on their own and the restore
     completes, bit-exact; a chunk crossing into the second piece waits for that read too."""

@@ -118,6 +118,7 @@ class LeadRead:
         self.pieces = -(-length // piece_bytes)
         self.nbytes = self.pieces * piece_bytes
         self.timeout = timeout
+        self.reader = reader
         self.buffer: Any = device.empty(self.nbytes)
         self.futures: list[Any] = []
         self._hung = False
@@ -139,11 +140,16 @@ class LeadRead:
     def close(self) -> None:
         """Wait for every read (at most ``timeout`` each; a failed one is no error here: the
         restore read its chunks again), then drop the buffer. ``TimeoutError`` where a read is
-        still running: the buffer stays referenced then."""
+        still running: the buffer stays referenced then. Where the restore's own wait on a read
+        already timed out (the reader is ``stalled``), no wait and no error: the restore's error
+        names the chunk, as a stalled reader's ``close`` does."""
+        stalled = self.reader.stalled
         for future in self.futures:
             try:
-                future.result(timeout=0.0 if self._hung else self.timeout)
+                future.result(timeout=0.0 if self._hung or stalled else self.timeout)
             except (TimeoutError, FutureTimeout):
+                if stalled:
+                    return  # the running read keeps its buffer
                 self._hung = True  # one wait of ``timeout`` per lead, not one per close
                 raise TimeoutError(f"a lead read still running {self.timeout} s after its restore") from None
             except Exception:  # noqa: BLE001 - the restore read these chunks again, or failed on its own
