@@ -6,6 +6,7 @@ the helpers and the cases already covered there."""
 from __future__ import annotations
 
 import gc
+import math
 import os
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from test_fake_device import TIMEOUT
 from test_grouped_reads import (
     PIECE,
     RecordingReader,
+    assert_same,
     big_state,
     chunk_inside_a_group,
     grouped_decoder,
@@ -27,8 +29,16 @@ from test_grouped_reads import (
 )
 
 from gdsckpt.errors import CorruptCheckpointError
+from gdsckpt.format import align_up
 from gdsckpt.io.posix import PosixReader
-from gdsckpt.pipeline.gpu.staging import GROUP_READ_SHARE, lead_read_pieces
+from gdsckpt.pipeline.gpu.staging import (
+    DECODE_SCRATCH,
+    GROUP_READ_SHARE,
+    STAGING_RING_SHARE,
+    lead_read_pieces,
+    scratch_bytes,
+    slots_that_fit,
+)
 from gdsckpt.pipeline.load import open_file, run_restore
 from gdsckpt.state import NumpyTarget
 
@@ -80,6 +90,37 @@ def test_a_finished_restore_leaves_nothing_but_the_decoders_own_staging(tmp_path
         assert device.live_bytes == 0, device.live_bytes
     finally:
         dec.close()
+
+
+@pytest.mark.parametrize("codec", ["ans", "zstd"])
+def test_a_budget_that_holds_one_slot_restores_within_it_and_one_that_holds_none_is_refused(
+        tmp_path: Path, codec: str) -> None:
+    """The file's chunks set a slot's size, which a restore cannot shrink. A budget with room for
+    one slot (with nvCOMP's decode scratch) restores through that one, bit-exact, within the
+    budget; a budget with room for none is a ``ValueError`` naming the least that would do, and
+    that budget restores. Before, a restore took two slots whatever its budget, and exceeded it."""
+    state = big_state(42)
+    path, flat = saved_file(tmp_path, state, codec=codec)
+    with PosixReader(path) as reader:
+        index = open_file(reader).index
+    largest_raw = align_up(max(c.raw for c in index.chunks))
+    slot = max(align_up(max(c.stored for c in index.chunks)), largest_raw) + largest_raw
+    fixed, per_slot = scratch_bytes(DECODE_SCRATCH, [index.chains[c.chain][-1]["name"] for c in index.chunks],
+                                    largest_raw)
+    one = math.ceil((fixed + slot + per_slot) / STAGING_RING_SHARE)
+    assert slots_that_fit(one, slot, (fixed, per_slot)) == 1
+    for staging in (one, one + slot // 2):
+        device = FakeDevice()
+        dec = grouped_decoder(device, staging=staging)
+        with PosixReader(path) as reader:
+            got = restore(reader, flat, dec)
+        assert_same(got, state)
+        assert device.peak_bytes <= staging, (device.peak_bytes, staging)
+    device = FakeDevice()
+    dec = grouped_decoder(device, staging=one - 1)
+    with PosixReader(path) as reader, pytest.raises(ValueError, match=f"at least {one}"):
+        restore(reader, flat, dec)
+    assert device.peak_bytes == 0
 
 
 # -- errors name the chunk ----------------------------------------------------------------------

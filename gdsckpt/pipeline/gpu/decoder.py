@@ -39,6 +39,7 @@ as itself, so that a restore stops instead of passing over an intact checkpoint.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -55,12 +56,12 @@ from ..engine import Decoder
 from .staging import (
     DECODE_SCRATCH,
     GROUP_READ_BYTES,
+    STAGING_RING_SHARE,
     LeadRead,
     ReadArena,
     StagingRing,
     arena_pieces,
     restore_staging_budget,
-    ring_slots,
     scratch_bytes,
     slots_that_fit,
 )
@@ -150,11 +151,13 @@ class GpuDecoder(WorkerOwner, Decoder):
         docstring). A slot holds the largest padded stored chunk (then, after decoding, a chunk's
         byte-planed raw bytes) and the largest raw chunk; there are as many slots as fit with
         nvCOMP's decode scratch for ``codecs`` (bitstream names) in the ring's share of
-        ``max_staging_bytes``, at least 2 and at most one per chunk. The read arena (a lead read's
-        pieces among them) takes its share only where the ring keeps room for two slots beside
-        it: a lead that would leave less is closed before the ring is allocated, an arena that
-        would is left out (one read per chunk). Only a budget that holds no two slots at all is
-        exceeded (by the ring's two slots: the chunks' sizes are the file's)."""
+        ``max_staging_bytes``, at most one per chunk. The read arena (a lead read's pieces among
+        them) takes its share only where the ring keeps room for two slots beside it: a lead that
+        would leave less is closed before the ring is allocated, an arena that would is left out
+        (one read per chunk). A budget that holds one slot only gets one (each chunk read after
+        the one before it is decoded: slow, but within the budget); one that holds none is a
+        ``ValueError`` naming the least budget that would do (the chunks' sizes are the file's, so
+        the budget cannot be kept by cutting them smaller, as a save does)."""
         if not records:
             return None
         # The destinations may still be in use by work the caller queued on its own streams (an
@@ -184,7 +187,14 @@ class GpuDecoder(WorkerOwner, Decoder):
         if pieces and lead is None and not ring_fits(pieces):
             pieces = 0
         arena_bytes = pieces * self.group_read_bytes
-        slots = ring_slots(self.max_staging_bytes - arena_bytes, read_area + largest_raw, scratch, most=len(records))
+        slot_bytes = read_area + largest_raw
+        slots = min(len(records), slots_that_fit(self.max_staging_bytes - arena_bytes, slot_bytes, scratch))
+        if slots < 1:
+            least = math.ceil((scratch[0] + slot_bytes + scratch[1]) / STAGING_RING_SHARE)
+            raise ValueError(
+                f"a restore staging budget of {self.max_staging_bytes} bytes holds no slot for this file's chunks "
+                f"(largest stored {largest_stored}, raw {largest_raw} bytes, with nvCOMP's decode scratch): it "
+                f"needs Config.restore_staging_bytes of at least {least}")
         self._drop_staging()  # a restore's ring and arena replace any earlier ones
         self.ring = StagingRing(self.device, slots, read_area, largest_raw, timeout=self.timeout)
         self.arena = ReadArena(self.device, pieces, self.group_read_bytes, lead) if pieces else None
