@@ -3,6 +3,14 @@ batch size, and whether routing nvCOMP's allocations through ``set_device_alloca
 undone before interpreter exit (it crashed at exit when left installed). Writes JSON to stdout.
 
 Usage on the GPU host:  python3 experiments/nvcomp_scratch_probe.py > scratch.json
+
+``--chunk-scan CODEC`` instead: for batches of 64 and 256 MiB cut into chunks of 64 KiB to 16 MiB
+(each case in a process of its own), the scratch nvCOMP holds beyond our buffers while compressing
+and decompressing the batch, and each direction's speed (the best of three calls after a first),
+one JSON line per case. Whether the scratch grows with the chunk size or with the batch's bytes
+is what ``gdsckpt.pipeline.gpu.ENCODE_SCRATCH`` models:
+
+    python3 experiments/nvcomp_scratch_probe.py --chunk-scan zstd > zstd-scan.jsonl
 """
 
 from __future__ import annotations
@@ -93,8 +101,75 @@ def main() -> None:
     print(json.dumps(report, indent=1))
 
 
+def scan_case(codec_name: str, chunk: int, total: int) -> dict:
+    """One case of ``--chunk-scan``: a batch of ``total`` bytes in chunks of ``chunk``."""
+    import time
+
+    import cupy
+
+    from gdsckpt.codecs.nvcomp import DeviceCodec
+
+    count = total // chunk
+    stream = cupy.cuda.Stream(non_blocking=True)
+    data = (cupy.random.standard_normal(total // 2, dtype=cupy.float32) * 0.02).astype(cupy.float16).view(cupy.uint8)
+    views = [data[i * chunk:(i + 1) * chunk] for i in range(count)]
+
+    def timed(call: object) -> float:
+        times = []
+        for _round in range(4):
+            started = time.perf_counter()
+            call()  # type: ignore[operator]
+            stream.synchronize()
+            times.append(time.perf_counter() - started)
+        return total / min(times[1:]) / 1e9
+
+    encoder = DeviceCodec(codec_name, stream=stream, device_id=0)
+    slot = -(-encoder.max_compressed_bytes(data[:chunk]) // 4096) * 4096
+    out = cupy.empty(count * slot, dtype=cupy.uint8)
+    cupy.cuda.Device().synchronize()
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    sizes: list[int] = []
+
+    def encode(codec: DeviceCodec = encoder) -> None:
+        sizes[:] = codec.encode_into(views, out, [i * slot for i in range(count)], slot)
+    encode_gbps = timed(encode)
+    encode_mib = (free - cupy.cuda.runtime.memGetInfo()[0]) / 2**20
+    del encoder
+    cupy.get_default_memory_pool().free_all_blocks()
+    decoded = cupy.empty(total, dtype=cupy.uint8)
+    cupy.cuda.Device().synchronize()
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    decoder = DeviceCodec(codec_name, stream=stream, device_id=0)
+    decode_gbps = timed(lambda: decoder.decode_into([out[i * slot:i * slot + sizes[i]] for i in range(count)],
+                                                    decoded, [i * chunk for i in range(count)], [chunk] * count))
+    decode_mib = (free - cupy.cuda.runtime.memGetInfo()[0]) / 2**20
+    return {"codec": codec_name, "batch_mib": total >> 20, "chunk_kib": chunk >> 10, "chunks": count,
+            "encode_scratch_mib": round(encode_mib, 1), "encode_gbps": round(encode_gbps, 3),
+            "decode_scratch_mib": round(decode_mib, 1), "decode_gbps": round(decode_gbps, 3),
+            "ratio": round(total / sum(sizes), 3), "bit_exact": bool((decoded == data).all())}
+
+
+def chunk_scan(codec_name: str) -> None:
+    """``--chunk-scan``: every case in a process of its own (nvCOMP keeps its scratch)."""
+    for total in (64 << 20, 256 << 20):
+        for chunk in (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20):
+            try:
+                done = subprocess.run([sys.executable, __file__, "--scan-case", codec_name, str(chunk), str(total)],
+                                      capture_output=True, text=True, timeout=60)
+                line = done.stdout.strip() if done.returncode == 0 else json.dumps(
+                    {"chunk_kib": chunk >> 10, "batch_mib": total >> 20, "rc": done.returncode,
+                     "stderr": done.stderr[-400:]})
+            except subprocess.TimeoutExpired:
+                line = json.dumps({"chunk_kib": chunk >> 10, "batch_mib": total >> 20, "timeout_s": 60})
+            print(line, flush=True)
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--codec":
         print(json.dumps(scratch(sys.argv[2])))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--chunk-scan":
+        chunk_scan(sys.argv[2])
+    elif len(sys.argv) == 5 and sys.argv[1] == "--scan-case":
+        print(json.dumps(scan_case(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
     else:
         main()

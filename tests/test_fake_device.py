@@ -5,6 +5,7 @@ by ``tests/gpu`` on a GPU host."""
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -23,6 +24,7 @@ from gdsckpt.pipeline.autotune import sample_ratios_on
 from gdsckpt.pipeline.engine import HostEngine
 from gdsckpt.pipeline.gpu import GpuDecoder, GpuEncoder, RoundedArraySource
 from gdsckpt.pipeline.gpu.decoder import DecodeJob
+from gdsckpt.pipeline.gpu.staging import ENCODE_SCRATCH, STAGING_RING_SHARE
 from gdsckpt.pipeline.load import DeferredTargets, open_file, run_restore
 from gdsckpt.pipeline.plan import ChunkPlan, Part, plan_chunks
 from gdsckpt.pipeline.save import run_save
@@ -259,8 +261,9 @@ def test_a_gpu_save_fits_its_chunks_to_the_staging_budget(codec: str) -> None:
     rng = np.random.default_rng(5)
     state = {"w": (rng.standard_normal(600_000) * 0.02).astype(np.float32), "n": rng.integers(0, 256, 90_000,
                                                                                                dtype=np.uint8)}
-    asked = 16 * CHUNK  # 1 MiB: nvCOMP Zstd's scratch for it is 70 MiB, Deflate's 9 MiB a chunk
-    for staging in (8 << 20, 24 << 20, 96 << 20):
+    asked = 16 * CHUNK  # 1 MiB: nvCOMP Deflate's scratch for it is 9 MiB a chunk, Zstd's 1.5 MiB
+    fixed = math.ceil(ENCODE_SCRATCH.get(codec, (0, 0))[0] / STAGING_RING_SHARE)  # its scratch whatever the chunk
+    for staging in (fixed + (8 << 20), fixed + (24 << 20), fixed + (96 << 20)):
         device = FakeDevice()
         store, flat, encoder = save_through(device, state, codec=codec, staging=staging, chunk_bytes=asked,
                                             fit_chunk=True)
@@ -270,28 +273,33 @@ def test_a_gpu_save_fits_its_chunks_to_the_staging_budget(codec: str) -> None:
         assert max(c.raw for c in chunks) <= encoder.chunk_bytes
         assert_same(restore_through(decoder(FakeDevice()), store, flat), state)
     # the chunk size asked for is kept wherever it fits
-    _store, _flat, roomy = save_through(FakeDevice(), state, codec=codec, staging=1 << 30, chunk_bytes=asked,
+    _store, _flat, roomy = save_through(FakeDevice(), state, codec=codec, staging=fixed + (1 << 30), chunk_bytes=asked,
                                         fit_chunk=True)
     assert roomy.chunk_bytes == asked
 
 
-def test_zstd_chunks_shrink_to_fit_the_default_budget_and_a_budget_too_small_is_refused() -> None:
-    """At the default 1 GiB budget, nvCOMP Zstd's ~1.1 GiB of scratch for 16 MiB chunks does not
-    fit: the encoder takes the largest halving that does (8 MiB, half the scratch, with room for
-    several slots). A budget that cannot hold two slots of the smallest chunk is a ValueError
-    naming the least that would."""
+def test_zstd_is_refused_under_the_default_budget_and_its_chunks_shrink_where_that_fits() -> None:
+    """nvCOMP Zstd holds about 1.1 GiB of scratch whatever the chunk size: under the default 1 GiB
+    budget no chunk size fits, so the encoder refuses with a ValueError naming the least budget
+    that would do. A budget that holds the scratch and two 8 MiB slots but not two of 16 MiB gets
+    8 MiB chunks."""
     from gdsckpt.codecs.nvcomp import MAX_CHUNK_BYTES
     from gdsckpt.pipeline.gpu.encoder import MIN_FITTED_CHUNK_BYTES
 
     source = [DeviceSource(flatten({"w": np.zeros(16 << 20, np.float32)}).arrays[0].source)]  # 8 chunks of 8 MiB
-    encoder = GpuEncoder(source, codec="zstd", byte_planes="auto", device_id=0, chunk_bytes=MAX_CHUNK_BYTES,
-                         max_staging_bytes=1 << 30, device=FakeDevice(), fit_chunk=True)
-    assert encoder.chunk_bytes == 8 << 20 and encoder.staging_bytes <= 1 << 30
-    assert encoder.ring is not None and encoder.ring.slots >= 8
-    encoder.close()
-    with pytest.raises(ValueError, match=r"max_staging_bytes=1048576 cannot hold two staging slots.*needs at least"):
+    with pytest.raises(ValueError, match=r"max_staging_bytes=1073741824 cannot hold two staging slots.*needs at least"):
         GpuEncoder(source, codec="zstd", byte_planes="auto", device_id=0, chunk_bytes=MAX_CHUNK_BYTES,
-                   max_staging_bytes=1 << 20, device=FakeDevice(), fit_chunk=True)
+                   max_staging_bytes=1 << 30, device=FakeDevice(), fit_chunk=True)
+    fixed, per_chunk = ENCODE_SCRATCH["zstd"]
+    halves = fixed + 3 * (2 * (8 << 20) + per_chunk // 2)  # three 8 MiB slots, under two of 16 MiB
+    assert halves < fixed + 2 * (2 * MAX_CHUNK_BYTES + per_chunk)
+    budget = math.ceil(halves / STAGING_RING_SHARE)
+    device = FakeDevice()
+    encoder = GpuEncoder(source, codec="zstd", byte_planes="auto", device_id=0, chunk_bytes=MAX_CHUNK_BYTES,
+                         max_staging_bytes=budget, device=device, fit_chunk=True)
+    assert encoder.chunk_bytes == 8 << 20 and encoder.staging_bytes <= budget
+    assert encoder.ring is not None and encoder.ring.slots >= 2
+    encoder.close()
     # without fit_chunk (chunks planned already) the size stays and the ring keeps two slots
     kept = GpuEncoder(source, codec="zstd", byte_planes="auto", device_id=0, chunk_bytes=MIN_FITTED_CHUNK_BYTES * 4,
                       max_staging_bytes=1 << 20, device=FakeDevice())
@@ -308,7 +316,7 @@ def test_a_small_state_takes_no_more_slots_than_it_can_have_chunks() -> None:
     store, flat, encoder = save_through(device, state, codec="ans", staging=1 << 30, chunk_bytes=16 << 20,
                                         fit_chunk=True)
     assert encoder.ring is not None and encoder.ring.slots == 3 and encoder.max_pending == 3
-    assert device.peak_bytes < 4 * (32 << 20)
+    assert device.peak_bytes < 4 * (32 << 20) + ENCODE_SCRATCH["ans"][0]
     assert_same(restore_through(decoder(FakeDevice()), store, flat), state)
 
 

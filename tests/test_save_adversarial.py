@@ -9,6 +9,7 @@ file kept)."""
 from __future__ import annotations
 
 import functools
+import math
 import re
 import threading
 from concurrent.futures import Future
@@ -22,6 +23,7 @@ from test_fake_device import TIMEOUT, DeviceSource, save_through
 from gdsckpt.api.saving import index_template
 from gdsckpt.io.memory import MemoryReader, MemoryStore, MemoryWriter
 from gdsckpt.pipeline.gpu import GpuEncoder
+from gdsckpt.pipeline.gpu.staging import ENCODE_SCRATCH, STAGING_RING_SHARE
 from gdsckpt.pipeline.load import open_file, run_restore
 from gdsckpt.pipeline.plan import plan_chunks
 from gdsckpt.pipeline.save import run_save
@@ -29,6 +31,11 @@ from gdsckpt.state import NumpyTarget, flatten
 from gdsckpt.state.lossy import apply_policy
 
 MIB = 1 << 20
+
+
+def scratch_floor(codec: str) -> int:
+    """The least budget that holds ``codec``'s fixed nvCOMP compression scratch alone."""
+    return math.ceil(ENCODE_SCRATCH.get(codec, (0, 0))[0] / STAGING_RING_SHARE)
 
 
 def restored_bytes(store: MemoryStore, flat: Any) -> dict[str, bytes]:
@@ -55,7 +62,7 @@ def test_fitting_never_holds_more_device_memory_than_the_budget(codec: str) -> N
     briefly held the whole asked chunk. It now probes only a size that may fit."""
     rng = np.random.default_rng(0)
     state = {"w": (rng.standard_normal(300_000) * 0.02).astype(np.float32)}
-    staging = 4 * MIB
+    staging = scratch_floor(codec) + 4 * MIB
     device = FakeDevice()
     _store, _flat, encoder = save_through(device, state, codec=codec, staging=staging, chunk_bytes=16 * MIB,
                                           fit_chunk=True)
@@ -95,7 +102,7 @@ def test_a_save_whose_device_hangs_fails_after_one_timeout() -> None:
     try:
         with pytest.raises(TimeoutError, match=r"chunk 0 \(of \d+ bytes\) was not encoded within 0.3 s"):
             save_flat(flatten({"w": np.ones(100_000, np.float32)}), MemoryWriter(MemoryStore(), "ckpt"),
-                      codec="ans", config=Config(engine="gpu", timeout=0.3, max_staging_bytes=8 * MIB,
+                      codec="ans", config=Config(engine="gpu", timeout=0.3, max_staging_bytes=scratch_floor("ans") + 8 * MIB,
                                                  gpu_chunk_bytes=64 << 10))
     finally:
         gate.set()
@@ -182,7 +189,7 @@ def test_a_failed_write_mid_save_keeps_the_previous_file() -> None:
     flat = flatten(state)
     srcs = [DeviceSource(a.source) for a in flat.arrays]
     encoder = GpuEncoder(srcs, codec="zstd", byte_planes="auto", device_id=0, chunk_bytes=64 << 10,
-                         max_staging_bytes=8 * MIB, batch_chunks=3, timeout=TIMEOUT, device=FakeDevice(),
+                         max_staging_bytes=scratch_floor("zstd") + 8 * MIB, batch_chunks=3, timeout=TIMEOUT, device=FakeDevice(),
                          fit_chunk=True)
     plans = plan_chunks([(s.nbytes, s.itemsize, s.plane_width) for s in srcs], chunk_bytes=encoder.chunk_bytes,
                         pack_below=encoder.chunk_bytes // 4)

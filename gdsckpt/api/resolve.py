@@ -288,10 +288,9 @@ def cuda_device_of(flat: FlatState) -> int | None:
 HOST_ROUTED_CODECS = ("zstd", "lz4", "deflate")
 """Portable codecs that a save of CUDA state runs on the CPU engine unless ``engine="gpu"``: the
 CPU engine's codec threads saved such state faster (docs/performance.md measures both: "nvCOMP
-codecs", "Portable files from CUDA state" and the ``gdsckpt bench`` section). Those figures
-predate chunk fitting: nvCOMP's Zstd then compressed one or two 16 MiB chunks per call within the
-default budget (about 1.1 GiB of scratch), where a save now takes 8 MiB chunks and a dozen slots
-(``GpuEncoder._fit``); its LZ4 and Deflate are slow on 16 MiB chunks."""
+codecs", "Portable files from CUDA state" and the ``gdsckpt bench`` section): nvCOMP's Zstd
+costs tens of milliseconds a call and needs about 1.1 GiB of scratch whatever the chunk size (the
+default budget refuses it), its LZ4 and Deflate are slow on 16 MiB chunks."""
 
 
 def check_portable(config: Config, codec: str) -> None:

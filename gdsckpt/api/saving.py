@@ -470,7 +470,7 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
             wait_for_current_streams(device)
         if codec != "auto":
             versioned_name(codec)  # ValueError listing the valid names for an unknown one
-        elif config.portable:  # engine="gpu" and portable: nvCOMP's Zstd, whatever its budget
+        elif config.portable:  # engine="gpu" and portable: nvCOMP's Zstd, where the budget holds its scratch
             codec = "zstd"
             auto.update(chose=codec, portable=True)
         else:

@@ -211,10 +211,10 @@ class GpuEncoder(WorkerOwner, Encoder):
         trial's buffer, the Bitcomp lossy check's buffer and at least two ring slots (one filling,
         one being written). With ``fit_chunk``, where they do not fit at the chunk size asked for,
         the chunks are halved until they do (down to ``MIN_FITTED_CHUNK_BYTES``): the file then
-        has smaller chunks, which any reader reads, and the save keeps its bound. nvCOMP's Zstd,
-        for one, holds about 1.1 GiB of scratch for 16 MiB chunks, more than the default 1 GiB
-        budget, and half of it for 8 MiB chunks, which leaves room for a dozen slots. A budget
-        that holds no two slots even then is a ``ValueError`` naming the least that would.
+        has smaller chunks, which any reader reads, and the save keeps its bound. A budget
+        that holds no two slots even then is a ``ValueError`` naming the least that would:
+        nvCOMP's Zstd under the default 1 GiB, for one (its scratch, about 1.1 GiB, is the same
+        for every chunk size: ``ENCODE_SCRATCH``).
         Without ``fit_chunk`` (chunks planned already) the ring keeps two slots whatever the
         budget."""
         codec = self.codec
@@ -231,9 +231,12 @@ class GpuEncoder(WorkerOwner, Encoder):
                 break
             chunk_bytes = max(MIN_FITTED_CHUNK_BYTES, align_up(chunk_bytes // 2))
         if slots < 2 and self.sources and self.fit_chunk:
+            # a codec with a CPU implementation is what engine="auto" compresses on the CPU instead
+            instead = (f" (or engine='auto': the CPU engine compresses CUDA state with {codec} within its own bounds)"
+                       if codec in PORTABLE_CODECS else "")
             raise ValueError(f"max_staging_bytes={self.max_staging_bytes} cannot hold two staging slots and "
                              f"nvCOMP's {codec} scratch even with {chunk_bytes}-byte chunks: it needs at least "
-                             f"{needed} bytes")
+                             f"{needed} bytes{instead}")
         if chunk_bytes != self.chunk_bytes:
             _log.info("GPU chunks of %d bytes instead of %d: %s's staging fits max_staging_bytes=%d only then",
                       chunk_bytes, self.chunk_bytes, codec, self.max_staging_bytes)

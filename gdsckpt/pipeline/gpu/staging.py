@@ -36,10 +36,11 @@ ENCODE_SCRATCH = {  # codec: (bytes held whatever the batch, bytes per chunk in 
 """Device memory nvCOMP 6.0 holds beyond our buffers while compressing a batch of chunks of
 ``MAX_CHUNK_BYTES`` (measured by recording the device pool around batches, docs/performance.md):
 the encoder subtracts it from the staging budget before sizing its ring, so the ring plus the
-scratch stay within ``max_staging_bytes``. Scaled linearly for smaller chunks (an upper bound:
-the temporaries grow with the chunk size). nvCOMP's Zstd alone needs more than the 1 GiB default
-to compress 16 MiB chunks: a save then halves its chunks until two slots fit beside the scratch
-(``GpuEncoder._fit``)."""
+scratch stay within ``max_staging_bytes``. The part per chunk is scaled to smaller chunks (it
+grows with the bytes in a batch); the fixed part is not: for chunks from 64 KiB to 16 MiB nvCOMP
+held the same scratch for a batch of the same bytes (Zstd about 1.2 GiB for 64 MiB, ANS 32 MiB).
+So nvCOMP's Zstd alone needs more than the 1 GiB default whatever the chunk size, and smaller
+chunks do not bring it within a budget (``GpuEncoder._fit`` refuses it)."""
 DECODE_SCRATCH = {"zstd/1": (128 << 20, 44 << 20)}
 """The same for decompression, by bitstream name (the others measured 0)."""
 
@@ -213,12 +214,14 @@ def restore_staging_budget(free_bytes: int, floor: int, explicit: int | None = N
 
 def scratch_bytes(table: dict[str, tuple[int, int]], names: Iterable[str], chunk_bytes: int) -> tuple[int, int]:
     """(fixed, per chunk) nvCOMP scratch of the worst of ``names`` (keys of ``table``:
-    ``ENCODE_SCRATCH`` or ``DECODE_SCRATCH``) for chunks of ``chunk_bytes``."""
+    ``ENCODE_SCRATCH`` or ``DECODE_SCRATCH``) for chunks of ``chunk_bytes``: the per-chunk part
+    scaled to the chunk size; the fixed part as it is for ``ENCODE_SCRATCH`` (see there), scaled
+    as well for ``DECODE_SCRATCH``."""
     names = list(names)
     scale = min(1.0, chunk_bytes / MAX_CHUNK_BYTES)
     fixed = max((table.get(name, (0, 0))[0] for name in names), default=0)
     per_chunk = max((table.get(name, (0, 0))[1] for name in names), default=0)
-    return int(fixed * scale), int(per_chunk * scale)
+    return (fixed if table is ENCODE_SCRATCH else int(fixed * scale)), int(per_chunk * scale)
 
 
 def slots_that_fit(budget: int, slot_bytes: int, scratch: tuple[int, int]) -> int:
