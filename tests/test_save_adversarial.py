@@ -205,3 +205,33 @@ def test_a_failed_write_mid_save_keeps_the_previous_file() -> None:
     assert store.get("ckpt") == b"previous checkpoint"
     with pytest.raises(RuntimeError, match="closed"):
         encoder.submit_encode(plans[0])
+
+
+@pytest.mark.parametrize(("budget", "chosen"), [(1 << 30, "lz4"), (3 << 30, "zstd")])
+def test_a_portable_gpu_engine_save_takes_a_codec_its_budget_holds(tmp_path: Any, budget: int, chosen: str) -> None:
+    """``engine="gpu"`` with ``portable=True``: nvCOMP's Zstd needs about 1.1 GiB of scratch
+    whatever the chunk size, so under the default budget the save takes nvCOMP's LZ4 (and says
+    why) instead of being refused; a budget that holds Zstd's scratch gets Zstd. Either file
+    loads bit-exact on the CPU, without the GPU."""
+    import gdsckpt
+    import gdsckpt.codecs.nvcomp as nvcomp
+    import gdsckpt.pipeline.gpu as gpu_package
+    from gdsckpt.api.saving import save_flat
+    from gdsckpt.config import Config
+
+    state = {"w": (np.random.default_rng(6).standard_normal(200_000) * 0.02).astype(np.float32)}
+    device = FakeDevice()
+    store = MemoryStore()
+    mp = pytest.MonkeyPatch()
+    mp.setattr(nvcomp, "gpu_available", lambda: True)
+    mp.setattr(gpu_package, "GpuEncoder", functools.partial(GpuEncoder, device=device))
+    try:
+        report = save_flat(flatten(state), MemoryWriter(store, "ckpt"), codec="auto",
+                           config=Config(engine="gpu", portable=True, max_staging_bytes=budget))
+    finally:
+        mp.undo()
+    assert report.codec == chosen and report.auto["portable"] is True, report.auto
+    assert ("portable_reason" in report.auto) == (chosen == "lz4"), report.auto
+    assert device.peak_bytes <= budget
+    loaded = gdsckpt.load(store.get("ckpt"))
+    assert loaded["w"].tobytes() == state["w"].tobytes()

@@ -26,7 +26,7 @@ from ..format.layout import TRAILER_SIZE, unpack_trailer
 from ..io import PosixWriter, StorageWriter
 from ..io.fileobj import FileObjectWriter, is_file_object
 from ..io.s3 import is_url
-from ..pipeline.autotune import WEIGH_MIN_BYTES, storage_gbps
+from ..pipeline.autotune import WEIGH_MIN_BYTES, runnable_candidates, storage_gbps
 from ..pipeline.host_auto import HISTORY as HOST_AUTO_HISTORY
 from ..pipeline.host_auto import storage_key
 from ..pipeline.load import content_identity
@@ -125,7 +125,9 @@ def save(state: Any, path: PathLike | StorageWriter | BinaryIO, *, codec: str = 
     otherwise): True writes only codecs that decode without a GPU (``zstd``, ``lz4``, ``deflate``,
     ``none``), so that a CPU-only machine reads the file; a GPU-only ``codec`` then raises
     ``ValueError``, and CUDA state is compressed by the CPU engine (byte planes + zstd for
-    ``"auto"``) unless ``config.engine == "gpu"``. ``SaveReport.auto`` records the engine a save
+    ``"auto"``) unless ``config.engine == "gpu"``, where ``"auto"`` is nvCOMP's Zstd if
+    ``max_staging_bytes`` holds its scratch (about 1.1 GiB) beside enough staging slots, else its
+    LZ4 (``SaveReport.auto["portable_reason"]``). ``SaveReport.auto`` records the engine a save
     of CUDA state ran on and why (``"engine"``, ``"engine_reason"``).
     """
     if portable is not None:
@@ -470,9 +472,15 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
             wait_for_current_streams(device)
         if codec != "auto":
             versioned_name(codec)  # ValueError listing the valid names for an unknown one
-        elif config.portable:  # engine="gpu" and portable: nvCOMP's Zstd, where the budget holds its scratch
-            codec = "zstd"
+        elif config.portable:
+            # engine="gpu" and portable: nvCOMP's Zstd where the budget holds its scratch beside
+            # enough slots, else its LZ4 (32 MiB of scratch; a lower ratio), rather than a refusal
+            zstd_fits = "zstd" in runnable_candidates(config.max_staging_bytes, config.gpu_chunk_bytes)[0]
+            codec = "zstd" if zstd_fits else "lz4"
             auto.update(chose=codec, portable=True)
+            if not zstd_fits:
+                auto["portable_reason"] = (f"max_staging_bytes={config.max_staging_bytes} cannot hold nvCOMP's Zstd "
+                                           "scratch beside enough staging slots: nvCOMP's LZ4 instead")
         else:
             weigh = weigh_cpu and config.engine == "auto" and _logical_bytes(flat) >= WEIGH_MIN_BYTES
             codec, chosen = _gpu_auto(config, flat, path, device or 0, weigh, auto)
