@@ -21,7 +21,7 @@ import threading
 import weakref
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,7 @@ from gdsckpt.codecs import codec_spec, host_codec
 from gdsckpt.codecs.device import CheckedBatch, planes_inverse_into
 from gdsckpt.codecs.nvcomp import BITCOMP_LOSSY_TYPES, codec_stage
 from gdsckpt.format import checksum
-from gdsckpt.pipeline.gpu.staging import DECODE_SCRATCH, ENCODE_SCRATCH, scratch_bytes
+from gdsckpt.pipeline.gpu.staging import decode_scratch, encode_scratch
 
 FAKE_MARKER = b"FAKE-NVCOMP"
 """Prefix of every stream a fake GPU-only codec writes: such a file can never pass for a real one."""
@@ -77,17 +77,18 @@ class FakeCodec:
         except zstandard.ZstdError as err:
             raise RuntimeError(f"nvcompErrorCannotDecompress: {err}") from err
 
-    def _scratch(self, table: dict[str, tuple[int, int]], name: str, largest: int, count: int) -> np.ndarray:
+    def _scratch(self, model: Callable[[list[str], int], tuple[int, int]], name: str, largest: int,
+                 count: int) -> np.ndarray:
         """What nvCOMP holds beyond our buffers during a call, as the encoder and decoder budget
-        for it (``ENCODE_SCRATCH`` / ``DECODE_SCRATCH`` scaled to the largest chunk of the call):
+        for it (``encode_scratch`` / ``decode_scratch`` for the largest chunk of the call):
         counted in the device's live bytes while the call runs."""
-        fixed, per_chunk = scratch_bytes(table, [name], largest)
+        fixed, per_chunk = model([name], largest)
         return self.device.scratch(fixed + per_chunk * count)
 
     def encode_into(self, inputs: list[Any], buffer: Any, offsets: list[int], capacity: int) -> list[int]:
         """Compress each input into ``buffer`` at its offset; the stream sizes."""
         self.device.record("encode", self, len(inputs))
-        scratch = self._scratch(ENCODE_SCRATCH, self.user_name, max((int(x.nbytes) for x in inputs), default=0),
+        scratch = self._scratch(encode_scratch, self.user_name, max((int(x.nbytes) for x in inputs), default=0),
                                 len(inputs))
         sizes = []
         for data, offset in zip(inputs, offsets):
@@ -104,7 +105,7 @@ class FakeCodec:
         does not decode raises what nvCOMP's Python API raises for one (``RuntimeError`` naming
         ``nvcompErrorCannotDecompress``); one that decodes to more than its room, ``ValueError``."""
         self.device.record("decode", self, len(inputs))
-        scratch = self._scratch(DECODE_SCRATCH, str(self.stage()["name"]), max(sizes, default=0), len(inputs))
+        scratch = self._scratch(decode_scratch, str(self.stage()["name"]), max(sizes, default=0), len(inputs))
         got = []
         for data, offset, size in zip(inputs, offsets, sizes):
             try:

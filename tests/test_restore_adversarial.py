@@ -32,11 +32,10 @@ from gdsckpt.errors import CorruptCheckpointError
 from gdsckpt.format import align_up
 from gdsckpt.io.posix import PosixReader
 from gdsckpt.pipeline.gpu.staging import (
-    DECODE_SCRATCH,
     GROUP_READ_SHARE,
     STAGING_RING_SHARE,
+    decode_scratch,
     lead_read_pieces,
-    scratch_bytes,
     slots_that_fit,
 )
 from gdsckpt.pipeline.load import open_file, run_restore
@@ -105,8 +104,7 @@ def test_a_budget_that_holds_one_slot_restores_within_it_and_one_that_holds_none
         index = open_file(reader).index
     largest_raw = align_up(max(c.raw for c in index.chunks))
     slot = max(align_up(max(c.stored for c in index.chunks)), largest_raw) + largest_raw
-    fixed, per_slot = scratch_bytes(DECODE_SCRATCH, [index.chains[c.chain][-1]["name"] for c in index.chunks],
-                                    largest_raw)
+    fixed, per_slot = decode_scratch([index.chains[c.chain][-1]["name"] for c in index.chunks], largest_raw)
     one = math.ceil((fixed + slot + per_slot) / STAGING_RING_SHARE)
     assert slots_that_fit(one, slot, (fixed, per_slot)) == 1
     for staging in (one, one + slot // 2):

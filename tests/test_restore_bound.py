@@ -86,21 +86,20 @@ def test_restore_never_exceeds_the_engines_slots(tmp_path: Path, slots: int) -> 
 
 
 def test_staging_ring_leaves_room_for_nvcomps_measured_scratch() -> None:
-    from gdsckpt.pipeline.gpu import DECODE_SCRATCH, ENCODE_SCRATCH, ring_slots
-    from gdsckpt.pipeline.gpu import scratch_bytes as _scratch
+    from gdsckpt.pipeline.gpu import DECODE_SCRATCH, decode_scratch, encode_scratch, ring_slots
 
     mib = 1 << 20
     slot = 32 * mib  # a 16 MiB chunk and its compressed bound
-    ans = _scratch(ENCODE_SCRATCH, ["ans"], 16 * mib)
+    ans = encode_scratch(["ans"], 16 * mib)
     assert ring_slots(1024 * mib, slot, ans) == (int(1024 * mib * 0.9) - ans[0]) // slot
-    deflate = _scratch(ENCODE_SCRATCH, ["deflate"], 16 * mib)
+    deflate = encode_scratch(["deflate"], 16 * mib)
     slots = ring_slots(1024 * mib, slot, deflate)
     assert deflate[0] + slots * (slot + deflate[1]) <= 1024 * mib * 0.9 < deflate[0] + (slots + 1) * (slot + deflate[1])
     # Zstd's fixed scratch alone exceeds a 1 GiB budget: two slots, the minimum that overlaps.
-    assert ring_slots(1024 * mib, slot, _scratch(ENCODE_SCRATCH, ["zstd"], 16 * mib)) == 2
+    assert ring_slots(1024 * mib, slot, encode_scratch(["zstd"], 16 * mib)) == 2
     # Smaller chunks scale the compression scratch per chunk down, not its fixed part (measured:
     # the same for 64 KiB and 16 MiB chunks); decode scratch counts the worst codec present.
-    assert _scratch(ENCODE_SCRATCH, ["zstd"], 4 * mib) == (1120 * mib, 6 * mib)
-    assert _scratch(DECODE_SCRATCH, ["zstd/1"], 4 * mib) == (32 * mib, 11 * mib)
-    assert _scratch(DECODE_SCRATCH, ["none/1", "zstd/1"], 16 * mib) == DECODE_SCRATCH["zstd/1"]
+    assert encode_scratch(["zstd"], 4 * mib) == (1120 * mib, 6 * mib)
+    assert decode_scratch(["zstd/1"], 4 * mib) == (32 * mib, 11 * mib)
+    assert decode_scratch(["none/1", "zstd/1"], 16 * mib) == DECODE_SCRATCH["zstd/1"]
     assert ring_slots(1024 * mib, slot, (0, 0), most=3) == 3

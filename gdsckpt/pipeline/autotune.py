@@ -179,9 +179,9 @@ def batch_slots(max_staging_bytes: int, chunk_bytes: int) -> dict[str, int]:
     """Each candidate -> the staging ring slots the GPU engine would give it beside its nvCOMP
     scratch within ``max_staging_bytes`` for ``chunk_bytes`` chunks (``gpu.ring_slots``, at
     least its minimum of 2; a slot holds a chunk and its stream, about two chunks)."""
-    from .gpu.staging import ENCODE_SCRATCH, ring_slots, scratch_bytes
+    from .gpu.staging import encode_scratch, ring_slots
 
-    return {name: ring_slots(max_staging_bytes, 2 * chunk_bytes, scratch_bytes(ENCODE_SCRATCH, [name], chunk_bytes))
+    return {name: ring_slots(max_staging_bytes, 2 * chunk_bytes, encode_scratch([name], chunk_bytes))
             for name in CANDIDATES}
 
 

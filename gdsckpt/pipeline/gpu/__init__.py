@@ -18,11 +18,12 @@ from .staging import (
     ENCODE_SCRATCH,
     STAGING_RING_SHARE,
     StagingRing,
+    decode_scratch,
+    encode_scratch,
     ring_slots,
-    scratch_bytes,
 )
 
 __all__ = [
     "DECODE_SCRATCH", "ENCODE_SCRATCH", "STAGING_RING_SHARE", "GpuDecoder", "GpuEncoder", "RoundedArraySource",
-    "StagingRing", "ring_slots", "scratch_bytes",
+    "StagingRing", "decode_scratch", "encode_scratch", "ring_slots",
 ]

@@ -54,15 +54,14 @@ from ...format.index import ChunkRecord
 from ...io.pools import Lane
 from ..engine import Decoder
 from .staging import (
-    DECODE_SCRATCH,
     GROUP_READ_BYTES,
     STAGING_RING_SHARE,
     LeadRead,
     ReadArena,
     StagingRing,
     arena_pieces,
+    decode_scratch,
     restore_staging_budget,
-    scratch_bytes,
     slots_that_fit,
 )
 from .worker import BATCH_CHUNKS, BatchWorker, WorkerOwner
@@ -166,7 +165,7 @@ class GpuDecoder(WorkerOwner, Decoder):
         largest_raw = align_up(max(r.raw for r in records))
         largest_stored = align_up(max(r.stored for r in records))
         read_area = max(largest_stored, largest_raw)
-        scratch = scratch_bytes(DECODE_SCRATCH, codecs, largest_raw)
+        scratch = decode_scratch(codecs, largest_raw)
 
         def ring_fits(pieces: int) -> bool:
             left = self.max_staging_bytes - pieces * self.group_read_bytes

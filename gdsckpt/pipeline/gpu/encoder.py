@@ -50,7 +50,7 @@ from ...codecs.nvcomp import BITCOMP_LOSSY_TYPES
 from ...format import align_up
 from ..engine import NONE_CHAIN, EncodedChunk, Encoder
 from ..plan import ArraySource, ChunkPlan
-from .staging import ENCODE_SCRATCH, STAGING_RING_SHARE, StagingRing, scratch_bytes, slots_that_fit
+from .staging import STAGING_RING_SHARE, StagingRing, encode_scratch, slots_that_fit
 from .worker import BATCH_CHUNKS, BatchWorker, WorkerOwner
 
 _log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ class GpuEncoder(WorkerOwner, Encoder):
         """Choose ``chunk_bytes`` and the output areas, return the ring's slot count.
 
         Everything the encoder allocates shares ``STAGING_RING_SHARE`` of ``max_staging_bytes``:
-        nvCOMP's scratch (``ENCODE_SCRATCH``, which grows with the chunk size), the byte-plane
+        nvCOMP's scratch (``ENCODE_SCRATCH``, part of it growing with the chunk size), the byte-plane
         trial's buffer, the Bitcomp lossy check's buffer and at least two ring slots (one filling,
         one being written). With ``fit_chunk``, where they do not fit at the chunk size asked for,
         the chunks are halved until they do (down to ``MIN_FITTED_CHUNK_BYTES``): the file then
@@ -267,7 +267,7 @@ class GpuEncoder(WorkerOwner, Encoder):
             self._out_bytes = align_up(max(bound, chunk_bytes))
             trial_bound = device.codec(codec).max_compressed_bytes(probe[:self._trial_bytes])
             self._trial_out = align_up(max(trial_bound, self._trial_bytes))
-        fixed, per_chunk = scratch_bytes(ENCODE_SCRATCH, [codec] + ["bitcomp"] * self._lossy_bitcomp, chunk_bytes)
+        fixed, per_chunk = encode_scratch([codec] + ["bitcomp"] * self._lossy_bitcomp, chunk_bytes)
         fixed += chunk_bytes * self._lossy_bitcomp  # the check's decode buffer
         fixed += (self._trial_bytes + 2 * self._trial_out) if with_trial else 0
         slot = chunk_bytes + self._out_bytes

@@ -9,11 +9,12 @@ more chunks outstanding than there are slots, so an ``acquire`` always finds one
 
 Sizing: the ring and nvCOMP's own scratch share ``STAGING_RING_SHARE`` of the staging budget
 (``ring_slots``), with the scratch taken from the measured tables ``ENCODE_SCRATCH`` /
-``DECODE_SCRATCH``. A save's budget is ``Config.max_staging_bytes``. A restore's is sized when it
-starts (``restore_staging_budget``): restores run when a job starts or resumes, when most of the
-device's memory is still free, and on a fast tier (page cache, tmpfs, NVMe arrays at tens of GB/s)
-the number of chunks in flight is what keeps reads, decodes and deliveries overlapped (a 1 GiB
-ring held an 8 GiB restore from /dev/shm to about half the read speed, docs/performance.md).
+``DECODE_SCRATCH`` (``encode_scratch``, ``decode_scratch``). A save's budget is
+``Config.max_staging_bytes``. A restore's is sized when it starts (``restore_staging_budget``):
+restores run when a job starts or resumes, when most of the device's memory is still free, and
+on a fast tier (page cache, tmpfs, NVMe arrays at tens of GB/s) the number of chunks in flight is
+what keeps reads, decodes and deliveries overlapped (a 1 GiB ring held an 8 GiB restore from
+/dev/shm to about half the read speed, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -212,16 +213,27 @@ def restore_staging_budget(free_bytes: int, floor: int, explicit: int | None = N
     return max(floor, min(RESTORE_STAGING_CAP, int(free_bytes * RESTORE_FREE_SHARE)))
 
 
-def scratch_bytes(table: dict[str, tuple[int, int]], names: Iterable[str], chunk_bytes: int) -> tuple[int, int]:
-    """(fixed, per chunk) nvCOMP scratch of the worst of ``names`` (keys of ``table``:
-    ``ENCODE_SCRATCH`` or ``DECODE_SCRATCH``) for chunks of ``chunk_bytes``: the per-chunk part
-    scaled to the chunk size; the fixed part as it is for ``ENCODE_SCRATCH`` (see there), scaled
-    as well for ``DECODE_SCRATCH``."""
-    names = list(names)
+def _worst(table: dict[str, tuple[int, int]], names: Iterable[str]) -> tuple[int, int]:
+    """(fixed, per 16 MiB chunk) scratch of the worst of ``names`` in ``table``."""
+    entries = [table.get(name, (0, 0)) for name in names]
+    return max((e[0] for e in entries), default=0), max((e[1] for e in entries), default=0)
+
+
+def encode_scratch(names: Iterable[str], chunk_bytes: int) -> tuple[int, int]:
+    """(fixed, per chunk) nvCOMP compression scratch of the worst of ``names`` (codec names) for
+    chunks of ``chunk_bytes``: the part per chunk scaled to the chunk size, the fixed part as it
+    is (``ENCODE_SCRATCH`` says why)."""
+    fixed, per_chunk = _worst(ENCODE_SCRATCH, names)
+    return fixed, int(per_chunk * min(1.0, chunk_bytes / MAX_CHUNK_BYTES))
+
+
+def decode_scratch(names: Iterable[str], chunk_bytes: int) -> tuple[int, int]:
+    """(fixed, per chunk) nvCOMP decompression scratch of the worst of ``names`` (bitstream
+    names) for chunks of ``chunk_bytes``, both parts scaled to the chunk size: ``DECODE_SCRATCH``
+    was measured at 16 MiB chunks only."""
     scale = min(1.0, chunk_bytes / MAX_CHUNK_BYTES)
-    fixed = max((table.get(name, (0, 0))[0] for name in names), default=0)
-    per_chunk = max((table.get(name, (0, 0))[1] for name in names), default=0)
-    return (fixed if table is ENCODE_SCRATCH else int(fixed * scale)), int(per_chunk * scale)
+    fixed, per_chunk = _worst(DECODE_SCRATCH, names)
+    return int(fixed * scale), int(per_chunk * scale)
 
 
 def slots_that_fit(budget: int, slot_bytes: int, scratch: tuple[int, int]) -> int:
