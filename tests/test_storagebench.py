@@ -387,3 +387,19 @@ def test_time_budget_ends_the_run_with_partial_results(tmp_path: Path, monkeypat
     skipped = sb.run_benchmark(dataclasses.replace(settings, max_seconds=1e-9), [tmp_path])
     assert {m.status for m in skipped.targets[0].measurements} == {"skipped"}
     assert all("time budget" in m.reason for m in skipped.targets[0].measurements)
+
+
+def test_a_gpu_case_whose_codec_scratch_exceeds_the_staging_budget_is_skipped_with_why() -> None:
+    """nvCOMP's Zstd holds about 1.1 GiB of scratch whatever the chunk size: a GPU case under the
+    default 1 GiB budget would only be refused by the save, so it is skipped and says why; ANS
+    under the same budget runs, and Zstd under a budget that holds its scratch runs too."""
+    from gdsckpt.config import Config
+    from gdsckpt.tools.storagebench import runner
+
+    side = runner._Side(device="cuda", engine="gpu", state={}, tensors={}, raw=None, sync=lambda: None)
+    refused = runner._gdsckpt_case(side, "zstd", 16 << 20, 4, None, Config(), 1 << 30)
+    assert refused.measurement.status == "skipped"
+    assert "nvCOMP's zstd holds 1120MiB" in refused.measurement.reason and "1GiB" in refused.measurement.reason
+    for codec, budget in (("ans", 1 << 30), ("zstd", 2 << 30)):
+        case = runner._gdsckpt_case(side, codec, 16 << 20, 4, None, Config(max_staging_bytes=budget), 1 << 30)
+        assert case.measurement.status != "skipped" and case.save is not None, (codec, case.measurement.reason)

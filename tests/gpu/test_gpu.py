@@ -21,6 +21,8 @@ from gdsckpt.demo import bit_equal, train_steps, training_state
 
 GPU_CODECS = ["ans", "zstd", "lz4", "deflate", "gdeflate", "snappy", "bitcomp", "cascaded", "none"]
 PORTABLE = ["zstd", "lz4", "deflate", "none"]
+ZSTD_BUDGET = 2 << 30
+"""A staging budget that holds nvCOMP Zstd's compression scratch (about 1.1 GiB)."""
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,
           torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -209,7 +211,8 @@ def test_nvcomp_raw_streams_interoperate_with_cpu_libraries(codec):
 def test_gpu_round_trip_every_codec(tmp_path, codec):
     state = _state()
     path = tmp_path / f"{codec}.gdsckpt"
-    config = gdsckpt.Config(pack_below=16 << 10, engine="gpu")  # zstd, lz4, deflate: nvCOMP too
+    # zstd, lz4, deflate: nvCOMP too; nvCOMP's Zstd holds ~1.1 GiB of scratch, beyond the default budget
+    config = gdsckpt.Config(pack_below=16 << 10, engine="gpu", max_staging_bytes=ZSTD_BUDGET)
     report = gdsckpt.save(state, path, codec=codec, chunk_bytes=64 << 10, config=config)
     assert report.chunks > 10
     assert report.engine == "gpu" and report.backend.startswith("kvikio-")
@@ -227,7 +230,8 @@ def test_gpu_written_portable_codecs_load_on_cpu_engine(tmp_path, codec, engine)
     bytes), or nvCOMP with ``engine="gpu"``; either file loads on the CPU engine."""
     state = _state()
     path = tmp_path / "g.gdsckpt"
-    report = gdsckpt.save(state, path, codec=codec, chunk_bytes=64 << 10, config=gdsckpt.Config(engine=engine))
+    report = gdsckpt.save(state, path, codec=codec, chunk_bytes=64 << 10,
+                          config=gdsckpt.Config(engine=engine, max_staging_bytes=ZSTD_BUDGET))
     assert report.engine == ("gpu" if engine == "gpu" or codec == "none" else "cpu"), report
     cpu = gdsckpt.load(path, config=gdsckpt.Config(engine="cpu"))
     _assert_same(state, cpu)
@@ -235,12 +239,14 @@ def test_gpu_written_portable_codecs_load_on_cpu_engine(tmp_path, codec, engine)
 
 @pytest.mark.parametrize("engine", ["auto", "gpu"])
 def test_portable_save_of_cuda_state(tmp_path, engine):
-    """``portable=True`` on CUDA state: the CPU engine compresses it (``engine="auto"``) or nvCOMP's
-    Zstd does (``engine="gpu"``); either file is portable and loads bit-exact on both engines."""
+    """``portable=True`` on CUDA state: the CPU engine compresses it (``engine="auto"``) or nvCOMP
+    does (``engine="gpu"``: its LZ4 under the default budget, which cannot hold Zstd's scratch);
+    either file is portable and loads bit-exact on both engines."""
     state = _state()
     path = tmp_path / "p.gdsckpt"
     report = gdsckpt.save(state, path, portable=True, config=gdsckpt.Config(engine=engine, gpu_chunk_bytes=4 << 20))
     assert report.engine == ("cpu" if engine == "auto" else "gpu")
+    assert report.codec == ("zstd" if engine == "auto" else "lz4"), report.auto
     assert report.auto["engine"] == report.engine and report.auto["engine_reason"]
     assert gdsckpt.inspect(path).portable
     _assert_same(state, gdsckpt.load(path, device="cuda"))

@@ -20,9 +20,10 @@ from gdsckpt.demo import bit_equal, train_steps, training_state
 
 SNAPSHOT_MODES = {
     # name: (config, pool kind of the CUDA tensors' snapshot buffers, engine expected)
-    # zstd on CUDA state runs the CPU engine unless engine="gpu" sends it through nvCOMP
-    "device": (gdsckpt.Config(snapshot_gpu_bytes=1 << 40, engine="gpu"), "cuda:0", "gpu"),
-    "pinned": (gdsckpt.Config(snapshot_gpu_bytes=0, engine="gpu"), "pinned", "gpu"),
+    # zstd on CUDA state runs the CPU engine unless engine="gpu" sends it through nvCOMP, whose
+    # Zstd needs a staging budget beyond the default 1 GiB for its ~1.1 GiB of scratch
+    "device": (gdsckpt.Config(snapshot_gpu_bytes=1 << 40, engine="gpu", max_staging_bytes=2 << 30), "cuda:0", "gpu"),
+    "pinned": (gdsckpt.Config(snapshot_gpu_bytes=0, engine="gpu", max_staging_bytes=2 << 30), "pinned", "gpu"),
     "pinned-cpu-engine": (gdsckpt.Config(snapshot_gpu_bytes=0, engine="cpu"), "pinned", "cpu"),
 }
 

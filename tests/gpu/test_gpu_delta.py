@@ -49,7 +49,8 @@ def _equal(a, b) -> bool:
 def test_gpu_delta_chain_round_trips(tmp_path, codec):
     states = _states(4)
     paths = [tmp_path / f"c{i}.gdsckpt" for i in range(4)]
-    gpu = gdsckpt.Config(engine="gpu")  # zstd on CUDA state would run the CPU engine
+    # zstd on CUDA state would run the CPU engine; nvCOMP's needs ~1.1 GiB of scratch
+    gpu = gdsckpt.Config(engine="gpu", max_staging_bytes=2 << 30)
     reports = [gdsckpt.save(states[0], paths[0], codec=codec, config=gpu)]
     for i in range(1, 4):
         reports.append(gdsckpt.save(states[i], paths[i], codec=codec, base=paths[i - 1], config=gpu))

@@ -58,7 +58,8 @@ def test_cuda_lossy_save_matches_cpu_rounding(tmp_path, codec):
                "bf16": torch.randn(1 << 20, generator=g).to(torch.bfloat16)}
     moments["exp_avg"][:4] = torch.tensor([float("nan"), float("inf"), -0.0, 0.0])
     policy = {"exp_avg": 1e-2, "exp_avg_sq": ("mantissa", 1e-2), "bf16": 1e-2}
-    config = gdsckpt.Config(gpu_chunk_bytes=1 << 20, engine="gpu")  # zstd: nvCOMP's, not the CPU engine
+    # zstd: nvCOMP's, not the CPU engine, with a budget for its ~1.1 GiB of scratch
+    config = gdsckpt.Config(gpu_chunk_bytes=1 << 20, engine="gpu", max_staging_bytes=2 << 30)
     cuda = {k: v.cuda() for k, v in moments.items()}
     report = gdsckpt.save(cuda, tmp_path / "gpu.gdsckpt", codec=codec, lossy=policy, config=config)
     assert report.engine == "gpu" and set(report.lossy) == set(policy)
