@@ -2,8 +2,9 @@
 
 A state four times larger than ``max_staging_bytes`` saves and restores with the GPU memory
 beyond the state within ``max_staging_bytes`` + 5% and host RSS growth within 1 GiB (issue 3's
-targets; issue 8's resource bound); a codec whose nvCOMP scratch for 16 MiB chunks does not fit
-(Zstd: about 1.1 GiB) saves smaller chunks (``GpuEncoder._fit``) and keeps the bound too. Memory
+targets; issue 8's resource bound); nvCOMP's Zstd, whose compression scratch (about 1.1 GiB,
+whatever the chunk size) does not fit that budget, is refused there and checked under a budget
+that holds it, its restore under the same restore budget as the others. Memory
 is sampled device-wide (``cudaMemGetInfo``) every millisecond on a thread, so nvCOMP's own
 allocations count too. 10,000 tiny CUDA tensors round
 trip bit-exact (issue 3's per-call-overhead case); the seconds are printed, not asserted.
@@ -104,7 +105,7 @@ def test_gpu_memory_within_staging_budget_for_a_state_four_times_larger(tmp_path
     # A restore's ring is sized from free memory unless configured: here it is held to the bound.
     config = gdsckpt.Config(max_staging_bytes=STAGING, restore_staging_bytes=STAGING, engine="gpu")
     path = tmp_path / "big.gdsckpt"
-    bound = STAGING * 1.05
+    bound = restore_bound = STAGING * 1.05  # the restore keeps restore_staging_bytes=STAGING throughout
     if codec == "zstd":
         # nvCOMP's Zstd holds ~1.1 GiB of scratch whatever the chunk size (ENCODE_SCRATCH): this
         # budget is refused before anything is written, and one that holds the scratch is kept
@@ -134,7 +135,7 @@ def test_gpu_memory_within_staging_budget_for_a_state_four_times_larger(tmp_path
           f"{save_peak.rss / 2**20:.0f} MiB, load {load_peak.rss / 2**20:.0f} MiB")
     assert all(bit_equal(state[k], loaded[k]) for k in state)
     assert save_peak.gpu <= bound, f"save used {save_peak.gpu / 2**20:.0f} MiB beyond the state"
-    assert load_beyond <= bound, f"load used {load_beyond / 2**20:.0f} MiB beyond the restored state"
+    assert load_beyond <= restore_bound, f"load used {load_beyond / 2**20:.0f} MiB beyond the restored state"
     assert save_peak.rss <= 1 << 30 and load_peak.rss <= 1 << 30
 
 
