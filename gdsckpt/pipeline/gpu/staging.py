@@ -43,7 +43,10 @@ held the same scratch for a batch of the same bytes (Zstd about 1.2 GiB for 64 M
 So nvCOMP's Zstd alone needs more than the 1 GiB default whatever the chunk size, and smaller
 chunks do not bring it within a budget (``GpuEncoder._fit`` refuses it)."""
 DECODE_SCRATCH = {"zstd/1": (128 << 20, 44 << 20)}
-"""The same for decompression, by bitstream name (the others measured 0)."""
+"""The same for decompression, by bitstream name (the others measured 0), at 16 MiB chunks only.
+It undercounts Zstd: a restore of 16 MiB Zstd chunks under a 512 MiB budget held about 13% more
+(docs/performance.md, "GPU memory"); how the scratch grows with the batch is not measured yet
+(``experiments/nvcomp_scratch_probe.py --chunk-scan zstd``)."""
 
 
 RESTORE_FREE_SHARE = 0.25
