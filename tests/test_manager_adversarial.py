@@ -218,6 +218,27 @@ def test_a_damaged_local_newest_restores_the_remote_copy_of_that_step(
     assert restored[0] == 3, f"restored step {restored[0]}; the remote tier's step 3 is intact"
 
 
+def test_the_remote_base_cache_never_outlives_an_upload_of_that_name(
+        tmp_path: Path, config: gdsckpt.Config, remote: str, quiet: None) -> None:
+    """Remote pruning caches each object's base by (name, size), on the assumption that an
+    object's content is fixed. A run rolled back in the same process saves a step again and
+    uploads it under the same name; a state of the same shapes often makes an object of exactly
+    the old size, and then the old object's cached base decided which bases pruning kept (a kept
+    delta could lose its base). Here the shapes differ, so the stale entry shows: every cached
+    entry must describe the object the server holds now."""
+    manager = CheckpointManager(tmp_path, keep_last=2, keep_last_remote=2, config=config, remote=remote,
+                                delta_every=1, full_every=4)
+    for step in (1, 2, 3):
+        manager.save(step, _state(step))
+    manager.wait()
+    rolled_back = {"w": torch.randn(2100, generator=torch.Generator().manual_seed(20)), "b": torch.zeros(10), "step": 2}
+    manager.save(2, rolled_back)  # saved again after a rollback: another object under the same name
+    manager.wait()
+    objects = ObjectDirectory(remote).names()
+    stale = {entry for entry in manager._remote_bases if objects.get(entry[0]) != entry[1]}
+    assert not stale, f"cached bases of objects the server no longer holds: {stale}"
+
+
 def test_restore_from_a_hung_remote_fails_within_config_timeout(tmp_path: Path, server: SeaweedServer,
                                                                  remote: str, quiet: None) -> None:
     """The S3 service stops answering (process frozen with SIGSTOP; TCP still accepts). A replacement

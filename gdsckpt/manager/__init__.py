@@ -475,6 +475,10 @@ class CheckpointManager:
                     self._unsent.discard(step)
                     if self._remote_newest is None or step > self._remote_newest:
                         self._remote_newest = step
+                # the object's content changed (a step saved again after a rollback): its cached
+                # base may no longer hold, even where the new object's size happens to match
+                for entry in [entry for entry in self._remote_bases if entry[0] == path.name]:
+                    del self._remote_bases[entry]
         finally:
             # even after a failed upload: what did go up (its bases before it) is whole, and a
             # replacement node restores the newest of it
@@ -512,7 +516,8 @@ class CheckpointManager:
 
     def _remote_base(self, entry: tuple[str, int]) -> int | None:
         """The step of the base the remote object ``entry`` (name, size) needs, None for a full or
-        damaged checkpoint or a base not of this manager (cached: an object's content is fixed)."""
+        damaged checkpoint or a base not of this manager (cached until this manager uploads that
+        name again)."""
         if entry not in self._remote_bases:
             name, _size = entry
             try:
