@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from pathlib import Path
@@ -421,3 +422,23 @@ def test_get_rows_reads_only_the_chunks_holding_them(tmp_path: Path, monkeypatch
         for bad in [(-1, 3), (5, 4), (0, 101)]:
             with pytest.raises(IndexError, match="out of range"):
                 ckpt.get_rows("w", *bad)
+
+
+def test_an_empty_selection_keeps_an_ordered_dict_roots_metadata(tmp_path: Path) -> None:
+    """``load(keys=[])`` now returns the root container empty, "as any other unselected level
+    does". For an ``OrderedDict`` root (every ``nn.Module.state_dict()``) it returns an
+    OrderedDict but drops its ``_metadata``, which the file holds (docs/format.md, ``meta``) and
+    which every other load of that root restores: the whole load, and a load of any selection
+    (``keys=["a"]``), give the root's ``_metadata`` back. ``_unselected_root`` builds the
+    OrderedDict without its ``meta`` node, which ``_build`` attaches. A caller selecting keys from a
+    filter (``keys=[k for k in ckpt.keys() if ...]``) that comes out empty, then handing the result
+    to ``load_state_dict``, loses the state dict's version metadata only in that case."""
+    state = collections.OrderedDict(a=torch.ones(3), b=torch.zeros(2))
+    state._metadata = collections.OrderedDict({"": {"version": 1}, "a": {"version": 2}})  # type: ignore[attr-defined]
+    path = tmp_path / "sd.gdsckpt"
+    gdsckpt.save(state, path)
+    some = gdsckpt.load(path, keys=["a"])
+    assert some._metadata == state._metadata  # type: ignore[attr-defined]
+    none = gdsckpt.load(path, keys=[])
+    assert type(none) is collections.OrderedDict and len(none) == 0
+    assert getattr(none, "_metadata", None) == state._metadata  # type: ignore[attr-defined]

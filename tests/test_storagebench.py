@@ -403,3 +403,18 @@ def test_a_gpu_case_whose_codec_scratch_exceeds_the_staging_budget_is_skipped_wi
     for codec, budget in (("ans", 1 << 30), ("zstd", 2 << 30)):
         case = runner._gdsckpt_case(side, codec, 16 << 20, 4, None, Config(max_staging_bytes=budget), 1 << 30)
         assert case.measurement.status != "skipped" and case.save is not None, (codec, case.measurement.reason)
+
+
+def test_bench_skips_a_gpu_auto_case_whose_save_would_be_refused() -> None:
+    """With ``--depth`` the GPU budget is depth x chunk: ``--depth 4`` at 4 MiB chunks is 16 MiB,
+    whose share holds no compressing codec's fixed nvCOMP scratch. ``auto`` (the first of the
+    bench's default codecs) takes nvCOMP's ANS where nothing else fits, so its case is skipped with
+    ANS's, not recorded as the save's refusal (it was: ``auto`` has no scratch entry of its own)."""
+    from gdsckpt.config import Config
+    from gdsckpt.tools.storagebench import runner
+
+    side = runner._Side(device="cuda", engine="gpu", state={}, tensors={}, raw=None, sync=lambda: None)
+    for codec in ("ans", "auto"):
+        case = runner._gdsckpt_case(side, codec, 4 << 20, 4, 4, Config(), 1 << 20)
+        assert case.measurement.status == "skipped", (codec, case.measurement.reason)
+        assert "nvCOMP's ans holds 32MiB" in case.measurement.reason

@@ -358,16 +358,16 @@ def unflatten(tree: Any, arrays: dict[int, Any], selection: Selection | None = N
         return _build_all(tree, arrays)
     inside, cursors = selection.start()
     value = _build(tree, selection, cursors, inside, arrays)
-    return _unselected_root(tree) if value is _MISSING else value
+    return _unselected_root(tree, arrays) if value is _MISSING else value
 
 
-def _unselected_root(tree: dict[str, Any]) -> Any:
+def _unselected_root(tree: dict[str, Any], arrays: dict[int, Any]) -> Any:
     """The root when the selection holds nothing of it (``keys=[]``): a container keeps its type,
-    as any other unselected level does (an empty dict, list and tuple slots None); a lone value is
-    None."""
+    as any other unselected level does (an empty dict, an OrderedDict with its ``_metadata``, list
+    and tuple slots None); a lone value is None."""
     kind = tree["t"]
     if kind == "dict":
-        return collections.OrderedDict() if tree.get("cls") == "OrderedDict" else {}
+        return _build({**tree, "items": []}, None, None, True, arrays)
     if kind in ("list", "tuple"):
         slots = [None] * len(tree["items"])
         return slots if kind == "list" else tuple(slots)

@@ -249,10 +249,12 @@ def _gdsckpt_case(side: _Side, codec: str, chunk: int, threads: int, depth: int 
         budget = depth * chunk if depth is not None else base.max_staging_bytes
         from ...pipeline.gpu.staging import STAGING_RING_SHARE, encode_scratch
 
-        scratch, _per_chunk = encode_scratch([codec], chunk)
+        # auto takes ANS where nothing else fits (``autotune.runnable_candidates``): its scratch decides
+        nvcomp_codec = "ans" if codec == "auto" else codec
+        scratch, _per_chunk = encode_scratch([nvcomp_codec], chunk)
         if scratch >= budget * STAGING_RING_SHARE:  # the save would refuse it (GpuEncoder._fit)
-            m.status, m.reason = "skipped", (f"nvCOMP's {codec} holds {format_size(scratch)} of scratch, more than "
-                                             f"the staging budget of {format_size(budget)} leaves it")
+            m.status, m.reason = "skipped", (f"nvCOMP's {nvcomp_codec} holds {format_size(scratch)} of scratch, "
+                                             f"more than the staging budget of {format_size(budget)} leaves it")
             return case
         config = base.replace(codec=codec, engine="gpu", gpu_chunk_bytes=chunk, io_threads=threads,
                               kvikio_threads=threads, max_staging_bytes=budget, fsync=True)
