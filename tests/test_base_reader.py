@@ -158,8 +158,8 @@ def test_a_failed_window_restore_closes_its_engine_and_the_next_gets_a_new_one(t
     original_restore = checkpoint_module.restore_arrays
     failures = [1]
 
-    def counting(config: Any, gpu_device: Any) -> Any:
-        engine = original_engine(config, gpu_device)
+    def counting(config: Any, gpu_device: Any, **options: Any) -> Any:
+        engine = original_engine(config, gpu_device, **options)
         made.append(engine)
         return engine
 

@@ -101,18 +101,23 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
                     make_target: Any, gpu_device: int | None = None,
                     progress: Progress | None = None,
                     windows: dict[int, tuple[int, int]] | None = None, engine: Any = None,
-                    new_targets: bool = False, lead: Any = None) -> dict[int, Any]:
+                    new_targets: bool = False, lead: Any = None, share: float = 1.0) -> dict[int, Any]:
     """Restore the arrays ``ids`` (aliases resolved) and return id -> finished object.
     ``windows``: data array id -> the byte range of it to restore (``run_restore``). ``engine``:
     a decoding engine the caller keeps (and closes) across restores; by default one is made for
     this restore and closed after it. ``new_targets``: ``make_target`` allocates new arrays (a
     ``load``), so on the GPU engine they may be made while the first chunks are read
     (``pipeline.load.DeferredTargets``), the decoder's staging budget leaving room for them.
-    ``lead``: a ``LeadRead`` of the file (``resolve.lead_read``), for the decoder made here."""
+    ``lead``: a ``LeadRead`` of the file (``resolve.lead_read``), for the decoder made here.
+    ``share``: the part of the restore staging budget this restore has (``GpuDecoder``); a restore
+    of delta arrays gives half of it to its decoder and half to its base's (which halves its own
+    in turn for a base of its own), so that the decoders alive together stay within the budget."""
     index = opened.index
     ids = list(ids)
     data_ids = sorted({stored_id(index, i) for i in ids})
     delta = set(index.delta_ids()).intersection(data_ids) if index.base is not None else set()
+    if delta:
+        share /= 2
 
     def make_all() -> dict[int, Any]:
         return {i: make_target(i, index.tensors[i]) for i in data_ids}
@@ -124,12 +129,12 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
     else:
         targets = make_all()
         if delta:
-            _read_against_base(opened, config, targets, delta, windows)
+            _read_against_base(opened, config, targets, delta, windows, share)
     owned = engine is None
     if engine is None:
         engine = restore_engine(config, gpu_device,
                                 reserved_bytes=sum(index.tensors[i].nbytes for i in data_ids) if defer else 0,
-                                lead=lead)
+                                lead=lead, share=share)
     try:
         run_restore(reader, index, engine, targets, timeout=config.timeout, progress=progress,
                     windows=windows, max_inflight_bytes=inflight_budget(config, engine))
@@ -140,13 +145,13 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
 
 
 def _read_against_base(opened: OpenedFile, config: Config, targets: dict[int, Any], delta: set[int],
-                       windows: dict[int, tuple[int, int]] | None) -> None:
+                       windows: dict[int, tuple[int, int]] | None, share: float = 1.0) -> None:
     """Wrap the targets of the arrays ``delta`` stores as XORs in ``XorTarget``s over the base's
     bytes (the base opened once per file and kept for its later restores)."""
     index = opened.index
     with _BASE_LOCK:  # restores of one open Checkpoint may run in several threads
         if opened.base is None:  # kept for the next restore of this file: its cache with it
-            checkpoint = open_base(opened, config)
+            checkpoint = open_base(opened, config, share)
             opened.base = (checkpoint, checkpoint._base_reader())
     opened_base, base_reader = opened.base
     base = cast(Checkpoint, opened_base)  # this module put it there, just above
@@ -170,9 +175,10 @@ def _finished(index: Index, ids: list[int], targets: dict[int, Any]) -> dict[int
     return finished
 
 
-def open_base(opened: OpenedFile, config: Config) -> Checkpoint:
+def open_base(opened: OpenedFile, config: Config, share: float = 1.0) -> Checkpoint:
     """The base of a delta checkpoint, opened and checked to be the file the delta was written
-    against (``DeltaBaseError`` otherwise)."""
+    against (``DeltaBaseError`` otherwise); its GPU restores take ``share`` of the restore staging
+    budget (``restore_arrays``)."""
     link = opened.index.base
     assert link is not None
     path = base_location_of(opened.path, link)
@@ -181,7 +187,7 @@ def open_base(opened: OpenedFile, config: Config) -> Checkpoint:
     if isinstance(path, Path) and not path.is_file():
         raise missing
     try:
-        base = Checkpoint(path, config)
+        base = Checkpoint(path, config, staging_share=share)
     except FileNotFoundError as err:  # an object: no HEAD before the open's own
         raise missing from err
     except CheckpointError as err:
@@ -243,10 +249,13 @@ def alias_object(shared: Any, record: TensorRecord, source: TensorRecord) -> Any
 class Checkpoint:
     """A lazily read checkpoint (``gdsckpt.open``): the index is read once, arrays on demand."""
 
-    def __init__(self, path: Source, config: Config | None = None):
+    def __init__(self, path: Source, config: Config | None = None, *, staging_share: float = 1.0):
+        """``staging_share``: the part of the restore staging budget this file's GPU restores take
+        (less than 1 for the base of a delta, whose reads run beside the delta's own)."""
         self.path = source_name(path)
         self._source = path
         self._config = resolve_config(config)
+        self._staging_share = staging_share
         self._reader = open_reader(path, self._config)
         try:
             self._opened = open_checked(self._reader)
@@ -299,7 +308,7 @@ class Checkpoint:
         with open_data_reader(self._source, self._config, self._reader, gpu_device) as data_reader:
             arrays = restore_arrays(data_reader, self._opened, ids, self._config,
                                      lambda _i, record: new_target(record, destination(location, record)),
-                                     gpu_device)
+                                     gpu_device, share=self._staging_share)
         warn_lossy(self._opened.index, ids)
         return {key: arrays[i] for key, i in zip(keys, ids)}
 
@@ -323,7 +332,8 @@ class Checkpoint:
                 return new_target(window, target_device)
 
             arrays = restore_arrays(data_reader, self._opened, [i], self._config, rows_target, gpu_device,
-                                     windows={data_id: (start * row_bytes, stop * row_bytes)})
+                                     windows={data_id: (start * row_bytes, stop * row_bytes)},
+                                     share=self._staging_share)
         warn_lossy(index, [i])
         return arrays[i]
 
@@ -357,7 +367,7 @@ class Checkpoint:
             try:
                 arrays = restore_arrays(data_reader, self._opened, ids, self._config,
                                          lambda i, _record: new_target(records[i], target_device), gpu_device,
-                                         windows=windows, engine=engine)
+                                         windows=windows, engine=engine, share=self._staging_share)
             except BaseException:
                 # a failed restore may leave its engine mid-batch: the next window gets new ones
                 self._window_restorers.pop(gpu_device)[2].close()
@@ -375,7 +385,9 @@ class Checkpoint:
             try:
                 data_reader = stack.enter_context(open_data_reader(self._source, self._config, self._reader,
                                                                    gpu_device))
-                engine = restore_engine(self._config, gpu_device)
+                # a delta's windows read its base beside them: half the share (``restore_arrays``)
+                share = self._staging_share / 2 if self._opened.index.base is not None else self._staging_share
+                engine = restore_engine(self._config, gpu_device, share=share)
                 stack.callback(engine.close)
             except BaseException:
                 stack.close()

@@ -188,17 +188,19 @@ def open_reader(path: Source, config: Config, gpu: bool = False) -> StorageReade
     return PosixReader(path, threads=config.io_threads, timeout=config.timeout)
 
 
-def restore_engine(config: Config, gpu_device: int | None, reserved_bytes: int = 0, lead: Any = None) -> Any:
+def restore_engine(config: Config, gpu_device: int | None, reserved_bytes: int = 0, lead: Any = None,
+                   share: float = 1.0) -> Any:
     """The decoding engine of a restore: the CPU engine, or the GPU decoder on ``gpu_device``, whose
     staging budget leaves out ``reserved_bytes`` of the device memory free now (destination
-    arrays still to be made) and takes in ``lead`` (a ``LeadRead`` of the file, ``lead_read``)."""
+    arrays still to be made), takes in ``lead`` (a ``LeadRead`` of the file, ``lead_read``) and
+    is ``share`` of the restore's (``GpuDecoder``; a delta's restore halves it with its base)."""
     if gpu_device is None:
         return host_engine(config)
     from ..pipeline.gpu import GpuDecoder
 
     return GpuDecoder(device_id=gpu_device, max_staging_bytes=config.max_staging_bytes,
                       restore_staging_bytes=config.restore_staging_bytes, timeout=config.timeout,
-                      reserved_bytes=reserved_bytes, lead=lead)
+                      reserved_bytes=reserved_bytes, lead=lead, share=share)
 
 
 @dataclass

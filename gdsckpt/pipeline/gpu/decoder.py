@@ -114,18 +114,22 @@ class GpuDecoder(WorkerOwner, Decoder):
 
     def __init__(self, *, device_id: int, max_staging_bytes: int, restore_staging_bytes: int | None = None,
                  batch_chunks: int = BATCH_CHUNKS, timeout: float = 600.0, device: DeviceBackend | None = None,
-                 reserved_bytes: int = 0, group_read_bytes: int = GROUP_READ_BYTES, lead: LeadRead | None = None):
+                 reserved_bytes: int = 0, group_read_bytes: int = GROUP_READ_BYTES, lead: LeadRead | None = None,
+                 share: float = 1.0):
         if device is None and lead is not None:
             device = lead.device  # the backend the lead's buffer came from
         self.device = device = backend_or_cuda(device, device_id)
         self.device_id = device_id
         self.device_places = device_id
         held = 0 if lead is None else lead.nbytes  # allocated already, and part of the budget
-        self.max_staging_bytes = restore_staging_budget(max(device.free_bytes() + held - reserved_bytes, 0),
-                                                        max_staging_bytes, restore_staging_bytes)
+        budget = restore_staging_budget(max(device.free_bytes() + held - reserved_bytes, 0), max_staging_bytes,
+                                        restore_staging_bytes)
+        self.max_staging_bytes = int(budget * share)
         """The staging budget of this decoder's restores (``restore_staging_budget``, from the device
         memory free now less ``reserved_bytes``: destination arrays a restore makes after the
-        decoder, ``pipeline.load.DeferredTargets``)."""
+        decoder, ``pipeline.load.DeferredTargets``), times ``share``: the part of the restore's
+        budget this decoder has where others restore beside it (a delta's base reads)."""
+        self.share = share
         self.lead = lead
         """A ``LeadRead`` of the file the next restore reads: its pieces become that restore's first
         arena pieces (``reserve_reads``); it serves one restore."""
@@ -189,7 +193,10 @@ class GpuDecoder(WorkerOwner, Decoder):
         slot_bytes = read_area + largest_raw
         slots = min(len(records), slots_that_fit(self.max_staging_bytes - arena_bytes, slot_bytes, scratch))
         if slots < 1:
-            least = math.ceil((scratch[0] + slot_bytes + scratch[1]) / STAGING_RING_SHARE)
+            needed = math.ceil((scratch[0] + slot_bytes + scratch[1]) / STAGING_RING_SHARE)
+            least = math.ceil(needed / self.share)  # the budget the user sets: this decoder has ``share`` of it
+            while int(least * self.share) < needed:  # as ``__init__`` rounds its share down
+                least += 1
             raise ValueError(
                 f"a restore staging budget of {self.max_staging_bytes} bytes holds no slot for this file's chunks "
                 f"(largest stored {largest_stored}, raw {largest_raw} bytes, with nvCOMP's decode scratch): it "
