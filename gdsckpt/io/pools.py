@@ -194,6 +194,12 @@ class Lane:
                     return
                 future, fn, args = self._pending.popleft()
 
+    def drain(self, timeout: float | None = DRAIN_TIMEOUT) -> bool:
+        """Wait up to ``timeout`` s for every task submitted so far to end, leaving the lane open;
+        True when none runs any more."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._running == 0, timeout)
+
     def close(self, timeout: float | None = DRAIN_TIMEOUT) -> bool:
         """Cancel the tasks not started and wait up to ``timeout`` s for the running ones; True
         when none runs any more."""

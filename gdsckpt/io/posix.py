@@ -49,6 +49,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -554,10 +555,19 @@ class PosixWriter(StorageWriter):
 
     def commit(self) -> None:
         self._flush()
-        if not self._lane.close(self.timeout):
+        if not self._lane.drain(self.timeout):
             raise TimeoutError(f"writes to {str(self.temp)!r} still running after {self.timeout} s")
         if self.fsync:
-            os.fsync(self._fd)
+            # on the lane, so that a storage that never completes it fails the save after
+            # ``timeout`` (the previous file stays in place) instead of hanging it
+            synced = self._lane.submit(os.fsync, self._fd)
+            try:
+                synced.result(timeout=self.timeout)
+            except (TimeoutError, FutureTimeout):
+                self.stalled = True  # ``abort`` leaves the descriptor to the running fsync
+                raise TimeoutError(f"the fsync of {str(self.temp)!r} did not complete within {self.timeout} s") \
+                    from None
+        self._lane.close(self.timeout)
         self._close_fds()
         if self.keep_temporary:
             self._closed = True

@@ -476,6 +476,37 @@ def test_a_save_whose_codec_hangs_fails_once_naming_the_chunk(tmp_path: Path, mo
     assert path.read_bytes() == b"the previous checkpoint"
 
 
+def test_a_save_whose_fsync_hangs_fails_within_the_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: the storage never completes the data file's fsync (an NFS server gone).
+    The save fails with ``TimeoutError`` naming the fsync after ``Config.timeout``, while that
+    fsync still runs, and the file already at the path is kept; before, the save waited for the
+    fsync for ever (the docs bounded only waits on workers)."""
+    import threading
+
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    path = tmp_path / "hung.gdsckpt"
+    path.write_bytes(b"the previous checkpoint")
+    release = threading.Event()
+    held: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if not held:  # the first: the data file's, before the rename
+            held.append("running")
+            release.wait(30)
+            held.append("returned")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    try:
+        with pytest.raises(TimeoutError, match=r"the fsync of .* did not complete within 0.3 s"):
+            gdsckpt.save(state, path, config=gdsckpt.Config(timeout=0.3))
+        assert held == ["running"], "the save waited for the fsync to return"
+    finally:
+        release.set()
+    assert path.read_bytes() == b"the previous checkpoint"
+
+
 def test_closing_a_reader_after_a_failure_keeps_that_failure(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A reader closed by its ``with`` block after an error (a corrupt chunk found, say) while
