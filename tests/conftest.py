@@ -56,6 +56,25 @@ def _fresh_auto_history(tmp_path_factory: pytest.TempPathFactory, monkeypatch: p
     HISTORY.clear()
 
 
+FAKE_DEVICE_SCALE = 256
+"""The fake device's chunks (64 KiB) are this fraction of the GPU's (16 MiB)."""
+
+
+@pytest.fixture
+def nvcomp_scratch_at_fake_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvCOMP's decode scratch at the fake device's scale: its fixed part (about 100 MiB for
+    Zstd, the same for every chunk size) divided by ``FAKE_DEVICE_SCALE``, the part per chunk as
+    it is (``decode_scratch`` scales that to the chunk). The fake device's tests restore states of
+    a few MiB under budgets of a few MiB, which keeps the restore's budgeting (arena, lead, ring,
+    scratch) in play; with the GPU's fixed 96 MiB every one of them would be refused outright.
+    The decoder and the fake's codec read the same table, so the bound they test is the same
+    rule; ``tests/test_restore_bound.py`` pins the measured table itself."""
+    from gdsckpt.pipeline.gpu import staging
+
+    monkeypatch.setattr(staging, "DECODE_SCRATCH", {name: (fixed // FAKE_DEVICE_SCALE, per_chunk)
+                                                    for name, (fixed, per_chunk) in staging.DECODE_SCRATCH.items()})
+
+
 @pytest.fixture(autouse=True)
 def _hermetic_environment(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """No ``GDSCKPT_*`` variable of the caller's shell changes what a test of this directory sees

@@ -30,6 +30,8 @@ from gdsckpt.pipeline.plan import ChunkPlan, Part, plan_chunks
 from gdsckpt.pipeline.save import run_save
 from gdsckpt.state import NumpyTarget, flatten
 
+pytestmark = pytest.mark.usefixtures("nvcomp_scratch_at_fake_scale")
+
 KIB = 1 << 10
 CHUNK = 64 * KIB
 TIMEOUT = 30.0

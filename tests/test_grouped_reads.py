@@ -35,6 +35,8 @@ from gdsckpt.pipeline.gpu.staging import (
 from gdsckpt.pipeline.load import open_file, run_restore, run_verify
 from gdsckpt.state import NumpyTarget
 
+pytestmark = pytest.mark.usefixtures("nvcomp_scratch_at_fake_scale")
+
 PIECE = 4 * CHUNK + 8 * KIB
 STAGING = 8 << 20
 

@@ -47,6 +47,8 @@ from gdsckpt.pipeline.gpu.staging import (
 from gdsckpt.pipeline.load import open_file, run_restore
 from gdsckpt.state import NumpyTarget
 
+pytestmark = pytest.mark.usefixtures("nvcomp_scratch_at_fake_scale")
+
 MIB = 1 << 20
 
 

@@ -397,7 +397,7 @@ def test_gpu_byte_plane_trial_keeps_the_smaller_form(tmp_path, codec):
     state = {"w": (torch.randn(6 << 20, device="cuda", generator=g) * 0.02).to(torch.bfloat16)}
     sizes = {}
     for planes in ("auto", "always", "never"):
-        config = gdsckpt.Config(byte_planes=planes, engine="gpu")
+        config = gdsckpt.Config(byte_planes=planes, engine="gpu", max_staging_bytes=ZSTD_BUDGET)
         report = gdsckpt.save(state, tmp_path / f"{planes}.gdsckpt", codec=codec, config=config)
         sizes[planes] = report.file_bytes
         assert bit_equal(gdsckpt.load(tmp_path / f"{planes}.gdsckpt", device="cuda")["w"].cpu(), state["w"].cpu())

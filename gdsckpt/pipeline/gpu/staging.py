@@ -42,11 +42,13 @@ grows with the bytes in a batch); the fixed part is not: for chunks from 64 KiB 
 held the same scratch for a batch of the same bytes (Zstd about 1.2 GiB for 64 MiB, ANS 32 MiB).
 So nvCOMP's Zstd alone needs more than the 1 GiB default whatever the chunk size, and smaller
 chunks do not bring it within a budget (``GpuEncoder._fit`` refuses it)."""
-DECODE_SCRATCH = {"zstd/1": (128 << 20, 44 << 20)}
-"""The same for decompression, by bitstream name (the others measured 0), at 16 MiB chunks only.
-It undercounts Zstd: a restore of 16 MiB Zstd chunks under a 512 MiB budget held about 13% more
-(docs/performance.md, "GPU memory"); how the scratch grows with the batch is not measured yet
-(``experiments/nvcomp_scratch_probe.py --chunk-scan zstd``)."""
+DECODE_SCRATCH = {"zstd/1": (96 << 20, 48 << 20)}
+"""The same for decompression, by bitstream name (the others hold none). nvCOMP's Zstd decode
+scratch grows with the bytes in a batch, not with its chunk size: 256 MiB for a batch of 64 MiB
+and 832 MiB for 256 MiB with chunks from 256 KiB to 16 MiB, 32 MiB more with 64 KiB chunks
+(``experiments/nvcomp_scratch_probe.py --chunk-scan zstd``, docs/performance.md "GPU memory").
+So, as for ``ENCODE_SCRATCH``, the fixed part holds for every chunk size and the part per chunk
+(three bytes per byte of the batch) is scaled to the chunk."""
 
 
 RESTORE_FREE_SHARE = 0.25
@@ -216,27 +218,26 @@ def restore_staging_budget(free_bytes: int, floor: int, explicit: int | None = N
     return max(floor, min(RESTORE_STAGING_CAP, int(free_bytes * RESTORE_FREE_SHARE)))
 
 
-def _worst(table: dict[str, tuple[int, int]], names: Iterable[str]) -> tuple[int, int]:
-    """(fixed, per 16 MiB chunk) scratch of the worst of ``names`` in ``table``."""
+def _worst(table: dict[str, tuple[int, int]], names: Iterable[str], chunk_bytes: int) -> tuple[int, int]:
+    """(fixed, per chunk) scratch of the worst of ``names`` in ``table`` for chunks of
+    ``chunk_bytes``: the part per chunk scaled to the chunk size (the table's is for
+    ``MAX_CHUNK_BYTES``), the fixed part as it is (nvCOMP holds it whatever the chunk size)."""
     entries = [table.get(name, (0, 0)) for name in names]
-    return max((e[0] for e in entries), default=0), max((e[1] for e in entries), default=0)
+    fixed = max((e[0] for e in entries), default=0)
+    per_chunk = max((e[1] for e in entries), default=0)
+    return fixed, int(per_chunk * min(1.0, chunk_bytes / MAX_CHUNK_BYTES))
 
 
 def encode_scratch(names: Iterable[str], chunk_bytes: int) -> tuple[int, int]:
     """(fixed, per chunk) nvCOMP compression scratch of the worst of ``names`` (codec names) for
-    chunks of ``chunk_bytes``: the part per chunk scaled to the chunk size, the fixed part as it
-    is (``ENCODE_SCRATCH`` says why)."""
-    fixed, per_chunk = _worst(ENCODE_SCRATCH, names)
-    return fixed, int(per_chunk * min(1.0, chunk_bytes / MAX_CHUNK_BYTES))
+    chunks of ``chunk_bytes`` (``ENCODE_SCRATCH``)."""
+    return _worst(ENCODE_SCRATCH, names, chunk_bytes)
 
 
 def decode_scratch(names: Iterable[str], chunk_bytes: int) -> tuple[int, int]:
     """(fixed, per chunk) nvCOMP decompression scratch of the worst of ``names`` (bitstream
-    names) for chunks of ``chunk_bytes``, both parts scaled to the chunk size: ``DECODE_SCRATCH``
-    was measured at 16 MiB chunks only."""
-    scale = min(1.0, chunk_bytes / MAX_CHUNK_BYTES)
-    fixed, per_chunk = _worst(DECODE_SCRATCH, names)
-    return int(fixed * scale), int(per_chunk * scale)
+    names) for chunks of ``chunk_bytes`` (``DECODE_SCRATCH``)."""
+    return _worst(DECODE_SCRATCH, names, chunk_bytes)
 
 
 def slots_that_fit(budget: int, slot_bytes: int, scratch: tuple[int, int]) -> int:
