@@ -386,3 +386,36 @@ def test_calls_are_one_task_each_under_a_kvikio_that_ends_split_calls_early(
 
     hung_kvikio.module.__version__ = version  # type: ignore[attr-defined]
     assert _one_task_calls() is one_task
+
+
+def test_a_finished_read_leaves_its_buffer_to_the_caller(hung_kvikio: HungKvikio, tmp_path: Path) -> None:
+    """Once a read's result is taken (or it is cancelled after it finished), the reader holds
+    nothing of it: its buffer goes with the caller's last reference. A restore closes a lead read
+    it cannot hold and allocates its ring next, from the memory the lead's pieces just gave back;
+    the reader had kept those finished reads (and their buffers) until its next read."""
+    import gc
+    import weakref
+
+    from gdsckpt.io.kvikio import KvikioReader
+
+    path = tmp_path / "file.bin"
+    path.write_bytes(bytes(16384))
+    reader = KvikioReader(path, threads=4, timeout=5)
+    buffers = [DeviceBuffer(4096) for _ in range(3)]
+    futures = [reader.submit_read(i * 4096, buffer) for i, buffer in enumerate(buffers)]
+    held = [weakref.ref(buffer) for buffer in buffers]
+    for transfer in hung_kvikio.transfers:
+        transfer.finish(4096)
+    assert futures[0].result(timeout=1) is buffers[0]
+    assert futures[1].done()
+    assert futures[2].cancel()
+    del futures, buffers
+    gc.collect()
+    assert [ref() for ref in held] == [None, None, None]
+    reader.submit_read(0, DeviceBuffer(4096))  # dropped at once by the caller, still running:
+    running = weakref.ref(reader._transfers._pending[-1])
+    gc.collect()
+    assert running() is not None and running()._value is not None  # its buffer is kept for kvikio
+    hung_kvikio.transfers[3].finish(4096)
+    reader.close()
+    assert hung_kvikio.files[0].closed and hung_kvikio.files[0].running_at_close == 0

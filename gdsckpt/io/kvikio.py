@@ -78,6 +78,12 @@ class _KvikioFuture(Future):  # type: ignore[type-arg]
         self._io_lock = threading.Lock()
         """kvikio's future wraps a ``std::future``, which two threads must not use at once (the
         reader's ``close`` may ask while the restore driver settles)."""
+        self.on_finished: Callable[[_KvikioFuture], None] | None = None
+        """Called once the transfer is known to have finished (settled, or cancelled after it):
+        ``_Transfers`` then forgets it at once, so that the buffer this future holds goes with its
+        caller's last reference. Kept until the next transfer came, a lead read's pieces (closed
+        because the restore's budget cannot hold them beside its ring) stayed allocated while the
+        ring and read arena were allocated beside them."""
 
     def transfer_done(self) -> bool:
         """Whether kvikio's transfer has finished (whatever this future says: a cancelled future's
@@ -95,7 +101,14 @@ class _KvikioFuture(Future):  # type: ignore[type-arg]
                 self._got = True
                 with contextlib.suppress(Exception):  # cancelled: its outcome no longer matters
                     self._io.get()  # finished, so at once; nothing asks kvikio again
+        self._finished()
         return super().cancel()
+
+    def _finished(self) -> None:
+        """Tell ``on_finished`` (outside ``_io_lock``: ``_Transfers`` asks futures under its own
+        lock) once the transfer is over."""
+        if self._got and self.on_finished is not None:
+            self.on_finished(self)
 
     def done(self) -> bool:
         if not super().done() and self.transfer_done():
@@ -129,12 +142,16 @@ class _KvikioFuture(Future):  # type: ignore[type-arg]
             self.set_exception(kvikio_error(err, self._what, self._expected))
         except BaseException as err:  # noqa: BLE001 - delivered through the future
             self.set_exception(err)
+        finally:
+            self._finished()
 
 
 class _Transfers:
     """The kvikio transfers a reader or writer submitted that may still run (see the module
-    docstring). Finished ones are dropped from the front as new ones come (transfers finish
-    roughly in submission order), so the list stays about as long as the transfers in flight."""
+    docstring). A future is forgotten as soon as its transfer is seen finished (its
+    ``on_finished``), and finished ones whose futures nobody settles are dropped from the front as
+    new ones come (transfers finish roughly in submission order), so the list stays about as long
+    as the transfers in flight and holds no finished transfer's buffer."""
 
     def __init__(self) -> None:
         self._pending: deque[_KvikioFuture] = deque()
@@ -142,16 +159,24 @@ class _Transfers:
 
     def add(self, future: _KvikioFuture) -> _KvikioFuture:
         """Track ``future``'s transfer; returns ``future``."""
+        future.on_finished = self.forget
         with self._lock:
             self._drop_finished()
             self._pending.append(future)
         return future
 
+    def forget(self, future: _KvikioFuture) -> None:
+        """Stop tracking ``future``, whose transfer has finished (its ``on_finished``)."""
+        with self._lock, contextlib.suppress(ValueError):
+            self._pending.remove(future)
+
     def wait(self, timeout: float) -> bool:
         """Wait until every tracked transfer has finished, at most ``timeout`` seconds; True when
         they all have (they are then forgotten)."""
-        with self._lock:
-            return _poll(self._drop_finished, timeout)
+        def finished() -> bool:
+            with self._lock:  # taken per poll: a settling future's ``forget`` never waits out the timeout
+                return self._drop_finished()
+        return _poll(finished, timeout)
 
     def _drop_finished(self) -> bool:
         """Forget the finished transfers at the front (under ``_lock``); True when none is left."""
