@@ -11,6 +11,9 @@ dominate: `experiments/pread_calls.py` measures the reads alone; this measures t
   ``GROUP_READ_BYTES``; the first pieces read while the index is parsed, ``resolve.lead_read``);
 - ``no lead read``: the defaults, with the chunk reads waiting for the index (the restore before
   lead reads; the arena-shape ways below run without one too);
+- ``lead 16 x 64 MiB``: a lead read of 1 GiB instead of 512 MiB: on an H200 the setup before the
+  chunk stream (14-17 ms) outlasted the 512 MiB lead's reads (about 12 ms at 44 GB/s), so reads
+  paused; whether a lead sized from the free device memory would pay is what this measures;
 - ``per-chunk reads``: no read arena, one ``pread`` per chunk (the restore before grouped reads);
 - ``4 x 64 MiB`` / ``32 x 64 MiB`` / ``8 x 32 MiB``: other arena shapes (pieces x bytes per grouped read);
 - ``switch 0.5 ms``: ``sys.setswitchinterval`` lowered for the restore
@@ -90,7 +93,22 @@ def no_lead_read() -> Iterator[None]:
         resolve.LEAD_READS = saved
 
 
-WAYS = ("default", "no lead read", "switch 0.5 ms", "per-chunk reads", "4 x 64 MiB", "32 x 64 MiB", "8 x 32 MiB",
+@contextlib.contextmanager
+def lead_pieces(pieces: int) -> Iterator[None]:
+    """Restores made inside start a lead read of ``pieces`` x ``GROUP_READ_BYTES`` (the default
+    takes half the least budget: 8 pieces at the 1 GiB ``max_staging_bytes``), which the decoder
+    adopts where its arena has room for them (a restore budget of 4 GiB or more for 16)."""
+    from gdsckpt.pipeline.gpu import staging
+
+    saved = staging.lead_read_pieces
+    staging.lead_read_pieces = lambda _floor, _piece_bytes: pieces
+    try:
+        yield
+    finally:
+        staging.lead_read_pieces = saved
+
+
+WAYS = ("default", "no lead read", "lead 16 x 64 MiB", "switch 0.5 ms", "per-chunk reads", "4 x 64 MiB", "32 x 64 MiB", "8 x 32 MiB",
         "kvikio 8 threads", "kvikio 12 threads", "kvikio 14 threads", "gds_threshold 0", "gc off", "no collect before", "raw read")
 
 
@@ -170,6 +188,7 @@ def main() -> int:
     ways: dict[str, Callable[[], Any]] = {
         "default": restore(defaults),
         "no lead read": restore(defaults, no_lead_read),
+        "lead 16 x 64 MiB": restore(defaults, lambda: lead_pieces(16)),
         "switch 0.5 ms": restore(defaults, lambda: switch_interval(0.0005)),
         "per-chunk reads": restore(defaults, lambda: read_arena(0, GROUP_READ_BYTES)),
         "4 x 64 MiB": restore(defaults, lambda: read_arena(4, 64 << 20)),
