@@ -422,6 +422,11 @@ def test_get_rows_reads_only_the_chunks_holding_them(tmp_path: Path, monkeypatch
         for bad in [(-1, 3), (5, 4), (0, 101)]:
             with pytest.raises(IndexError, match="out of range"):
                 ckpt.get_rows("w", *bad)
+        # row numbers that are not integers name themselves (they were blamed on the array)
+        for bad_rows in [(1.5, 3), (0.0, 4.0), ("0", 3), (None, 3)]:
+            with pytest.raises(TypeError, match="numbered by integers"):
+                ckpt.get_rows("w", *bad_rows)  # type: ignore[arg-type]
+        assert h.tensor_bytes(ckpt.get_rows("w", np.int64(3), np.int32(5))) == h.tensor_bytes(weight[3:5])
 
 
 def test_an_empty_selection_keeps_an_ordered_dict_roots_metadata(tmp_path: Path) -> None:

@@ -286,3 +286,33 @@ def test_a_delta_restore_stays_within_its_restore_staging_budget(tmp_path: Path,
     assert two_links > one_link  # its deepest decoder has a quarter of the budget
     rows = {"w": state_c["w"].reshape(-1)[1000:50_000]}
     _restored_within_the_least_budget(tmp_path / "c.gdsckpt", rows, monkeypatch, rows=("w", 1000, 50_000))
+
+
+def test_an_open_delta_gives_its_bases_staging_back_between_reads(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gdsckpt.open`` of a delta keeps its base open, and the base keeps the decoder its window
+    reads go through (``Checkpoint._window_restorer``): that decoder held its ring after each read.
+    A later ``get`` of an array stored whole sized its own decoder from the whole restore budget
+    beside it: 2,752,512 bytes of device memory under ``restore_staging_bytes`` of 2 MiB. A kept
+    decoder now gives its staging back after each restore: every read stays within the budget,
+    bit-exact, and nothing is left allocated between reads."""
+    rng = np.random.default_rng(1)
+    state_a = {"w": (rng.standard_normal(300_000) * 0.02).astype(np.float32)}
+    state_b = {"w": state_a["w"].copy(), "new": rng.standard_normal(300_000).astype(np.float32)}
+    state_b["w"][::100] += 1
+    fake_gpu(monkeypatch, FakeDevice(), FakeDevice())
+    saving = Config(engine="gpu", gpu_chunk_bytes=64 << 10, max_staging_bytes=64 * MIB)
+    gdsckpt.save(state_a, tmp_path / "a.gdsckpt", codec="ans", config=saving)
+    report = gdsckpt.save(state_b, tmp_path / "b.gdsckpt", codec="ans", config=saving, base=tmp_path / "a.gdsckpt")
+    assert report.delta_tensors == 1
+    budget = 2 * MIB
+    device = FakeDevice()
+    fake_gpu(monkeypatch, FakeDevice(), device)
+    with gdsckpt.open(tmp_path / "b.gdsckpt", config=Config(restore_staging_bytes=budget)) as checkpoint:
+        for key in ("w", "new", "w", "new"):
+            assert checkpoint.get(key).tobytes() == state_b[key].tobytes()
+            gc.collect()
+            assert device.live_bytes == 0, f"{device.live_bytes} bytes of staging kept after get({key!r})"
+        rows = checkpoint.get_rows("w", 1000, 2000)
+        assert rows.tobytes() == state_b["w"][1000:2000].tobytes()
+    assert 0 < device.peak_bytes <= budget, (device.peak_bytes, budget)

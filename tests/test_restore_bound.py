@@ -101,5 +101,8 @@ def test_staging_ring_leaves_room_for_nvcomps_measured_scratch() -> None:
     # 64 KiB and 16 MiB chunks, both ways); decode scratch counts the worst codec present.
     assert encode_scratch(["zstd"], 4 * mib) == (1120 * mib, 6 * mib)
     assert decode_scratch(["zstd/1"], 4 * mib) == (96 * mib, 12 * mib)
+    # a CPU engine's file may hold chunks above nvCOMP's 16 MiB: they count in proportion (the
+    # scratch is three bytes per byte of a batch), not as 16 MiB ones
+    assert decode_scratch(["zstd/1"], 64 * mib) == (96 * mib, 192 * mib)
     assert decode_scratch(["none/1", "zstd/1"], 16 * mib) == DECODE_SCRATCH["zstd/1"]
     assert ring_slots(1024 * mib, slot, (0, 0), most=3) == 3

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import re
 import threading
 import warnings
@@ -315,7 +316,11 @@ class Checkpoint:
     def get_rows(self, key: str, start: int, stop: int, device: Any = None, *, map_location: Any = None) -> Any:
         """Rows ``[start, stop)`` of an array of at least one dimension (``array[start:stop]``),
         reading only the chunks that hold them: how a rank of a resharded DCP load reads its
-        slice of a larger tensor."""
+        slice of a larger tensor. ``TypeError`` for row numbers that are not integers."""
+        try:
+            start, stop = operator.index(start), operator.index(stop)
+        except TypeError:
+            raise TypeError(f"rows of {key!r} are numbered by integers, got start={start!r}, stop={stop!r}") from None
         i = self._id(key)
         index = self._opened.index
         record = index.tensors[i]
@@ -368,6 +373,10 @@ class Checkpoint:
                 arrays = restore_arrays(data_reader, self._opened, ids, self._config,
                                          lambda i, _record: new_target(records[i], target_device), gpu_device,
                                          windows=windows, engine=engine, share=self._staging_share)
+                # Kept between windows, the engine gives its staging back between them: a delta's
+                # base keeps its window restorer while the delta's own restores size theirs
+                # from the whole budget (``share``), which the base's ring would otherwise exceed.
+                engine.release_staging()
             except BaseException:
                 # a failed restore may leave its engine mid-batch: the next window gets new ones
                 self._window_restorers.pop(gpu_device)[2].close()

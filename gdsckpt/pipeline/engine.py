@@ -145,6 +145,11 @@ class Decoder(ABC):
         whatever else the decoder reserves per chunk."""
         return aligned_empty(nbytes) if within is None else within
 
+    def release_staging(self) -> None:
+        """Give back what ``reserve_reads`` allocated, once its restore is over (a decoder kept
+        for further restores reserves again for the next). Nothing to give back by default."""
+        return None
+
     @abstractmethod
     def submit_decode(self, record: ChunkRecord, chain: list[dict[str, Any]], stored: Any,
                       deliver: Callable[[Any], None], *, to_host: bool = False,

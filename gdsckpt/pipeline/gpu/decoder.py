@@ -212,6 +212,13 @@ class GpuDecoder(WorkerOwner, Decoder):
         """The restore's grouped-read pieces (see the module docstring), or None."""
         return self.arena
 
+    def release_staging(self) -> None:
+        """Drop the restore's ring and read arena (``Decoder.release_staging``); the worker and
+        its streams stay for the next restore."""
+        self._drop_staging()
+        self._read_slots = {}
+        self.staging_bytes = 0
+
     def _drop_staging(self) -> None:
         if self.ring is not None:
             self.ring.close()

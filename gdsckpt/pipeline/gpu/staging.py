@@ -221,11 +221,13 @@ def restore_staging_budget(free_bytes: int, floor: int, explicit: int | None = N
 def _worst(table: dict[str, tuple[int, int]], names: Iterable[str], chunk_bytes: int) -> tuple[int, int]:
     """(fixed, per chunk) scratch of the worst of ``names`` in ``table`` for chunks of
     ``chunk_bytes``: the part per chunk scaled to the chunk size (the table's is for
-    ``MAX_CHUNK_BYTES``), the fixed part as it is (nvCOMP holds it whatever the chunk size)."""
+    ``MAX_CHUNK_BYTES``; it grows with the bytes in a batch, so a larger chunk, which only a CPU
+    engine's file has, counts in proportion), the fixed part as it is (nvCOMP holds it whatever
+    the chunk size)."""
     entries = [table.get(name, (0, 0)) for name in names]
     fixed = max((e[0] for e in entries), default=0)
     per_chunk = max((e[1] for e in entries), default=0)
-    return fixed, int(per_chunk * min(1.0, chunk_bytes / MAX_CHUNK_BYTES))
+    return fixed, int(per_chunk * chunk_bytes / MAX_CHUNK_BYTES)
 
 
 def encode_scratch(names: Iterable[str], chunk_bytes: int) -> tuple[int, int]:
