@@ -273,3 +273,30 @@ def test_write_atomically_replaces_whole_or_not_at_all(tmp_path: Path, monkeypat
     monkeypatch.undo()
     assert target.read_bytes() == b"first\n"
     assert [p.name for p in tmp_path.iterdir() if TEMP_MARKER in p.name] == []
+
+
+def test_a_killed_conversions_nested_temporary_is_removed_by_the_next_save(tmp_path: Path, h: Any) -> None:
+    """A conversion to gdsckpt saves into a temporary beside its destination, and that save writes
+    a temporary of the temporary's name first (``..dst.gdsckpt-tmp-<pid>-<x>.gdsckpt-tmp-...``).
+    A conversion killed while writing left that file, which no later save, conversion or manager
+    removed (a checkpoint's size each time). The next save or conversion to the destination now
+    removes it when its writer is gone, and leaves a live writer's alone."""
+    source, target = tmp_path / "source.gdsckpt", tmp_path / "target.gdsckpt"
+    gdsckpt.save(_old_state(), source, config=_config(h))
+    outer = f".{target.name}.gdsckpt-tmp-{_dead_pid()}-0badc0de"
+    nested = tmp_path / f".{outer}.gdsckpt-tmp-{_dead_pid()}-1badc0de"
+    nested.write_bytes(b"half a conversion")
+    gdsckpt.save(_old_state(), target, config=_config(h))
+    assert not nested.exists(), "the killed conversion's temporary must be removed by the next save"
+    live_writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = tmp_path / f"..{target.name}.gdsckpt-tmp-{live_writer.pid}-0badc0de.gdsckpt-tmp-{live_writer.pid}-1"
+        live.write_bytes(b"a conversion in progress")
+        again = tmp_path / f"..{target.name}.gdsckpt-tmp-{_dead_pid()}-2badc0de.gdsckpt-tmp-{_dead_pid()}-3"
+        again.write_bytes(b"another half")
+        gdsckpt.convert(source, target, codec="zstd", overwrite=True, config=_config(h))
+        assert not again.exists() and live.exists()
+    finally:
+        live_writer.kill()
+        live_writer.wait()
+    h.assert_same(_old_state(), gdsckpt.load(target))

@@ -28,6 +28,7 @@ from ..errors import (
 from ..format import Index
 from ..io import PosixReader, PosixWriter, StorageReader, StorageWriter
 from ..io.fileobj import FileObjectReader
+from ..io.posix import refuse_special_target
 from ..io.s3 import JOIN_READ_BYTES, READ_THREADS, S3Reader, S3Writer, is_url, split_url, upload_concurrency
 from ..pipeline.engine import HostEngine
 from ..pipeline.load import OpenedFile, open_file
@@ -157,6 +158,7 @@ def check_path(path: Any) -> None:
         raise IsADirectoryError(f"checkpoint path {str(target)!r} is a directory; give a file path")
     if not target.parent.is_dir():
         raise FileNotFoundError(f"directory {str(target.parent)!r} of checkpoint path does not exist")
+    refuse_special_target(target)
 
 
 def posix_writer(path: PathLike, config: Config) -> StorageWriter:

@@ -66,7 +66,7 @@ from ..api.saving import refuse_replacing_base, rewrite
 from ..codecs import known_codec_names
 from ..config import Config
 from ..errors import CheckpointError, ConvertError, UnsafePickleError
-from ..io.posix import publish, remove_stale_temporaries, temporary_path
+from ..io.posix import publish, refuse_special_target, remove_stale_temporaries, temporary_path
 from ..io.s3 import ObjectDirectory, is_url
 from ..state import numpy_dtype_name, torch_dtype
 from .safetensors_structure import STRUCTURE_KEY, flatten_for_safetensors, rebuild_state
@@ -282,6 +282,7 @@ def _check_paths(src: Any, dst: Any, src_kind: str, dst_kind: str, overwrite: bo
             raise IsADirectoryError(f"destination {str(dst)!r} is a directory; give a file path")
         if not dst.parent.is_dir():
             raise FileNotFoundError(f"directory {str(dst.parent)!r} of destination {str(dst)!r} does not exist")
+        refuse_special_target(dst)  # a FIFO or device is never replaced, --overwrite or not
         exists = os.path.lexists(dst)
     if exists and not overwrite:
         raise FileExistsError(f"destination {str(dst)!r} exists; pass overwrite=True (--overwrite) "

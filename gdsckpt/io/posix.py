@@ -110,10 +110,13 @@ def temporary_target(name: str) -> tuple[str, bool] | None:
 
 
 def remove_stale_temporaries(target: Path) -> list[Path]:
-    """Remove temporaries of earlier saves to ``target`` whose writing process no longer exists."""
+    """Remove temporaries of earlier saves to ``target`` whose writing process no longer exists,
+    and the temporaries of those temporaries: a conversion saves into a temporary beside its
+    destination (``integrations.convert``), whose own save writes a temporary of that name first,
+    and a conversion killed meanwhile leaves that one behind."""
     prefix = temporary_prefix(target)
     try:
-        candidates = [p for p in target.parent.iterdir() if p.name.startswith(prefix)]
+        candidates = [p for p in target.parent.iterdir() if p.name.startswith((prefix, f".{prefix}"))]
     except OSError:
         return []
     return [path for path in candidates if remove_if_stale(path)]
@@ -199,6 +202,21 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
+def refuse_special_target(target: Path) -> None:
+    """``FileExistsError`` where ``target`` is a FIFO, a device or a socket: a save or conversion
+    would replace it with a regular file (``/dev/null`` written over by a conversion run as root).
+    A directory is left to the rename (``IsADirectoryError``); a symlink is replaced as it is."""
+    try:
+        mode = os.lstat(target).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode):
+        return
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+    raise FileExistsError(errno.EEXIST, f"{str(target)!r} is {kind}, not a regular file: a checkpoint does not "
+                                        f"replace it", str(target))
+
+
 def publish(temp: Path, target: Path, *, fsync: bool, replace: bool = True) -> None:
     """Make the complete temporary file ``temp`` visible at ``target`` in one atomic step and,
     with ``fsync``, fsync the directory so that step is durable. The one publish step of the
@@ -213,6 +231,7 @@ def publish(temp: Path, target: Path, *, fsync: bool, replace: bool = True) -> N
     freed in the background (``gdsckpt.io.release``)."""
     held = None
     try:
+        refuse_special_target(target)
         if replace:
             held = release.RELEASER.hold(target)
             os.replace(temp, target)
@@ -387,6 +406,10 @@ class PosixWriter(StorageWriter):
         self.timeout = timeout
         # Before any file is touched: failing to start an I/O thread leaves the directory as it was.
         self._lane = Lane("io", threads)
+        self._closed = False
+        self._backlog_lock = threading.Lock()
+        self._open: _Group | None = None
+        """O_DIRECT writes held back to be joined with the next ones (``submit_write``)."""
         remove_stale_temporaries(self.target)
         self.temp = temporary_path(self.target)
         self._fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -412,9 +435,7 @@ class PosixWriter(StorageWriter):
         # are buffered with their write-back started): the name lists each one this writer has.
         self.name = ("posix" + ("+odirect" if self._direct_fd is not None else "")
                      + ("+writeback" if self._write_back else ""))
-        self._closed = False
         self._backlog = 0
-        self._backlog_lock = threading.Lock()
         self._running = 0
         """Writes (groups) started and not finished."""
         self._pending_bytes = 0
@@ -422,8 +443,6 @@ class PosixWriter(StorageWriter):
         self._busy_seconds = 0.0
         self._busy_since = 0.0
         """When ``_running`` last went from 0 to more (``time.monotonic``)."""
-        self._open: _Group | None = None
-        """O_DIRECT writes held back to be joined with the next ones (``submit_write``)."""
         self.keep_temporary = False
         """When True, ``commit`` makes the temporary file durable and leaves the rename over the
         target to the caller (``gdsckpt.background.worker``: the process that owns the snapshot commits)."""
@@ -564,7 +583,8 @@ class PosixWriter(StorageWriter):
             try:
                 synced.result(timeout=self.timeout)
             except (TimeoutError, FutureTimeout):
-                self.stalled = True  # ``abort`` leaves the descriptor to the running fsync
+                self.stalled = True  # ``abort`` leaves the descriptor to the running fsync,
+                synced.add_done_callback(lambda _ended: self._close_fds())  # which closes it when it ends
                 raise TimeoutError(f"the fsync of {str(self.temp)!r} did not complete within {self.timeout} s") \
                     from None
         self._lane.close(self.timeout)
@@ -593,9 +613,11 @@ class PosixWriter(StorageWriter):
             pass
 
     def _close_fds(self) -> None:
-        _close_quietly(self._direct_fd, self._fd)
-        self._direct_fd = None
-        self._fd = -1
+        """Close the temporary file's descriptors, once (a stalled fsync's end and ``abort`` may
+        both ask: a second close of a number could close a file opened since under it)."""
+        with self._backlog_lock:
+            fds, self._direct_fd, self._fd = (self._direct_fd, self._fd), None, -1
+        _close_quietly(*fds)
 
 
 ONE_READER_BYTES = 256 << 20

@@ -18,6 +18,7 @@ child process of the memory measurement.
 from __future__ import annotations
 
 import collections
+import contextlib
 import decimal
 import enum
 import fractions
@@ -497,14 +498,29 @@ def test_a_save_whose_fsync_hangs_fails_within_the_timeout(tmp_path: Path, monke
             held.append("returned")
         real_fsync(fd)
 
+    def open_on_temporaries() -> list[str]:
+        """Descriptors of this process open on a temporary of ``path`` (deleted or not)."""
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return [name for name in names if ".gdsckpt-tmp-" in name]
+
     monkeypatch.setattr(os, "fsync", fsync)
     try:
         with pytest.raises(TimeoutError, match=r"the fsync of .* did not complete within 0.3 s"):
             gdsckpt.save(state, path, config=gdsckpt.Config(timeout=0.3))
         assert held == ["running"], "the save waited for the fsync to return"
+        assert open_on_temporaries(), "the running fsync's descriptor was closed under it"
     finally:
         release.set()
     assert path.read_bytes() == b"the previous checkpoint"
+    # Once the fsync ends, the temporary's descriptors close (they stayed open for the process's
+    # life, and the deleted file's storage with them).
+    deadline = time.monotonic() + 10
+    while open_on_temporaries() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not open_on_temporaries()
 
 
 def test_closing_a_reader_after_a_failure_keeps_that_failure(tmp_path: Path,

@@ -198,3 +198,47 @@ def test_dcp_reader_refuses_a_fifo_as_its_metadata(tmp_path: Path) -> None:
     os.mkfifo(json_path)
     with pytest.raises(CheckpointError, match="not a regular file"):
         _bounded(lambda: GdsStorageReader(tmp_path).read_metadata())
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket"])
+def test_a_save_or_conversion_never_replaces_what_is_not_a_regular_file(tmp_path: Path, kind: str) -> None:
+    """``gdsckpt convert a.gdsckpt /dev/null --to pt --overwrite`` run as root replaced the device
+    with a regular file, and a save renamed its file over a FIFO. A save, a conversion with
+    ``overwrite=True`` (to each format) and the save worker's publish step now refuse a FIFO, a
+    socket or a device at the destination with ``FileExistsError``, before writing anything, and
+    leave it as it was."""
+    import socket
+    import stat
+
+    source = tmp_path / "source.gdsckpt"
+    gdsckpt.save({"w": np.arange(64, dtype=np.float32)}, source)
+    special = tmp_path / "special"
+    held = None
+    if kind == "fifo":
+        os.mkfifo(special)
+    else:
+        held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        held.bind(str(special))
+    try:
+        def still_special() -> bool:
+            mode = os.lstat(special).st_mode
+            return stat.S_ISFIFO(mode) if kind == "fifo" else stat.S_ISSOCK(mode)
+
+        with pytest.raises(FileExistsError, match="not a regular file"):
+            _bounded(lambda: gdsckpt.save({"w": np.zeros(4, dtype=np.float32)}, special))
+        assert still_special()
+        for dst_format in ("gdsckpt", "pt", "safetensors"):
+            with pytest.raises(FileExistsError, match="not a regular file"):
+                _bounded(lambda fmt=dst_format: gdsckpt.convert(source, special, dst_format=fmt, overwrite=True))
+            assert still_special(), dst_format
+        from gdsckpt.io.posix import publish
+
+        temp = tmp_path / "finished"
+        temp.write_bytes(b"a finished file")
+        with pytest.raises(FileExistsError, match="not a regular file"):
+            publish(temp, special, fsync=False)
+        assert still_special() and not temp.exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["source.gdsckpt", "special"]
+    finally:
+        if held is not None:
+            held.close()
