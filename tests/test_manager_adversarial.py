@@ -368,3 +368,64 @@ def test_killed_at_every_publish_and_prune_step_of_a_delta_run_restores_the_newe
         again = CheckpointManager(directory, **options).restore_latest()
         assert again is not None and again[0] == expected + 1
         h.assert_same(_trained(expected + 1), again[1])
+
+
+def _delta_state(value: int) -> dict[str, Any]:
+    w = torch.zeros(50_000)
+    w[:100] = value
+    return {"model": {"w": w}, "step": value}
+
+
+def _saves_of(manager: CheckpointManager, steps: list[int]) -> list[tuple[int, bool]]:
+    """Save each step (its state by step) and load it back bit-exact: (step, saved as a delta)."""
+    done = []
+    for step in steps:
+        report = manager.save(step, _delta_state(step))
+        loaded = gdsckpt.load(manager.path(step))
+        assert torch.equal(loaded["model"]["w"], _delta_state(step)["model"]["w"]), step
+        done.append((step, report.base is not None))
+    return done
+
+
+def test_a_step_saved_again_under_a_delta_never_blocks_later_saves(tmp_path: Path, config: gdsckpt.Config) -> None:
+    """``save(1000)``, ``save(1100)`` (a delta on 1000), then ``save(1000)`` again: the second 1000
+    replaces the base of 1100, by design (a run restarted from an older step writes over the
+    abandoned run's files), and ``latest`` stays on 1100. Every later delta save then took 1100 as
+    its base, whose own base no longer matched, and failed with ``DeltaBaseError`` (its state
+    lost) until the next ``full_every`` step, for ever without one. A base is now chosen only
+    when its whole chain resolves: the next step is saved in full, the ones after it as deltas,
+    each loading bit-exact."""
+    manager = CheckpointManager(tmp_path, keep_last=5, config=config, delta_every=100)
+    assert _saves_of(manager, [1000, 1100]) == [(1000, False), (1100, True)]
+    manager.save(1000, _delta_state(999))
+    assert _saves_of(manager, [1200, 1300, 1400]) == [(1200, False), (1300, True), (1400, True)]
+    step, _extra = manager.restore_latest()
+    assert step == 1400
+
+
+@pytest.mark.parametrize("damage", ["chunk bytes", "deleted"])
+def test_a_damaged_base_under_the_newest_delta_never_blocks_later_saves(tmp_path: Path, config: gdsckpt.Config,
+                                                                        damage: str) -> None:
+    """The base of the newest checkpoint (a delta) damaged in its chunk bytes, or deleted: every
+    later delta save of this manager, and of a new one, chose the newest checkpoint as its base
+    (its header and index read fine) and failed reading it, so no step could be saved until the
+    next full one. Now a deleted base is seen when the base is chosen (its chain is resolved), and
+    damaged chunks when the delta reads them: that step is saved in full with a
+    ``SkippedCheckpointWarning``, and later saves go on as deltas."""
+    manager = CheckpointManager(tmp_path, keep_last=5, config=config, delta_every=100)
+    _saves_of(manager, [1000, 1100])
+    base = manager.path(1000)
+    if damage == "deleted":
+        base.unlink()
+    else:
+        data = bytearray(base.read_bytes())
+        data[gdsckpt.inspect(base).chunks[0].offset + 10] ^= 0xFF
+        base.write_bytes(bytes(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        done = _saves_of(manager, [1200, 1300])
+    assert done == [(1200, False), (1300, True)]
+    skipped = [str(w.message) for w in caught if issubclass(w.category, gdsckpt.SkippedCheckpointWarning)]
+    assert len(skipped) == (1 if damage == "chunk bytes" else 0), skipped
+    fresh = CheckpointManager(tmp_path, keep_last=5, config=config, delta_every=100)
+    assert _saves_of(fresh, [1400]) == [(1400, True)]

@@ -25,8 +25,13 @@ Delta checkpoints
 With ``delta_every`` (in steps) set, ``save(step, ...)`` writes a delta against the newest
 complete checkpoint (``gdsckpt.save(..., base=...)``), except at multiples of ``full_every``
 steps, when there is no complete checkpoint yet, or when that one's chain of deltas is already
-``max_chain`` deep: then it writes a full one. ``should_save(step)`` says whether a step is due
-(a multiple of ``delta_every`` or of ``full_every``), for loops that ask every step.
+``max_chain`` deep: then it writes a full one. A checkpoint is a base only if its whole chain
+resolves (each base there the file its delta was written against): a step saved again under a
+later delta, or a base deleted, makes the next save a full one rather than a failure. A base whose
+chunks prove damaged only as the delta reads them makes that step a full save too, with a
+``SkippedCheckpointWarning``, and is not used as a base again until its step is saved anew.
+``should_save(step)`` says whether a step is due (a multiple of ``delta_every`` or of
+``full_every``), for loops that ask every step.
 
 ``delta_base="full"`` bases every delta on the newest complete *full* checkpoint instead (a star
 rather than a chain): a delta save then reads one base file, whatever how many deltas came
@@ -133,6 +138,7 @@ from typing import Any
 
 from .. import api as _api
 from ..api import saving as _saving
+from ..api.checkpoint import open_base, opened_file
 from ..api.resolve import open_reader, resolve_config
 from ..background.async_save import AsyncSaver, SaveHandle
 from ..config import Config
@@ -239,6 +245,9 @@ class CheckpointManager:
         self._writing: Counter[int] = Counter()
         self._bases_in_use: Counter[int] = Counter()
         """Steps that saves still being written use as their base: never pruned under them."""
+        self._unusable_bases: set[Any] = set()
+        """Checkpoints a delta save found damaged when it read them (``save``): passed over as
+        bases until their step is saved again."""
         self._pointer_step: int | None = None
         self.keep_last_remote = keep_last_remote
         self.remote = self._open_remote(remote)
@@ -340,7 +349,12 @@ class CheckpointManager:
             candidates = [s for s in sorted(existing, reverse=True) if s < step]
         for candidate in candidates:
             path = self.path(candidate)
-            if (self.delta_base == "previous" or self._is_full(path)) and _problem(path, config=self.config) is None:
+            if path in self._unusable_bases:
+                continue
+            # the whole chain below it must resolve: a base replaced by an earlier step saved again,
+            # or deleted, made every later delta on it fail until the next full save
+            if (self.delta_base == "previous" or self._is_full(path)) and \
+                    _problem(path, config=self.config, chain=True) is None:
                 with self._lock:  # from now until the save ends, pruning keeps it
                     self._bases_in_use[candidate] += 1
                 return path
@@ -372,9 +386,21 @@ class CheckpointManager:
             # design (``latest`` then names the new one), deltas of that run based on them included.
             # With a remote tier the file is uploaded too, and there every byte saved is worth
             # ``ratio`` bytes of state: ``auto`` compresses even where the local disk outruns it.
-            report = _saving.save_flat(flatten(state), path, codec=codec, config=self.config, base=base,
-                                       max_chain=self.max_chain, lossy=self.lossy,
-                                       may_store_as_is=self.remote is None)
+            try:
+                report = _saving.save_flat(flatten(state), path, codec=codec, config=self.config, base=base,
+                                           max_chain=self.max_chain, lossy=self.lossy,
+                                           may_store_as_is=self.remote is None)
+            except Exception as err:
+                if base is None or not _is_damage(err):
+                    raise
+                # The base's chunks proved damaged (or its chain broken) only as the delta read
+                # them: this step is saved in full instead of lost, and no later delta uses it.
+                self._unusable_bases.add(base)
+                warnings.warn(f"checkpoint step {step}: its delta base {str(base)!r} cannot be read ({err}); "
+                              f"saving it in full", SkippedCheckpointWarning, stacklevel=2)
+                report = _saving.save_flat(flatten(state), path, codec=codec, config=self.config, base=None,
+                                           max_chain=self.max_chain, lossy=self.lossy,
+                                           may_store_as_is=self.remote is None)
             self._completed(step)
         finally:
             self._end(step, base)
@@ -584,6 +610,7 @@ class CheckpointManager:
     def _completed(self, step: int) -> None:
         """Checkpoint ``step`` is complete: point ``latest`` at it (unless a higher step of this
         manager already is), then prune."""
+        self._unusable_bases.discard(self.path(step))  # a new file: a base again
         if self.objects_only:
             self._completed_object(step)
             return
@@ -844,16 +871,24 @@ def _check_step(step: int) -> int:
     return step
 
 
-def _problem(path: str | Path, *, verify: bool = False, config: Config | None = None) -> str | None:
+def _problem(path: str | Path, *, verify: bool = False, config: Config | None = None,
+             chain: bool = False) -> str | None:
     """Why ``path`` is not a usable checkpoint, or None: ``gdsckpt.open``'s checks of header,
-    trailer and index (or, with ``verify``, ``gdsckpt.verify`` of every chunk). Only damage
-    (``_is_damage``) is a reason; any other error (an I/O error, running out of memory) is
-    raised."""
+    trailer and index (or, with ``verify``, ``gdsckpt.verify`` of every chunk); with ``chain``,
+    also each base of a delta opened in turn and checked to be the file it was written against
+    (``open_base``). Only damage (``_is_damage``) is a reason; any other error (an I/O error,
+    running out of memory) is raised."""
     try:
         if verify:
             _api.verify(path, config=config)
         else:
-            _api.open(path, config=config).close()
+            links = [_api.open(path, config=config)]
+            try:
+                while chain and opened_file(links[-1]).index.base is not None:
+                    links.append(open_base(opened_file(links[-1]), resolve_config(config)))
+            finally:
+                for link in links:
+                    link.close()
     except FileNotFoundError:
         return "file is missing"
     except Exception as err:
