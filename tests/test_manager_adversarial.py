@@ -429,3 +429,25 @@ def test_a_damaged_base_under_the_newest_delta_never_blocks_later_saves(tmp_path
     assert len(skipped) == (1 if damage == "chunk bytes" else 0), skipped
     fresh = CheckpointManager(tmp_path, keep_last=5, config=config, delta_every=100)
     assert _saves_of(fresh, [1400]) == [(1400, True)]
+
+
+def test_a_background_delta_on_a_damaged_base_leaves_the_next_save_a_full_one(tmp_path: Path,
+                                                                               config: gdsckpt.Config) -> None:
+    """``save_async`` of a delta whose base's chunks are damaged fails (its handle says why, as a
+    ``CorruptCheckpointError``); the next save chose the same base again and failed the same way.
+    Now the base is passed over once a background delta found it damaged: the next save is full,
+    and the ones after it deltas again."""
+    manager = CheckpointManager(tmp_path, keep_last=5, config=config, delta_every=100)
+    _saves_of(manager, [1000])
+    base = manager.path(1000)
+    data = bytearray(base.read_bytes())
+    data[gdsckpt.inspect(base).chunks[0].offset + 10] ^= 0xFF
+    base.write_bytes(bytes(data))
+    with pytest.raises(gdsckpt.CorruptCheckpointError):
+        manager.save_async(1100, _delta_state(1100)).wait(timeout=60)
+    assert not manager.path(1100).exists()
+    report = manager.save_async(1200, _delta_state(1200)).wait(timeout=60)
+    assert report.base is None
+    assert _saves_of(manager, [1300]) == [(1300, True)]
+    assert torch.equal(gdsckpt.load(manager.path(1200))["model"]["w"], _delta_state(1200)["model"]["w"])
+    manager.wait(timeout=60)  # the failed save's error was reported by its handle, not again here

@@ -247,23 +247,24 @@ class AsyncSaver:
     def save(self, state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
              config: Config | None = None, max_inflight: int = 1,
              after: Callable[[_api.SaveReport], None] | None = None,
-             finally_: Callable[[], None] | None = None, base: PathLike | None = None,
+             finally_: Callable[[BaseException | None], None] | None = None, base: PathLike | None = None,
              max_chain: int = DEFAULT_MAX_CHAIN, lossy: Any = None, force: bool = False) -> SaveHandle:
         """``save_async`` on this saver. ``after(report)`` runs in the background thread once the
-        file is complete (its error counts as the save's); ``finally_()`` runs there at the end,
-        and in the caller if the save never starts."""
+        file is complete (its error counts as the save's); ``finally_(error)`` runs there at the
+        end, with the save's error or None, and in the caller if the save never starts."""
         try:
             return self._save(state, path, codec=codec, chunk_bytes=chunk_bytes, config=config,
                               max_inflight=max_inflight, after=after, finally_=finally_,
                               delta={"base": base, "max_chain": max_chain, "lossy": lossy}, force=force)
-        except BaseException:
+        except BaseException as err:
             if finally_ is not None:
-                finally_()
+                finally_(err)
             raise
 
     def _save(self, state: Any, path: PathLike, *, codec: str, chunk_bytes: int | str | None,
               config: Config | None, max_inflight: int, after: Callable[[_api.SaveReport], None] | None,
-              finally_: Callable[[], None] | None, delta: dict[str, Any], force: bool = False) -> SaveHandle:
+              finally_: Callable[[BaseException | None], None] | None, delta: dict[str, Any],
+              force: bool = False) -> SaveHandle:
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
         _take_errors(orphans_only=True)
@@ -311,7 +312,8 @@ class AsyncSaver:
         return handle
 
     def _run(self, job: _Job, holder: list[Any], lent: list[Any], copies: int, options: dict[str, Any],
-             after: Callable[[_api.SaveReport], None] | None, finally_: Callable[[], None] | None,
+             after: Callable[[_api.SaveReport], None] | None,
+             finally_: Callable[[BaseException | None], None] | None,
              in_process: bool = False) -> None:
         try:
             if in_process:
@@ -328,7 +330,7 @@ class AsyncSaver:
             self.pool.release(lent, copies=copies)
             if finally_ is not None:
                 try:
-                    finally_()
+                    finally_(job.error)
                 except BaseException as err:  # noqa: BLE001
                     if job.error is None:
                         job.finish_error(err)

@@ -29,7 +29,8 @@ steps, when there is no complete checkpoint yet, or when that one's chain of del
 resolves (each base there the file its delta was written against): a step saved again under a
 later delta, or a base deleted, makes the next save a full one rather than a failure. A base whose
 chunks prove damaged only as the delta reads them makes that step a full save too, with a
-``SkippedCheckpointWarning``, and is not used as a base again until its step is saved anew.
+``SkippedCheckpointWarning`` (``save_async``: that save fails, its handle says why), and is not
+used as a base again until its step is saved anew.
 ``should_save(step)`` says whether a step is due (a multiple of ``delta_every`` or of
 ``full_every``), for loops that ask every step.
 
@@ -418,7 +419,8 @@ class CheckpointManager:
             raise
         return self._saver.save(state, path, codec=codec, config=self.config, max_inflight=self.max_inflight,
                                 after=lambda _report: self._completed(step),
-                                finally_=lambda: self._end(step, base), base=base, max_chain=self.max_chain,
+                                finally_=lambda error: self._end(step, base, error), base=base,
+                                max_chain=self.max_chain,
                                 lossy=self.lossy, force=True)  # force: as in save
 
     def wait(self, timeout: float | None = None) -> None:
@@ -595,7 +597,12 @@ class CheckpointManager:
             self._writing[step] += 1
         return path
 
-    def _end(self, step: int, base: Path | None = None) -> None:
+    def _end(self, step: int, base: Path | None = None, error: BaseException | None = None) -> None:
+        """A save of ``step`` (a delta on ``base``) ended, with ``error`` or None: a base whose
+        chunks proved damaged as a background delta read them is passed over from now on (the
+        save's handle reports the error; ``save`` retries in full itself)."""
+        if base is not None and error is not None and _is_damage(error):
+            self._unusable_bases.add(base)
         with self._lock:
             self._writing[step] -= 1
             if self._writing[step] <= 0:
