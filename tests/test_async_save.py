@@ -418,3 +418,61 @@ def test_exit_abandons_a_stuck_save_and_the_path_keeps_its_previous_content(tmp_
     # save to the path removes it.
     gdsckpt.save({"a": np.ones(3)}, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def _slowed_saves(monkeypatch: pytest.MonkeyPatch, slow_path: Path) -> None:
+    """Fault injection: the background save to ``slow_path`` takes 0.5 s longer (as a large state
+    would); every other save runs as it is."""
+    from gdsckpt.api import saving
+
+    real = saving.save_flat
+
+    def slowed(flat: Any, path: Any, **options: Any) -> Any:
+        if Path(str(path)) == slow_path:
+            time.sleep(0.5)
+        return real(flat, path, **options)
+
+    monkeypatch.setattr(saving, "save_flat", slowed)
+
+
+def test_saves_in_flight_to_one_file_complete_in_call_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ``save_async`` calls to one path with ``max_inflight=2``: the second finished first and
+    the first's rename then replaced it, so the file held the older state while both handles
+    reported success. A save whose file an earlier one in flight writes now waits for it."""
+    path = tmp_path / "c.gdsckpt"
+    _slowed_saves(monkeypatch, path)
+    first = gdsckpt.save_async({"step": 1, "x": torch.ones(1000)}, path, max_inflight=2)
+    second = gdsckpt.save_async({"step": 2, "x": torch.zeros(10)}, path, max_inflight=2)
+    assert first.done(), "the second call returns only once the first save to the file has ended"
+    second.wait(60)
+    first.wait(60)
+    assert gdsckpt.load(path)["step"] == 2
+
+
+def test_a_delta_on_a_file_being_saved_waits_for_that_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``save_async(s1, a)`` then ``save_async(s2, b, base=a)`` with ``max_inflight=2``: the delta
+    was written against the ``a`` on disk before the first save replaced it, both handles reported
+    success, and ``load(b)`` raised ``DeltaBaseError``: b was lost. The delta now waits for the
+    save of its base; and a save replacing a base that a delta in flight reads waits for the delta,
+    then is refused as a save over a base is (``DeltaBaseError``) unless ``force``."""
+    a, b = tmp_path / "a.gdsckpt", tmp_path / "b.gdsckpt"
+    g = torch.Generator().manual_seed(3)
+    s0 = {"w": torch.randn(20_000, generator=g)}
+    s1 = {"w": s0["w"] + 1}
+    s2 = {"w": s1["w"].clone()}
+    s2["w"][::50] += 1
+    gdsckpt.save(s0, a)
+    _slowed_saves(monkeypatch, a)
+    gdsckpt.save_async(s1, a, max_inflight=2)
+    report = gdsckpt.save_async(s2, b, base=a, max_inflight=2).wait(60)
+    assert report.base is not None
+    assert torch.equal(gdsckpt.load(b)["w"], s2["w"]) and torch.equal(gdsckpt.load(a)["w"], s1["w"])
+
+    d, c = tmp_path / "d.gdsckpt", tmp_path / "c.gdsckpt"  # d: a base no delta on disk uses yet
+    gdsckpt.save(s1, d)
+    _slowed_saves(monkeypatch, c)
+    delta = gdsckpt.save_async(s2, c, base=d, max_inflight=2)
+    with pytest.raises(gdsckpt.DeltaBaseError):
+        gdsckpt.save_async(s0, d, max_inflight=2)
+    assert delta.done()
+    assert torch.equal(gdsckpt.load(c)["w"], s2["w"]) and torch.equal(gdsckpt.load(d)["w"], s1["w"])

@@ -67,6 +67,7 @@ from ..api import saving as api_saving
 from ..api.resolve import check_target, resolve_config
 from ..api.saving import refuse_replacing_base
 from ..config import Config
+from ..io.s3 import is_url
 from ..state import flatten
 from ..state.delta import DEFAULT_MAX_CHAIN
 from .snapshot import PoolStats, SnapshotPool, take_snapshot
@@ -86,10 +87,22 @@ _unobserved: list[_Job] = []
 _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 
 
+def _location_key(location: Any) -> str | None:
+    """What names the file or object a save writes (or a delta reads as its base), so that saves
+    sharing one are ordered (``AsyncSaver._save``); None for a writer object."""
+    if location is None or not isinstance(location, (str, os.PathLike)):
+        return None
+    if is_url(location):
+        return str(location)
+    return os.path.realpath(os.fspath(location))
+
+
 class _Job:
-    def __init__(self, saver: AsyncSaver, path: PathLike, timeout: float):
+    def __init__(self, saver: AsyncSaver, path: PathLike, timeout: float, base: Any = None):
         self.saver = saver
         self.path = str(path)
+        self.key = _location_key(path)
+        self.base_key = _location_key(base)
         self.timeout = timeout
         self.event = threading.Event()
         self.lock = threading.Lock()
@@ -275,17 +288,37 @@ class AsyncSaver:
         started = time.perf_counter()
         devices, cuda_bytes = _survey(state)  # a state gdsckpt.save would reject fails here
         validated = time.perf_counter()
-        job = _Job(self, path, cfg.timeout)
+        job = _Job(self, path, cfg.timeout, delta.get("base"))
+
+        def tied(other: _Job) -> bool:
+            # Saves in flight finish in any order: one to the same file, to this one's base, or
+            # reading this file as its base must end first, or the older would replace the newer,
+            # or a delta be written against a base then replaced under it.
+            return any(a is not None and a == b for a, b in ((other.key, job.key), (other.key, job.base_key),
+                                                              (other.base_key, job.key)))
+
         with self._cond:
+            waited_for_tied = any(tied(other) for other in self._inflight)
             self._waiting += 1
             try:
-                ok = self._cond.wait_for(lambda: len(self._inflight) < max_inflight, timeout=cfg.timeout)
+                ok = self._cond.wait_for(lambda: len(self._inflight) < max_inflight
+                                         and not any(tied(other) for other in self._inflight), timeout=cfg.timeout)
             finally:
                 self._waiting -= 1
             if not ok:
+                if any(tied(other) for other in self._inflight):
+                    raise TimeoutError(f"save_async to {str(path)!r}: an earlier save to that file, to its base "
+                                       f"or reading it as a base still in flight after {cfg.timeout} s "
+                                       f"(config timeout)")
                 raise TimeoutError(f"save_async to {str(path)!r}: {max_inflight} earlier save(s) still in "
                                    f"flight after {cfg.timeout} s (config timeout)")
             self._inflight.append(job)
+        if waited_for_tied and not force:
+            try:  # a delta on this file, in flight at the call, is on disk now
+                refuse_replacing_base(path, cfg)
+            except BaseException:
+                self._end(job)
+                raise
         slot = time.perf_counter()
         in_process = cfg.async_worker == "process"
         try:
@@ -439,7 +472,10 @@ def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: 
     allocates the buffers ahead of the training loop.
 
     At most ``max_inflight`` saves of this module-wide saver run at once: a further call blocks
-    until an earlier one finishes (``TimeoutError`` after ``config.timeout`` seconds). Snapshot
+    until an earlier one finishes (``TimeoutError`` after ``config.timeout`` seconds). So does a
+    call whose ``path`` an earlier save in flight writes or reads as its base, or whose ``base``
+    one writes: saves of one file complete in the order they were called (else the older could
+    replace the newer, or a delta be written against a base replaced under it). Snapshot
     memory is bounded by ``max_inflight`` times the state's bytes and reused across calls
     (``pool_stats()``).
 
