@@ -114,6 +114,10 @@ def default_io_threads() -> int:
     return max(1, min(IO_THREADS_MOST, available_cores()))
 
 
+CONFIG_FILE_LIMIT = 1 << 20
+"""The most bytes ``Config.from_toml`` reads: a configuration is a few lines."""
+
+
 @dataclass(frozen=True)
 class Config:
     """Options of save and load. Immutable; ``replace(**changes)`` derives a modified copy."""
@@ -211,15 +215,26 @@ class Config:
         read like the ``GDSCKPT_<FIELD>`` environment variable (``"4MiB"``, ``"none"``,
         ``"auto"``). Raises ``ValueError`` naming the file and the key for an unknown key, a
         value of the wrong type, or a value the field does not allow (listing what it does),
-        and for a file that is not valid TOML; ``FileNotFoundError`` for a missing file.
+        for a file that is not valid TOML, and for a path that is not a regular file or holds
+        more than ``CONFIG_FILE_LIMIT`` bytes; ``FileNotFoundError`` for a missing file.
 
         A relative ``path`` is relative to the current directory, as ``open`` takes it; the
         presets shipped with gdsckpt are read by name from anywhere with ``Config.preset``.
         """
+        from .errors import CheckpointError, UnsupportedFormatError
+        from .io.posix import read_small_file
+
         where = os.fspath(path)
         try:
-            with open(where, "rb") as handle:
-                data = handle.read()
+            # a regular file of at most CONFIG_FILE_LIMIT bytes: a FIFO would block the read for
+            # ever, a device or a checkpoint given by mistake be read whole
+            data = read_small_file(where, CONFIG_FILE_LIMIT)
+        except UnsupportedFormatError:
+            raise ValueError(f"configuration file {where!r} is not a regular file (a FIFO, a device or a "
+                             f"socket)") from None
+        except CheckpointError:  # more bytes than any configuration
+            raise ValueError(f"configuration file {where!r} holds more than {CONFIG_FILE_LIMIT} bytes: "
+                             f"not a configuration") from None
         except FileNotFoundError as err:
             stem = os.path.splitext(os.path.basename(where))[0]
             if stem in preset_names():

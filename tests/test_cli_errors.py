@@ -104,6 +104,8 @@ def test_help_is_plain_text(command: str | None, h: Any) -> None:
     (["bench", "--target", ".", "--size", "-4096"], "bench", ["--size", "not a byte size: '-4096'"]),
     (["bench", "--target", ""], "bench", ["the path is empty"]),
     (["plan", "--params", "-7B"], "plan", ["--params", "not a count: '-7B'"]),
+    # the plan's floats overflowed: exit 1 with an OverflowError
+    (["plan", "--params", "1e400"], "plan", ["--params", "at most 1e+18", "'1e400'"]),
     (["plan"], "plan", ["give --params"]),
     (["convert", "", "x.gdsckpt"], "convert", ["the path is empty"]),
     (["--config", "fast-nvm", "verify", "x"], "verify", ["--config", "did you mean 'fast-nvme'?"]),
@@ -205,3 +207,19 @@ def test_config_takes_a_preset_name_from_any_directory(saved: Path, tmp_path: Pa
     if not gpu_available():
         assert_one_error_line(gdsckpt_command("--config", "fast-nvme", "verify", str(saved), h=h, cwd=tmp_path),
                               "verify", 1, "engine='gpu'")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "huge"])
+def test_a_config_that_is_not_a_small_regular_file_is_a_usage_error(kind: str, tmp_path: Path, h: Any) -> None:
+    """``--config`` naming a FIFO hung the command for ever (the file was read with a plain
+    ``open().read()``), and a large file (a checkpoint given by mistake) was read whole. Both are
+    now a usage error naming the file, at once."""
+    config = tmp_path / "config.toml"
+    if kind == "fifo":
+        os.mkfifo(config)
+        fragment = "is not a regular file"
+    else:
+        config.write_bytes(b"#" * (2 << 20))
+        fragment = "holds more than 1048576 bytes"
+    result = gdsckpt_command("--config", str(config), "verify", "x.gdsckpt", h=h, timeout=60)
+    assert_one_error_line(result, "verify", 2, "--config", str(config), fragment)

@@ -35,6 +35,10 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|sec|m|min|h|d)?\s*$", re
 _SECONDS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 
 
+MAX_COUNT = 10**18
+"""The largest parameter count ``plan`` takes (a million times today's largest models)."""
+
+
 def parse_count(text: str) -> int:
     """A positive whole count: ``7000000000``, ``7e9``, ``7B``, ``70M``, ``1.5T``, ``125k``
     (decimal suffixes; B and G both mean 1e9)."""
@@ -47,6 +51,8 @@ def parse_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a count: {text!r}") from err
     if value <= 0 or value != value.to_integral_value():
         raise argparse.ArgumentTypeError(f"not a positive whole count: {text!r}")
+    if value > MAX_COUNT:  # the plan's arithmetic is in floats: 1e400 would overflow it
+        raise argparse.ArgumentTypeError(f"a count of at most {MAX_COUNT:.0e} is planned, got {text!r}")
     return int(value)
 
 
