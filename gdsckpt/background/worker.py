@@ -390,7 +390,8 @@ class SaveWorker:
                 self._discard()
                 raise
         config = options.get("config")
-        publish(Path(report.path), Path(path), fsync=(config if config is not None else Config.from_env()).fsync)
+        config = config if config is not None else Config.from_env()
+        publish(Path(report.path), Path(path), fsync=config.fsync, timeout=config.timeout)
         return dataclasses.replace(report, path=path)
 
     def _save(self, snapshot: Any, lent: list[tuple[tuple[str, int], Any]], path: str,

@@ -66,7 +66,7 @@ from ..api.saving import refuse_replacing_base, rewrite
 from ..codecs import known_codec_names
 from ..config import Config
 from ..errors import CheckpointError, ConvertError, UnsafePickleError
-from ..io.posix import publish, refuse_special_target, remove_stale_temporaries, temporary_path
+from ..io.posix import fsync_path, publish, refuse_special_target, remove_stale_temporaries, temporary_path
 from ..io.s3 import ObjectDirectory, is_url
 from ..state import numpy_dtype_name, torch_dtype
 from .safetensors_structure import STRUCTURE_KEY, flatten_for_safetensors, rebuild_state
@@ -180,7 +180,7 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
 
     save_report: SaveReport | None = None
     cloned = 0
-    with _destination(dst_path, overwrite, cfg.fsync) as target:
+    with _destination(dst_path, overwrite, cfg.fsync, cfg.timeout) as target:
         phases.writing(0, logical)
         if dst_kind == "gdsckpt":
             save_report = _write_gdsckpt(state, target, codec, cfg, src_path, phases.writing)
@@ -211,7 +211,7 @@ def _stored_size(location: Any, config: Config) -> int:
 
 
 @contextlib.contextmanager
-def _destination(dst: Any, overwrite: bool, fsync: bool) -> Iterator[Any]:
+def _destination(dst: Any, overwrite: bool, fsync: bool, timeout: float) -> Iterator[Any]:
     """Where a conversion writes ``dst``: a temporary file beside it, published over it when the
     block ends without an error (``_temporary_beside``, ``_publish``); an object is written in
     place, since it appears only whole (its upload completes or is aborted)."""
@@ -220,7 +220,7 @@ def _destination(dst: Any, overwrite: bool, fsync: bool) -> Iterator[Any]:
         return
     with _temporary_beside(dst) as temp:
         yield temp
-        _publish(temp, dst, overwrite=overwrite, fsync=fsync)
+        _publish(temp, dst, overwrite=overwrite, fsync=fsync, timeout=timeout)
 
 
 @contextlib.contextmanager
@@ -244,7 +244,7 @@ def _recompress(src: Any, dst: Any, codec: str, config: Config, overwrite: bool,
     (``api.saving.rewrite``), never the whole state in memory: a file only a GPU decodes becomes a
     portable copy (``codec="zstd"``) on a GPU host chunk by chunk. A delta becomes a full file.
     Either side may be an object."""
-    with _destination(dst, overwrite, config.fsync) as target:
+    with _destination(dst, overwrite, config.fsync, config.timeout) as target:
         try:
             report = rewrite(src, target, codec=codec, config=config, progress=progress)
         except (TypeError, ValueError) as err:  # a codec the configuration refuses (portable=True)
@@ -289,12 +289,15 @@ def _check_paths(src: Any, dst: Any, src_kind: str, dst_kind: str, overwrite: bo
                               f"to replace it")
 
 
-def _publish(temp: Path, dst: Path, *, overwrite: bool, fsync: bool) -> None:
-    """Move the finished ``temp`` to ``dst`` in one atomic step (``io.posix.publish``); without
-    ``overwrite`` a destination that appeared during the conversion is not clobbered either."""
+def _publish(temp: Path, dst: Path, *, overwrite: bool, fsync: bool, timeout: float) -> None:
+    """Move the finished ``temp`` to ``dst`` in one atomic step (``io.posix.publish``, its
+    directory's fsync waited for at most ``timeout`` seconds); without ``overwrite`` a destination
+    that appeared during the conversion is not clobbered either."""
     try:
-        publish(temp, dst, fsync=fsync, replace=overwrite)
+        publish(temp, dst, fsync=fsync, replace=overwrite, timeout=timeout)
     except FileExistsError:
+        if overwrite:
+            raise  # a FIFO or device there (``refuse_special_target``)
         raise FileExistsError(f"destination {str(dst)!r} appeared during the conversion; "
                               f"pass overwrite=True (--overwrite) to replace it") from None
 
@@ -429,9 +432,8 @@ def _write_pt(state: Any, temp: Path, config: Config) -> None:
     torch = _import_torch("writing a torch pickle")
     with open(temp, "xb") as handle:
         torch.save(state, handle)
-        handle.flush()
-        if config.fsync:
-            os.fsync(handle.fileno())
+    if config.fsync:
+        fsync_path(temp, timeout=config.timeout)
 
 
 def _write_gdsckpt(state: Any, temp: Path, codec: str, config: Config, src: Path,
@@ -461,11 +463,7 @@ def _write_safetensors(state: Any, temp: Path, metadata: dict[str, str], config:
         raise ConvertError(f"safetensors refused the content of {str(src)!r} "
                            f"({type(err).__name__}: {err})") from err
     if config.fsync:
-        fd = os.open(temp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(temp, timeout=config.timeout)
     return cloned
 
 

@@ -119,10 +119,10 @@ def item_key(index: MetadataIndex) -> str:
     return escape_key(_item_name(index))
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir(path: Path, timeout: float) -> None:
     try:
-        fsync_directory(path)
-    except OSError:
+        fsync_directory(path, timeout=timeout)
+    except OSError:  # a TimeoutError too: the removal this follows is done either way
         pass
 
 
@@ -138,6 +138,8 @@ class _Files:
 
     def __init__(self, location: Path | str, config: Config | None):
         self.location = location
+        self.timeout = resolve_config(config).timeout
+        """Seconds an fsync of this directory's files may take (``Config.timeout``)."""
         self._objects: Any = None
         if isinstance(location, str):
             from ..io.s3 import ObjectDirectory
@@ -181,7 +183,7 @@ class _Files:
     def write(self, name: str, data: bytes, fsync: bool) -> None:
         """Replace file ``name`` with ``data`` whole: readers see the old or the new."""
         if self._objects is None:
-            write_atomically(Path(self.location) / name, data, fsync=fsync)
+            write_atomically(Path(self.location) / name, data, fsync=fsync, timeout=self.timeout)
         else:
             self._objects.write_small(name, data)
 
@@ -194,7 +196,7 @@ class _Files:
         if path.exists():
             path.unlink()
             if fsync:
-                _fsync_dir(Path(self.location))
+                _fsync_dir(Path(self.location), self.timeout)
 
 
 class _DirectoryCheckpoint:

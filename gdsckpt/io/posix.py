@@ -217,7 +217,8 @@ def refuse_special_target(target: Path) -> None:
                                         f"replace it", str(target))
 
 
-def publish(temp: Path, target: Path, *, fsync: bool, replace: bool = True) -> None:
+def publish(temp: Path, target: Path, *, fsync: bool, replace: bool = True,
+            timeout: float = DRAIN_TIMEOUT) -> None:
     """Make the complete temporary file ``temp`` visible at ``target`` in one atomic step and,
     with ``fsync``, fsync the directory so that step is durable. The one publish step of the
     package: saves, the save worker, the manager's pointer, DCP metadata, conversions and the
@@ -228,7 +229,9 @@ def publish(temp: Path, target: Path, *, fsync: bool, replace: bool = True) -> N
     written: a hard link fails on an existing name where a rename would clobber it (on a
     filesystem without hard links, a check then a rename). A failed step removes ``temp``; after
     a hard link ``temp`` stays, for the caller to remove. A large file replaced has its storage
-    freed in the background (``gdsckpt.io.release``)."""
+    freed in the background (``gdsckpt.io.release``). The directory's fsync is waited for at most
+    ``timeout`` seconds (``TimeoutError``: ``target`` is in place, its rename maybe not yet
+    durable)."""
     held = None
     try:
         refuse_special_target(target)
@@ -251,35 +254,69 @@ def publish(temp: Path, target: Path, *, fsync: bool, replace: bool = True) -> N
         raise
     try:
         if fsync:
-            fsync_directory(target.parent)
+            fsync_directory(target.parent, timeout=timeout, renamed=target)
     finally:
         release.RELEASER.release(held)
 
 
-def write_atomically(target: Path, data: bytes, *, fsync: bool) -> None:
+def write_atomically(target: Path, data: bytes, *, fsync: bool, timeout: float = DRAIN_TIMEOUT) -> None:
     """Replace ``target`` with ``data``: written to a temporary file beside it
-    (``temporary_path``), fsynced with ``fsync``, then ``publish``ed. Readers see the old content
-    or the new, never a part; a failure leaves ``target`` as it was and no temporary file."""
+    (``temporary_path``), fsynced with ``fsync`` (waited for at most ``timeout`` seconds, as the
+    directory's), then ``publish``ed. Readers see the old content or the new, never a part; a
+    failure leaves ``target`` as it was and no temporary file."""
     temp = temporary_path(target)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        with open(temp, "xb") as handle:
-            handle.write(data)
-            handle.flush()
-            if fsync:
-                os.fsync(handle.fileno())
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if fsync:
+            fsync_within(fd, timeout, repr(str(temp)))
+    except TimeoutError:
+        temp.unlink(missing_ok=True)  # the descriptor is the running fsync's (``fsync_within``)
+        raise
     except BaseException:
+        os.close(fd)
         temp.unlink(missing_ok=True)
         raise
-    publish(temp, target, fsync=fsync)
+    os.close(fd)
+    publish(temp, target, fsync=fsync, timeout=timeout)
 
 
-def fsync_directory(directory: Path) -> None:
-    """fsync a directory so a rename inside it is durable."""
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+def fsync_within(fd: int, timeout: float, what: str) -> None:
+    """``os.fsync(fd)`` on a thread of the I/O pool, waited for at most ``timeout`` seconds, so
+    that a storage that never completes it (an NFS server gone) fails the call instead of hanging
+    it: ``TimeoutError`` naming ``what``, and the descriptor then belongs to the running fsync,
+    which closes it when it ends (closing it under the fsync could let its number be reused). Any
+    other outcome leaves the descriptor to the caller."""
+    synced = Lane("io", 1).submit(os.fsync, fd)
     try:
-        os.fsync(fd)
-    finally:
+        synced.result(timeout=timeout)
+    except (TimeoutError, FutureTimeout):
+        synced.add_done_callback(lambda _ended: _close_quietly(fd))
+        raise TimeoutError(f"the fsync of {what} did not complete within {timeout} s") from None
+
+
+def fsync_directory(directory: Path, *, timeout: float = DRAIN_TIMEOUT, renamed: Path | None = None) -> None:
+    """fsync a directory so a rename inside it is durable, waiting at most ``timeout`` seconds
+    (``fsync_within``; the message names ``renamed``, already in place, where given)."""
+    what = f"directory {str(directory)!r}" + (f" (after {str(renamed)!r} was put in place)" if renamed else "")
+    fsync_path(directory, timeout=timeout, what=what)
+
+
+def fsync_path(path: Path, *, timeout: float = DRAIN_TIMEOUT, what: str | None = None) -> None:
+    """fsync the file or directory at ``path`` (its data on storage), waiting at most ``timeout``
+    seconds (``fsync_within``, naming ``what`` or the path)."""
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0))
+    what = what if what is not None else repr(str(path))
+    try:
+        fsync_within(fd, timeout, what)
+    except TimeoutError:
+        raise  # the descriptor is the running fsync's
+    except BaseException:
         os.close(fd)
+        raise
+    os.close(fd)
 
 
 def _close_quietly(*fds: int | None) -> None:
@@ -592,7 +629,7 @@ class PosixWriter(StorageWriter):
         if self.keep_temporary:
             self._closed = True
             return
-        publish(self.temp, self.target, fsync=self.fsync)
+        publish(self.temp, self.target, fsync=self.fsync, timeout=self.timeout)
         self._closed = True
 
     def abort(self) -> None:

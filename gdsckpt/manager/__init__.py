@@ -653,8 +653,9 @@ class CheckpointManager:
                           f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
 
     def _write_pointer(self, name: str) -> None:
-        fsync = self.config.fsync if self.config is not None else Config.from_env().fsync
-        write_atomically(self.directory / POINTER, (name + "\n").encode("utf-8"), fsync=fsync)
+        config = self.config if self.config is not None else Config.from_env()
+        write_atomically(self.directory / POINTER, (name + "\n").encode("utf-8"), fsync=config.fsync,
+                         timeout=config.timeout)
 
     def _prune(self, completed: int) -> None:
         if self.keep_last is None:

@@ -552,3 +552,72 @@ def test_closing_a_reader_after_a_failure_keeps_that_failure(tmp_path: Path,
             reader.submit_read(0, np.empty(4096, dtype=np.uint8))
     finally:
         release.set()
+
+
+def _hanging_fsync(monkeypatch: pytest.MonkeyPatch, hangs: Callable[[int], bool]) -> Any:
+    """Fault injection: ``os.fsync`` of a descriptor for which ``hangs(fd)`` holds blocks until
+    the returned event is set (a storage that never completes it); others run as they are."""
+    import threading
+
+    release = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if hangs(fd):
+            release.wait(30)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return release
+
+
+def test_a_save_whose_directory_fsync_hangs_fails_within_the_timeout(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory's fsync after the rename (which makes the rename durable) ran unbounded:
+    a storage that never completed it hung the save for ever. It now fails after
+    ``Config.timeout`` with a ``TimeoutError`` saying the new file is in place (it is)."""
+    import stat
+
+    path = tmp_path / "hung.gdsckpt"
+    state = {"w": torch.arange(1 << 12, dtype=torch.float32)}
+    release = _hanging_fsync(monkeypatch, lambda fd: stat.S_ISDIR(os.fstat(fd).st_mode))
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"the fsync of directory .* \(after .*hung.gdsckpt.* was put in place\) "
+                                               r"did not complete within 0.3 s"):
+            gdsckpt.save(state, path, config=gdsckpt.Config(timeout=0.3))
+        assert time.monotonic() - started < 10
+    finally:
+        release.set()
+    assert torch.equal(gdsckpt.load(path)["w"], state["w"])
+
+
+def test_a_manager_whose_pointer_fsync_hangs_fails_within_the_timeout(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``latest`` pointer's fsync ran unbounded: ``CheckpointManager.save`` (and a
+    ``save_async`` handle's ``wait``) hung for ever on a storage that never completed it. It now
+    fails after ``Config.timeout``; the checkpoint itself is complete, and ``latest`` still
+    names the previous one."""
+    from gdsckpt import CheckpointManager
+
+    manager = CheckpointManager(tmp_path, keep_last=None, config=gdsckpt.Config(timeout=0.3))
+    manager.save(1, {"w": torch.zeros(16)})
+
+    def is_pointer_temporary(fd: int) -> bool:
+        with contextlib.suppress(OSError):
+            return ".latest.gdsckpt-tmp-" in os.readlink(f"/proc/self/fd/{fd}")
+        return False
+
+    release = _hanging_fsync(monkeypatch, is_pointer_temporary)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"the fsync of .*latest.* did not complete within 0.3 s"):
+            manager.save(2, {"w": torch.ones(16)})
+        with pytest.raises(TimeoutError, match=r"did not complete within 0.3 s"):
+            manager.save_async(3, {"w": torch.full((16,), 3.0)}).wait(60)
+        assert time.monotonic() - started < 10
+    finally:
+        release.set()
+    assert (tmp_path / "latest").read_text().strip() == manager.path(1).name
+    assert torch.equal(gdsckpt.load(manager.path(2))["w"], torch.ones(16))
+    assert not list(tmp_path.glob(".latest*"))
