@@ -23,6 +23,7 @@ from ..state import (
     TorchTarget,
     decode_scalar,
     join_key,
+    plain_key,
     torch_dtype_name,
     unflatten,
 )
@@ -296,18 +297,28 @@ def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any],
         optimizers.append((list(path), obj))
         return
     if torch is not None and isinstance(obj, torch.Tensor):
-        existing[join_key(path)] = obj
+        key_string = join_key(path)
+        if key_string in existing:  # {1: a, "1": b}: one of them would silently stay unfilled
+            raise ValueError(f"two entries of the load_into target map to the key {key_string!r}")
+        existing[key_string] = obj
         return
     if isinstance(obj, (dict, list, tuple)):
         # A plain value in a dict or list is a slot the checkpoint's value replaces; a tuple
-        # cannot be assigned into, so only what it holds is filled.
+        # cannot be assigned into, so only what it holds is filled. Dict keys are matched as a
+        # save stores them (``plain_key``: an IntEnum key as its int).
         slots = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        seen: set[int] = set()
         for key, value in slots:
+            component = plain_key(key) if isinstance(obj, dict) else key
+            identity = paths.child(node, component)
+            if identity in seen:  # {1: a, "1": b}: one of them would silently stay unfilled
+                raise ValueError(f"two entries of the load_into target map to the key "
+                                 f"{join_key(path + [component])!r}")
+            seen.add(identity)
             if _is_plain(value) and not isinstance(obj, tuple):
-                plain_slots.append((obj, key, paths.child(node, key)))
+                plain_slots.append((obj, key, identity))
             else:
-                _collect_targets(value, path + [key], existing, optimizers, plain_slots, paths,
-                                 paths.child(node, key))
+                _collect_targets(value, path + [component], existing, optimizers, plain_slots, paths, identity)
         return
     if _is_plain(obj):
         return

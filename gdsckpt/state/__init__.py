@@ -68,6 +68,7 @@ from .tree import (
     flatten,
     float_from_bits,
     join_key,
+    plain_key,
     unflatten,
     walk_tree,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "join_key",
     "numpy_dtype",
     "numpy_dtype_name",
+    "plain_key",
     "torch_dtype",
     "torch_dtype_name",
     "torch_range",

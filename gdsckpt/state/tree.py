@@ -96,6 +96,26 @@ def encode_scalar(value: Any, path: list[Any]) -> dict[str, Any] | None:
     return None
 
 
+def plain_key(key: Any) -> Any:
+    """A dict key as a checkpoint stores and loads it: its plain base type (``bool``, ``int``,
+    ``float``, ``str`` or None), so that an ``IntEnum``, a ``str``-mixin ``Enum`` or a
+    ``numpy.str_`` key gets the key string it comes back under (``str()`` of a ``str`` enum
+    member is ``"Cls.NAME"``, its stored value ``"name"``: a file saved with one had index
+    records keyed one way and its tree the other, and every load refused it as corrupt). Other
+    keys are returned as they are."""
+    if key is None or type(key) in (bool, int, float, str):
+        return key
+    if isinstance(key, bool):
+        return bool(key)
+    if isinstance(key, int):
+        return int(key)
+    if isinstance(key, float):
+        return float(key)
+    if isinstance(key, str):
+        return str.__str__(key)
+    return key
+
+
 def decode_scalar(node: dict[str, Any]) -> Any:
     """The plain value of a scalar JSON node."""
     kind = node["t"]
@@ -162,6 +182,7 @@ class _Flattener:
             if isinstance(key, (dict, list, tuple)) or encode_scalar(key, path) is None:
                 raise TypeError(f"dict key {key!r} of type {type(key).__name__} at {join_key(path)!r} "
                                 f"is not supported (use str, int, float, bool or None keys)")
+            key = plain_key(key)  # stored, and keyed, as it comes back
             items.append([encode_scalar(key, path), self.visit(value, path + [key], depth + 1)])
         node: dict[str, Any] = {"t": "dict", "items": items}
         if isinstance(obj, collections.OrderedDict):

@@ -621,3 +621,55 @@ def test_a_manager_whose_pointer_fsync_hangs_fails_within_the_timeout(tmp_path: 
     assert (tmp_path / "latest").read_text().strip() == manager.path(1).name
     assert torch.equal(gdsckpt.load(manager.path(2))["w"], torch.ones(16))
     assert not list(tmp_path.glob(".latest*"))
+
+
+def test_enum_dict_keys_save_and_load_as_their_values(tmp_path: Path) -> None:
+    """A dict key that is a ``str`` enum member (``class Split(str, Enum)``) saved, and every load
+    of the file then refused it as corrupt ("tensor 0 is keyed 'loader/Split.TRAIN' but sits at
+    'loader/train'"): the index record's key came from ``str()`` of the member, the tree's from its
+    value. ``restore_latest`` passed over that newest step as damaged and restored the one before.
+    Keys are now stored, and keyed, as their plain value (``state.plain_key``), as an ``IntEnum``
+    key already was: both come back as ``str`` / ``int``, and ``load_into`` a target keyed by the
+    same members fills it."""
+    import enum
+
+    from gdsckpt import CheckpointManager
+
+    class Split(str, enum.Enum):
+        TRAIN = "train"
+
+    class Slot(int, enum.Enum):
+        FIRST = 7
+
+    state = {"loader": {Split.TRAIN: torch.arange(4.0), Slot.FIRST: torch.ones(2)}, "step": 2}
+    path = tmp_path / "enum.gdsckpt"
+    gdsckpt.save(state, path)
+    loaded = gdsckpt.load(path)
+    assert set(loaded["loader"]) == {"train", 7}
+    assert type(next(k for k in loaded["loader"] if isinstance(k, str))) is str
+    assert torch.equal(loaded["loader"]["train"], torch.arange(4.0)) and torch.equal(loaded["loader"][7], torch.ones(2))
+    target = {"loader": {Split.TRAIN: torch.zeros(4), Slot.FIRST: torch.zeros(2)}, "step": 0}
+    gdsckpt.load_into(target, path, strict="exact")
+    assert torch.equal(target["loader"][Split.TRAIN], torch.arange(4.0)) and target["step"] == 2
+
+    manager = CheckpointManager(tmp_path / "run", keep_last=None)
+    manager.save(1, {"loader": {"train": torch.zeros(4)}, "step": 1})
+    manager.save(2, state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no checkpoint passed over as damaged
+        step, extra = manager.restore_latest()
+    assert step == 2 and extra["step"] == 2
+
+
+def test_load_into_a_target_with_two_entries_for_one_key_is_refused(tmp_path: Path) -> None:
+    """``load_into({1: a, "1": b}, ...)`` returned normally with ``a`` left unfilled, even with
+    ``strict="exact"`` (both keys are the key string ``"1"``, which a save refuses). Such a target
+    is now refused with the ``ValueError`` a save of it raises, and nothing is written."""
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"1": torch.ones(3), "v": {"1": 5}}, path)
+    a, b = torch.zeros(3), torch.zeros(3)
+    with pytest.raises(ValueError, match="two entries of the load_into target map to the key '1'"):
+        gdsckpt.load_into({1: a, "1": b}, path, strict="exact")
+    with pytest.raises(ValueError, match="two entries of the load_into target map to the key 'v/1'"):
+        gdsckpt.load_into({"1": a, "v": {1: 0, "1": 0}}, path)
+    assert torch.equal(a, torch.zeros(3)) and torch.equal(b, torch.zeros(3))
