@@ -207,3 +207,18 @@ def test_load_into_rejects_unfillable_targets(ckpt_path: Path, h: Any) -> None:
     gdsckpt.save({"w": torch.ones(2)}, ckpt_path, config=h.small_config())
     with pytest.raises(TypeError, match="'w'"):
         gdsckpt.load_into({"w": object()}, ckpt_path)
+
+
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_load_into_a_lazily_conjugated_or_negated_view_is_a_type_error(tmp_path: Path, view: str) -> None:
+    """A target that is a lazy view (``z.conj()``, a negative view) holds in memory the conjugate
+    or negation of what it reads: ``load_into`` failed with a bare ``RuntimeError`` from taking a
+    byte view of it. It is now a ``TypeError`` naming the key and what to pass instead, and the
+    viewed tensor is left as it was."""
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"c": torch.randn(8, dtype=torch.complex64)}, path)
+    z = torch.zeros(8, dtype=torch.complex64)
+    target = z.conj() if view == "conj" else torch._neg_view(z)
+    with pytest.raises(TypeError, match="load_into cannot fill the lazily .* view at 'c'"):
+        gdsckpt.load_into({"c": target}, path)
+    assert torch.equal(z, torch.zeros(8, dtype=torch.complex64))
