@@ -23,7 +23,9 @@ than 256 containers; an ``int`` of more than 4300 decimal digits (the format's l
 ``ValueError``. Loading never unpickles anything: the structure is JSON.
 
 What is not kept: subclasses of ``dict`` (other than ``OrderedDict``), ``int``, ``float`` and
-``str`` (``defaultdict``, ``IntEnum``, ``numpy.str_``) come back as the base type; a container
+``str`` (``defaultdict``, ``IntEnum``, a ``str`` enum, ``numpy.str_``; as dict keys too) come back
+as the base type; a big-endian NumPy array comes back in the machine's byte order, with the same
+values (the format stores little-endian elements); a container
 referenced from two places (not a cycle) is saved twice and comes back as two copies; a tensor's
 ``.grad`` is not saved, and a plain tensor that requires grad comes back detached
 (``requires_grad=False``; an ``nn.Parameter`` keeps its flag).
