@@ -36,7 +36,8 @@ def test_storage_speed_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "PROBE_BYTES", 4 << 20)
     calls = []
     real = autotune.measure_storage_gbps
-    monkeypatch.setattr(autotune, "measure_storage_gbps", lambda d, n=None: calls.append(d) or real(d, n))
+    monkeypatch.setattr(autotune, "measure_storage_gbps",
+                        lambda d, n=None, timeout=600.0: calls.append(d) or real(d, n, timeout))
     first = autotune.storage_gbps(tmp_path)
     second = autotune.storage_gbps(tmp_path)
     assert first > 0 and second == first and len(calls) == 1
@@ -67,3 +68,36 @@ def test_zstd_is_left_out_where_its_scratch_leaves_no_batch():
     assert slots["zstd"] >= autotune.MIN_BATCH_SLOTS and slots["ans"] > slots["zstd"]
     # ANS is never left out, even where nothing fits (the engine then runs its minimum ring).
     assert autotune.runnable_candidates(64 << 20, 16 << 20)[0] == ["ans"]
+
+
+def test_a_storage_probe_whose_fsync_hangs_fails_within_the_timeout(tmp_path, monkeypatch):
+    """Fault injection: the storage never completes the probe file's fsync. ``codec="auto"``
+    (CUDA state on the GPU engine, host state deciding whether to compress) waited for it past
+    ``Config.timeout`` and then cached the stalled figure for the filesystem. The probe now fails
+    after ``timeout`` with ``TimeoutError``, caches nothing, and leaves no probe file once the
+    fsync ends."""
+    import os
+    import threading
+    import time
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "PROBE_BYTES", 1 << 20)
+    release = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        release.wait(30)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    directory = tmp_path / "disk"
+    directory.mkdir()
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=r"the fsync of the storage probe .* did not complete within 0.3 s"):
+            autotune.storage_gbps(directory, timeout=0.3)
+        assert time.monotonic() - started < 10
+    finally:
+        release.set()
+    assert not (tmp_path / "cache" / "gdsckpt" / "storage.json").exists()
+    assert list(directory.iterdir()) == []

@@ -147,7 +147,7 @@ def test_real_saves_measure_the_pace_then_follow_the_storage_speed(tmp_path: Pat
 def test_the_storage_speed_is_probed_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     probes: list[Path] = []
-    monkeypatch.setattr(autotune, "measure_storage_gbps", lambda d, n=None: probes.append(d) or 1e6)
+    monkeypatch.setattr(autotune, "measure_storage_gbps", lambda d, n=None, timeout=None: probes.append(d) or 1e6)
     state = _big_state()
     key = f"dev:{os.stat(tmp_path).st_dev}"
     HISTORY.record(key, BIG, 0.5)

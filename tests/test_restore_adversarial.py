@@ -316,3 +316,29 @@ def test_an_open_delta_gives_its_bases_staging_back_between_reads(tmp_path: Path
         rows = checkpoint.get_rows("w", 1000, 2000)
         assert rows.tobytes() == state_b["w"][1000:2000].tobytes()
     assert 0 < device.peak_bytes <= budget, (device.peak_bytes, budget)
+
+
+def test_a_portable_delta_on_a_gpu_only_base_is_written_in_full(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``save(..., base=a, portable=True)`` with ``a`` written in nvCOMP's ANS (only a GPU decodes
+    it): the delta's own chunks were portable, but loading it decodes its base, so the file could
+    not be read on a machine without a GPU (``CodecUnavailableError``), though ``portable``
+    promises one any machine reads. Such a save now writes a full checkpoint, which the CPU engine
+    loads bit-exact; a portable base still gets a delta."""
+    rng = np.random.default_rng(4)
+    state_a = {"w": (rng.standard_normal(300_000) * 0.02).astype(np.float32)}
+    state_b = {"w": state_a["w"].copy()}
+    state_b["w"][::7] += 1
+    fake_gpu(monkeypatch, FakeDevice(), FakeDevice())
+    config = Config(engine="gpu", gpu_chunk_bytes=64 << 10, max_staging_bytes=64 * MIB)
+    gdsckpt.save(state_a, tmp_path / "a.gdsckpt", codec="ans", config=config)
+    report = gdsckpt.save(state_b, tmp_path / "b.gdsckpt", config=config, base=tmp_path / "a.gdsckpt", portable=True)
+    assert report.base is None and report.delta_tensors == 0
+    gdsckpt.save(state_a, tmp_path / "p.gdsckpt", codec="lz4", config=config)
+    on_portable = gdsckpt.save(state_b, tmp_path / "c.gdsckpt", config=config, base=tmp_path / "p.gdsckpt",
+                               portable=True)
+    assert on_portable.base is not None and on_portable.delta_tensors == 1
+    monkeypatch.undo()
+    for name in ("b.gdsckpt", "c.gdsckpt"):
+        assert gdsckpt.inspect(tmp_path / name).portable
+        assert gdsckpt.load(tmp_path / name, config=Config(engine="cpu"))["w"].tobytes() == state_b["w"].tobytes()

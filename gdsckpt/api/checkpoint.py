@@ -449,6 +449,21 @@ def opened_file(checkpoint: Checkpoint) -> OpenedFile:
     return checkpoint._opened
 
 
+@contextlib.contextmanager
+def base_chain(checkpoint: Checkpoint, config: Config) -> Iterator[list[OpenedFile]]:
+    """The opened files of ``checkpoint`` and of each base below it in turn (``open_base``: each
+    checked to be the file its delta was written against, ``DeltaBaseError`` otherwise), closed
+    when the block ends."""
+    links = [checkpoint]
+    try:
+        while opened_file(links[-1]).index.base is not None:
+            links.append(open_base(opened_file(links[-1]), config))
+        yield [opened_file(link) for link in links]
+    finally:
+        for link in links[1:]:
+            link.close()
+
+
 def base_arrays(checkpoint: Checkpoint) -> BaseReader:
     """A cached reader of ``checkpoint``'s arrays, deltas resolved: what a delta written against it
     XORs with, and what ``rebase`` writes out."""

@@ -124,11 +124,11 @@ def inspect(path: Source, *, config: Config | None = None) -> CheckpointInfo:
     used = {index.chains[chunk.chain][-1]["name"] for chunk in index.chunks}
     return CheckpointInfo(source_name(path), (opened.header.major, index.minor), index.writer, size, logical,
                           logical / size if size else 0.0, tuple(tensor_infos(index)), codecs, index.base,
-                          tuple(sorted(name for name in used if not _cpu_decodes(name))),
+                          tuple(sorted(name for name in used if not cpu_decodes(name))),
                           tuple(chunk_infos(index)))
 
 
-def _cpu_decodes(versioned: str) -> bool:
+def cpu_decodes(versioned: str) -> bool:
     """Whether bitstream ``versioned`` has a CPU decoder (unknown names count as not)."""
     try:
         return codec_spec(versioned).cpu_readable

@@ -42,7 +42,7 @@ from ..state.lossy import LossyPolicy, apply_policy
 from ..version import __version__
 from . import checkpoint as checkpoint_module
 from .checkpoint import Checkpoint, base_arrays, data_record, opened_file
-from .reading import inspect
+from .reading import cpu_decodes, inspect
 from .reports import Progress, SaveReport, chain_label
 from .resolve import (
     PathLike,
@@ -271,6 +271,17 @@ def _delta_sources(flat: FlatState, path: PathLike, base: PathLike, max_chain: i
         log.info("base %s is a delta %d deep (max_chain=%d): writing a full checkpoint", base_path, depth,
                  max_chain)
         return None, set()
+    if config.portable:
+        # A delta loads only where its bases decode: on a base only a GPU decodes, the file
+        # portable=True promises (any machine reads it) is a full one.
+        with checkpoint_module.base_chain(checkpoint, config) as chain:
+            gpu_only = sorted({name for link_file in chain for name in
+                               (link_file.index.chains[chunk.chain][-1]["name"] for chunk in link_file.index.chunks)
+                               if not cpu_decodes(name)})
+        if gpu_only:
+            log.info("base %s holds chunks only a GPU decodes (%s): portable=True writes a full checkpoint",
+                     base_path, ", ".join(gpu_only))
+            return None, set()
     link = base_link(path, base_path, opened.index_sha256, opened.trailer.file_length, depth)
     reader = base_arrays(checkpoint)
     delta = set()
@@ -509,7 +520,7 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
         if storage is not None:  # host state, a foreground full save to a file: can the codec keep up?
             key, directory = storage
             choice = HOST_AUTO_HISTORY.choose(key, _logical_bytes(flat), config.effective_codec_threads,
-                                              lambda: storage_gbps(directory, config.storage_gbps))
+                                              lambda: storage_gbps(directory, config.storage_gbps, config.timeout))
             auto.update(stored="as it is" if choice.as_is else "compressed", stored_reason=choice.reason,
                         storage_key=key)
             if choice.codec_gbps is not None:
@@ -585,7 +596,7 @@ def _storage_speed(config: Config, path: PathLike | StorageWriter) -> float:
     if isinstance(path, StorageWriter) or is_url(path):
         return config.storage_gbps if config.storage_gbps is not None else math.inf
     check_path(path)
-    return storage_gbps(Path(path).parent, config.storage_gbps)
+    return storage_gbps(Path(path).parent, config.storage_gbps, config.timeout)
 
 
 def index_template(flat: FlatState, base: dict[str, Any] | None = None) -> Index:

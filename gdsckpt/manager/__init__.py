@@ -139,7 +139,7 @@ from typing import Any
 
 from .. import api as _api
 from ..api import saving as _saving
-from ..api.checkpoint import open_base, opened_file
+from ..api.checkpoint import base_chain
 from ..api.resolve import open_reader, resolve_config
 from ..background.async_save import AsyncSaver, SaveHandle
 from ..config import Config
@@ -890,13 +890,10 @@ def _problem(path: str | Path, *, verify: bool = False, config: Config | None = 
         if verify:
             _api.verify(path, config=config)
         else:
-            links = [_api.open(path, config=config)]
-            try:
-                while chain and opened_file(links[-1]).index.base is not None:
-                    links.append(open_base(opened_file(links[-1]), resolve_config(config)))
-            finally:
-                for link in links:
-                    link.close()
+            with _api.open(path, config=config) as checkpoint:
+                if chain:
+                    with base_chain(checkpoint, resolve_config(config)):
+                        pass
     except FileNotFoundError:
         return "file is missing"
     except Exception as err:

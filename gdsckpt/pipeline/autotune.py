@@ -53,6 +53,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..format import align_up
 from ..io import posix
+from ..io.pools import DRAIN_TIMEOUT
 
 CODEC_GBPS = {"ans": 160.0, "zstd": 8.0}
 """nvCOMP compression throughput (GB/s of input), lower end of the ranges measured on a
@@ -203,9 +204,10 @@ def _cache_file() -> Path:
     return Path(base) / "gdsckpt" / "storage.json"
 
 
-def measure_storage_gbps(directory: Path, nbytes: int | None = None) -> float:
+def measure_storage_gbps(directory: Path, nbytes: int | None = None, timeout: float = DRAIN_TIMEOUT) -> float:
     """Durable write speed into ``directory`` (GB/s): aligned host writes with O_DIRECT where the
-    filesystem allows it, fsync included; the probe file is removed afterwards."""
+    filesystem allows it, fsync included (waited for at most ``timeout`` seconds:
+    ``TimeoutError``, and nothing is cached); the probe file is removed afterwards."""
     from ..io.base import aligned_empty
 
     size = align_up(PROBE_BYTES if nbytes is None else nbytes)
@@ -224,13 +226,17 @@ def measure_storage_gbps(directory: Path, nbytes: int | None = None) -> float:
             fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
         except OSError:
             fd = os.open(path, flags, 0o600)
+        started = time.perf_counter()
         try:
-            started = time.perf_counter()
             posix.pwrite_all(fd, buffer, 0)
-            os.fsync(fd)
-            seconds = time.perf_counter() - started
-        finally:
+            posix.fsync_within(fd, timeout, f"the storage probe {str(path)!r}")
+        except TimeoutError:
+            raise  # the descriptor is the running fsync's
+        except BaseException:
             os.close(fd)
+            raise
+        seconds = time.perf_counter() - started
+        os.close(fd)
     finally:
         try:
             path.unlink()
@@ -262,15 +268,16 @@ def update_cache(key: str, entry: dict[str, Any]) -> None:
         pass
 
 
-def storage_gbps(directory: Path, override: float | None = None) -> float:
-    """The storage speed of ``directory``: ``override``, else the cached or a new measurement."""
+def storage_gbps(directory: Path, override: float | None = None, timeout: float = DRAIN_TIMEOUT) -> float:
+    """The storage speed of ``directory``: ``override``, else the cached or a new measurement
+    (``measure_storage_gbps``, its fsync waited for at most ``timeout`` seconds)."""
     if override is not None:
         return float(override)
     key = str(os.stat(directory).st_dev)
     entry = read_cache().get(key)
     if isinstance(entry, dict) and isinstance(entry.get("gbps"), (int, float)) and entry["gbps"] > 0:
         return float(entry["gbps"])
-    speed = measure_storage_gbps(directory)
+    speed = measure_storage_gbps(directory, timeout=timeout)
     update_cache(key, {"gbps": speed, "path": str(directory)})
     return speed
 
