@@ -194,6 +194,30 @@ def test_arena_and_ring_stay_within_the_restore_staging_budget(tmp_path: Path) -
     dec.close()
 
 
+def test_the_arena_never_outgrows_the_bytes_to_read(tmp_path: Path) -> None:
+    """Under a large restore budget (the default is a quarter of the free device memory, up to
+    8 GiB) the arena took all 16 pieces whatever the restore: ``load`` of a 1.87 MB file held 1 GiB
+    of device memory. It now takes at most the pieces the chunks to read fill, and one more (a
+    group across a boundary); a restore that fills less than two reads chunk by chunk. Both
+    restore bit-exact."""
+    state = big_state(5)
+    path, flat = saved_file(tmp_path, state, codec="ans")
+    with RecordingReader(path) as reader:
+        index = open_file(reader).index
+        stored = sum(align_up(chunk.stored) for chunk in index.chunks)
+        dec = grouped_decoder(FakeDevice(), staging=64 * STAGING)
+        dec.reserve_reads(index.chunks, ["nvcomp.ans/1"])
+        assert dec.arena is not None and dec.arena.pieces == -(-stored // PIECE) + 1 < GROUP_READ_PIECES
+        dec.close()
+        device = FakeDevice()
+        assert_same(restore(reader, flat, grouped_decoder(device, staging=64 * STAGING)), state)
+        assert device.peak_bytes < 2 * stored + 64 * STAGING // 8
+        small = grouped_decoder(FakeDevice(), staging=64 * STAGING, piece=align_up(stored // 2 + 4096))
+        small.reserve_reads(index.chunks, ["nvcomp.ans/1"])
+        assert small.arena is None  # less than two pieces to read
+        small.close()
+
+
 def test_no_arena_where_the_budget_or_the_piece_is_too_small(tmp_path: Path) -> None:
     state = big_state(3)
     path, flat = saved_file(tmp_path, state, codec="ans")

@@ -176,6 +176,11 @@ class GpuDecoder(WorkerOwner, Decoder):
             return slots_that_fit(left, read_area + largest_raw, scratch) >= min(2, len(records))
 
         pieces = arena_pieces(self.max_staging_bytes, self.group_read_bytes, largest_stored) if len(records) > 1 else 0
+        # Never more pieces than the bytes to read fill, and one more (a group across a boundary);
+        # none where they fill less than two (the ring's slots read ahead as far): a restore of a
+        # few MiB took 16 pieces of 64 MiB under a large budget.
+        to_read = sum(align_up(r.stored) for r in records)
+        pieces = 0 if to_read < 2 * self.group_read_bytes else min(pieces, -(-to_read // self.group_read_bytes) + 1)
         lead, self.lead = self.lead, None
         if (lead is not None and pieces and lead.piece_bytes == self.group_read_bytes
                 and ring_fits(max(pieces, lead.pieces))):
