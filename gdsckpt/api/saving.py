@@ -72,8 +72,9 @@ def save(state: Any, path: PathLike | StorageWriter | BinaryIO, *, codec: str = 
 
     The file appears at ``path`` atomically and durably (fsync of file and directory) when this
     returns; on any error before the rename ``path`` keeps its previous content and no temporary
-    file remains. (Should the directory's fsync after the rename fail, ``path`` already holds the
-    new, complete checkpoint and the ``OSError`` is raised: its entry may not be durable yet.)
+    file remains. (Should the directory's fsync after the rename fail, or not complete within
+    ``config.timeout``, ``path`` already holds the new, complete checkpoint and the ``OSError``
+    or ``TimeoutError`` is raised: its entry may not be durable yet.)
     ``codec``: ``"auto"``, ``"zstd"``, ``"lz4"``, ``"deflate"``, ``"none"``, or a GPU-only codec
     (``"ans"``, ...); ``"auto"`` defers to ``config.codec``. ``"auto"`` on the CPU engine is byte
     planes where they help + zstd, a chunk stored as it is while the storage waits for the codec
