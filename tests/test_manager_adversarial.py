@@ -153,6 +153,43 @@ def test_wait_of_a_fresh_manager_keeps_the_checkpoint_latest_names(tmp_path: Pat
     assert again is not None and again[0] == 2
 
 
+def test_a_fresh_manager_moves_the_remote_latest_a_dead_process_left_behind(tmp_path: Path, config: gdsckpt.Config,
+                                                                           remote: str, quiet: None) -> None:
+    """Step 5's object went up, but the remote ``latest`` PUT failed and the process died. A new
+    manager on the same directory restored 5 and its ``wait()`` returned without an error, the
+    remote ``latest`` still on 4: a replacement node then restored step 4 though 5 was complete on
+    the remote. The new manager's first upload round now moves the remote ``latest`` up to the step
+    the local one names (never down: another node may have moved it further)."""
+    node = CheckpointManager(tmp_path / "node", keep_last=3, config=config, remote=remote)
+    for step in (1, 2, 3, 4):
+        node.save(step, _state(step))
+    node.wait()
+    real = node._write_remote_pointer
+
+    def fails_at_five(step: int) -> None:
+        if step == 5:
+            raise gdsckpt.CheckpointError("the PUT of latest failed, and the process died right after")
+        real(step)
+
+    node._write_remote_pointer = fails_at_five  # type: ignore[method-assign]
+    node.save(5, _state(5))
+    assert node._uploader.wait_idle(30) and 5 in node.remote_steps()
+    del node
+
+    restarted = CheckpointManager(tmp_path / "node", keep_last=3, config=config, remote=remote)
+    assert restarted.restore_latest()[0] == 5  # type: ignore[index]
+    restarted.wait()
+    replacement = CheckpointManager(tmp_path / "replacement", keep_last=3, config=config, remote=remote)
+    restored = replacement.restore_latest()
+    assert restored is not None and restored[0] == 5 and restored[1]["step"] == 5
+
+    behind = CheckpointManager(tmp_path / "node", keep_last=3, config=config, remote=remote)
+    replacement.save(6, _state(6))
+    replacement.wait()
+    behind.wait()  # its local latest names 5: the remote latest stays on the newer 6
+    assert CheckpointManager(tmp_path / "third", keep_last=3, config=config, remote=remote).restore_latest()[0] == 6  # type: ignore[index]
+
+
 def test_a_fresh_manager_sends_the_upload_a_dead_process_left_pending(tmp_path: Path, config: gdsckpt.Config,
                                                                       remote: str, quiet: None) -> None:
     """Process A saves step 2 but its upload fails, then A dies (no ``wait``). Process B opens the

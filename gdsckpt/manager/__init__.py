@@ -54,7 +54,10 @@ names the newest one uploaded. Guarantees on that tier:
 - an upload that fails is reported (``RemoteUploadWarning``) and retried by the next save and by
   ``wait()``, which raises ``RemoteUploadError`` if the remote tier still lacks a checkpoint; a
   new manager's first upload round sends the checkpoint the local ``latest`` names if the remote
-  tier lacks it (a process that died with that upload pending);
+  tier lacks it (a process that died with that upload pending), or, where the remote tier has it
+  but its ``latest`` names an older step (a process that died before moving it), moves the
+  remote ``latest`` up to it (never down: another node may have moved it further); other
+  uploads a dead process left pending are not resent;
 - ``latest`` there moves to the newest checkpoint uploaded even when a later upload of the same
   round fails;
 - every request is bounded by ``Config.timeout`` (``gdsckpt.io.s3.open_store``): a server that
@@ -480,6 +483,13 @@ class CheckpointManager:
                 unsent.add(named[0])
                 with self._lock:
                     self._unsent.add(named[0])
+            elif named is not None and named[0] in files:
+                # Uploaded, but the process may have died before the remote ``latest`` moved to
+                # it: moved now (below), never back past a newer step another node pointed it at.
+                pointed = self._remote_pointer_step(warn=False)
+                if pointed is None or pointed < named[0]:
+                    with self._lock:
+                        self._remote_newest = max(named[0], self._remote_newest or named[0])
             self._recovered = True
         vanished = unsent - files.keys()
         if vanished:  # removed from the local tier by something other than this manager
