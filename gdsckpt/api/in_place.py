@@ -297,14 +297,11 @@ def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any],
         optimizers.append((list(path), obj))
         return
     if torch is not None and isinstance(obj, torch.Tensor):
-        key_string = join_key(path)
         if obj.is_conj() or obj.is_neg():  # its memory holds the conjugate / negation of what it reads
             raise TypeError(f"load_into cannot fill the lazily {'conjugated' if obj.is_conj() else 'negated'} "
-                            f"view at {key_string!r}: pass the tensor it views (or one made with "
+                            f"view at {join_key(path)!r}: pass the tensor it views (or one made with "
                             f".resolve_conj() / .resolve_neg())")
-        if key_string in existing:  # {1: a, "1": b}: one of them would silently stay unfilled
-            raise ValueError(f"two entries of the load_into target map to the key {key_string!r}")
-        existing[key_string] = obj
+        existing[join_key(path)] = obj  # unique: its container refused two entries mapping to one key
         return
     if isinstance(obj, (dict, list, tuple)):
         # A plain value in a dict or list is a slot the checkpoint's value replaces; a tuple

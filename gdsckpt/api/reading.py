@@ -121,11 +121,16 @@ def inspect(path: Source, *, config: Config | None = None) -> CheckpointInfo:
     for chunk in index.chunks:
         label = chain_label(index.chains[chunk.chain])
         codecs[label] = codecs.get(label, 0) + 1
-    used = {index.chains[chunk.chain][-1]["name"] for chunk in index.chunks}
     return CheckpointInfo(source_name(path), (opened.header.major, index.minor), index.writer, size, logical,
                           logical / size if size else 0.0, tuple(tensor_infos(index)), codecs, index.base,
-                          tuple(sorted(name for name in used if not cpu_decodes(name))),
+                          tuple(gpu_only_bitstreams(index)),
                           tuple(chunk_infos(index)))
+
+
+def gpu_only_bitstreams(index: Index) -> list[str]:
+    """The bitstreams a file's chunks end in that only a GPU decodes, sorted (none: portable)."""
+    used = {index.chains[chunk.chain][-1]["name"] for chunk in index.chunks}
+    return sorted(name for name in used if not cpu_decodes(name))
 
 
 def cpu_decodes(versioned: str) -> bool:

@@ -42,7 +42,7 @@ from ..state.lossy import LossyPolicy, apply_policy
 from ..version import __version__
 from . import checkpoint as checkpoint_module
 from .checkpoint import Checkpoint, base_arrays, data_record, opened_file
-from .reading import cpu_decodes, inspect
+from .reading import gpu_only_bitstreams, inspect
 from .reports import Progress, SaveReport, chain_label
 from .resolve import (
     PathLike,
@@ -276,9 +276,7 @@ def _delta_sources(flat: FlatState, path: PathLike, base: PathLike, max_chain: i
         # A delta loads only where its bases decode: on a base only a GPU decodes, the file
         # portable=True promises (any machine reads it) is a full one.
         with checkpoint_module.base_chain(checkpoint, config) as chain:
-            gpu_only = sorted({name for link_file in chain for name in
-                               (link_file.index.chains[chunk.chain][-1]["name"] for chunk in link_file.index.chunks)
-                               if not cpu_decodes(name)})
+            gpu_only = sorted({name for link_file in chain for name in gpu_only_bitstreams(link_file.index)})
         if gpu_only:
             log.info("base %s holds chunks only a GPU decodes (%s): portable=True writes a full checkpoint",
                      base_path, ", ".join(gpu_only))

@@ -267,9 +267,7 @@ def write_atomically(target: Path, data: bytes, *, fsync: bool, timeout: float =
     temp = temporary_path(target)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        pwrite_all(fd, data, 0)
         if fsync:
             fsync_within(fd, timeout, repr(str(temp)))
     except TimeoutError:

@@ -105,9 +105,7 @@ def plain_key(key: Any) -> Any:
     keys are returned as they are."""
     if key is None or type(key) in (bool, int, float, str):
         return key
-    if isinstance(key, bool):
-        return bool(key)
-    if isinstance(key, int):
+    if isinstance(key, int):  # bool cannot be subclassed: handled above
         return int(key)
     if isinstance(key, float):
         return float(key)
