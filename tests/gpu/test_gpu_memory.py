@@ -157,3 +157,31 @@ def test_ten_thousand_tiny_cuda_tensors_round_trip(tmp_path):
     assert report.engine == "gpu" and report.chunks < 10
     assert loaded.keys() == state.keys()
     assert all(bit_equal(state[k], loaded[k]) and loaded[k].is_cuda for k in state)
+
+
+def test_cpu_written_zstd_file_of_64_mib_chunks_restores_into_cuda_within_its_budget(tmp_path):
+    """A CPU-engine Zstd file's chunks may exceed nvCOMP's 16 MiB: the GPU decoder then budgets
+    their scratch in proportion (``DECODE_SCRATCH``) and keeps the restore within
+    ``restore_staging_bytes``, or refuses the budget before reading, naming the least that fits."""
+    _warm_up(tmp_path)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    state = {"bf16": (torch.randn(STAGING // 4, generator=g) * 0.02).to(torch.bfloat16),
+             "fp32": torch.randn(STAGING // 8, generator=g) * 0.02}
+    path = tmp_path / "cpu64.gdsckpt"
+    report = gdsckpt.save(state, path, codec="zstd", config=gdsckpt.Config(engine="cpu", chunk_bytes=64 << 20))
+    assert report.engine == "cpu" and report.chunks >= 4
+    config = gdsckpt.Config(restore_staging_bytes=STAGING)
+    try:
+        with _Peak() as peak:
+            loaded = gdsckpt.load(path, device="cuda", config=config)
+    except ValueError as refused:  # a refusal must name a budget that fits, and that budget must hold
+        print(f"\nrefused under {STAGING >> 20} MiB: {refused}")
+        assert "restore_staging_bytes" in str(refused)
+        config = gdsckpt.Config(restore_staging_bytes=4 * STAGING)
+        with _Peak() as peak:
+            loaded = gdsckpt.load(path, device="cuda", config=config)
+    beyond = peak.gpu - peak.torch_growth
+    print(f"\nCPU-engine Zstd, 64 MiB chunks, into CUDA: {beyond / 2**20:.0f} MiB beyond the restored "
+          f"tensors under restore_staging_bytes={config.restore_staging_bytes >> 20} MiB")
+    assert all(loaded[k].is_cuda and bit_equal(state[k].cuda(), loaded[k]) for k in state)
+    assert beyond <= config.restore_staging_bytes * 1.05
