@@ -219,6 +219,113 @@ def test_load_into_a_lazily_conjugated_or_negated_view_is_a_type_error(tmp_path:
     gdsckpt.save({"c": torch.randn(8, dtype=torch.complex64)}, path)
     z = torch.zeros(8, dtype=torch.complex64)
     target = z.conj() if view == "conj" else torch._neg_view(z)
-    with pytest.raises(TypeError, match="load_into cannot fill the lazily .* view at 'c'"):
+    with pytest.raises(TypeError, match="load_into cannot fill the tensor at 'c': a lazily"):
         gdsckpt.load_into({"c": target}, path)
     assert torch.equal(z, torch.zeros(8, dtype=torch.complex64))
+
+
+def test_load_into_a_target_whose_tuple_holds_the_saved_plain_values(tmp_path: Path, h: Any) -> None:
+    """``{"betas": (0.9, 0.999)}``: a tuple cannot be assigned into, and its plain values were left
+    out of the target, so the very state that was saved was refused as missing them. Equal values
+    now match (bit for bit); a differing one is a mismatch naming the key, nothing written."""
+    path = tmp_path / "t.gdsckpt"
+    gdsckpt.save({"w": torch.ones(2), "hparams": {"betas": (0.9, 0.999), "eps": -0.0}}, path)
+    for strict in (True, "exact"):
+        target = {"w": torch.zeros(2), "hparams": {"betas": (0.9, 0.999), "eps": 1.0}}
+        gdsckpt.load_into(target, path, strict=strict)
+        assert torch.equal(target["w"], torch.ones(2)) and target["hparams"]["betas"] == (0.9, 0.999)
+        assert str(target["hparams"]["eps"]) == "-0.0"
+    differing = {"w": torch.zeros(2), "hparams": {"betas": (0.95, 0.999), "eps": 1.0}}
+    with pytest.raises(gdsckpt.StateMismatchError, match="'hparams/betas/0': target 0.95 != checkpoint 0.9"):
+        gdsckpt.load_into(differing, path)
+    assert torch.equal(differing["w"], torch.zeros(2)) and differing["hparams"]["eps"] == 1.0
+    with pytest.raises(gdsckpt.StateMismatchError, match="'hparams/betas/2': in target, missing"):
+        gdsckpt.load_into({"hparams": {"betas": (0.9, 0.999, 1)}}, path, strict=False)
+
+
+def test_load_into_refuses_a_slot_two_saved_keys_of_different_types_share(tmp_path: Path) -> None:
+    """``{1: 5, "1": "five"}`` saves and loads as it is, but a path spells both keys ``"1"``: a
+    ``load_into`` target's ``"1"`` slot was filled with the int key's value, silently. It is now
+    a mismatch that names the key, nothing written."""
+    path = tmp_path / "k.gdsckpt"
+    gdsckpt.save({"cfg": {1: 5, "1": "five"}, "w": torch.ones(1)}, path)
+    assert gdsckpt.load(path)["cfg"] == {1: 5, "1": "five"}
+    target = {"cfg": {"1": "x"}, "w": torch.zeros(1)}
+    with pytest.raises(gdsckpt.StateMismatchError, match="'cfg/1': the checkpoint holds two entries"):
+        gdsckpt.load_into(target, path, strict=False)
+    assert target["cfg"] == {"1": "x"} and torch.equal(target["w"], torch.zeros(1))
+
+
+class _Counted(torch.nn.Module):
+    """A module with extra state (``get_extra_state``): its state_dict holds a dict beside tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.counter = 0
+
+    def get_extra_state(self) -> Any:
+        return {"counter": self.counter, "table": torch.arange(3)}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.counter = state["counter"]
+        self.table = state["table"]
+
+
+def test_load_into_a_module_with_extra_state_restores_it_as_load_state_dict_does(tmp_path: Path, h: Any) -> None:
+    """A module with extra state failed with ``AttributeError: 'dict' object has no attribute
+    'device'``; its extra state now goes to ``set_extra_state``, tensors in it included, and its
+    absence from the checkpoint is a mismatch."""
+    path = tmp_path / "m.gdsckpt"
+    source = torch.nn.Sequential(_Counted(), torch.nn.Linear(2, 1))
+    source[0].counter = 7
+    gdsckpt.save(source.state_dict(), path)
+    target = torch.nn.Sequential(_Counted(), torch.nn.Linear(2, 1))
+    gdsckpt.load_into(target, path, strict="exact")
+    assert target[0].counter == 7 and torch.equal(target[0].table, torch.arange(3))
+    assert all(_bits(a, h) == _bits(b, h) for a, b in zip(source.state_dict().values(), target.state_dict().values())
+               if isinstance(a, torch.Tensor))
+    gdsckpt.save({k: v for k, v in source.state_dict().items() if "extra" not in k}, path)
+    with pytest.raises(gdsckpt.StateMismatchError, match="'0._extra_state': extra state missing"):
+        gdsckpt.load_into(torch.nn.Sequential(_Counted(), torch.nn.Linear(2, 1)), path)
+
+
+def _expanded() -> torch.Tensor:
+    return torch.zeros(1).expand(4)
+
+
+def _meta() -> torch.Tensor:
+    return torch.empty(4, device="meta")
+
+
+def _sparse() -> torch.Tensor:
+    return torch.zeros(4).to_sparse()
+
+
+@pytest.mark.parametrize("make, why", [(_expanded, "expanded view"), (_meta, "meta tensor"), (_sparse, "sparse_coo"),
+                                       (lambda: torch.nn.LazyLinear(4).weight, "uninitialized")])
+def test_load_into_refuses_a_tensor_it_cannot_fill_before_writing_anything(tmp_path: Path, make: Any,
+                                                                           why: str) -> None:
+    """An expanded view (its elements share memory), a meta, a sparse or a lazy (uninitialized)
+    tensor failed inside the restore, with torch's message naming no key, after the other
+    targets were written. Each is now a ``TypeError`` naming the key before anything is read."""
+    path = tmp_path / "u.gdsckpt"
+    gdsckpt.save({"a": torch.ones(4), "t": torch.ones(4)}, path)
+    first = torch.zeros(4)
+    with pytest.raises(TypeError, match=f"cannot fill the tensor at 't': .*{why}"):
+        gdsckpt.load_into({"a": first, "t": make()}, path)
+    assert torch.equal(first, torch.zeros(4))
+
+
+def test_load_into_a_non_contiguous_inference_tensor(tmp_path: Path, h: Any) -> None:
+    """A non-contiguous tensor made under ``torch.inference_mode`` is filled by a copy, which torch
+    allows only in inference mode: it failed there, after other targets were written."""
+    path = tmp_path / "i.gdsckpt"
+    source = torch.randn(3, 5)
+    gdsckpt.save({"w": source, "alias": source}, path)
+    with torch.inference_mode():
+        storage = torch.zeros(5, 3)
+        tied = torch.zeros(3, 5)
+    target = {"w": storage.t(), "alias": tied}
+    gdsckpt.load_into(target, path)
+    assert _bits(target["w"], h) == _bits(source, h) and _bits(tied, h) == _bits(source, h)

@@ -7,7 +7,10 @@ that share memory are restored in key order, so the last key wins, as in ``load_
 from __future__ import annotations
 
 import contextlib
+import struct
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import Config
@@ -72,10 +75,11 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
         raise ValueError(f"strict must be True, False or 'exact', got {strict!r}")
     cfg = resolve_config(config)
     existing: dict[str, Any] = {}
-    optimizers: list[tuple[list[Any], Any]] = []
+    delegates: list[_Delegate] = []
     plain_slots: list[tuple[Any, Any, int]] = []
+    held: dict[int, Any] = {}
     paths = KeyPaths()  # plain values are matched by path identity: no key string per value
-    _collect_targets(target, [], existing, optimizers, plain_slots, paths, KeyPaths.ROOT)
+    _collect_targets(target, [], existing, delegates, plain_slots, paths, KeyPaths.ROOT, held)
 
     devices = {str(t.device) for t in existing.values()}
     device = devices.pop() if len(devices) == 1 else None
@@ -86,8 +90,8 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
         opened = open_checked(reader)
         index = opened.index
         by_key = {record.key: i for i, record in enumerate(index.tensors)}
-        optimizer_nodes = {paths.of(prefix): join_key(prefix) for prefix, _ in optimizers}
-        plain_values, found = _plain_values(index.tree, paths, set(optimizer_nodes))
+        delegate_nodes = {paths.of(delegate.path): delegate for delegate in delegates}
+        plain_values, found, ambiguous = _plain_values(index.tree, paths, set(delegate_nodes))
         problems = []
         for key, tensor in existing.items():
             if key not in by_key:
@@ -98,27 +102,33 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
             if tuple(tensor.shape) != record.shape or dtype != record.dtype:
                 problems.append(f"{key!r}: target {dtype}{list(tensor.shape)} != checkpoint "
                                 f"{record.dtype}{list(record.shape)}")
-        optimizer_prefixes = [join_key(prefix) for prefix, _ in optimizers]
-        for _container, _slot, node in plain_slots:
-            if node not in plain_values:
+        delegate_prefixes = [join_key(delegate.path) for delegate in delegates]
+        for node in [*(node for _container, _slot, node in plain_slots), *held]:
+            if node in ambiguous:
+                problems.append(f"{paths.key(node)!r}: the checkpoint holds two entries under this key "
+                                f"(keys of different types with one spelling): load it with gdsckpt.load")
+            elif node not in plain_values:
                 problems.append(f"{paths.key(node)!r}: in target, missing from checkpoint")
+            elif node in held and not _same_value(held[node], plain_values[node]):
+                problems.append(f"{paths.key(node)!r}: target {held[node]!r} != checkpoint "
+                                f"{plain_values[node]!r}, and a tuple cannot be filled in place (give a list)")
         if strict:
             scope = _asked_for(target) if strict is True else None
             for key in by_key:
-                if (key not in existing and not any(_under(key, p) for p in optimizer_prefixes)
+                if (key not in existing and not any(_under(key, p) for p in delegate_prefixes)
                         and _in_scope(key, scope)):
                     problems.append(f"{key!r}: in checkpoint, missing from target")
-            slot_nodes = {node for _container, _slot, node in plain_slots}
+            slot_nodes = {node for _container, _slot, node in plain_slots} | set(held)
             # by identity, not key string: paths.key shortens long keys for messages
             scope_tops = None if scope is None else {paths.child(KeyPaths.ROOT, key) for key in _top_keys(target)}
-            for node in plain_values:  # optimizer state is left out of plain_values
+            for node in plain_values:  # optimizer and extra state are left out of plain_values
                 if node not in slot_nodes and (scope_tops is None or paths.top(node) in scope_tops):
                     problems.append(f"{paths.key(node)!r}: in checkpoint, missing from target")
-        optimizer_ids = [i for i, record in enumerate(index.tensors)
-                         if any(_under(record.key, p) for p in optimizer_prefixes)]
-        for node, prefix in optimizer_nodes.items():
+        delegate_ids = [i for i, record in enumerate(index.tensors)
+                        if any(_under(record.key, p) for p in delegate_prefixes)]
+        for node, delegate in delegate_nodes.items():
             if node not in found:
-                problems.append(f"{prefix!r}: optimizer state missing from checkpoint")
+                problems.append(f"{join_key(delegate.path)!r}: {delegate.what} missing from checkpoint")
         if problems:
             raise StateMismatchError("checkpoint does not match target:\n  " + "\n  ".join(problems))
 
@@ -127,11 +137,11 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
         # GPU, its chunks read by a device reader, delivered to host memory.
         decode_on = gpu_device
         if decode_on is None:
-            decode_on = restore_gpu_device(cfg, device, index, [*wanted, *optimizer_ids])
+            decode_on = restore_gpu_device(cfg, device, index, [*wanted, *delegate_ids])
         try:
             with open_data_reader(path, cfg, reader, decode_on) if decode_on != gpu_device else (
                     contextlib.nullcontext(reader)) as data_reader:
-                arrays = _restore_in_target_order(data_reader, opened, wanted, optimizer_ids, cfg, decode_on,
+                arrays = _restore_in_target_order(data_reader, opened, wanted, delegate_ids, cfg, decode_on,
                                                   progress, lead.read if lead is not None else None)
         finally:
             opened.close_base()
@@ -139,19 +149,19 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
 
     import torch
 
-    with torch.no_grad():
-        for i, tensor in wanted.items():
-            if arrays[i] is not tensor:  # an alias whose data landed in another tensor
+    for i, tensor in wanted.items():
+        if arrays[i] is not tensor:  # an alias whose data landed in another tensor
+            with writable(tensor):
                 tensor.copy_(torch.as_tensor(arrays[i]))  # or in a NumPy array: a numpy entry's alias
-    for optimizer_path, optimizer in optimizers:
-        selection = Selection([join_key(optimizer_path)] if optimizer_path else None)
+    for delegate in delegates:
+        selection = Selection([join_key(delegate.path)] if delegate.path else None)
         subtree = unflatten(index.tree, arrays, selection)
-        for part in optimizer_path:
+        for part in delegate.path:
             subtree = subtree[part]
         try:
-            optimizer.load_state_dict(subtree)
-        except (ValueError, KeyError, RuntimeError) as err:
-            raise StateMismatchError(f"optimizer at {join_key(optimizer_path)!r} rejected the checkpoint's "
+            delegate.apply(subtree)
+        except (ValueError, KeyError, TypeError, RuntimeError) as err:
+            raise StateMismatchError(f"{delegate.what} at {join_key(delegate.path)!r} rejected the checkpoint's "
                                      f"state: {err}") from err
     for container, slot, node in plain_slots:
         container[slot] = plain_values[node]
@@ -159,10 +169,11 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
 
 
 def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: dict[int, Any],
-                             optimizer_ids: list[int], config: Config, gpu_device: int | None,
+                             delegate_ids: list[int], config: Config, gpu_device: int | None,
                              progress: Progress | None, lead: Any = None) -> dict[int, Any]:
     """Restore ``wanted`` (checkpoint id -> existing tensor, in the target's key order) in place,
-    and ``optimizer_ids`` into new arrays; return id -> finished object as ``restore_arrays`` does.
+    and ``delegate_ids`` (optimizer and extra state) into new arrays; return id -> finished object
+    as ``restore_arrays`` does.
     ``lead``: a ``LeadRead`` of the file, for the first phase's decoder.
 
     Tensors that share memory are filled as ``load_state_dict`` fills them, key by key, the last
@@ -177,7 +188,7 @@ def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: 
     # a tensor that shares no memory is its stored array's destination when its key holds that
     # array, and the other keys of that array copy from it at the end; these arrays get no other
     # destination in the first phase, whose tensors later phases may overwrite.
-    ids_of_phase: list[list[int]] = [list(optimizer_ids) + [i for i in wanted if i not in shared]]
+    ids_of_phase: list[list[int]] = [list(delegate_ids) + [i for i in wanted if i not in shared]]
     phases: list[dict[int, Any]] = [{i: wanted[i] for i in ids_of_phase[0]
                                      if i in wanted and i == stored_id(index, i)}]
     for i in ids_of_phase[0]:
@@ -282,31 +293,38 @@ def _in_scope(key: str, scope: list[str] | None) -> bool:
     return scope is None or any(_under(key, prefix) for prefix in scope)
 
 
-def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any],
-                     optimizers: list[tuple[list[Any], Any]], plain_slots: list[tuple[Any, Any, int]],
-                     paths: KeyPaths, node: int) -> None:
-    """Walk a ``load_into`` target: its tensors by key string into ``existing``, its optimizers with
-    their paths, and its plain values as (container, slot, ``paths`` identity) into ``plain_slots``;
-    ``node`` is the identity of ``path``."""
+@dataclass
+class _Delegate:
+    """A part of a ``load_into`` target restored by handing it its subtree of the checkpoint:
+    an optimizer (``load_state_dict``) or a module's extra state (``set_extra_state``)."""
+
+    path: list[Any]
+    apply: Callable[[Any], Any]
+    what: str
+
+
+def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any], delegates: list[_Delegate],
+                     plain_slots: list[tuple[Any, Any, int]], paths: KeyPaths, node: int,
+                     held: dict[int, Any]) -> None:
+    """Walk a ``load_into`` target: its tensors by key string into ``existing``, its optimizers and
+    modules' extra state into ``delegates``, its plain values as (container, slot, ``paths``
+    identity) into ``plain_slots``, and the plain values of tuples (which cannot be assigned into)
+    as identity -> value into ``held``; ``node`` is the identity of ``path``."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.nn.Module):
-        for name, tensor in obj.state_dict(keep_vars=True).items():
-            existing[join_key(path + [name])] = tensor
+        _collect_module(obj, path, existing, delegates)
         return
     if torch is not None and isinstance(obj, torch.optim.Optimizer):
-        optimizers.append((list(path), obj))
+        delegates.append(_Delegate(list(path), obj.load_state_dict, "optimizer state"))
         return
     if torch is not None and isinstance(obj, torch.Tensor):
-        if obj.is_conj() or obj.is_neg():  # its memory holds the conjugate / negation of what it reads
-            raise TypeError(f"load_into cannot fill the lazily {'conjugated' if obj.is_conj() else 'negated'} "
-                            f"view at {join_key(path)!r}: pass the tensor it views (or one made with "
-                            f".resolve_conj() / .resolve_neg())")
+        _check_fillable(obj, join_key(path))
         existing[join_key(path)] = obj  # unique: its container refused two entries mapping to one key
         return
     if isinstance(obj, (dict, list, tuple)):
         # A plain value in a dict or list is a slot the checkpoint's value replaces; a tuple
-        # cannot be assigned into, so only what it holds is filled. Dict keys are matched as a
-        # save stores them (``plain_key``: an IntEnum key as its int).
+        # cannot be assigned into, so its plain values must already equal the checkpoint's. Dict
+        # keys are matched as a save stores them (``plain_key``: an IntEnum key as its int).
         slots = obj.items() if isinstance(obj, dict) else enumerate(obj)
         seen: set[int] = set()
         for key, value in slots:
@@ -316,10 +334,12 @@ def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any],
                 raise ValueError(f"two entries of the load_into target map to the key "
                                  f"{join_key(path + [component])!r}")
             seen.add(identity)
-            if _is_plain(value) and not isinstance(obj, tuple):
-                plain_slots.append((obj, key, identity))
+            if not _is_plain(value):
+                _collect_targets(value, path + [component], existing, delegates, plain_slots, paths, identity, held)
+            elif isinstance(obj, tuple):
+                held[identity] = value
             else:
-                _collect_targets(value, path + [component], existing, optimizers, plain_slots, paths, identity)
+                plain_slots.append((obj, key, identity))
         return
     if _is_plain(obj):
         return
@@ -327,16 +347,80 @@ def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any],
                     f"nn.Module, an Optimizer, tensors, or dicts/lists of them")
 
 
+def _collect_module(module: Any, path: list[Any], existing: dict[str, Any], delegates: list[_Delegate]) -> None:
+    """A module's state_dict entries: its tensors into ``existing``, each submodule's extra state
+    (``get_extra_state``, any value) as a delegate its ``set_extra_state`` restores, as
+    ``load_state_dict`` does."""
+    from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
+
+    for name, value in module.state_dict(keep_vars=True).items():
+        key = join_key(path + [name])
+        owner_name, _dot, leaf = name.rpartition(".")
+        if leaf == _EXTRA_STATE_KEY_SUFFIX:
+            owner = module.get_submodule(owner_name)
+            delegates.append(_Delegate(path + [name], owner.set_extra_state, "extra state"))
+        elif not isinstance(value, sys.modules["torch"].Tensor):
+            raise TypeError(f"load_into cannot fill the {type(value).__qualname__} the module's state_dict "
+                            f"holds at {key!r}: load the checkpoint with gdsckpt.load and pass it to "
+                            f"load_state_dict")
+        else:
+            _check_fillable(value, key)
+            existing[key] = value
+
+
+def _check_fillable(tensor: Any, key: str) -> None:
+    """Raise ``TypeError`` naming ``key`` for a tensor ``load_into`` cannot fill in place: found
+    here, before anything is written, rather than by the copy halfway through a restore."""
+    import torch
+
+    why = None
+    if torch.nn.parameter.is_lazy(tensor):
+        why = "an uninitialized (lazy) parameter: run a forward pass first, or load the checkpoint"
+    elif tensor.is_meta:
+        why = "a meta tensor, which holds no memory: materialize it first (e.g. module.to_empty())"
+    elif tensor.layout != torch.strided:
+        why = f"a {tensor.layout} tensor: only dense (strided) tensors are filled in place"
+    elif tensor.is_conj() or tensor.is_neg():  # its memory holds the conjugate / negation of what it reads
+        why = (f"a lazily {'conjugated' if tensor.is_conj() else 'negated'} view: pass the tensor it views "
+               f"(or one made with .resolve_conj() / .resolve_neg())")
+    elif any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride())):
+        why = "an expanded view whose elements share memory: pass a tensor with memory of its own"
+    if why is not None:
+        raise TypeError(f"load_into cannot fill the tensor at {key!r}: {why}")
+
+
+@contextlib.contextmanager
+def writable(tensor: Any) -> Iterator[None]:
+    """A context in which ``tensor`` can be written in place: no autograd recording, and inference
+    mode for a tensor made under it (an inference tensor is written only there)."""
+    import torch
+
+    with torch.no_grad(), torch.inference_mode(tensor.is_inference()):
+        yield
+
+
+def _same_value(first: Any, second: Any) -> bool:
+    """Whether two plain values are the same, bit for bit (a float by its bits: NaN equals its
+    own payload, 0.0 differs from -0.0)."""
+    if type(first) is not type(second):
+        return False
+    if isinstance(first, float):
+        return struct.pack("<d", first) == struct.pack("<d", second)
+    return bool(first == second)
+
+
 def _is_plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def _plain_values(tree: Any, paths: KeyPaths, skip: set[int]) -> tuple[dict[int, Any], set[int]]:
+def _plain_values(tree: Any, paths: KeyPaths, skip: set[int]) -> tuple[dict[int, Any], set[int], set[int]]:
     """``paths`` identity -> value of every plain (non-container, non-array) value in a tree,
-    leaving out the subtrees at the identities in ``skip`` (optimizer state); and which of
-    ``skip`` the tree holds."""
+    leaving out the subtrees at the identities in ``skip`` (optimizer and extra state); which of
+    ``skip`` the tree holds; and the identities two entries of one dict share (keys ``1`` and
+    ``"1"``, which a path spells alike), which no target slot can be matched to."""
     values: dict[int, Any] = {}
     found: set[int] = set()
+    ambiguous: set[int] = set()
     stack: list[tuple[dict[str, Any], int]] = [(tree, KeyPaths.ROOT)]
     while stack:
         node, identity = stack.pop()
@@ -345,7 +429,12 @@ def _plain_values(tree: Any, paths: KeyPaths, skip: set[int]) -> tuple[dict[int,
         elif node["t"] in ("list", "tuple"):
             stack.extend((child, paths.child(identity, i)) for i, child in enumerate(node["items"]))
         elif node["t"] == "dict":
-            stack.extend((child, paths.child(identity, decode_scalar(key))) for key, child in node["items"])
+            children = [(child, paths.child(identity, decode_scalar(key))) for key, child in node["items"]]
+            if len({child for _node, child in children}) < len(children):
+                seen: set[int] = set()
+                for _node, child in children:
+                    (ambiguous if child in seen else seen).add(child)
+            stack.extend(children)
         elif node["t"] != "tensor":
             values[identity] = decode_scalar(node)
-    return values, found
+    return values, found, ambiguous

@@ -299,7 +299,8 @@ class TorchTarget(_Target):
 
         if self.existing is not None:
             if self.tensor is not self.existing and not self.existing.is_contiguous():
-                with torch.no_grad():
+                # no autograd recording; an inference tensor is written only in inference mode
+                with torch.no_grad(), torch.inference_mode(self.existing.is_inference()):
                     self.existing.copy_(self.tensor)
             return self.existing
         if self.parameter is not None:
