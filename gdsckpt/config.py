@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import sys
@@ -176,8 +177,12 @@ class Config:
                              f"got {self.restore_staging_bytes}")
         if self.io_threads < 1 or self.codec_threads < 0:
             raise ValueError("io_threads must be >= 1 and codec_threads >= 0")
-        if not isinstance(self.portable, bool):
-            raise ValueError(f"portable must be True or False, got {self.portable!r}")
+        for name in ("fsync", "portable"):  # a truthy string such as "no" must not read as True
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
+                or not 0 < self.timeout < math.inf):
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
 
     @property
     def effective_codec_threads(self) -> int:

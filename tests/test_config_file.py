@@ -339,3 +339,15 @@ def test_field_table_is_the_same_in_the_docstring_and_the_docs_and_matches_confi
     defaults = Config()
     for name, default, _meaning in cells:
         assert _default_from_doc(default) == getattr(defaults, name), name
+
+
+@pytest.mark.parametrize("change", [{"fsync": "no"}, {"fsync": 0}, {"portable": "false"}, {"timeout": 0},
+                                    {"timeout": -1.0}, {"timeout": float("nan")}, {"timeout": float("inf")},
+                                    {"timeout": True}, {"timeout": "5"}])
+def test_config_refuses_a_flag_or_timeout_of_the_wrong_kind(change: dict[str, Any]) -> None:
+    """``fsync="no"`` (as a plugin's ``storage_options`` may pass it) was taken as true and a
+    timeout of 0 or NaN as a bound: each is now a ``ValueError`` naming the field."""
+    name = next(iter(change))
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        Config(**change)
+    assert Config(fsync=False).fsync is False and Config(timeout=0.5).timeout == 0.5
