@@ -26,7 +26,22 @@ schema cannot express (a custom planner's ``planner_data``, a dtype outside the 
 as the pickle only, with a ``PickleOnlyMetadataWarning``. If any rank fails, DCP raises on every
 rank and never calls ``finish``, and the coordinator removed a stale ``.metadata`` (then
 ``.metadata.json``) before any rank wrote, so the directory is not a (mixed) checkpoint either.
-The JSON form's encoder and strict decoder live in ``dcp_metadata``.
+The JSON form's encoder and strict decoder live in ``dcp_metadata``; it carries a digest of its
+own content, and its chunks and storage entries are checked to fit together (``check_metadata``).
+The coordinator also removes stale rank-local ``__<rank>.metadata`` files (of an earlier save with
+``use_collectives=False``), which ``dcp.load`` would otherwise fall back to after a failed save.
+
+Each save writes a random id into each rank file (an empty array keyed
+``gdsckpt.dcp.file_id.<id>``) and records it in every storage entry of that file
+(``GdsStorageInfo.file_id``). A reader refuses a rank file holding another id, naming it: another
+save (two jobs saving to one directory at once, or a later save that failed) replaced the file
+after this metadata's save wrote it.
+
+A writer refuses what would fail inside ``write_data`` before a save removes the previous
+checkpoint's metadata: an unknown codec, a compression level the codec refuses, a GPU-only codec
+where no GPU is usable (at construction), a sparse tensor or a dtype gdsckpt cannot store (in
+``prepare_local_plan``). What the plan does not show still fails in ``write_data``, after the
+removal: a tensor on the ``meta`` device, and a GPU-only codec for state in host memory.
 
 Loading reads ``.metadata.json`` (never the pickle, unless ``GdsStorageReader(trust_pickle=True)``),
 groups the read items by rank file, opens each file once with ``gdsckpt.open`` and reads only the
@@ -36,6 +51,14 @@ the bytes to ``planner.load_bytes``. DCP's planner deserialises those bytes with
 ``torch.load(weights_only=False)``, which runs whatever code they name: without ``trust_pickle``
 the reader first loads them with torch's ``weights_only`` loader (an allow-list of plain types)
 and refuses, naming it, an item that loader refuses.
+
+Before copying, the reader checks each stored array against the metadata, from the rank file's
+index: its dtype must be the tensor's and its shape the chunk's (a byte item: one dimension of
+``uint8``). The *target*'s
+dtype is the planner's business, as with torch's ``FileSystemReader``: a tensor saved as
+``float32`` loads into a ``bfloat16`` target rounded (``Tensor.copy_``), the way a model is loaded
+at another precision, and an ``int64`` into an ``int32`` target wraps. Compare
+``state_dict_metadata`` dtypes yourself before loading where that must not happen.
 """
 
 from __future__ import annotations
@@ -46,6 +69,8 @@ import io
 import logging
 import os
 import pickle
+import re
+import threading
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -59,6 +84,7 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     StorageMeta,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -74,21 +100,27 @@ from torch.futures import Future
 
 from .. import api
 from ..api.resolve import check_portable, resolve_config
+from ..codecs import codec_spec, host_encoder, versioned_name
+from ..codecs.nvcomp import gpu_available
 from ..config import Config
-from ..errors import CheckpointError, CorruptCheckpointError, PickleOnlyMetadataWarning
+from ..errors import CheckpointError, CodecUnavailableError, CorruptCheckpointError, PickleOnlyMetadataWarning
 from ..io.posix import fsync_directory, read_small_file, write_atomically
-from ..io.s3 import is_url
-from ..state import escape_key
+from ..io.s3 import SCHEME, is_url
+from ..state import torch_dtype_name
 from .dcp_metadata import (
     DCP_VERSION,
+    FILE_ID_PREFIX,
     JSON_SUFFIX,
     MAX_METADATA_JSON_BYTES,
     METADATA_NAME,
     SUFFIX,
     GdsStorageInfo,
     UnexpressibleMetadata,
+    check_metadata,
     decode_metadata_json,
     encode_metadata_json,
+    item_key,
+    item_name,
 )
 
 logger = logging.getLogger("gdsckpt")
@@ -106,17 +138,9 @@ class _FilePrefix:
     prefix: str
 
 
-def _item_name(index: MetadataIndex) -> str:
-    """``fqn@offsets`` (``"w@0,128"``; ``"step@"`` for an item without offsets): the write item's
-    top-level dict key in its rank file (``gdsckpt.save`` escapes it into a key path)."""
-    offsets = "" if index.offset is None else ",".join(str(int(o)) for o in index.offset)
-    return f"{index.fqn}@{offsets}"
-
-
-def item_key(index: MetadataIndex) -> str:
-    """The key of a write item in its rank file, as ``gdsckpt.open(...).get`` takes it: the item
-    name ``fqn@offsets`` escaped as a key path component (``/`` and ``~`` in an FQN)."""
-    return escape_key(_item_name(index))
+_RANK_METADATA = re.compile(r"__[0-9]+" + re.escape(METADATA_NAME) + r"(" + re.escape(JSON_SUFFIX) + r")?")
+"""Names of rank-local metadata files, ``__<rank>.metadata`` and ``__<rank>.metadata.json``."""
+_URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def _fsync_dir(path: Path, timeout: float) -> None:
@@ -127,8 +151,68 @@ def _fsync_dir(path: Path, timeout: float) -> None:
 
 
 def _location(path: str | os.PathLike[str]) -> Path | str:
-    """A checkpoint's place: a local directory, or an ``s3://`` URL kept as text."""
-    return str(path).rstrip("/") if is_url(path) else Path(path)
+    """A checkpoint's place: a local directory, or an ``s3://`` URL kept as text. Any other URL
+    (``gs://``, ``S3://``, ``file:///...``) is a ``ValueError``: taken as a path it would name a
+    directory ``gs:/...`` below the working directory."""
+    if is_url(path):
+        return str(path).rstrip("/")
+    if isinstance(path, str) and _URL_SCHEME.match(path):
+        raise ValueError(f"checkpoint location {path!r} is a URL of a scheme gdsckpt does not store to: "
+                         f"give a local directory, or an object prefix as {SCHEME}bucket/prefix "
+                         f"(the only URL scheme supported, in lower case)")
+    return Path(path)
+
+
+def _check_codec(codec: str, config: Config) -> None:
+    """Refuse, as ``gdsckpt.save`` would only once a rank writes, a codec this installation does not
+    know (``ValueError`` listing the known ones), a GPU-only codec where no GPU engine can run it
+    (``CodecUnavailableError``), and a compression level the CPU engine's codec refuses
+    (``ValueError``; ``config.level`` applies to zstd, the CPU codec ``"auto"`` uses, and deflate)."""
+    check_portable(config, codec)
+    name = config.codec if codec == "auto" else codec
+    if name != "auto":
+        versioned_name(name)  # ValueError listing the known names ("zstd/9", "nvcomp.ans")
+        if codec_spec(name).host is None and (config.engine == "cpu" or not gpu_available()):
+            raise CodecUnavailableError(
+                f"codec {name!r} runs only on the GPU engine (nvCOMP), which "
+                f"{'engine=cpu rules out' if config.engine == 'cpu' else 'is not usable here'}: "
+                f"choose a portable codec (zstd, lz4, deflate, none) or codec='auto'")
+    host_name = "zstd" if name == "auto" else name
+    if config.level is None or host_name not in ("zstd", "deflate"):
+        return
+    try:
+        host_encoder(host_name, config.level).encode(np.zeros(64, dtype=np.uint8))
+    except ValueError as err:  # zstandard's "level must be less than 23", ...
+        raise ValueError(f"level={config.level} is not a valid {host_name} compression level: {err}") from None
+
+
+def _check_write_items(plan: SavePlan) -> None:
+    """Refuse a plan item ``gdsckpt.save`` cannot store, naming it: a sparse (non-strided) tensor,
+    or a dtype outside gdsckpt's table. What the plan does not tell (the device) is checked when
+    the rank writes."""
+    for item in plan.items:
+        data = item.tensor_data
+        if item.type == WriteItemType.BYTE_IO or data is None:
+            continue
+        props = data.properties
+        if props.layout != torch.strided:
+            raise TypeError(f"tensor {item.index.fqn!r} has layout {props.layout}; GdsStorageWriter saves "
+                            f"dense (strided) tensors only: convert it with .to_dense()")
+        if torch_dtype_name(props.dtype) is None:
+            raise TypeError(f"tensor {item.index.fqn!r} has dtype {props.dtype}, which gdsckpt cannot store")
+
+
+@dataclass
+class _Save:
+    """One save's settings, fixed when DCP sets the writer up for it: a later ``reset`` (of another
+    save with the same writer) does not move them."""
+
+    path: Path | str
+    thread: threading.Thread
+    is_coordinator: bool
+    rank: int | None
+    use_collectives: bool
+    save_id: str
 
 
 class _Files:
@@ -155,6 +239,15 @@ class _Files:
         """Create the directory (objects need none)."""
         if self._objects is None:
             Path(self.location).mkdir(parents=True, exist_ok=True)
+
+    def names(self) -> list[str]:
+        """The names of the files directly in the directory (none if there is no directory)."""
+        if self._objects is not None:
+            return list(self._objects.names())
+        try:
+            return os.listdir(self.location)
+        except FileNotFoundError:
+            return []
 
     def size(self, name: str) -> int | None:
         """The size of file ``name``, None if there is none."""
@@ -224,8 +317,15 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
     ``codec`` and ``config`` are those of ``gdsckpt.save``; further keyword ``options`` override
     fields of the configuration (``chunk_bytes=``, ``fsync=``, ``level=``, ...). ``fsync`` also
     governs the metadata files. Existing rank files, ``.metadata`` and ``.metadata.json`` in
-    ``path`` are replaced. Metadata that ``.metadata.json`` cannot express is written to
-    ``.metadata`` only, with a ``PickleOnlyMetadataWarning``.
+    ``path`` are replaced, and stale rank-local ``__<rank>.metadata`` files removed. Metadata that
+    ``.metadata.json`` cannot express is written to ``.metadata`` only, with a
+    ``PickleOnlyMetadataWarning``.
+
+    The constructor refuses an unknown codec or level, and a GPU-only codec where no GPU engine is
+    usable (``ValueError`` / ``CodecUnavailableError``); ``path`` may be a directory or an
+    ``s3://`` prefix, any other URL is a ``ValueError``. One writer serves one save at a time:
+    a save (``dcp.save`` / ``dcp.async_save``) started with it while another thread's save with
+    it is still in flight raises ``RuntimeError``; use one writer per concurrent save.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, codec: str = "auto", config: Config | None = None,
@@ -234,53 +334,114 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         self.path = _location(path)
         self.codec = codec
         self.config = resolve_config(config, **options)
-        check_portable(self.config, codec)  # here, not in every rank's write
+        _check_codec(codec, self.config)  # here, not in every rank's write after the old metadata went
         self.rank: int | None = None
         self.use_collectives = True
         self.is_coordinator = False
         self.save_id = str(uuid.uuid4())
+        self._init_saves()
+
+    def _init_saves(self) -> None:
+        self._lock = threading.Lock()
+        self._save: _Save | None = None
+        """The save in flight (from ``set_up_storage_writer`` to the end of this rank's part)."""
+        self._reset_paths: dict[int, Path | str] = {}
+        """Thread id -> the location its ``reset`` named, for the save that thread sets up next."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DCP's process-based async_save sends the writer to another process: without the lock
+        # and this process's saves in flight
+        state = self.__dict__.copy()
+        for name in ("_lock", "_save", "_reset_paths"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_saves()
 
     # -- protocol ------------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            self.path = _location(checkpoint_id)
-        self.save_id = str(uuid.uuid4())
+        """Start a new save, at ``checkpoint_id`` when given (DCP calls it with ``save``'s
+        ``checkpoint_id``); ``RuntimeError`` while another thread's save with this writer runs."""
+        with self._lock:
+            self._refuse_if_in_flight(checkpoint_id)
+            if checkpoint_id:
+                self.path = _location(checkpoint_id)
+                self._reset_paths[threading.get_ident()] = self.path
+            self.save_id = str(uuid.uuid4())
 
     @property
     def _files(self) -> _Files:
-        return _Files(self.path, self.config)
+        return _Files(self._current().path, self.config)
 
     def storage_meta(self) -> StorageMeta | None:
+        save = self._save
+        if save is not None and save.thread is threading.current_thread():
+            return StorageMeta(checkpoint_id=str(save.path), save_id=save.save_id)
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        with self._lock:
+            self._refuse_if_in_flight(None)
+            path = self._reset_paths.pop(threading.get_ident(), self.path)
+            self._save = _Save(path=path, thread=threading.current_thread(), is_coordinator=is_coordinator,
+                               rank=kwargs.get("rank"), use_collectives=kwargs.get("use_collectives", True),
+                               save_id=str(uuid.uuid4()))
+            self.save_id = self._save.save_id
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Before anything is removed: an item gdsckpt cannot store fails the save here, and the
+        # previous checkpoint in the directory stays complete.
+        _check_write_items(plan)
+        save = self._current()
         self._files.make()
-        if not self.use_collectives and self.rank is not None:
-            self._remove_metadata(self._metadata_path(self.rank))
-            plan = dataclasses.replace(plan, storage_data=_FilePrefix(f"__{self.rank}_"))
+        if not save.use_collectives and save.rank is not None:
+            self._remove_metadata(self._metadata_path(save.rank))
+            plan = dataclasses.replace(plan, storage_data=_FilePrefix(f"__{save.rank}_"))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Runs on the coordinator after every rank planned and before any rank writes: a stale
         # .metadata goes first, so that a save failing half-way leaves no committed checkpoint
-        # pointing into rank files it partly replaced.
+        # pointing into rank files it partly replaced. So do rank-local __<rank>.metadata files of
+        # an earlier save without collectives: dcp.load falls back to them when .metadata is
+        # missing. (Without collectives every rank runs this step for itself, and removes only
+        # its own, in prepare_local_plan: another rank may have written its own already.)
         self._remove_metadata(self._metadata_path())
+        if self._current().use_collectives:
+            stale = sorted(name for name in self._files.names() if _RANK_METADATA.fullmatch(name))
+            for name in stale:  # each .metadata with its JSON, then any JSON left without one
+                if not name.endswith(JSON_SUFFIX) or name[:-len(JSON_SUFFIX)] not in stale:
+                    self._remove_metadata(name.removesuffix(JSON_SUFFIX))
         return [dataclasses.replace(plan, storage_data=_FilePrefix(f"__{i}_"))
                 if plan.storage_data is None else plan for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        save = self._current()
+        try:
+            future = self._write_rank_file(plan, planner)
+        except BaseException:
+            self._release(save)  # DCP calls no finish after a failed write
+            raise
+        if save.use_collectives and not save.is_coordinator:
+            self._release(save)  # this rank's part of the save is done: finish runs on the coordinator
+        return future
+
+    def _write_rank_file(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items to its rank file, with a new file id (``GdsStorageInfo``)."""
         prefix: _FilePrefix = plan.storage_data
         file_name = f"{prefix.prefix}0{SUFFIX}"
-        state: dict[str, Any] = {}
+        file_id = uuid.uuid4().hex
+        # An empty array whose key holds the id: a reader finds it in the index, reading no chunk.
+        state: dict[str, Any] = {FILE_ID_PREFIX + file_id: torch.empty(0, dtype=torch.uint8)}
         results: list[WriteResult] = []
         for item in plan.items:
-            name, key = _item_name(item.index), item_key(item.index)
+            name, key = item_name(item.index), item_key(item.index)
             if name in state:
                 raise ValueError(f"two write items map to the same key {key!r}")
             data = planner.resolve_data(item)
@@ -297,29 +458,37 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
                 length = value.numel() * value.element_size()
             state[name] = value  # escaped once, by gdsckpt.save: the stored key is ``key``
             results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                       storage_data=GdsStorageInfo(file_name, key, length)))
+                                       storage_data=GdsStorageInfo(file_name, key, length, file_id)))
         api.save(state, self._files.of(file_name), codec=self.codec, config=self.config)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        save = self._current()
+        try:
+            self._write_metadata(save, metadata, results)
+        finally:
+            self._release(save)
+
+    def _write_metadata(self, save: _Save, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write ``.metadata.json`` and then ``.metadata`` (rank-local ones without collectives)
+        into the directory of ``save``."""
         metadata.version = DCP_VERSION
         storage_md: dict[MetadataIndex, Any] = {}
         for rank_results in results:
             storage_md.update({result.index: result.storage_data for result in rank_results})
         metadata.storage_data = storage_md
-        metadata.storage_meta = self.storage_meta()
-        rank = None if self.use_collectives else self.rank
-        final = self._metadata_path(rank)
+        metadata.storage_meta = StorageMeta(checkpoint_id=str(save.path), save_id=save.save_id)
+        final = self._metadata_path(None if save.use_collectives else save.rank)
         pickled = pickle.dumps(metadata)  # DCP's own serialisation of Metadata (as FileSystemWriter)
         json_name = final + JSON_SUFFIX
         files = self._files
         try:
-            encoded: bytes | None = encode_metadata_json(metadata, pickled)
+            encoded: bytes | None = encode_metadata_json(metadata, pickled, rank_local=not save.use_collectives)
         except UnexpressibleMetadata as err:
             encoded = None
-            warnings.warn(f"DCP metadata of {str(self.path)!r} is written as the pickle {final} only: "
+            warnings.warn(f"DCP metadata of {str(save.path)!r} is written as the pickle {final} only: "
                           f"{err} has no JSON form; GdsStorageReader loads it only with trust_pickle=True",
                           PickleOnlyMetadataWarning, stacklevel=2)
         # The JSON goes first and .metadata last: .metadata marks the checkpoint complete, and the
@@ -331,6 +500,33 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         files.write(final, pickled, self.config.fsync)
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _refuse_if_in_flight(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        """``RuntimeError`` while a save with this writer runs in another live thread. (A save that
+        failed on another rank never reaches this rank's finish; the thread that ran it, once
+        finished, or the same thread, which runs one save at a time, may start the next.)"""
+        save = self._save
+        if save is None or save.thread is threading.current_thread() or not save.thread.is_alive():
+            return
+        wanted = "" if checkpoint_id is None else f" to {str(checkpoint_id)!r}"
+        raise RuntimeError(
+            f"GdsStorageWriter is still saving to {str(save.path)!r} (thread {save.thread.name!r}); a save"
+            f"{wanted} with the same writer cannot start before it ends: give each concurrent "
+            f"dcp.save / dcp.async_save its own GdsStorageWriter, or wait for the previous one's future")
+
+    def _current(self) -> _Save:
+        """The save this thread runs: the one set up in it, or (called outside a DCP save, as a
+        test may call ``finish``) one at the writer's own settings."""
+        save = self._save
+        if save is not None and save.thread is threading.current_thread():
+            return save
+        return _Save(path=self.path, thread=threading.current_thread(), is_coordinator=self.is_coordinator,
+                     rank=self.rank, use_collectives=self.use_collectives, save_id=self.save_id)
+
+    def _release(self, save: _Save) -> None:
+        with self._lock:
+            if self._save is save:
+                self._save = None
 
     @staticmethod
     def _metadata_path(rank: int | None = None) -> str:
@@ -349,10 +545,17 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
 
     It reads DCP's metadata from ``.metadata.json`` (strictly validated JSON, which runs no code
     from the directory) and refuses DCP byte items that torch's ``weights_only`` loader refuses
-    (DCP's planner unpickles them). ``trust_pickle=True`` says the caller trusts the directory:
-    then the pickled ``.metadata`` is read where no ``.metadata.json`` describes it (checkpoints of
-    torch's ``FileSystemWriter``, of earlier gdsckpt versions, or saved with a
-    ``PickleOnlyMetadataWarning``) and byte items go to the planner unchecked; both can run code.
+    (DCP's planner unpickles them). It refuses with ``CorruptCheckpointError``, naming the file:
+    metadata whose content no longer matches its digest or whose chunks and entries disagree
+    (``dcp_metadata``), a rank file that another save replaced (its file id), and a stored array
+    whose dtype or shape is not the metadata's. A target tensor of another dtype than the saved
+    one is filled by ``copy_`` (rounded or wrapped), as torch's ``FileSystemReader`` does.
+    ``path`` may be a directory or an ``s3://`` prefix; any other URL is a ``ValueError``.
+
+    ``trust_pickle=True`` says the caller trusts the directory: then the pickled ``.metadata`` is
+    read where no ``.metadata.json`` describes it (checkpoints of torch's ``FileSystemWriter``, of
+    earlier gdsckpt versions, or saved with a ``PickleOnlyMetadataWarning``) and byte items go to
+    the planner unchecked; both can run code.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, config: Config | None = None,
@@ -362,12 +565,16 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
         self.config = config
         self.trust_pickle = trust_pickle
         self.storage_data: dict[MetadataIndex, Any] = {}
+        self._stored_as: dict[MetadataIndex, tuple[str, tuple[int, ...] | None]] = {}
+        """Storage index -> (dtype name, shape) of the array its rank file must hold for it (the
+        chunk's sizes; None for a byte item: its recorded length)."""
         self.load_id = str(uuid.uuid4())
         self.rank: int | None = None
         self.use_collectives = True
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
+        self._stored_as = {}
         if checkpoint_id:
             self.path = _location(checkpoint_id)
         self.load_id = str(uuid.uuid4())
@@ -392,16 +599,21 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
         if size is None:
             raise CheckpointError(f"{str(self.path)!r} is not a DCP checkpoint: no {name} (a save "
                                   f"that did not finish leaves none)")
-        metadata = self._read_json_metadata(files, name, size)
+        metadata = self._read_json_metadata(files, name, size, rank_local=rank is not None)
         if metadata is None:
-            # trusted by the caller: DCP's pickled Metadata
+            # trusted by the caller: DCP's pickled Metadata, checked as the JSON is
             metadata = pickle.loads(files.read(name, max(size, 1)))
+            if not isinstance(metadata, Metadata):
+                raise CorruptCheckpointError(f"{name} in {str(self.path)!r} holds a {type(metadata).__name__}, "
+                                             f"not DCP's Metadata")
+            check_metadata(metadata, f"{str(files.of(name))!r}", rank_local=rank is not None)
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
 
-    def _read_json_metadata(self, files: _Files, pickle_name: str, pickle_size: int) -> Metadata | None:
+    def _read_json_metadata(self, files: _Files, pickle_name: str, pickle_size: int, *,
+                            rank_local: bool) -> Metadata | None:
         """The metadata from ``<pickle_name>.json`` if it describes the pickle (``pickle_size``
         bytes); None where the caller trusts the pickle and no JSON describes it; else a
         ``CheckpointError`` saying why."""
@@ -416,7 +628,7 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
                 f"{str(self.path)!r} has only the pickled {pickle_name} (written by torch's "
                 f"FileSystemWriter, by an earlier gdsckpt, or with a PickleOnlyMetadataWarning), and "
                 f"unpickling runs any code the file names: {trust}") from None
-        metadata, binding = decode_metadata_json(json_data, f"{str(files.of(json_name))!r}")
+        metadata, binding = decode_metadata_json(json_data, f"{str(files.of(json_name))!r}", rank_local=rank_local)
         # The length is compared first, so a large foreign file is not read; then the SHA-256 of
         # the pickle's bytes (read, never unpickled).
         matches = (pickle_size == binding["bytes"]
@@ -435,6 +647,14 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
         if metadata.storage_data is None:
             raise CorruptCheckpointError("DCP metadata has no storage_data")
         self.storage_data = metadata.storage_data
+        self._stored_as = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                dtype = torch_dtype_name(md.properties.dtype) or str(md.properties.dtype)
+                for chunk in md.chunks:
+                    self._stored_as[MetadataIndex(fqn, chunk.offsets)] = (dtype, tuple(chunk.sizes))
+            else:
+                self._stored_as[MetadataIndex(fqn)] = ("uint8", None)
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
 
@@ -454,6 +674,7 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
                 raise CorruptCheckpointError(f"DCP metadata names a file outside the checkpoint: "
                                              f"{relative_path!r}")
             with api.open(_Files(self.path, self.config).of(relative_path), config=self.config) as ckpt:
+                self._check_file_id(ckpt, relative_path, {self._info(item).file_id for item in items})
                 # Several read items may take pieces of one stored item: each key is read once.
                 # Keys are read in batches (one parallel restore each, on the device their
                 # destination lives on) of at most READ_BATCH_BYTES, which bounds the memory
@@ -461,6 +682,8 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
                 by_key: dict[str, list[ReadItem]] = {}
                 for item in items:
                     by_key.setdefault(self._info(item).key, []).append(item)
+                for key, key_items in by_key.items():
+                    self._check_stored(ckpt, relative_path, key, key_items)
                 # A rank that needs only some rows of a stored item (resharding along dim 0, as
                 # FSDP2 / Shard(0) does) reads only the chunks holding them.
                 for key in list(by_key):
@@ -484,6 +707,46 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _check_file_id(self, ckpt: Any, relative_path: str, expected: set[str | None]) -> None:
+        """Refuse a rank file that another save wrote than the one this metadata describes: its
+        file id (``FILE_ID_PREFIX`` key) must be the one recorded with its items. Metadata from
+        before rank files had ids records none, and is not checked."""
+        if expected == {None}:
+            return
+        if len(expected) != 1 or None in expected:
+            raise CorruptCheckpointError(f"DCP metadata of {str(self.path)!r} names several file ids for "
+                                         f"{relative_path}")
+        (file_id,) = expected
+        if FILE_ID_PREFIX + str(file_id) in ckpt:
+            return
+        found = [key[len(FILE_ID_PREFIX):] for key in ckpt if key.startswith(FILE_ID_PREFIX)]
+        raise CorruptCheckpointError(
+            f"{relative_path} in {str(self.path)!r} was written by another save than the one its DCP metadata "
+            f"describes (file id {found[0] if found else 'none'}, the metadata's {file_id}): a later or "
+            f"concurrent save to this directory replaced it, so the checkpoint would mix two saves; save "
+            f"it again")
+
+    def _check_stored(self, ckpt: Any, relative_path: str, key: str, items: list[ReadItem]) -> None:
+        """Refuse a stored array that is not what the metadata says of its item: the tensor's dtype
+        and the chunk's shape (a byte item: one dimension of ``uint8``; its bytes are DCP's own
+        serialisation, which the ``weights_only`` check and DCP's unpickling delimit). Read from
+        the file's index; no data is read."""
+        index = items[0].storage_index
+        if index not in self._stored_as:
+            raise CorruptCheckpointError(f"DCP metadata has no chunk for {index}")
+        expected_dtype, expected_shape = self._stored_as[index]
+        try:
+            stored = ckpt.info(key)
+        except KeyError:
+            raise CorruptCheckpointError(f"{relative_path} in {str(self.path)!r} holds no {key!r}, which "
+                                         f"its DCP metadata names") from None
+        shape = tuple(stored.shape)
+        if stored.dtype != expected_dtype or (shape != expected_shape if expected_shape is not None
+                                              else len(shape) != 1):
+            said = "a byte item" if expected_shape is None else f"{expected_dtype} {list(expected_shape)}"
+            raise CorruptCheckpointError(f"{relative_path} in {str(self.path)!r} holds {key!r} as {stored.dtype} "
+                                         f"{list(shape)}; its DCP metadata says {said}")
 
     @staticmethod
     def _check_byte_item(item: ReadItem, data: bytes) -> None:

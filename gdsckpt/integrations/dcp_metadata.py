@@ -5,6 +5,24 @@ writer and decoded and checked by the reader without unpickling anything from th
 reads it first (``gdsckpt.integrations.dcp``). Every field is validated strictly: a wrong type, an
 unknown member, a duplicate key or a value out of range raises ``CorruptCheckpointError`` naming
 the field.
+
+Beyond its fields, a document is checked as a whole, so that a changed byte cannot make a load
+deliver the wrong data:
+
+- ``digest``: the SHA-256 of the document's canonical form (sorted keys, no spaces, ASCII), the
+  ``digest`` and ``pickle`` members left out. A reader recomputes it and refuses a document whose
+  content changed after it was written. ``pickle`` needs no cover: it is checked against the
+  ``.metadata`` file it names (length and SHA-256), so a changed binding is refused there. Documents
+  written before the digest existed have none and are read without it (a single changed byte cannot
+  remove it: a changed member name is an unknown field). The digest detects damage, not forgery:
+  whoever may write the directory may write a matching digest.
+- consistency (``check_metadata``, also applied to a trusted pickle): the chunks of each tensor tile
+  it exactly, as DCP's default save planner guarantees (inside its bounds, no two overlapping, their
+  elements adding up to the tensor's; rank-local metadata, ``__<rank>.metadata`` of a save without
+  collectives, describes only that rank's shards: there the chunks need not cover the tensor), and
+  each storage entry names a chunk of its tensor, sits
+  under the key ``GdsStorageWriter`` gives that chunk (``item_key``), and names the same ``file_id``
+  as every other entry of its rank file.
 """
 
 from __future__ import annotations
@@ -29,7 +47,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
 from ..format.index import reject_constant
-from ..state import torch_dtype, torch_dtype_name
+from ..state import escape_key, torch_dtype, torch_dtype_name
 
 METADATA_NAME = ".metadata"
 JSON_SUFFIX = ".json"
@@ -42,16 +60,39 @@ MAX_TENSOR_DIMS = 1024
 """Most dimensions a tensor in ``.metadata.json`` may have."""
 SUFFIX = ".gdsckpt"
 DCP_VERSION = "1.0.0"
+FILE_ID_PREFIX = "gdsckpt.dcp.file_id."
+"""A rank file holds an empty array keyed ``FILE_ID_PREFIX + <file_id>``: the id of the save that
+wrote it, read from the index alone. No DCP item can have that key (an item's key holds ``@``)."""
+_FILE_ID_HEX_DIGITS = 32
 
 
 @dataclass(frozen=True)
 class GdsStorageInfo:
     """Where one write item lives: the rank file (relative to the checkpoint directory), its key
-    in that file (as ``gdsckpt.open(...).get`` takes it) and its length in bytes."""
+    in that file (as ``gdsckpt.open(...).get`` takes it) and its length in bytes.
+
+    ``file_id``: the random id the save wrote into that rank file (32 lower-case hex digits, kept
+    there as the key of an empty array, ``gdsckpt.dcp.file_id.<id>``). A reader refuses a rank
+    file that holds another id: another save replaced it after this metadata's save wrote it. None
+    in metadata written before rank files had ids."""
 
     relative_path: str
     key: str
     length: int
+    file_id: str | None = None
+
+
+def item_name(index: MetadataIndex) -> str:
+    """``fqn@offsets`` (``"w@0,128"``; ``"step@"`` for an item without offsets): the write item's
+    top-level dict key in its rank file (``gdsckpt.save`` escapes it into a key path)."""
+    offsets = "" if index.offset is None else ",".join(str(int(o)) for o in index.offset)
+    return f"{index.fqn}@{offsets}"
+
+
+def item_key(index: MetadataIndex) -> str:
+    """The key of a write item in its rank file, as ``gdsckpt.open(...).get`` takes it: the item
+    name ``fqn@offsets`` escaped as a key path component (``/`` and ``~`` in an FQN)."""
+    return escape_key(item_name(index))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,10 +124,11 @@ def _dtype_name(dtype: Any, what: str) -> str:
     return name
 
 
-def encode_metadata_json(metadata: Metadata, pickled: bytes) -> bytes:
+def encode_metadata_json(metadata: Metadata, pickled: bytes, *, rank_local: bool = False) -> bytes:
     """The JSON form of ``metadata`` (schema 1), bound to ``pickled`` (the ``.metadata`` bytes
     written with it) by length and SHA-256. Raises ``UnexpressibleMetadata`` naming the first value the
-    schema cannot hold, or when the JSON would not decode to a ``Metadata`` equal to ``metadata``."""
+    schema cannot hold, or when the JSON would not decode to a ``Metadata`` equal to ``metadata``
+    (which includes metadata that fails ``check_metadata``; ``rank_local`` as there)."""
     tensors: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         what = f"state_dict_metadata[{fqn!r:.80}]"
@@ -117,7 +159,7 @@ def encode_metadata_json(metadata: Metadata, pickled: bytes) -> bytes:
             raise UnexpressibleMetadata(f"storage_data entry {index!r:.80}: {info!r:.80}")
         storage.append({"fqn": index.fqn, "offset": None if index.offset is None else list(index.offset),
                         "index": index.index, "file": info.relative_path, "key": info.key,
-                        "length": info.length})
+                        "length": info.length, "file_id": info.file_id})
     storage_meta = metadata.storage_meta
     meta = None if storage_meta is None else {
         "checkpoint_id": storage_meta.checkpoint_id, "save_id": storage_meta.save_id,
@@ -127,8 +169,9 @@ def encode_metadata_json(metadata: Metadata, pickled: bytes) -> bytes:
            "version": metadata.version, "state_dict_metadata": tensors, "planner_data": planner,
            "storage_data": storage, "storage_meta": meta}
     try:
+        doc["digest"] = _digest(doc)
         data = json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
-        decoded, _binding = decode_metadata_json(data, "being written")
+        decoded, _binding = decode_metadata_json(data, "being written", rank_local=rank_local)
     except (TypeError, ValueError, CheckpointError) as err:  # a value of a type the schema lacks
         raise UnexpressibleMetadata(str(err)) from err
     # A field of a type the schema does not keep (a list where DCP holds a tuple, a str subclass,
@@ -137,6 +180,22 @@ def encode_metadata_json(metadata: Metadata, pickled: bytes) -> bytes:
     if decoded != metadata or [index.index for index in decoded.storage_data] != hints:
         raise UnexpressibleMetadata("a field whose type the JSON form does not keep")
     return data
+
+
+_UNDIGESTED = ("digest", "pickle")
+"""Document members the digest leaves out: itself, and the binding checked against ``.metadata``."""
+
+
+def _digest(doc: dict[str, Any]) -> str:
+    """The SHA-256 of ``doc``'s canonical JSON without the ``_UNDIGESTED`` members: the same for
+    the writer's document and for what a reader parses back from its bytes."""
+    canonical = json.dumps({key: value for key, value in doc.items() if key not in _UNDIGESTED},
+                           sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+def _is_hex(text: str, digits: int) -> bool:
+    return len(text) == digits and not text.strip("0123456789abcdef")
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -151,17 +210,20 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 class _MetadataJsonDecoder:
     """Strict schema-1 validation of one ``.metadata.json``; every error names the field."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, rank_local: bool) -> None:
         self.where = where
+        self.rank_local = rank_local
 
     def fail(self, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"invalid DCP metadata {self.where}: {message}")
 
-    def fields(self, value: Any, what: str, names: tuple[str, ...]) -> dict[str, Any]:
+    def fields(self, value: Any, what: str, names: tuple[str, ...],
+               optional: tuple[str, ...] = ()) -> dict[str, Any]:
+        """``value`` as an object with exactly the members ``names`` (and any of ``optional``)."""
         if not isinstance(value, dict):
             raise self.fail(f"{what} must be an object, got {type(value).__name__}")
         missing = [name for name in names if name not in value]
-        unknown = [name for name in value if name not in names]
+        unknown = [name for name in value if name not in names and name not in optional]
         if missing or unknown:
             raise self.fail(f"{what}: missing fields {missing}, unknown fields {unknown!r:.200}")
         return value
@@ -245,13 +307,16 @@ class _MetadataJsonDecoder:
         if doc.get("schema") != METADATA_JSON_SCHEMA:
             raise UnsupportedFormatError(f"DCP metadata {self.where} has schema {doc.get('schema')!r:.40}; "
                                          f"this gdsckpt reads schema {METADATA_JSON_SCHEMA}: upgrade gdsckpt")
+        # "digest" is optional: documents written before it existed have none (module docstring)
         self.fields(doc, "the document", ("format", "schema", "pickle", "version", "state_dict_metadata",
-                                          "planner_data", "storage_data", "storage_meta"))
+                                          "planner_data", "storage_data", "storage_meta"), optional=("digest",))
         binding = self.fields(doc["pickle"], "pickle", ("bytes", "sha256"))
         self.integer(binding["bytes"], "pickle.bytes")
-        digest = self.text(binding["sha256"], "pickle.sha256")
-        if len(digest) != 64 or digest.strip("0123456789abcdef"):
+        if not _is_hex(self.text(binding["sha256"], "pickle.sha256"), 64):
             raise self.fail("pickle.sha256 must be 64 lower-case hex digits")
+        recorded_digest = doc.get("digest")
+        if recorded_digest is not None and not _is_hex(self.text(recorded_digest, "digest"), 64):
+            raise self.fail("digest must be 64 lower-case hex digits")
         if not isinstance(doc["state_dict_metadata"], dict):
             raise self.fail("state_dict_metadata must be an object")
         entries: dict[str, Any] = {}
@@ -274,10 +339,17 @@ class _MetadataJsonDecoder:
                         isinstance(part, int) and not isinstance(part, bool)) for part in path):
                     raise self.fail(f"planner_data[{fqn!r:.80}] must be a list of strings and integers")
             planner = {fqn: tuple(path) for fqn, path in planner.items()}
-        return Metadata(state_dict_metadata=entries, planner_data=planner,
-                        storage_data=self.storage_data(doc["storage_data"], entries),
-                        storage_meta=self.storage_meta(doc["storage_meta"]),
-                        version=self.optional_text(doc["version"], "version")), binding
+        metadata = Metadata(state_dict_metadata=entries, planner_data=planner,
+                            storage_data=self.storage_data(doc["storage_data"], entries),
+                            storage_meta=self.storage_meta(doc["storage_meta"]),
+                            version=self.optional_text(doc["version"], "version"))
+        # Every field is valid; now the document as a whole. The digest first: a changed byte is
+        # then reported as what it is, not as whichever inconsistency it happens to cause.
+        if recorded_digest is not None and _digest(doc) != recorded_digest:
+            raise self.fail("its content does not match its digest: the file was changed or damaged "
+                            "after it was written")
+        check_metadata(metadata, self.where, rank_local=self.rank_local)
+        return metadata, binding
 
     def storage_data(self, raw: Any, entries: dict[str, Any]) -> dict[MetadataIndex, GdsStorageInfo]:
         if not isinstance(raw, list):
@@ -285,7 +357,8 @@ class _MetadataJsonDecoder:
         out: dict[MetadataIndex, GdsStorageInfo] = {}
         for number, item in enumerate(raw):
             what = f"storage_data[{number}]"
-            self.fields(item, what, ("fqn", "offset", "index", "file", "key", "length"))
+            # "file_id" is optional: metadata written before rank files had ids has none
+            self.fields(item, what, ("fqn", "offset", "index", "file", "key", "length"), optional=("file_id",))
             fqn = self.text(item["fqn"], f"{what}.fqn")
             if fqn not in entries:
                 raise self.fail(f"{what}.fqn {fqn!r:.80} is not in state_dict_metadata")
@@ -296,8 +369,11 @@ class _MetadataJsonDecoder:
                 raise self.fail(f"{what}.file {file!r:.80} is not a file name inside the checkpoint")
             if index in out:
                 raise self.fail(f"{what}: {fqn!r:.80} at offset {offset} is listed twice")
+            file_id = self.optional_text(item.get("file_id"), f"{what}.file_id")
+            if file_id is not None and not _is_hex(file_id, _FILE_ID_HEX_DIGITS):
+                raise self.fail(f"{what}.file_id must be {_FILE_ID_HEX_DIGITS} lower-case hex digits")
             out[index] = GdsStorageInfo(file, self.text(item["key"], f"{what}.key"),
-                                        self.integer(item["length"], f"{what}.length"))
+                                        self.integer(item["length"], f"{what}.length"), file_id)
         return out
 
     def storage_meta(self, raw: Any) -> StorageMeta | None:
@@ -313,7 +389,84 @@ class _MetadataJsonDecoder:
                            modules=[self.text(m, "storage_meta.modules") for m in modules])
 
 
-def decode_metadata_json(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
-    """Validate ``.metadata.json`` bytes strictly (schema 1) and rebuild DCP's ``Metadata``;
+def decode_metadata_json(data: bytes, where: str, *, rank_local: bool = False) -> tuple[Metadata, dict[str, Any]]:
+    """Validate ``.metadata.json`` bytes strictly (schema 1: fields, digest, ``check_metadata``;
+    ``rank_local`` for ``__<rank>.metadata.json``, as there) and rebuild DCP's ``Metadata``;
     returns it with the ``pickle`` binding. Raises ``CorruptCheckpointError`` naming the field."""
-    return _MetadataJsonDecoder(where).decode(data)
+    return _MetadataJsonDecoder(where, rank_local).decode(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# consistency of a whole Metadata (decoded from JSON, or a trusted pickle)
+
+def check_metadata(metadata: Metadata, where: str, *, rank_local: bool = False) -> None:
+    """Refuse, with a ``CorruptCheckpointError`` naming ``where`` and the tensor or entry, metadata
+    that cannot describe a checkpoint ``GdsStorageWriter`` wrote: the chunks of a tensor that do not
+    tile it exactly (outside its bounds, overlapping, or leaving elements uncovered: DCP's default
+    save planner refuses such a plan; ``rank_local`` metadata, of one rank's save without
+    collectives, holds only that rank's chunks, which may leave elements uncovered), a storage
+    entry for no chunk of its tensor or under another key than ``item_key`` gives it, or two
+    entries of one rank file with different ``file_id``.
+    Entries not written by ``GdsStorageWriter`` (a trusted pickle of torch's ``FileSystemWriter``)
+    are left to the reader, which refuses them by name."""
+    def fail(message: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"invalid DCP metadata {where}: {message}")
+
+    chunk_offsets: dict[str, set[tuple[int, ...]]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            problem = _tiling_problem(md.size, md.chunks, complete=not rank_local)
+            if problem is not None:
+                raise fail(f"the chunks of {fqn!r:.80} {problem}")
+            chunk_offsets[fqn] = {tuple(chunk.offsets) for chunk in md.chunks}
+    file_ids: dict[str, str | None] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if not isinstance(info, GdsStorageInfo):
+            continue
+        what = f"storage entry {index.fqn!r:.80} at offset {None if index.offset is None else list(index.offset)}"
+        if index.fqn not in metadata.state_dict_metadata:
+            raise fail(f"{what} is for no entry of state_dict_metadata")
+        if index.fqn in chunk_offsets:
+            if index.offset is None or tuple(index.offset) not in chunk_offsets[index.fqn]:
+                raise fail(f"{what} is for no chunk of that tensor")
+        elif index.offset is not None:
+            raise fail(f"{what} has an offset, but {index.fqn!r:.80} is a byte item")
+        if info.key != item_key(index):
+            raise fail(f"{what} names key {info.key!r:.80}; that item's key is {item_key(index)!r:.80}")
+        if file_ids.setdefault(info.relative_path, info.file_id) != info.file_id:
+            raise fail(f"the entries of {info.relative_path!r:.80} name two file ids")
+
+
+def _tiling_problem(size: torch.Size, chunks: list[ChunkStorageMetadata], complete: bool) -> str | None:
+    """Why ``chunks`` do not tile a tensor of ``size`` exactly (or, unless ``complete``, a part of
+    it); None when they do.
+
+    With every chunk inside the bounds, no two overlapping and as many elements in the chunks as
+    in the tensor, every element lies in exactly one chunk. Overlaps are found by a sweep along the
+    dimension in which the chunks' offsets vary most: a chunk is compared only with the chunks it
+    meets along that dimension (a few for the shards DCP writes, not all of them)."""
+    dims = len(size)
+    for chunk in chunks:
+        if len(chunk.offsets) != dims or len(chunk.sizes) != dims or any(
+                o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, size)):
+            return (f"do not fit its size {list(size)} (a chunk at offsets {list(chunk.offsets)}, "
+                    f"sizes {list(chunk.sizes)})")
+    held = sum(math.prod(chunk.sizes) for chunk in chunks)
+    if held > math.prod(size) or (complete and held != math.prod(size)):
+        return f"hold {held} elements; the tensor of size {list(size)} has {math.prod(size)}"
+    if dims == 0:
+        return None  # one element, held by at most one chunk
+    boxes = [(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in chunks if math.prod(chunk.sizes)]
+    if len(boxes) < 2:
+        return None
+    sweep = max(range(dims), key=lambda d: len({offsets[d] for offsets, _ in boxes}))
+    boxes.sort(key=lambda box: box[0][sweep])
+    open_boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for offsets, sizes in boxes:
+        open_boxes = [(o, n) for o, n in open_boxes if o[sweep] + n[sweep] > offsets[sweep]]
+        for other_offsets, other_sizes in open_boxes:
+            if all(max(a, b) < min(a + m, b + n)
+                   for a, m, b, n in zip(other_offsets, other_sizes, offsets, sizes)):
+                return f"overlap (at offsets {list(other_offsets)} and {list(offsets)})"
+        open_boxes.append((offsets, sizes))
+    return None
