@@ -11,11 +11,13 @@ Writing (``S3Writer``): the pipeline's writes arrive in file order (the header, 
 at its placed offset, then the index and trailer), so they form one stream: the alignment gaps
 between chunks are filled with zeros and the stream is one multipart upload (``obstore.put`` over
 an iterator, parts of ``part_bytes``, ``concurrency`` at once). Nothing is kept on local disk.
-The object appears only when ``commit`` completes the upload; ``abort`` (or any failure) makes
-the iterator raise, and obstore then aborts the upload, so a reader never sees a partial object
-and no parts are left behind. Memory: the parts in flight (``concurrency`` x ``part_bytes``, within
-``Config.max_inflight_bytes``: ``upload_concurrency``) and copies of at most ``QUEUED_WRITES``
-writes waiting for them.
+The object appears only when the upload completes, and obstore completes it as soon as the
+iterator ends; so the iterator ends only when ``commit`` decides to complete, and ``abort`` (or
+any failure, or a ``commit`` that gives up) makes it raise instead, after which obstore aborts the
+upload: a reader never sees a partial object, no parts are left behind, and a save that reports
+failure never replaces the object (``S3Writer`` tells how). Memory: the parts in flight
+(``concurrency`` x ``part_bytes``, within ``Config.max_inflight_bytes``: ``upload_concurrency``)
+and copies of at most ``QUEUED_WRITES`` writes waiting for them.
 
 Reading (``S3Reader``): the size from one HEAD; the header, trailer and index with ranged GETs;
 the chunks with ranged GETs on ``threads`` threads, copied into the caller's buffers. A chunk read
@@ -26,17 +28,30 @@ request has a cost of its own, and a local SeaweedFS served 64 MiB ranges faster
 A joined GET's buffer holds only bytes the pipeline's reads already asked for, and the reader is
 opened with ``join_bytes`` at most ``Config.max_inflight_bytes`` over its threads
 (``api.resolve.open_reader``), so the GET buffers stay within the in-flight bound.
+Every GET asks for the version the HEAD saw (``If-Match`` its ETag): an object replaced while it
+is read (a save to the same key, which is atomic) fails the read with ``ObjectChangedError``, not
+with a checksum error that would call an intact checkpoint damaged (reading on would mix two
+versions).
+
+URLs and endpoints are checked before obstore sees them (``split_url``, ``split_prefix``,
+``check_bucket``, ``check_endpoint``): a malformed one makes obstore's Rust code panic rather than
+fail, and the panic would reach the caller as ``pyo3_runtime.PanicException``, which is not an
+``Exception``. A panic from any other cause is still turned into a ``CheckpointError`` where
+obstore is called (``_is_store_failure``).
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import queue
+import re
 import threading
 import time
+import urllib.parse
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +59,9 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from .base import StorageReader, StorageWriter
 from .memory import done_future, host_bytes
 from .pools import Lane
+
+if TYPE_CHECKING:
+    from obstore import GetOptions
 
 SCHEME = "s3://"
 PART_BYTES = 16 << 20
@@ -63,8 +81,21 @@ RETRY_TIMEOUT = 180.0
 shortens them to ``Config.timeout``)."""
 QUEUED_WRITES = 4
 """Writes waiting for the upload's iterator; a further ``submit_write`` waits for room."""
+FINISH_SLACK = 5.0
+"""Seconds ``S3Writer.commit`` allows, beyond obstore's own request bounds, for an upload to
+complete once obstore took its last byte (``S3Writer.finish_bound``)."""
 _END = object()
 _ABORT = object()
+
+_BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]")
+"""A bucket name passed on to obstore: AWS's rules (3 to 63 characters: lower-case letters,
+digits, dots and hyphens, a letter or digit at each end) widened to what S3-compatible servers
+still take from older rules (upper case, underscores, up to 255 characters as Ceph allows), and no
+further: any other character (a space, ``:``, ``@``, ``%``, ...) makes a request URI that
+obstore's signing code cannot build, and it panics."""
+_HOST = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+"""A host name of an endpoint (underscores included: container service names have them)."""
+_STOPPING = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 def upload_concurrency(max_inflight_bytes: int, part_bytes: int = PART_BYTES) -> int:
@@ -77,28 +108,96 @@ class _Aborted(Exception):
     """Raised inside the upload's iterator so that obstore aborts the multipart upload."""
 
 
+class ObjectChangedError(CheckpointError):
+    """The object an ``S3Reader`` reads was replaced after the reader opened it: its GETs ask for
+    the version it opened (``If-Match`` that version's ETag) and the server holds another one now.
+    Not damage: the object at the URL is a complete checkpoint (saves replace objects whole), only
+    not the one this read began with, and opening it again reads the new one."""
+
+
 def is_url(path: Any) -> bool:
     """Whether ``path`` names an object (``s3://bucket/key``) rather than a file."""
     return isinstance(path, str) and path.startswith(SCHEME)
 
 
+def check_bucket(bucket: str, url: str | None = None) -> str:
+    """``bucket`` if obstore can address a bucket of that name (``_BUCKET``), else ``ValueError``
+    naming it and ``url``, the URL it came from."""
+    if not _BUCKET.fullmatch(bucket):
+        where = f" (in {url!r})" if url is not None else ""
+        raise ValueError(f"{bucket!r}{where} is not a valid bucket name: 3 to 255 letters, digits, dots, hyphens "
+                         f"or underscores, a letter or digit at each end (AWS: 3 to 63, lower case, no underscores)")
+    return bucket
+
+
+def check_endpoint(endpoint: str, source: str = "S3 endpoint") -> str:
+    """``endpoint`` if obstore can send requests to it: ``http://`` or ``https://``, a host name or
+    IP address, a port from 1 to 65535 if any, a path if any, and no whitespace, user name, query
+    or fragment; else ``ValueError`` naming it and ``source`` (where it was set). A malformed
+    endpoint would make obstore panic at the first request rather than fail."""
+    problem = _endpoint_problem(endpoint)
+    if problem is not None:
+        raise ValueError(f"{source} {endpoint!r} is not a usable S3 endpoint: {problem} "
+                         f"(expected http://host:port or https://host[:port])")
+    return endpoint
+
+
+def _endpoint_problem(endpoint: str) -> str | None:
+    """What makes ``endpoint`` unusable (``check_endpoint``), or None."""
+    if any(char.isspace() or not char.isprintable() for char in endpoint):
+        return "it holds whitespace or a control character"
+    try:
+        parts = urllib.parse.urlsplit(endpoint)
+    except ValueError as err:  # an unclosed IPv6 bracket
+        return str(err)
+    try:
+        port = parts.port
+    except ValueError:  # out of range, or not a number
+        return "the port must be a number from 1 to 65535"
+    if parts.scheme not in ("http", "https"):
+        return "the scheme must be http:// or https://"
+    host = parts.hostname or ""
+    if not host:
+        return "it names no host"
+    if not (_HOST.fullmatch(host) or _is_ip_address(host)):
+        return f"{host!r} is not a host name or an IP address"
+    if port == 0:
+        return "the port must be 1 to 65535"
+    if parts.username is not None:
+        return "credentials go in AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, not in the endpoint"
+    if parts.query or parts.fragment:
+        return "it has a query or a fragment"
+    return None
+
+
+def _is_ip_address(host: str) -> bool:
+    """Whether ``host`` is an IPv4 or IPv6 address (``urlsplit`` drops an IPv6 one's brackets)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def split_url(url: str) -> tuple[str, str]:
-    """(bucket, key) of ``s3://bucket/key``; ``ValueError`` for a URL without both."""
+    """(bucket, key) of ``s3://bucket/key``; ``ValueError`` naming the URL for one without both,
+    or whose bucket name obstore cannot address (``check_bucket``)."""
     rest = url[len(SCHEME):]
     bucket, _slash, key = rest.partition("/")
     if not bucket or not key or key.endswith("/"):
         raise ValueError(f"{url!r} is not an object URL: expected s3://bucket/key (a key, not a prefix)")
-    return bucket, key
+    return check_bucket(bucket, url), key
 
 
 def split_prefix(url: str) -> tuple[str, str]:
     """(bucket, key prefix) of ``s3://bucket`` or ``s3://bucket/some/prefix``: the prefix is empty
-    or ends with ``/`` (a "directory" of objects)."""
+    or ends with ``/`` (a "directory" of objects). ``ValueError`` naming the URL as ``split_url``."""
     if not is_url(url):
         raise ValueError(f"{url!r} is not an s3:// URL")
     bucket, _slash, prefix = url[len(SCHEME):].partition("/")
     if not bucket:
         raise ValueError(f"{url!r} names no bucket: expected s3://bucket/prefix")
+    check_bucket(bucket, url)
     prefix = prefix.strip("/")
     return bucket, f"{prefix}/" if prefix else ""
 
@@ -108,14 +207,21 @@ def open_store(bucket: str, endpoint: str | None = None, timeout: float | None =
     docstring); ``endpoint`` (``Config.s3_endpoint``) before ``AWS_ENDPOINT_URL``. ``timeout``
     (``Config.timeout``) bounds each request and its retries, where it is shorter than obstore's
     own defaults (``REQUEST_TIMEOUT``, ``RETRY_TIMEOUT``): a server that stops answering fails the
-    operation within about that time. ``ImportError`` naming the extra to install when obstore
-    is missing."""
+    operation within about that time. ``ValueError`` for a bucket name or an endpoint obstore
+    cannot use (``check_bucket``, ``check_endpoint``, naming where the endpoint was set);
+    ``ImportError`` naming the extra to install when obstore is missing."""
+    check_bucket(bucket)
+    if endpoint:
+        check_endpoint(endpoint, "Config.s3_endpoint (GDSCKPT_S3_ENDPOINT)")
+    else:
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            check_endpoint(endpoint, "AWS_ENDPOINT_URL")
     try:
         from obstore.store import S3Store
     except ImportError as err:
         raise ImportError("s3:// checkpoints need obstore: pip install 'gdsckpt[s3]'") from err
     options: dict[str, Any] = {}
-    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         options["endpoint"] = endpoint
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
@@ -125,12 +231,31 @@ def open_store(bucket: str, endpoint: str | None = None, timeout: float | None =
     if timeout is not None:
         client_options["timeout"] = datetime.timedelta(seconds=min(timeout, REQUEST_TIMEOUT))
         options["retry_config"] = {"retry_timeout": datetime.timedelta(seconds=min(timeout, RETRY_TIMEOUT))}
-    return S3Store(bucket, client_options=client_options or None, **options)
+    try:
+        return S3Store(bucket, client_options=client_options or None, **options)
+    except BaseException as err:
+        if not _is_store_failure(err):
+            raise
+        raise _storage_error(err, "cannot set up the client for", f"{SCHEME}{bucket}") from err
+
+
+def _is_store_failure(err: BaseException) -> bool:
+    """Whether ``err``, raised by an obstore call, is that call failing (reported as a
+    ``CheckpointError``) rather than the process being stopped (raised as it is). A panic in
+    obstore's Rust code arrives as pyo3's ``PanicException``, which derives from
+    ``BaseException`` so that ``except Exception`` does not swallow it; here it means only that
+    the call failed. It is known by its name: its module, ``pyo3_runtime``, is made at run time
+    by the first extension that needs it and is no package to import."""
+    if isinstance(err, Exception):
+        return True
+    return type(err).__name__ == "PanicException" and not isinstance(err, _STOPPING)
 
 
 def _storage_error(err: BaseException, what: str, url: str) -> CheckpointError:
     """An obstore failure as gdsckpt's error, naming the object and what was being done."""
-    return CheckpointError(f"{what} {url}: {type(err).__name__}: {str(err).strip().splitlines()[0][:300]}")
+    lines = str(err).strip().splitlines()
+    kind = "obstore panicked" if type(err).__name__ == "PanicException" else type(err).__name__
+    return CheckpointError(f"{what} {url}: {kind}: {lines[0][:300] if lines else '(no message)'}")
 
 
 class ObjectDirectory:
@@ -163,7 +288,9 @@ class ObjectDirectory:
                     name = str(meta["path"])[len(self.prefix):]
                     if name and "/" not in name:
                         found[name] = int(meta["size"])
-        except Exception as err:
+        except BaseException as err:
+            if not _is_store_failure(err):
+                raise
             raise _storage_error(err, "cannot list", self.url) from err
         return found
 
@@ -173,7 +300,9 @@ class ObjectDirectory:
             return int(self._obstore.head(self.store, self.prefix + name)["size"])
         except FileNotFoundError:
             return None
-        except Exception as err:
+        except BaseException as err:
+            if not _is_store_failure(err):
+                raise
             raise _storage_error(err, "cannot read", self.url_of(name)) from err
 
     def upload(self, path: str | os.PathLike[str], name: str) -> None:
@@ -187,7 +316,9 @@ class ObjectDirectory:
                               chunk_size=self.part_bytes, max_concurrency=self.concurrency)
         except FileNotFoundError:
             raise
-        except Exception as err:
+        except BaseException as err:
+            if not _is_store_failure(err):
+                raise
             raise _storage_error(err, "upload of", self.url_of(name)) from err
 
     def read_small(self, name: str, limit: int) -> bytes:
@@ -201,14 +332,18 @@ class ObjectDirectory:
             return bytes(self._obstore.get(self.store, key).bytes()) if size else b""
         except (FileNotFoundError, CheckpointError):
             raise
-        except Exception as err:
+        except BaseException as err:
+            if not _is_store_failure(err):
+                raise
             raise _storage_error(err, "cannot read", self.url_of(name)) from err
 
     def write_small(self, name: str, data: bytes) -> None:
         """Replace object ``name`` with ``data`` (one PUT: readers see the old or the new)."""
         try:
             self._obstore.put(self.store, self.prefix + name, data, use_multipart=False)
-        except Exception as err:
+        except BaseException as err:
+            if not _is_store_failure(err):
+                raise
             raise _storage_error(err, "cannot write", self.url_of(name)) from err
 
     def remove(self, name: str) -> None:
@@ -217,12 +352,36 @@ class ObjectDirectory:
             self._obstore.delete(self.store, self.prefix + name)
         except FileNotFoundError:
             pass
-        except Exception as err:
+        except BaseException as err:
+            if not _is_store_failure(err):
+                raise
             raise _storage_error(err, "cannot delete", self.url_of(name)) from err
 
 
 class S3Writer(StorageWriter):
-    """One multipart upload of the checkpoint's bytes, in file order (module docstring)."""
+    """One multipart upload of the checkpoint's bytes, in file order (module docstring).
+
+    ``obstore.put`` completes the upload as soon as the iterator it reads ends, and nothing stops
+    it after that: the last part goes up, then CompleteMultipartUpload. The end of the stream is
+    therefore the commit point, and it is handed over under a lock (``_state``) that makes "obstore
+    took the end" and "the save gave up" exclusive:
+
+    - ``commit`` queues the end marker and waits for obstore to take it (obstore takes an item only
+      once the parts in flight leave room). It waits while obstore keeps taking the writes queued
+      before it; once obstore has taken nothing for ``timeout`` it gives up: the state becomes
+      aborted, the iterator raises at its next item, obstore aborts the upload, and the save fails
+      with the object at the key as it was, within about ``timeout`` of the upload's last progress.
+    - Once obstore has taken the end, ``commit`` waits for the outcome and reports it: every
+      request obstore makes is bounded by ``timeout`` and its retries (``open_store``), so this
+      ends, normally once the parts still in flight are up. ``finish_bound`` is a backstop against
+      obstore overrunning those bounds; past it ``commit`` raises, saying the outcome is unknown.
+    - ``abort`` (any failure before ``commit``, or ``commit``'s own) makes the state aborted; the
+      iterator raises at its next item.
+
+    So a save that reports failure does not replace the object, except where the server completed
+    the upload and its answer was lost (no client can tell that from a failure). An interruption
+    that arrives while ``commit`` waits for the outcome cannot stop the upload from completing.
+    """
 
     name = "s3"
 
@@ -238,19 +397,32 @@ class S3Writer(StorageWriter):
         self._position = 0
         self._error: BaseException | None = None
         self._finished = False
+        self._state_changed = threading.Condition()
+        self._state = "writing"
+        """"writing"; "ending" once ``commit`` queued the end marker; "ended" once the iterator
+        handed the end to obstore (which then completes the upload); "aborted": the iterator raises
+        at its next item (obstore then aborts the upload). Changed under ``_state_changed``."""
+        self._taken = 0
+        """Items the iterator handed to obstore: ``commit``'s sign that the upload progresses."""
         self._thread = threading.Thread(target=self._upload, name="gdsckpt-s3-upload", daemon=True,
                                         args=(obstore, part_bytes, concurrency))
         self._thread.start()
 
     def _parts(self) -> Any:
-        """The upload's byte stream: each queued write's bytes in turn, until ``commit``'s end
-        marker (or ``abort``'s, which raises: obstore then aborts the upload)."""
+        """The upload's byte stream: each queued write's bytes in turn. It ends (and obstore then
+        completes the upload) at ``commit``'s end marker, unless the save gave up first: once the
+        state is "aborted" it raises instead, and obstore aborts the upload."""
         while True:
             item = self._queue.get()
+            with self._state_changed:
+                if self._state == "aborted":
+                    raise _Aborted("checkpoint save aborted")
+                self._taken += 1
+                if item is _END:
+                    self._state = "ended"
+                self._state_changed.notify_all()
             if item is _END:
                 return
-            if item is _ABORT:
-                raise _Aborted("checkpoint save aborted")
             yield item
 
     def _upload(self, obstore: Any, part_bytes: int, concurrency: int) -> None:
@@ -260,6 +432,9 @@ class S3Writer(StorageWriter):
         except BaseException as err:  # noqa: BLE001 - reported by commit / the futures
             self._error = err
             self._drop_queued()
+        finally:
+            with self._state_changed:
+                self._state_changed.notify_all()  # commit waits for this thread's end too
 
     def _drop_queued(self) -> None:
         """Drop the writes still queued (the upload stopped taking them, or was aborted)."""
@@ -301,24 +476,68 @@ class S3Writer(StorageWriter):
         """Queue the index and trailer (the last bytes of the object)."""
         self.submit_write(offset, data)
 
+    def finish_bound(self) -> float:
+        """Seconds ``commit`` waits for the upload to complete once obstore took its end: the parts
+        still in flight and the last one (at once), then CompleteMultipartUpload, each a request
+        obstore ends within its retry window (``timeout``, at most ``RETRY_TIMEOUT``) plus the
+        backoff before its last attempt (at most about as long) and that attempt (``timeout``, at
+        most ``REQUEST_TIMEOUT``), and ``FINISH_SLACK`` besides."""
+        window, attempt = min(self.timeout, RETRY_TIMEOUT), min(self.timeout, REQUEST_TIMEOUT)
+        return 2 * (2 * window + attempt) + FINISH_SLACK
+
     def commit(self) -> None:
-        """Complete the upload: the object appears at its key, whole."""
+        """Complete the upload: the object appears at its key, whole. Or raise, and the object at
+        the key is as it was (the class docstring tells how, and the one case it cannot know):
+        ``TimeoutError`` where the upload took no data for ``timeout`` before its end, a
+        ``CheckpointError`` naming the object where the upload failed."""
+        with self._state_changed:
+            self._state = "ending"
         self._enqueue(_END)
-        self._thread.join(self.timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"upload of {self.url} still running after {self.timeout} s")
+        with self._state_changed:
+            taken, deadline = self._taken, time.monotonic() + self.timeout
+            while self._state == "ending" and self._error is None and self._thread.is_alive():
+                if self._taken != taken:  # progress: the timeout counts from the latest item taken
+                    taken, deadline = self._taken, time.monotonic() + self.timeout
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._state = "aborted"
+                    break
+                self._state_changed.wait(min(remaining, 1.0))
+            state = self._state
         self._finished = True
+        if state == "aborted":
+            self.stalled = True  # the upload is stuck on a part: nothing to wait for in abort
+            raise TimeoutError(f"upload of {self.url} took no data for {self.timeout} s before its end; "
+                               f"aborted, the object there is as it was")
+        if state != "ended":  # the upload failed before its end: obstore is aborting it
+            self._thread.join(self.timeout)
+            error = self._error or RuntimeError("the upload stopped before its end")
+            raise _storage_error(error, "upload of", self.url) from error
+        bound = self.finish_bound()
+        self._thread.join(bound)
+        if self._thread.is_alive():
+            raise CheckpointError(f"upload of {self.url} still completing {bound:.0f} s after its last byte, "
+                                  f"beyond the client's request timeouts: whether it replaced the object is unknown")
         if self._error is not None:
             raise _storage_error(self._error, "upload of", self.url) from self._error
 
     def abort(self) -> None:
-        """Abort the upload (no object appears, no parts are left); safe more than once."""
+        """Abort the upload (no object appears, no parts are left); safe more than once. Waits up to
+        ``timeout`` (not at all once ``stalled``) for obstore to abort it. After ``commit`` handed
+        obstore the end (an interrupted ``commit``), the upload completes regardless."""
         if self._finished:
             return
         self._finished = True
+        with self._state_changed:
+            if self._state == "ended":
+                return
+            self._state = "aborted"
         if self._thread.is_alive():
             self._drop_queued()  # make room: the writes queued will not be sent
-            self._queue.put(_ABORT)
+            try:
+                self._queue.put_nowait(_ABORT)  # wakes the iterator where it waits for a write
+            except queue.Full:
+                pass  # the iterator is not waiting: it raises at the next item it takes
             self._thread.join(0.0 if self.stalled else self.timeout)
 
 
@@ -359,11 +578,21 @@ class S3Reader(StorageReader):
         self.store = open_store(bucket, endpoint, timeout)
         self.timeout = timeout
         try:
-            self.size = int(obstore.head(self.store, self.key)["size"])
+            meta = obstore.head(self.store, self.key)
         except FileNotFoundError as err:
             raise FileNotFoundError(f"no object at {url}") from err
-        except Exception as err:
+        except BaseException as err:
+            if not _is_store_failure(err):
+                raise
             raise _storage_error(err, "cannot read", url) from err
+        self.size = int(meta["size"])
+        self.etag: str | None = meta.get("e_tag") or None
+        """The ETag of the version the HEAD saw, which every GET asks for (``If-Match``): a GET of
+        a version saved since fails with ``ObjectChangedError``. None where the server names none;
+        the GETs then read whatever version is there."""
+        from obstore.exceptions import PreconditionError
+
+        self._changed: type[BaseException] = PreconditionError
         self._lane = Lane("io", threads)
         self.join_bytes = join_bytes
         self._lock = threading.Lock()
@@ -378,9 +607,18 @@ class S3Reader(StorageReader):
             raise CorruptCheckpointError(f"range [{offset}, +{length}) runs past the end of the object")
         if length == 0:
             return b""
+        options: GetOptions = {"range": (offset, offset + length)}
+        if self.etag is not None:
+            options["if_match"] = self.etag
         try:
-            data = self._obstore.get_range(self.store, self.key, start=offset, length=length)
-        except Exception as err:
+            data = self._obstore.get(self.store, self.key, options=options).bytes()
+        except self._changed as err:
+            raise ObjectChangedError(f"{self.url} was replaced while it was read (the server no longer holds the "
+                                     f"version with ETag {self.etag} this read opened): the read stopped rather "
+                                     f"than mix two versions; load it again") from err
+        except BaseException as err:
+            if not _is_store_failure(err):
+                raise
             raise _storage_error(err, "ranged GET of", self.url) from err
         if len(data) != length:
             raise CorruptCheckpointError(f"ranged GET of {self.url} returned {len(data)} of {length} bytes")

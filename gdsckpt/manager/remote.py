@@ -20,10 +20,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Callable
 
 from ..errors import RemoteUploadWarning
+
+POLL_SECONDS = 1.0
+"""How often ``Uploader.wait_idle`` looks whether the thread is still alive."""
+_STOPPING = (KeyboardInterrupt, SystemExit, GeneratorExit)
+"""What ends the uploader's thread rather than fail one round: the interpreter is stopping."""
 
 
 class Uploader:
@@ -51,24 +57,33 @@ class Uploader:
             self._condition.notify_all()
 
     def _loop(self) -> None:
-        while True:
-            with self._condition:
-                if not self._requested:
-                    self._thread = None
-                    self._condition.notify_all()
-                    return
-                self._requested = False
-            try:
-                self._round()
-                self.error = None
-            except BaseException as err:  # reported, and retried by the next round
-                self.error = err
-                self._report(err)
-                if not isinstance(err, Exception):  # an interpreter exit: no more rounds
-                    with self._condition:
+        try:
+            while True:
+                with self._condition:
+                    if not self._requested:
                         self._thread = None
                         self._condition.notify_all()
-                    raise
+                        return
+                    self._requested = False
+                try:
+                    self._round()
+                    self.error = None
+                except BaseException as err:  # reported, and retried by the next round
+                    self.error = err
+                    self._report(err)
+                    # An interpreter exit ends the rounds; any other failure (a panic in a native
+                    # library is a BaseException too) is one failed round like an Exception.
+                    if isinstance(err, _STOPPING):
+                        raise
+        finally:
+            with self._condition:
+                if self._thread is threading.current_thread():
+                    # Ended by an exception: ``wait_idle`` must hear of it. A request this
+                    # thread will never serve is dropped (its checkpoints stay pending, which
+                    # ``wait`` reports); the next ``request`` starts a new thread.
+                    self._thread = None
+                    self._requested = False
+                    self._condition.notify_all()
 
     @staticmethod
     def _report(err: BaseException) -> None:
@@ -80,6 +95,16 @@ class Uploader:
             logging.getLogger("gdsckpt").error("remote tier: %s (the next save or wait() retries)", err)
 
     def wait_idle(self, timeout: float | None) -> bool:
-        """Wait until no round runs or is requested; False if ``timeout`` ran out first."""
+        """Wait until no round runs or is requested; False if ``timeout`` ran out first. A thread
+        that died without saying so (``_loop``'s ``finally`` did not run: the interpreter is
+        shutting down) counts as idle too: it is checked every ``POLL_SECONDS``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._condition:
-            return self._condition.wait_for(lambda: not self._requested and self._thread is None, timeout)
+            while self._thread is not None and self._thread.is_alive():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._condition.wait(POLL_SECONDS if remaining is None else min(remaining, POLL_SECONDS))
+            self._thread = None
+            self._requested = False
+            return True
