@@ -85,6 +85,13 @@ class RemoteUploadError(CheckpointError):
     them, and the next save or ``wait`` uploads them again."""
 
 
+class ObjectChangedError(CheckpointError):
+    """The object a read of an ``s3://`` URL reads was replaced after the reader opened it: its GETs ask for
+    the version it opened (``If-Match`` that version's ETag) and the server holds another one now.
+    Not damage: the object at the URL is a complete checkpoint (saves replace objects whole), only
+    not the one this read began with, and opening it again reads the new one."""
+
+
 class RemoteUploadWarning(UserWarning):
     """A background upload of a ``CheckpointManager`` checkpoint to its remote tier failed; it
     is retried by the next save and by ``wait``."""

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, ObjectChangedError
 from .base import StorageReader, StorageWriter
 from .memory import done_future, host_bytes
 from .pools import Lane
@@ -106,13 +106,6 @@ def upload_concurrency(max_inflight_bytes: int, part_bytes: int = PART_BYTES) ->
 
 class _Aborted(Exception):
     """Raised inside the upload's iterator so that obstore aborts the multipart upload."""
-
-
-class ObjectChangedError(CheckpointError):
-    """The object an ``S3Reader`` reads was replaced after the reader opened it: its GETs ask for
-    the version it opened (``If-Match`` that version's ETag) and the server holds another one now.
-    Not damage: the object at the URL is a complete checkpoint (saves replace objects whole), only
-    not the one this read began with, and opening it again reads the new one."""
 
 
 def is_url(path: Any) -> bool:

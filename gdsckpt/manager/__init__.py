@@ -149,6 +149,7 @@ from ..config import Config
 from ..errors import (
     CorruptCheckpointError,
     DeltaBaseError,
+    ObjectChangedError,
     RemoteUploadError,
     RemoteUploadWarning,
     SkippedCheckpointWarning,
@@ -821,16 +822,26 @@ class CheckpointManager:
         damaged candidate's step to try before the older ones (the remote tier's), or None; a
         newer step whole elsewhere beats an older one here."""
         pending = list(candidates)
+        replaced: set[str] = set()
         while pending:
             step, path, source = pending.pop(0)
-            problem = _problem(path, verify=verify, config=self.config)
-            if problem is None:
-                try:
-                    return step, self._load(path, model, optimizer, state)
-                except Exception as err:
-                    if not _is_damage(err):
-                        raise
-                    problem = f"failed while loading: {err}"
+            try:
+                problem = _problem(path, verify=verify, config=self.config)
+                if problem is None:
+                    try:
+                        return step, self._load(path, model, optimizer, state)
+                    except Exception as err:
+                        if not _is_damage(err):
+                            raise
+                        problem = f"failed while loading: {err}"
+            except ObjectChangedError:
+                # saved again while read (a whole new version of the same step): read it once
+                # more; a second replacement meanwhile is raised, never taken for damage
+                if str(path) in replaced:
+                    raise
+                replaced.add(str(path))
+                pending.insert(0, (step, path, source))
+                continue
             warnings.warn(f"skipping checkpoint {str(path)!r}"
                           f"{f' ({source})' if source != 'scan' else ''}: {problem}",
                           SkippedCheckpointWarning, stacklevel=3)
