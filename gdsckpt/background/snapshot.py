@@ -231,7 +231,9 @@ class _Snapshotter:
     def _numpy(self, array: np.ndarray) -> np.ndarray:
         key = None
         if array.size:
-            key = ("numpy", array.__array_interface__["data"][0], array.dtype.str, array.shape, array.strides)
+            # The dtype itself, not its .str: that is "<V1" for every ml_dtypes float8, and a view
+            # of one as another would come back as the first view, of its dtype, without an error.
+            key = ("numpy", array.__array_interface__["data"][0], array.dtype, array.shape, array.strides)
             if key in self.views:
                 return self.views[key]
         if array.nbytes == 0:

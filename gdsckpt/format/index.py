@@ -28,6 +28,10 @@ MAX_EXPANSION = 1 << 16
 """A chunk's raw length is at most this many times its stored length (zstd's own ceiling is
 about 32,768:1), so a small file cannot claim a huge decoded size."""
 MAX_TENSOR_BYTES = 1 << 60
+"""An array's bytes (and its ``span_bytes``) are at most this, each of its dimensions below it
+(docs/format.md §6.5)."""
+MAX_DIMS = 64
+"""An array has at most this many dimensions (docs/format.md §6.5)."""
 MAX_TREE_DEPTH = 512
 XOR_BASE = "xorbase/1"
 """The transform of a delta chunk (format 1.1): its raw bytes are the XOR of the arrays' element
@@ -148,6 +152,34 @@ class Index:
         if self.user:
             doc["user"] = self.user
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def span_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """The bytes an array's strides span: the product of its dimensions with each 0 counted as 1,
+    times ``itemsize``. An empty array's other dimensions still set its strides, which torch and
+    NumPy hold in 64 bits, so this, not just the array's byte count, is bounded (§6.5)."""
+    span = itemsize
+    for dimension in shape:
+        span *= dimension or 1
+    return span
+
+
+def shape_limit_error(shape: tuple[int, ...], itemsize: int) -> str | None:
+    """Why this reader would refuse an array record of ``shape`` and ``itemsize`` as corrupt
+    (docs/format.md §6.5: at most ``MAX_DIMS`` dimensions, each in ``[0, MAX_TENSOR_BYTES)``, and
+    ``span_bytes`` at most ``MAX_TENSOR_BYTES``), or None where it accepts it. Writers ask before
+    writing anything, so that a save never leaves a file every load refuses."""
+    if len(shape) > MAX_DIMS:
+        return f"it has {len(shape)} dimensions, more than the {MAX_DIMS} a checkpoint holds"
+    limit = f"2**{MAX_TENSOR_BYTES.bit_length() - 1}"
+    for dimension in shape:
+        if not 0 <= dimension < MAX_TENSOR_BYTES:
+            return f"its dimension {dimension} is not below {limit}, the bound of a checkpoint's dimensions"
+    span = span_bytes(shape, itemsize)
+    if span > MAX_TENSOR_BYTES:
+        counted = " (each 0 dimension counted as 1)" if 0 in shape else ""
+        return f"it spans {span} bytes{counted}, more than the {limit} a checkpoint holds for one array"
+    return None
 
 
 def _fail(message: str, **context: Any) -> CorruptCheckpointError:
@@ -355,15 +387,15 @@ def _parse_tensors(raw: Any, chunks: list[ChunkRecord]) -> list[TensorRecord]:
             raise _fail(f"kind {kind!r:.40} is not one of {TENSOR_KINDS}", key=key)
         if not isinstance(dtype, str) or dtype not in itemsizes:  # a list is unhashable: check type first
             raise _fail(f"unknown dtype {dtype!r:.40}", key=key)
-        if not isinstance(shape_raw, list) or len(shape_raw) > 64:
-            raise _fail("shape must be a list of at most 64 dimensions", key=key)
+        if not isinstance(shape_raw, list) or len(shape_raw) > MAX_DIMS:
+            raise _fail(f"shape must be a list of at most {MAX_DIMS} dimensions", key=key)
         shape = tuple(shape_raw)
         for d in shape:  # a loop, not all(...): most shapes have one or two dimensions
             if type(d) is not int or not 0 < d < MAX_TENSOR_BYTES:
                 shape = tuple(_int(d, f"tensor {key!r} dimension", 0, MAX_TENSOR_BYTES) for d in shape_raw)
                 # An empty array's other dimensions still set its strides: torch and NumPy refuse a
                 # shape whose nonzero dimensions multiply past int64 (e.g. [0, 2^59, 2^59]).
-                if math.prod(max(d, 1) for d in shape) * itemsizes[dtype] > MAX_TENSOR_BYTES:
+                if span_bytes(shape, itemsizes[dtype]) > MAX_TENSOR_BYTES:
                     raise _fail(f"shape {list(shape)!r:.80} spans more than {MAX_TENSOR_BYTES} bytes", key=key)
                 break
         nbytes = math.prod(shape) * itemsizes[dtype]

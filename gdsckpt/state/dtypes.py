@@ -73,7 +73,9 @@ def numpy_dtype_name(dtype: np.dtype) -> str | None:
     it cannot hold."""
     if dtype.kind in "biufc" and dtype.name in _NUMPY_NATIVE:
         return dtype.name
-    if dtype.kind == "V" and dtype.name in _ML_DTYPES and dtype.itemsize == DTYPES[dtype.name].itemsize:
-        return dtype.name  # ml_dtypes types report kind 'V'
+    # ml_dtypes' types report kind 'V', except some that report 'f' (float8_e5m2 in ml_dtypes
+    # 0.5): their name and itemsize say which format dtype they are.
+    if dtype.kind in "Vf" and dtype.name in _ML_DTYPES and dtype.itemsize == DTYPES[dtype.name].itemsize:
+        return dtype.name
     return None
 

@@ -30,8 +30,10 @@ magnitude, Adam's ``exp_avg_sq`` first (below); its ratio is lower than the grid
 bits stay).
 
 Which arrays: torch tensors (CPU or CUDA) and NumPy arrays of dtype float16, bfloat16, float32 or
-float64. Other dtypes, CuPy and JAX arrays, an array with no finite nonzero element, and an entry
-that aliases another array (it follows the array it aliases) are stored losslessly. The rounded
+float64. Other dtypes, CuPy and JAX arrays and an array with no finite nonzero element are stored
+losslessly. An entry that aliases another array (the same memory, e.g. a tied weight) follows the
+array it aliases whether a rule names it or not: rounded with it, and then listed in
+``SaveReport.lossy`` and counted by the load warning too, or stored losslessly with it. The rounded
 values are computed as the save pipeline reads each chunk (the caller's array is never
 modified, and no rounded copy of it is held: a pass for its largest magnitude and a pass checking
 every element's error come first, ``CHUNK_ELEMENTS`` at a time, so memory stays bounded whatever
@@ -50,7 +52,7 @@ and a portable codec (``codec="zstd"``) is never replaced.
 A lossy array's index record carries an informative ``lossy`` member (``{"mode": "grid",
 "rel_bound": ..., "abs_bound": ..., "max_error": ...}``, docs/format.md section 6.5); decoding is
 unchanged (the stored bytes are the rounded values), so every reader loads these files. Loading
-one warns (``LossyWarning``) with the number of lossy arrays; ``gdsckpt.inspect`` and
+one warns (``LossyWarning``) with the number of lossy entries loaded; ``gdsckpt.inspect`` and
 ``gdsckpt inspect`` show each one's bound and measured error.
 
 Caution with Adam's second moment in mode ``grid``: the bound is relative to the array's largest magnitude, and
@@ -480,10 +482,12 @@ def apply_policy(flat: FlatState, policy: LossyPolicy | Mapping[str, float]) -> 
     """Round the arrays of a flattened state that ``policy`` selects (``save(lossy=...)``): their
     sources now yield rounded bytes, computed chunk by chunk as the pipeline reads them
     (``RoundedSource``: no rounded copy of an array is held), and their ``lossy`` holds the
-    record member. Returns the keys of the arrays rounded."""
+    record member. Returns the keys of the arrays rounded and of the entries that alias them,
+    in state order: an alias is the same memory as its array and loads rounded too, whether a
+    rule names it or not."""
     policy = LossyPolicy.of(policy)
-    rounded = []
-    for array in flat.arrays:
+    rounded: set[int] = set()
+    for number, array in enumerate(flat.arrays):
         if array.alias is not None or array.source is None or array.dtype not in FLOAT_DTYPES:
             continue
         rule = policy.rule_for(array.key)
@@ -500,8 +504,11 @@ def apply_policy(flat: FlatState, policy: LossyPolicy | Mapping[str, float]) -> 
             rounding = replace(rounding, bitcomp=policy.bitcomp)
             array.source = RoundedSource(array.source, rounding)
             array.lossy = rounding.record()
-            rounded.append(array.key)
-    return rounded
+            rounded.add(number)
+    if not rounded:
+        return []
+    return [array.key for number, array in enumerate(flat.arrays)
+            if number in rounded or array.alias in rounded]
 
 
 __all__ = [

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..format.dtypes import DTYPES
+from ..format.index import shape_limit_error
 from .arrays import CupySource, NumpySource, TorchSource
 from .dtypes import numpy_dtype_name, torch_dtype_name
 
@@ -216,7 +217,10 @@ class _Flattener:
         cupy = self.cupy
         if cupy is not None and isinstance(obj, cupy.ndarray):
             name = self._check_dtype(numpy_dtype_name(obj.dtype), obj.dtype, path)
-            view_key = ("cupy", obj.data.ptr, obj.dtype.str, obj.shape, obj.strides) if obj.size else None
+            self._check_shape(tuple(obj.shape), name, path)
+            # The dtype itself, not its .str: that is "<V1" for every ml_dtypes float8, so views of
+            # one memory as two of them would become one alias record of a mismatched dtype.
+            view_key = ("cupy", obj.data.ptr, obj.dtype, obj.shape, obj.strides) if obj.size else None
             return self._register(path, "cupy", name, tuple(obj.shape), f"cuda:{obj.device.id}",
                                   CupySource(obj, name), view_key, {})
         jax = self.jax
@@ -229,6 +233,16 @@ class _Flattener:
             raise TypeError(f"array dtype {dtype} at key {join_key(path)!r} is not supported "
                             f"(supported: {', '.join(DTYPES)})")
         return name
+
+    def _check_shape(self, shape: tuple[int, ...], name: str, path: list[Any]) -> None:
+        """Refuse a shape the reader refuses (``format.index.shape_limit_error``): saved, it would
+        replace a good file with one every load refuses as corrupt. Checked before the array's
+        source is made and before planning: an expanded (stride-0) tensor's logical size can be
+        far beyond its memory, and planning its chunks would not end."""
+        problem = shape_limit_error(shape, DTYPES[name].itemsize)
+        if problem is not None:
+            raise ValueError(f"array at key {join_key(path)!r:.200} of shape {list(shape)!r:.120} and dtype "
+                             f"{name} cannot be saved: {problem}")
 
     def _torch(self, tensor: Any, path: list[Any]) -> dict[str, Any]:
         torch = self.torch
@@ -253,6 +267,7 @@ class _Flattener:
         on = tensor.device
         device = "cpu" if on.type == "cpu" else f"cuda:{on.index or 0}"
         name = self._check_dtype(torch_dtype_name(dtype), dtype, path)
+        self._check_shape(shape, name, path)
         extra: dict[str, Any] = {}
         if type(tensor) is torch.nn.Parameter:
             extra["parameter"] = {"requires_grad": bool(tensor.requires_grad)}
@@ -279,9 +294,13 @@ class _Flattener:
                             f"load as a plain {plain} without what the subclass adds; {remedy}")
         array = np.asarray(obj)
         name = self._check_dtype(numpy_dtype_name(array.dtype.newbyteorder("=")), array.dtype, path)
+        self._check_shape(tuple(array.shape), name, path)
         view_key = None
         if array.size and not scalar:
-            view_key = ("numpy", array.__array_interface__["data"][0], array.dtype.str, array.shape,
+            # The dtype itself, not its .str: that is "<V1" for every ml_dtypes float8 (and "<V2"
+            # for bfloat16), so views of one memory as two of them would become one alias record
+            # of a mismatched dtype, a file every load refuses. Dtypes of other byte orders differ.
+            view_key = ("numpy", array.__array_interface__["data"][0], array.dtype, array.shape,
                         array.strides)
         return self._register(path, "numpy", name, tuple(array.shape), "cpu", NumpySource(array, name),
                               view_key, {"scalar": True} if scalar else {})
@@ -296,17 +315,21 @@ class _Flattener:
             assert self.cupy is not None
             array = self.cupy.from_dlpack(obj)
             name = self._check_dtype(numpy_dtype_name(array.dtype), array.dtype, path)
+            self._check_shape(tuple(array.shape), name, path)
             source: Any = CupySource(array, name)
             device = f"cuda:{devices[0].id}"
         else:
             array = np.from_dlpack(obj)
             name = self._check_dtype(numpy_dtype_name(array.dtype), array.dtype, path)
+            self._check_shape(tuple(array.shape), name, path)
             source, device = NumpySource(array, name), "cpu"
         return self._register(path, "jax", name, tuple(array.shape), device, source, None, {})
 
 
 def flatten(state: Any) -> FlatState:
-    """Flatten a state into its structure tree and arrays; ``TypeError`` names unsupported values."""
+    """Flatten a state into its structure tree and arrays; ``TypeError`` names unsupported values,
+    ``ValueError`` an array whose shape the format cannot hold (more than 64 dimensions, a
+    dimension or byte span of 2**60 or more: docs/format.md §6.5) and two entries of one key."""
     flattener = _Flattener()
     tree = flattener.visit(state, [])
     return FlatState(tree, flattener.arrays)
@@ -316,11 +339,15 @@ def flatten(state: Any) -> FlatState:
 # unflattening
 
 class Selection:
-    """Which key paths a partial load wants: each requested key selects itself and its subtree."""
+    """Which key paths a partial load wants: each requested key selects itself and its subtree.
+
+    ``keys``: None (everything), one key string, or an iterable of key strings. The empty string
+    is the root's key path (docs/format.md §7.3), so ``keys=""`` (as ``keys=[""]``) selects the
+    whole state; ``keys=[]`` selects nothing. ``TypeError`` for anything else, naming the entry
+    (``bytes`` included: it would iterate to ints), before any file is opened."""
 
     def __init__(self, keys: Iterable[str] | None):
-        # a lone string is one key (``keys="model"``), not the characters it iterates to
-        self.keys = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
+        self.keys = None if keys is None else checked_keys(keys)
         self.matched: set[str] = set()
 
     def covers(self, key: str) -> bool:
@@ -362,6 +389,30 @@ class Selection:
             elif wanted[end] == "/":
                 following.append((wanted, end + 1))
         return reached, following
+
+
+def checked_keys(keys: Any) -> list[str]:
+    """``keys`` of a partial load as a list of key strings: a lone ``str`` is one key
+    (``keys="model"``), not the characters it iterates to; ``TypeError`` names a value that is no
+    key string (an int index, None) or a ``keys`` that is no iterable of them (``bytes`` iterates
+    to ints). A ``str`` subclass (``numpy.str_``, a ``str`` enum member) counts as its text."""
+    if isinstance(keys, str):
+        return [str.__str__(keys)]
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        raise TypeError(f"keys must be a key string or an iterable of key strings, not "
+                        f"{type(keys).__name__} ({bytes(keys[:80])!r}), which iterates to ints: "
+                        f"pass its decoded text")
+    try:
+        entries = list(keys)
+    except TypeError:
+        raise TypeError(f"keys must be a key string or an iterable of key strings, not "
+                        f"{type(keys).__name__} ({keys!r:.80})") from None
+    for entry in entries:
+        if not isinstance(entry, str):
+            raise TypeError(f"keys entry {entry!r:.80} of type {type(entry).__name__} is not a key string: "
+                            f"keys are strings such as 'model/layer.weight' or 'optimizer/state/0' "
+                            f"(a list index or int dict key is written in decimal)")
+    return [str.__str__(entry) for entry in entries]
 
 
 _MISSING = object()
