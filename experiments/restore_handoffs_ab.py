@@ -96,9 +96,8 @@ def no_lead_read() -> Iterator[None]:
 @contextlib.contextmanager
 def lead_pieces(pieces: int) -> Iterator[None]:
     """Restores made inside start a lead read of ``pieces`` x ``GROUP_READ_BYTES`` (the default
-    takes half the budget the restore is expected to get from the free memory: 16 pieces on a GPU
-    with 8 GiB or more free; 8 was the default while the lead took half of ``max_staging_bytes``),
-    which the decoder adopts where its arena has room for them."""
+    takes half the least budget: 8 pieces at the 1 GiB ``max_staging_bytes``), which the decoder
+    adopts where its arena has room for them (a restore budget of 4 GiB or more for 16)."""
     from gdsckpt.pipeline.gpu import staging
 
     saved = staging.lead_read_pieces

@@ -617,8 +617,8 @@ def test_a_lead_read_close_waits_for_its_reads() -> None:
 def test_lead_reads_only_where_the_gpu_is_known_and_the_file_local(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """``api.resolve.lead_read`` yields None (and starts nothing) for a CPU restore, a source that
-    is not a local path, a file too short to hold a data region, a restore budget that holds no
-    two pieces, or with lead reads turned off."""
+    is not a local path, a file too short to hold a data region, a configuration whose least
+    budget holds no two pieces, or with lead reads turned off."""
     from gdsckpt.api import resolve
     from gdsckpt.config import Config
 
@@ -628,7 +628,7 @@ def test_lead_reads_only_where_the_gpu_is_known_and_the_file_local(tmp_path: Pat
     with PosixReader(path) as reader, PosixReader(short) as cut:
         cases = [(path, Config(), reader, None), (path.read_bytes(), Config(), reader, 0),
                  ("s3://bucket/key", Config(), reader, 0), (short, Config(), cut, 0),
-                 (path, Config(restore_staging_bytes=64 << 20), reader, 0)]
+                 (path, Config(max_staging_bytes=64 << 20), reader, 0)]
         for source, config, opened, gpu_device in cases:
             with resolve.lead_read(source, config, opened, gpu_device) as lead:
                 assert lead is None, (source, config)
@@ -715,37 +715,3 @@ def test_a_hung_chunk_read_is_a_timeout_naming_its_chunk(tmp_path: Path) -> None
         finally:
             dec.close()
         assert not reader.overlaps, reader.overlaps
-
-
-def test_a_lead_read_is_sized_from_the_budget_the_restore_will_get(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without ``restore_staging_bytes`` the lead read takes half of the budget the decoder will
-    size from the free device memory (less the file's size, standing in for the restored arrays),
-    not half of ``max_staging_bytes``: on a GPU with memory free, 16 pieces of 64 MiB rather than
-    8, so the reads outlast the index's parse. A configured restore budget is the budget."""
-    from gdsckpt.api import resolve
-    from gdsckpt.codecs import device as device_module
-    from gdsckpt.config import Config
-    from gdsckpt.pipeline.gpu import staging
-
-    path, _flat = saved_file(tmp_path, big_state(17), codec="zstd")
-    fake = FakeDevice()
-    monkeypatch.setattr(device_module, "backend_or_cuda", lambda _device, _index: fake)
-    floors: list[int] = []
-    pieces_for = staging.lead_read_pieces
-
-    def recording(floor: int, piece_bytes: int) -> int:
-        floors.append(floor)
-        return 0  # no lead started: only its size is under test
-
-    monkeypatch.setattr(staging, "lead_read_pieces", recording)
-    with PosixReader(path) as reader:
-        for free, config in [(16 << 30, Config()), (1 << 30, Config()),
-                             (16 << 30, Config(restore_staging_bytes=96 << 20))]:
-            fake.free = free
-            with resolve.lead_read(path, config, reader, 0) as lead:
-                assert lead is None
-        size = reader.size
-    assert floors == [staging.restore_staging_budget((16 << 30) - size, 1 << 30),
-                      staging.restore_staging_budget((1 << 30) - size, 1 << 30), 96 << 20]
-    assert pieces_for(floors[0], 64 << 20) == 16 and pieces_for(floors[1], 64 << 20) == 8

@@ -234,43 +234,30 @@ def lead_read(path: Source, config: Config, reader: StorageReader, gpu_device: i
     Why: on a fast tier the index of a trained model's state (hundreds of tensor records) takes
     longer to read and parse than the storage takes to deliver hundreds of MiB; without a lead the
     chunk reads wait for it (docs/performance.md, "Fast tiers"). The lead takes
-    ``lead_read_pieces`` of ``GROUP_READ_BYTES``: at most half of the staging budget the restore
-    will get (``restore_staging_budget`` of the device memory free now less the file's size, which
-    stands in for the restored arrays; ``restore_staging_bytes`` where set), so it fits the budget
-    sized after the index, of which it becomes the first arena pieces; a decoder that cannot hold
-    it after all closes it before allocating. Nothing is allocated from the unvalidated index: the
-    lead's size comes from the configuration, the free memory and the file's size."""
+    ``lead_read_pieces`` of ``GROUP_READ_BYTES``: at most half of the least staging budget the
+    restore can get (``max_staging_bytes``, or ``restore_staging_bytes`` where set), so it fits the
+    budget sized after the index, of which it becomes the first arena pieces. Nothing is allocated
+    from the unvalidated index: the lead's size comes from the configuration and the file's size."""
     from ..io.memory import PreloadedReader
 
     held = isinstance(path, PreloadedReader)  # copies into device buffers itself: the null source
     if not LEAD_READS or gpu_device is None or not (held or isinstance(path, (str, os.PathLike))) or is_url(path):
         yield None
         return
-    from ..codecs.device import backend_or_cuda
     from ..format import HEADER_REGION, TRAILER_SIZE
-    from ..pipeline.gpu.staging import GROUP_READ_BYTES, LeadRead, lead_read_pieces, restore_staging_budget
+    from ..pipeline.gpu.staging import GROUP_READ_BYTES, LeadRead, lead_read_pieces
 
-    data_bytes = reader.size - HEADER_REGION - TRAILER_SIZE
-    if data_bytes <= 0:
-        yield None
-        return
-    device = None
-    floor = config.restore_staging_bytes
-    if floor is None:
-        # The budget the decoder will size from the memory free then, less the restored arrays:
-        # the file's size stands in for them (a state is at least as large as its compressed file).
-        device = backend_or_cuda(None, gpu_device)
-        floor = restore_staging_budget(max(device.free_bytes() - reader.size, 0), config.max_staging_bytes)
-    length = min(lead_read_pieces(floor, GROUP_READ_BYTES) * GROUP_READ_BYTES, data_bytes)
+    floor = config.restore_staging_bytes if config.restore_staging_bytes is not None else config.max_staging_bytes
+    length = min(lead_read_pieces(floor, GROUP_READ_BYTES) * GROUP_READ_BYTES,
+                 reader.size - HEADER_REGION - TRAILER_SIZE)
     if length <= 0:
         yield None
         return
-    if device is None:
-        device = backend_or_cuda(None, gpu_device)
+    from ..codecs.device import backend_or_cuda
 
     with contextlib.nullcontext(reader) if fills_device or held else open_data_reader(
             path, config, reader, gpu_device) as data_reader:
-        read = LeadRead(device, data_reader, HEADER_REGION, length, GROUP_READ_BYTES,
+        read = LeadRead(backend_or_cuda(None, gpu_device), data_reader, HEADER_REGION, length, GROUP_READ_BYTES,
                         timeout=config.timeout)
         try:
             yield Lead(gpu_device, data_reader, read)

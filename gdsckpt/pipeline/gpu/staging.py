@@ -86,15 +86,15 @@ def arena_pieces(budget: int, piece_bytes: int, largest_stored: int) -> int:
 
 
 LEAD_READ_SHARE = 2
-"""A lead read (``LeadRead``) takes at most ``1 / LEAD_READ_SHARE`` of the staging budget the
-restore is expected to get (``lead_read_pieces``); it becomes the first pieces of the restore's arena,
+"""A lead read (``LeadRead``) takes at most ``1 / LEAD_READ_SHARE`` of the least staging budget
+the restore can get (``lead_read_pieces``); it becomes the first pieces of the restore's arena,
 which may then exceed its usual ``1 / GROUP_READ_SHARE`` share, never the budget."""
 
 
 def lead_read_pieces(floor: int, piece_bytes: int) -> int:
-    """Pieces of ``piece_bytes`` a lead read gets when the restore's staging budget is expected to
-    be ``floor`` (``restore_staging_budget`` of the memory free before the index is read, less the
-    file's size; ``restore_staging_bytes`` where configured; ``api.resolve.lead_read``): up to
+    """Pieces of ``piece_bytes`` a lead read gets when the restore's staging budget will be at least
+    ``floor`` (``Config.max_staging_bytes``, or ``restore_staging_bytes`` where configured; the
+    budget is sized only after the index is read, ``restore_staging_budget``): up to
     ``GROUP_READ_PIECES`` within ``1 / LEAD_READ_SHARE`` of it, or 0 where fewer than two fit."""
     pieces = min(GROUP_READ_PIECES, floor // LEAD_READ_SHARE // max(piece_bytes, 1))
     return pieces if pieces >= 2 else 0
