@@ -351,15 +351,17 @@ def _collect_module(module: Any, path: list[Any], existing: dict[str, Any], dele
     """A module's state_dict entries: its tensors into ``existing``, each submodule's extra state
     (``get_extra_state``, any value) as a delegate its ``set_extra_state`` restores, as
     ``load_state_dict`` does."""
-    from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
+    import torch
 
+    # torch's name for the entry (a private constant, so read with its documented value as fallback)
+    extra_state = getattr(torch.nn.modules.module, "_EXTRA_STATE_KEY_SUFFIX", "_extra_state")
     for name, value in module.state_dict(keep_vars=True).items():
         key = join_key(path + [name])
         owner_name, _dot, leaf = name.rpartition(".")
-        if leaf == _EXTRA_STATE_KEY_SUFFIX:
+        if leaf == extra_state:
             owner = module.get_submodule(owner_name)
             delegates.append(_Delegate(path + [name], owner.set_extra_state, "extra state"))
-        elif not isinstance(value, sys.modules["torch"].Tensor):
+        elif not isinstance(value, torch.Tensor):
             raise TypeError(f"load_into cannot fill the {type(value).__qualname__} the module's state_dict "
                             f"holds at {key!r}: load the checkpoint with gdsckpt.load and pass it to "
                             f"load_state_dict")
