@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from seaweed import aws_environment, create_bucket, seaweedfs
+from seaweed import serving_bucket
 
 import gdsckpt
 from gdsckpt.errors import CheckpointError, CorruptCheckpointError, RemoteUploadError, RemoteUploadWarning
@@ -28,9 +28,8 @@ BUCKET = "ckpt"
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The server's endpoint, with the AWS environment pointing at it for the module."""
-    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as endpoint, aws_environment(endpoint, "test", "test"):
-        create_bucket(endpoint, BUCKET)
-        yield endpoint
+    with serving_bucket(tmp_path_factory.mktemp("seaweedfs"), BUCKET) as server:
+        yield server.endpoint
 
 
 def _state(seed: int, size: int = 300 * 257) -> dict[str, Any]:
