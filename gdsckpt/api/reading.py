@@ -60,7 +60,8 @@ def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
     ``TypeError`` too. ``keys``: key strings (``"model/layer.weight"``; one may be given alone) or prefixes of subtrees
     (``"optimizer"``) to load; only the chunks holding them are read. Dict entries outside the
     selection are left out, list and tuple slots outside it are None. Unknown keys raise
-    ``KeyError``. ``progress``: see ``Progress``.
+    ``KeyError``; an entry that is not a string (an int, ``None``, ``bytes``) ``TypeError``. ``""``
+    is the root's key, selecting everything. ``progress``: see ``Progress``.
 
     ``path`` may be an ``s3://bucket/key`` URL (docs/object-storage.md); a checkpoint's ``bytes``;
     a seekable binary file object (``open(p, "rb")``, ``io.BytesIO``), read from its current
