@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from ..state import (
     plain_key,
     torch_dtype_name,
     unflatten,
+    writable,
 )
 from .checkpoint import new_target, restore_arrays, stored_id, warn_lossy
 from .reports import Progress
@@ -389,16 +390,6 @@ def _check_fillable(tensor: Any, key: str) -> None:
         why = "an expanded view whose elements share memory: pass a tensor with memory of its own"
     if why is not None:
         raise TypeError(f"load_into cannot fill the tensor at {key!r}: {why}")
-
-
-@contextlib.contextmanager
-def writable(tensor: Any) -> Iterator[None]:
-    """A context in which ``tensor`` can be written in place: no autograd recording, and inference
-    mode for a tensor made under it (an inference tensor is written only there)."""
-    import torch
-
-    with torch.no_grad(), torch.inference_mode(tensor.is_inference()):
-        yield
 
 
 def _same_value(first: Any, second: Any) -> bool:

@@ -51,6 +51,7 @@ from .arrays import (
     TorchTarget,
     array_range,
     torch_range,
+    writable,
 )
 from .dtypes import (
     numpy_dtype,
@@ -103,4 +104,5 @@ __all__ = [
     "torch_range",
     "unflatten",
     "walk_tree",
+    "writable",
 ]

@@ -4,9 +4,11 @@ library (JAX through DLPack)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,6 +223,16 @@ class _Target:
         return None
 
 
+@contextlib.contextmanager
+def writable(tensor: Any) -> Iterator[None]:
+    """A context in which ``tensor`` can be written in place: no autograd recording, and inference
+    mode for a tensor made under it (an inference tensor is written only there)."""
+    import torch
+
+    with torch.no_grad(), torch.inference_mode(tensor.is_inference()):
+        yield
+
+
 class TorchTarget(_Target):
     """A torch tensor to fill: a new one, or an existing one (``load_into``) written in place."""
 
@@ -299,8 +311,7 @@ class TorchTarget(_Target):
 
         if self.existing is not None:
             if self.tensor is not self.existing and not self.existing.is_contiguous():
-                # no autograd recording; an inference tensor is written only in inference mode
-                with torch.no_grad(), torch.inference_mode(self.existing.is_inference()):
+                with writable(self.existing):
                     self.existing.copy_(self.tensor)
             return self.existing
         if self.parameter is not None:
