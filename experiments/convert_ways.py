@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,11 +36,11 @@ GB = 1e9
 
 
 def _patches(window: int, ahead: bool, fetches: list[tuple[float, float, int]]) -> list[tuple[Any, str, Any]]:
-    """(owner, attribute, new value) of one way: the window size, read-ahead, and a fetch log."""
+    """(owner, attribute, new value) of one way: ``rewrite``'s window and read-ahead, a fetch log."""
+    from gdsckpt.api import saving
     from gdsckpt.state import delta
 
     original_fetch = delta.BaseReader._fetch
-    original_read = delta.BaseReader.read
 
     def logged_fetch(self: Any, batch: Any, device: Any, future: Any) -> Any:
         started = time.perf_counter()
@@ -50,44 +49,8 @@ def _patches(window: int, ahead: bool, fetches: list[tuple[float, float, int]]) 
         finally:
             fetches.append((started, time.perf_counter(), sum(high - low for _key, low, high in batch)))
 
-    def next_start(self: Any, key: str, start: int, device: Any) -> tuple[str, int] | None:
-        size = delta.HOST_WINDOW_BYTES if device is None else delta.DEVICE_WINDOW_BYTES
-        nbytes = self._sizes[key]
-        if nbytes > size // 4:
-            high = (start // size + 1) * size
-            if high < nbytes:
-                return key, high
-        position = self._position[key] + 1
-        while position < len(self._order):
-            other = self._order[position]
-            if self._sizes[other] and self._cached(other, 0, 1, device) is None:
-                return other, 0
-            position += 1
-        return None
-
-    def read_ahead(self: Any, key: str, start: int, stop: int, device: Any) -> Any:
-        data = original_read(self, key, start, stop, device)
-        with self._lock:
-            following = None if self._fetching else next_start(self, key, start, device)
-            if following is not None and self._cached(following[0], following[1], following[1] + 1, device) is None:
-                batch = self._batch_for(following[0], following[1], following[1] + 1, device)
-                future, owner = self._claim(batch, device)
-            else:
-                owner = False
-        if owner:
-            def fetch() -> None:
-                try:
-                    self._fetch(batch, device, future)
-                except BaseException:
-                    pass  # the future holds the error; a reader that waits on it fetches again
-            threading.Thread(target=fetch, daemon=True).start()
-        return data
-
-    patches: list[tuple[Any, str, Any]] = [(delta, "HOST_WINDOW_BYTES", window),
-                                           (delta.BaseReader, "_fetch", logged_fetch)]
-    if ahead:
-        patches.append((delta.BaseReader, "read", read_ahead))
-    return patches
+    return [(saving, "REWRITE_WINDOW_BYTES", window), (saving, "REWRITE_READ_AHEAD", ahead),
+            (delta.BaseReader, "_fetch", logged_fetch)]
 
 
 def _patched(patches: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:
@@ -142,7 +105,6 @@ def _raw_read(path: Path, device: str) -> Any:
 def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> None:
     import gdsckpt
     from gdsckpt.api.checkpoint import Checkpoint, base_arrays
-    from gdsckpt.state import delta
 
     device = args.device
     width, depth = benchlib.shape_for_bytes(benchlib.parse_size(args.size))
@@ -172,11 +134,10 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
             benchlib.make_cold(ans, drop_caches=drop)
             started = time.perf_counter()
             with Checkpoint(ans) as checkpoint:
-                reader = base_arrays(checkpoint)
-                for info in gdsckpt.inspect(ans).tensors:
-                    if info.alias_of is None:
-                        for low in range(0, info.nbytes, window):
-                            reader.read(info.key, low, min(info.nbytes, low + 1), None)
+                reader = base_arrays(checkpoint, window_bytes=window)
+                for key, nbytes in list(reader._sizes.items()):  # the reader's own order
+                    for low in range(0, nbytes, window):
+                        reader.read(key, low, min(nbytes, low + 1), None)
             seconds = time.perf_counter() - started
         finally:
             _patched(saved)
@@ -209,7 +170,6 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
             results.setdefault(f"convert/{name}", {"rounds": []})["rounds"].append(entry)
             benchlib.remove(copy)
             report.write()
-    assert delta.HOST_WINDOW_BYTES == 64 << 20
     for name in ways:
         rounds = results[f"convert/{name}"]["rounds"]
         results[f"convert/{name}"].update(

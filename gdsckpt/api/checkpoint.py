@@ -346,11 +346,22 @@ class Checkpoint:
         """The record holding ``key``'s bytes (an alias's target)."""
         return data_of(self._opened.index, self._id(key))
 
-    def _base_reader(self) -> BaseReader:
+    def _base_reader(self, *, read_ahead: bool = False, window_bytes: int | None = None) -> BaseReader:
         """A ``BaseReader`` of this checkpoint's arrays (deltas resolved): what a delta built on it
-        XORs with, and what ``rebase`` writes out."""
-        sizes = {record.key: record.nbytes for record in self._opened.index.tensors if record.alias is None}
-        return BaseReader(_CheckpointArrays(self), sizes, timeout=self._config.timeout)
+        XORs with, and what ``rebase`` writes out.
+
+        The arrays are listed in the order their bytes lie in the file (by their first chunk), which
+        is the order the reader batches small arrays in: in record order, a batch for an array
+        packed at the end of the file also fetched the large arrays recorded after it, which a
+        convert had already read and the cache had dropped, and an ANS-to-zstd convert fetched
+        the file about twice (``experiments/convert_ways.py``)."""
+        records = [record for record in self._opened.index.tensors if record.alias is None]
+        position = {id(record): min((segment.chunk for segment in record.segments), default=-1)
+                    for record in records}
+        records.sort(key=lambda record: position[id(record)])  # stable: record order among equals
+        sizes = {record.key: record.nbytes for record in records}
+        return BaseReader(_CheckpointArrays(self), sizes, timeout=self._config.timeout, read_ahead=read_ahead,
+                          window_bytes=window_bytes)
 
     def _read_many(self, requests: list[tuple[str, int, int]], device: Any = None) -> list[Any]:
         """Bytes ``[start, stop)`` of each named array (distinct, not aliases) as flat uint8 arrays
@@ -464,10 +475,11 @@ def base_chain(checkpoint: Checkpoint, config: Config) -> Iterator[list[OpenedFi
             link.close()
 
 
-def base_arrays(checkpoint: Checkpoint) -> BaseReader:
+def base_arrays(checkpoint: Checkpoint, *, read_ahead: bool = False, window_bytes: int | None = None) -> BaseReader:
     """A cached reader of ``checkpoint``'s arrays, deltas resolved: what a delta written against it
-    XORs with, and what ``rebase`` writes out."""
-    return checkpoint._base_reader()
+    XORs with, and what ``rebase`` writes out (``BaseReader`` says what ``read_ahead`` and
+    ``window_bytes`` do)."""
+    return checkpoint._base_reader(read_ahead=read_ahead, window_bytes=window_bytes)
 
 
 def data_record(checkpoint: Checkpoint, key: str) -> TensorRecord:

@@ -325,6 +325,12 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
     return rewrite(path, output, codec=codec, config=cfg)
 
 
+REWRITE_READ_AHEAD = True
+REWRITE_WINDOW_BYTES: int | None = None
+"""How ``rewrite`` reads its source: windows of this many bytes (None: ``HOST_WINDOW_BYTES``),
+the next read ahead while the codec threads work on one (``state.delta.BaseReader``)."""
+
+
 def rewrite(path: PathLike, output: PathLike, *, codec: str = "auto", config: Config | None = None,
             progress: Progress | None = None) -> SaveReport:
     """Write every array of the checkpoint ``path`` in full to ``output`` with ``codec`` (a delta's
@@ -336,7 +342,7 @@ def rewrite(path: PathLike, output: PathLike, *, codec: str = "auto", config: Co
     cfg = resolve_config(config)
     with Checkpoint(path, cfg) as checkpoint:
         index = opened_file(checkpoint).index
-        reader = base_arrays(checkpoint)
+        reader = base_arrays(checkpoint, read_ahead=REWRITE_READ_AHEAD, window_bytes=REWRITE_WINDOW_BYTES)
         arrays = []
         for record in index.tensors:
             source = None
@@ -344,7 +350,10 @@ def rewrite(path: PathLike, output: PathLike, *, codec: str = "auto", config: Co
                 source = _WindowSource(reader.view(record.key), record.dtype)
             arrays.append(FlatArray(record.key, record.kind, record.dtype, record.shape, record.device, source,
                                     record.alias, dict(record.extra), lossy=record.lossy))
-        return save_flat(FlatState(index.tree, arrays), output, codec=codec, config=cfg, progress=progress)
+        try:
+            return save_flat(FlatState(index.tree, arrays), output, codec=codec, config=cfg, progress=progress)
+        finally:
+            reader.close()
 
 
 def refuse_replacing_base(path: PathLike | StorageWriter, config: Config | None) -> None:

@@ -138,7 +138,8 @@ class BaseReader:
     """The resolved element bytes of a base checkpoint's arrays, fetched in batches and cached.
 
     A request for an array smaller than a quarter window fetches it together with the small
-    arrays that follow it in the base's order, up to one window, in a single restore; a larger
+    arrays that follow it in ``sizes``' order (the order their bytes lie in the base file), up
+    to one window, in a single restore; a larger
     array is read in windows at multiples of the window size. Without batching, a state of many
     small arrays cost one restore (engine, reads, decode) per array and per link of a chain of
     deltas: 7.6 s for the tenth delta of a 62 MiB state on the CPU host, against 0.1 s for a full
@@ -146,11 +147,16 @@ class BaseReader:
     threads): one window is fetched at a time, threads asking for another wait for that fetch,
     and threads asking for cached windows never wait for a fetch.
 
-    Windows are not read ahead: a convert that fetched the next window on a thread of its own
-    while the codec threads compressed this one measured slower, not faster (docs/performance.md,
-    "Portable files from CUDA state")."""
+    ``read_ahead``: when a read reaches the window last read ahead (or is the first), the window
+    after it is fetched on a thread of its own, while the codec threads work on this one; the
+    cache then keeps about three windows (the one being read, one behind it that slower threads
+    may still ask for, the one read ahead). For readers that go through the arrays once in
+    ``sizes``' order (``rebase``, ``convert``); a delta's base is read where the delta's chunks
+    need it and is not read ahead. ``close`` waits for a read ahead still running.
+    ``window_bytes``: the window in host memory (default ``HOST_WINDOW_BYTES``)."""
 
-    def __init__(self, source: BaseArrays, sizes: dict[str, int], *, timeout: float = 600.0):
+    def __init__(self, source: BaseArrays, sizes: dict[str, int], *, timeout: float = 600.0,
+                 read_ahead: bool = False, window_bytes: int | None = None):
         self._source = source
         self._sizes = sizes
         self._order = list(sizes)
@@ -161,6 +167,16 @@ class BaseReader:
         self._fetching: dict[tuple[Any, str, int], Future[dict[tuple[str, int, int], Any]]] = {}
         """(device, first key, first start) of each batch being fetched -> its outcome."""
         self._timeout = timeout
+        self._read_ahead = read_ahead
+        self._window_bytes = window_bytes
+        self._ahead_mark: tuple[float, float] | None = None
+        """(position, start) of the window last read ahead: a read before it starts no other."""
+        self._ahead: Future[Any] | None = None
+
+    def _window(self, device: Any) -> int:
+        if device is None:
+            return self._window_bytes or HOST_WINDOW_BYTES
+        return DEVICE_WINDOW_BYTES
 
     def view(self, key: str) -> BaseBytes:
         """The bytes of one array (``key`` an array of the base)."""
@@ -168,6 +184,12 @@ class BaseReader:
 
     def read(self, key: str, start: int, stop: int, device: Any) -> Any:
         """Bytes ``[start, stop)`` of array ``key`` (host for ``device`` None, else ``"cuda:N"``)."""
+        data = self._read(key, start, stop, device)
+        if self._read_ahead and stop > start:
+            self._read_next(key, start, device)
+        return data
+
+    def _read(self, key: str, start: int, stop: int, device: Any) -> Any:
         if stop <= start:  # nothing to fetch (a zero-size array)
             if device is None:
                 return np.empty(0, dtype=np.uint8)
@@ -202,6 +224,58 @@ class BaseReader:
                     return data[start - low:stop - low]
             # another thread's batch did not cover this range: look again
 
+    def _read_next(self, key: str, start: int, device: Any) -> None:
+        """Start fetching the window after the one holding ``(key, start)`` on a thread of its
+        own, if this read reached the window last read ahead and no fetch runs (one at a time,
+        as ever): O(1) for every other read, so a window of many small arrays is scanned once."""
+        with self._lock:
+            mark = (self._position[key], start)
+            if self._fetching or (self._ahead_mark is not None and mark < self._ahead_mark):
+                return
+            following = self._following(key, start, device)
+            if following is None:
+                self._ahead_mark = (float("inf"), 0)
+                return
+            self._ahead_mark = (self._position[following[0]], following[1])
+            if self._holds(following[0], following[1], device):
+                return  # cached already: a read that reaches it looks further
+            batch = self._batch_for(following[0], following[1], following[1] + 1, device)
+            future, _owner = self._claim(batch, device)  # the owner: nothing else is fetching
+            self._ahead = future
+
+        def fetch() -> None:
+            try:
+                self._fetch(batch, device, future)
+            except BaseException:  # noqa: BLE001 - the future holds it; a reader waiting on it fetches again
+                pass
+        threading.Thread(target=fetch, name="gdsckpt-read-ahead", daemon=True).start()
+
+    def _following(self, key: str, start: int, device: Any) -> tuple[str, int] | None:
+        """(key, start) of the window after the one holding ``(key, start)`` in ``sizes``' order
+        (past the small arrays the cache holds); None at the end (caller holds the lock)."""
+        size = self._window(device)
+        if self._sizes[key] > size // 4:
+            high = (start // size + 1) * size
+            if high < self._sizes[key]:
+                return key, high
+        for other in self._order[self._position[key] + 1:]:
+            if self._sizes[other] and not self._holds(other, 0, device):
+                return other, 0
+        return None
+
+    def _holds(self, key: str, start: int, device: Any) -> bool:
+        return any(kind == device and cached_key == key and low <= start < high
+                   for kind, cached_key, low, high in self._cache)
+
+    def close(self) -> None:
+        """Wait for a read ahead still running (its restore uses the base's open file)."""
+        ahead = self._ahead
+        if ahead is not None:
+            try:
+                ahead.result(timeout=self._timeout)
+            except BaseException:  # noqa: BLE001 - a failed read ahead was nobody's read; a reader fetches again
+                pass
+
     def _cached(self, key: str, start: int, stop: int, device: Any) -> Any:
         for entry, data in self._cache.items():
             kind, cached_key, low, high = entry
@@ -212,7 +286,7 @@ class BaseReader:
 
     def _batch_for(self, key: str, start: int, stop: int, device: Any) -> list[tuple[str, int, int]]:
         """The ranges one restore fetches for a request (class docstring); caller holds the lock."""
-        size = HOST_WINDOW_BYTES if device is None else DEVICE_WINDOW_BYTES
+        size = self._window(device)
         nbytes = self._sizes[key]
         if nbytes <= size // 4:
             batch, total = [(key, 0, nbytes)], nbytes
@@ -247,7 +321,8 @@ class BaseReader:
     def _fetch(self, batch: list[tuple[str, int, int]], device: Any,
                future: Future[dict[tuple[str, int, int], Any]]) -> dict[tuple[str, int, int], Any]:
         """Restore ``batch``, cache it and complete ``future`` (with the error, if it fails)."""
-        size = HOST_WINDOW_BYTES if device is None else DEVICE_WINDOW_BYTES
+        size = self._window(device)
+        kept = 3 * size if self._read_ahead else 2 * size
         ident = (device, batch[0][0], batch[0][1])
         try:
             data = self._source.read_many(batch, device)
@@ -261,7 +336,7 @@ class BaseReader:
             for (key, low, high), array in fetched.items():
                 self._cache[(device, key, low, high)] = array
                 self._cached_bytes += high - low
-            while self._cached_bytes > 2 * size and len(self._cache) > len(batch):
+            while self._cached_bytes > kept and len(self._cache) > len(batch):
                 (_kind, _key, low, high), _data = self._cache.popitem(last=False)
                 self._cached_bytes -= high - low
             self._fetching.pop(ident, None)
