@@ -10,9 +10,9 @@ each from a cold source:
 - ``fetch/<window>``: the source's windows read one after another into host memory (what the
   convert's codec threads ask ``state.delta.BaseReader`` for), nothing encoded or written;
 - ``convert/<way>``: ``gdsckpt.convert(ans, copy, codec="zstd")``, ways round-robin for
-  ``--rounds`` rounds: ``64MiB`` (``HOST_WINDOW_BYTES`` as it is), ``256MiB`` (patched), and
-  each with ``+ahead``: whenever a window is asked for and no fetch runs, the next window is
-  fetched on a thread of its own (one fetch at a time, as the reader's own fetches).
+  ``--rounds`` rounds: windows of ``64MiB`` and ``256MiB`` (``api.saving.REWRITE_WINDOW_BYTES``;
+  the library's default is ``max_inflight_bytes``, 256 MiB), each without and with ``+ahead``
+  (``REWRITE_READ_AHEAD``, the default: the next window fetched on a thread of its own).
 
 Each convert records every window fetch (start, end, bytes) so the report says how much of the
 convert the fetches took and how long the codec threads waited on them.

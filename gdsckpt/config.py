@@ -17,7 +17,7 @@ the presets shipped in the package (``Config.preset("fast-nvme")``, ``gdsckpt --
 | level | ``None`` | compression level for zstd/deflate (None: the engine's default; CPU: zstd 1, deflate 6) |
 | codec_threads | 0 | CPU threads for codecs (0: one per core) |
 | io_threads | min(8, cores) | threads issuing reads and writes (POSIX I/O: the CPU engine, loads into host memory); small hosts' virtual disks read slower with more threads than cores, and a file of at most 256 MiB that is not in the page cache is read by one thread (``io.posix.ONE_READER_BYTES``: the kernel's readahead does better) (docs/performance.md, "Save and load on the CPU") |
-| max_inflight_bytes | 256 MiB | bound on chunk bytes between read/encode and write/decode (at least ``chunk_bytes``) |
+| max_inflight_bytes | 256 MiB | bound on chunk bytes between read/encode and write/decode (at least ``chunk_bytes``); a convert or rebase also reads its source in windows of this size, up to five at a time |
 | o_direct | ``"auto"`` | O_DIRECT for aligned (compressed) chunk writes: ``auto`` (where the filesystem allows), true, false. A chunk stored as it is goes to the writer from the state's memory and is written buffered, its write-back started at once; ``true`` copies it into an aligned buffer to write it with O_DIRECT too. Reads stay buffered: measured, O_DIRECT reads did not speed cold loads and slowed warm ones |
 | fsync | True | fsync the file and its directory before a save returns |
 | timeout | 600 | seconds any single wait on a worker may take before failing the operation (every fsync included: the file's, after which the previous file stays in place; its directory's after the rename, when the new file is in place already; the manager's `latest` pointer's) |

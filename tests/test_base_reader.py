@@ -1,7 +1,9 @@
 """``state.delta.BaseReader``: the windowed, cached reader that ``rewrite`` (``convert``,
 ``rebase``) and delta saves read a checkpoint's arrays through: one fetch per window whatever the
 number of threads asking, one fetch at a time, a failed fetch retried by a thread that waited for
-it, and a checkpoint reading windows keeps one decoding engine for all of them."""
+it, the next window read ahead where asked (a failed read ahead fetched again by the reader that
+needs it), small arrays batched in file order so that a convert reads each byte once, and a
+checkpoint reading windows keeps one decoding engine for all of them."""
 
 from __future__ import annotations
 
@@ -144,8 +146,17 @@ def test_a_checkpoint_read_in_windows_keeps_one_engine(tmp_path: Path, monkeypat
     source = tmp_path / "a.gdsckpt"
     gdsckpt.save(state, source, codec="zstd", config=gdsckpt.Config(chunk_bytes=4096))
     made.clear()
-    gdsckpt.convert(source, tmp_path / "b.gdsckpt", codec="lz4", config=gdsckpt.Config(chunk_bytes=4096))
-    assert len(made) == 1, made  # about 30 windows of 4 KiB
+    windows: list[Any] = []
+    original_read_many = checkpoint_module.Checkpoint._read_many
+
+    def reading(self: Any, requests: Any, device: Any = None) -> Any:
+        windows.append(requests)
+        return original_read_many(self, requests, device)
+
+    monkeypatch.setattr(checkpoint_module.Checkpoint, "_read_many", reading)
+    gdsckpt.convert(source, tmp_path / "b.gdsckpt", codec="lz4",
+                    config=gdsckpt.Config(chunk_bytes=4096, max_inflight_bytes=4096))  # windows of 4 KiB
+    assert len(windows) >= 20 and len(made) == 1, (len(windows), made)
     h.assert_same(state, gdsckpt.load(tmp_path / "b.gdsckpt"))
 
 
@@ -179,3 +190,88 @@ def test_a_failed_window_restore_closes_its_engine_and_the_next_gets_a_new_one(t
         (window,) = checkpoint._read_many([("w", 0, 400)])
     assert len(made) == 2
     assert np.array_equal(window, torch.arange(100, dtype=torch.float32).numpy().view(np.uint8))
+
+
+def _read_all(reader: BaseReader, sizes: dict[str, int], step: int = 1024) -> None:
+    for key, nbytes in sizes.items():
+        for start in range(0, nbytes, step):
+            assert np.array_equal(reader.read(key, start, min(nbytes, start + step), None),
+                                  _expected(start, min(nbytes, start + step)))
+
+
+def test_read_ahead_fetches_the_next_window_on_its_own_thread_once() -> None:
+    """With ``read_ahead`` the window after the one being read is fetched on a thread of its own
+    while the reader works on this one; reading every window in order fetches each once, one
+    fetch at a time, and the reads of a read-ahead window start no fetch of their own."""
+    sizes = {"a": 3 * WINDOW + 100, "b": 2 * WINDOW}
+    arrays = _Arrays(sizes, delay=0.02)
+    reader = BaseReader(arrays, sizes, read_ahead=True)
+    reader.read("a", 0, 10, None)
+    reader.close()  # waits for the read ahead of the second window
+    assert [(name, requests[0][:2]) for name, requests in arrays.calls] == [
+        (threading.current_thread().name, ("a", 0)), ("gdsckpt-read-ahead", ("a", WINDOW))]
+    _read_all(reader, sizes)
+    reader.close()
+    fetched = [requests[0][:2] for _name, requests in arrays.calls]
+    assert fetched == [("a", 0), ("a", WINDOW), ("a", 2 * WINDOW), ("a", 3 * WINDOW), ("b", 0), ("b", WINDOW)]
+    assert sum(1 for name, _requests in arrays.calls if name == "gdsckpt-read-ahead") >= 4
+
+
+def test_without_read_ahead_nothing_is_fetched_before_it_is_asked_for() -> None:
+    sizes = {"a": 3 * WINDOW}
+    arrays = _Arrays(sizes)
+    reader = BaseReader(arrays, sizes)
+    reader.read("a", 0, 10, None)
+    time.sleep(0.05)
+    assert [requests[0][:2] for _name, requests in arrays.calls] == [("a", 0)]
+
+
+def test_a_failed_read_ahead_is_fetched_again_by_the_reader_that_needs_it() -> None:
+    sizes = {"a": 3 * WINDOW}
+    arrays = _Arrays(sizes, fail={("a", WINDOW)})
+    reader = BaseReader(arrays, sizes, read_ahead=True)
+    reader.read("a", 0, 10, None)
+    reader.close()  # the read ahead of the second window failed; nobody asked for it yet
+    assert np.array_equal(reader.read("a", WINDOW + 5, WINDOW + 50, None), _expected(WINDOW + 5, WINDOW + 50))
+    reader.close()
+    assert [requests[0][:2] for _name, requests in arrays.calls][:3] == [("a", 0), ("a", WINDOW), ("a", WINDOW)]
+
+
+def test_read_ahead_of_small_arrays_batches_each_once() -> None:
+    """Many arrays smaller than a quarter window are read ahead a batch at a time, each array in
+    exactly one fetch (a read inside a batch already read ahead starts no other)."""
+    sizes = {f"s{i}": 300 for i in range(60)}
+    arrays = _Arrays(sizes)
+    reader = BaseReader(arrays, sizes, read_ahead=True)
+    _read_all(reader, sizes, step=300)
+    reader.close()
+    fetched = [key for _name, requests in arrays.calls for key, _start, _stop in requests]
+    assert sorted(fetched) == sorted(sizes) and len(arrays.calls) == -(-60 * 300 // WINDOW)
+
+
+def test_a_convert_reads_each_source_byte_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, h: Any) -> None:
+    """Small arrays recorded between large ones are packed at the end of the file; the reader
+    batches them in file order, so a convert fetches every byte of its source once. In record
+    order each batch for a small array also pulled in the large arrays recorded after it, which
+    the cache had dropped: the source was read about twice over."""
+    from gdsckpt.api import checkpoint as checkpoint_module
+
+    g = torch.Generator().manual_seed(7)
+    state: dict[str, Any] = {}
+    for layer in range(32):
+        state[f"layer{layer}.weight"] = torch.randn(2048, generator=g)  # 8 KiB: a chunk of its own
+        state[f"layer{layer}.bias"] = torch.randn(64, generator=g)  # packed at the end of the file
+    config = gdsckpt.Config(chunk_bytes=16 << 10, pack_below=4096, max_inflight_bytes=64 << 10, codec_threads=2)
+    source = tmp_path / "a.gdsckpt"
+    gdsckpt.save(state, source, codec="zstd", config=config)
+    fetched: list[int] = []
+    original = checkpoint_module.Checkpoint._read_many
+
+    def counting(self: Any, requests: Any, device: Any = None) -> Any:
+        fetched.append(sum(stop - start for _key, start, stop in requests))
+        return original(self, requests, device)
+
+    monkeypatch.setattr(checkpoint_module.Checkpoint, "_read_many", counting)
+    gdsckpt.convert(source, tmp_path / "b.gdsckpt", codec="lz4", config=config)
+    assert sum(fetched) == sum(t.numel() * t.element_size() for t in state.values()), fetched
+    h.assert_same(state, gdsckpt.load(tmp_path / "b.gdsckpt"))

@@ -327,8 +327,13 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
 
 REWRITE_READ_AHEAD = True
 REWRITE_WINDOW_BYTES: int | None = None
-"""How ``rewrite`` reads its source: windows of this many bytes (None: ``HOST_WINDOW_BYTES``),
-the next read ahead while the codec threads work on one (``state.delta.BaseReader``)."""
+"""How ``rewrite`` reads its source: windows of this many bytes (None: the configuration's
+``max_inflight_bytes``, so that the memory a convert takes stays a multiple of one bound), the
+next read ahead while the codec threads work on one (``state.delta.BaseReader``). Why both: a
+window read is one restore of the source, whose reads wait while it starts and decodes, and
+with one window fetched at a time and none ahead the codec threads wait for each; larger windows
+read ahead brought an ANS-to-zstd convert from about 0.85 of the storage's read + write time
+to about 1 (docs/performance.md, "Portable files from CUDA state")."""
 
 
 def rewrite(path: PathLike, output: PathLike, *, codec: str = "auto", config: Config | None = None,
@@ -338,11 +343,15 @@ def rewrite(path: PathLike, output: PathLike, *, codec: str = "auto", config: Co
     what ``rebase`` and a gdsckpt-to-gdsckpt ``convert`` do. Memory stays bounded whatever the
     checkpoint's size: the arrays are read in windows of a few chunks (``state.delta.BaseReader``,
     decoded by whichever engine their codecs need) while the save pipeline writes the previous
-    ones. ``output`` is written as ``save`` writes (atomically, replacing a file there)."""
+    ones, the next window read ahead. Windows are ``max_inflight_bytes`` each; the reader keeps up
+    to three, fills one more and its restore copies one out: beside the save's own bound, a
+    rewrite holds up to five times ``max_inflight_bytes`` of host memory (1.25 GiB at the
+    default). ``output`` is written as ``save`` writes (atomically, replacing a file there)."""
     cfg = resolve_config(config)
     with Checkpoint(path, cfg) as checkpoint:
         index = opened_file(checkpoint).index
-        reader = base_arrays(checkpoint, read_ahead=REWRITE_READ_AHEAD, window_bytes=REWRITE_WINDOW_BYTES)
+        reader = base_arrays(checkpoint, read_ahead=REWRITE_READ_AHEAD,
+                             window_bytes=REWRITE_WINDOW_BYTES or cfg.max_inflight_bytes)
         arrays = []
         for record in index.tensors:
             source = None
