@@ -16,6 +16,7 @@ import io
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,20 @@ def bits(t: Any) -> bytes:
     flat = torch.empty(t.numel(), dtype=t.dtype)
     flat.copy_(t.detach().reshape(-1))
     return flat.view(torch.uint8).numpy().tobytes()
+
+
+RANK_FILE = re.compile(r"__([0-9]+)_[0-9a-f]{32}\.gdsckpt")
+
+
+def rank_files(directory: Path) -> dict[int, str]:
+    """Rank -> the name of its rank file in ``directory`` (each save's names carry its file id)."""
+    found: dict[int, str] = {}
+    for name in os.listdir(directory):
+        match = RANK_FILE.fullmatch(name)
+        if match:
+            assert int(match.group(1)) not in found, f"two rank files of rank {match.group(1)}: {os.listdir(directory)}"
+            found[int(match.group(1))] = name
+    return found
 
 
 def small_options() -> dict[str, Any]:
@@ -193,7 +208,7 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, lis
         "g1": spawn(1, root, "g1", [("save", "n1")]),
         "g4": spawn(4, root, "g4", [("load", "n1"), ("save", "n4")]),
         "g2": spawn(2, root, "g2", [("load", "n4"), ("async_save", "n2"), ("save", "failed"),
-                                    ("fail_save", "failed"), ("fail_save", "fresh")]),
+                                    ("fail_save", "failed"), ("load", "failed"), ("fail_save", "fresh")]),
         "g1b": spawn(1, root, "g1b", [("load", "n2")]),
     }
     return root, reports
@@ -234,8 +249,8 @@ def test_resharded_ranks_read_only_their_rows(chain: Any) -> None:
 def test_layout_of_a_multi_rank_checkpoint(chain: Any) -> None:
     root, _reports = chain
     names = sorted(os.listdir(root / "n4"))
-    assert names == [".metadata", ".metadata.json", "__0_0.gdsckpt", "__1_0.gdsckpt", "__2_0.gdsckpt",
-                     "__3_0.gdsckpt"]
+    files = rank_files(root / "n4")
+    assert names == sorted([".metadata", ".metadata.json", *files.values()]) and sorted(files) == [0, 1, 2, 3]
     with open(root / "n4" / ".metadata", "rb") as f:
         metadata = pickle.load(f)
     # the JSON form the reader uses holds the same sharded metadata as the pickle
@@ -247,7 +262,7 @@ def test_layout_of_a_multi_rank_checkpoint(chain: Any) -> None:
     # each DTensor shard lives in its own rank's file, under the key of its MetadataIndex
     shards = sorted((index.offset[0], info.relative_path) for index, info in infos.items()
                     if index.fqn == "sharded.w")
-    assert shards == [(0, "__0_0.gdsckpt"), (3, "__1_0.gdsckpt"), (6, "__2_0.gdsckpt"), (9, "__3_0.gdsckpt")]
+    assert shards == [(0, files[0]), (3, files[1]), (6, files[2]), (9, files[3])]
     for index, info in infos.items():
         assert info.key == item_key(index)
         with gdsckpt.open(root / "n4" / info.relative_path) as ckpt:
@@ -256,18 +271,21 @@ def test_layout_of_a_multi_rank_checkpoint(chain: Any) -> None:
         gdsckpt.verify(root / "n4" / name)
 
 
-def test_failing_rank_raises_everywhere_and_leaves_no_metadata(chain: Any) -> None:
+def test_failing_rank_raises_everywhere_and_keeps_the_previous_checkpoint(chain: Any) -> None:
     root, reports = chain
     assert _outcomes(reports["g2"], "save:failed") == [None, None]
-    # "failed" held a good checkpoint first: a failed overwrite must not leave its .metadata
-    # pointing into rank files that were partly replaced
     for where in ("failed", "fresh"):
         for rank, outcome in enumerate(_outcomes(reports["g2"], f"fail_save:{where}")):
             assert outcome is not None, f"rank {rank} did not see the failure ({where})"
             assert outcome.startswith("CheckpointException"), outcome
             assert "injected failure on rank 1" in outcome, outcome
-        assert not (root / where / ".metadata").exists()
-        assert not (root / where / ".metadata.json").exists()
+    # "failed" held a good checkpoint: the failed save over it left it loadable, bit-exact, on
+    # every rank (its rank files untouched beside the failed save's rank-0 file)
+    assert _outcomes(reports["g2"], "load:failed") == [None, None]
+    assert (root / "failed" / ".metadata").exists() and (root / "failed" / ".metadata.json").exists()
+    assert len([name for name in os.listdir(root / "failed") if RANK_FILE.fullmatch(name)]) == 3
+    # "fresh" held nothing: still no checkpoint
+    assert not (root / "fresh" / ".metadata").exists() and not (root / "fresh" / ".metadata.json").exists()
     with pytest.raises(CheckpointException), pytest.warns(UserWarning, match=DISABLED):
         dcp.load({"rep": {"w": torch.zeros(6, 5)}}, storage_reader=GdsStorageReader(root / "fresh"))
 
@@ -291,7 +309,7 @@ def test_single_process_round_trip(tmp_path: Path) -> None:
     state = plain_state()
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.save(state, storage_writer=GdsStorageWriter(tmp_path, codec="zstd", **small_options()))
-    assert sorted(os.listdir(tmp_path)) == [".metadata", ".metadata.json", "__0_0.gdsckpt"]
+    assert sorted(os.listdir(tmp_path)) == [".metadata", ".metadata.json", rank_files(tmp_path)[0]]
     target = empty_like(state)
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.load(target, storage_reader=GdsStorageReader(tmp_path))
@@ -311,7 +329,7 @@ def test_fqns_with_slash_and_tilde_round_trip(tmp_path: Path) -> None:
         dcp.load(target, storage_reader=GdsStorageReader(tmp_path))
     assert bits(target["a/b"]) == bits(state["a/b"]) and bits(target["c~d"]["e/f~"]) == bits(state["c~d"]["e/f~"])
     assert target["n/x"] == 4
-    with gdsckpt.open(tmp_path / "__0_0.gdsckpt") as ckpt:
+    with gdsckpt.open(tmp_path / rank_files(tmp_path)[0]) as ckpt:
         assert "a~1b@0" in list(ckpt.keys())
 
 
@@ -319,9 +337,9 @@ def test_rank_file_is_a_plain_gdsckpt_file(tmp_path: Path) -> None:
     state = plain_state()
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.save(state, storage_writer=GdsStorageWriter(tmp_path, codec="zstd", **small_options()))
-    info = gdsckpt.inspect(tmp_path / "__0_0.gdsckpt")
+    info = gdsckpt.inspect(tmp_path / rank_files(tmp_path)[0])
     assert set(info.codecs) and all("zstd" in label or label == "none/1" for label in info.codecs)
-    with gdsckpt.open(tmp_path / "__0_0.gdsckpt") as ckpt:
+    with gdsckpt.open(tmp_path / rank_files(tmp_path)[0]) as ckpt:
         assert bits(ckpt.get("model.w@0,0")) == bits(state["model"]["w"])
         assert bits(ckpt.get("model.t@0,0")) == bits(state["model"]["t"])
         # DCP's byte items are stored as raw uint8 tensors holding DCP's own serialisation
@@ -414,7 +432,7 @@ def test_rank_local_metadata_without_collectives(tmp_path: Path) -> None:
     state = plain_state()
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.save(state, storage_writer=GdsStorageWriter(tmp_path, **small_options()), use_collectives=False)
-    assert sorted(os.listdir(tmp_path)) == ["__0.metadata", "__0.metadata.json", "__0_0.gdsckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["__0.metadata", "__0.metadata.json", rank_files(tmp_path)[0]]
     target = empty_like(state)
     with pytest.warns(UserWarning, match=DISABLED):  # DCP falls back to __<rank>.metadata
         dcp.load(target, storage_reader=GdsStorageReader(tmp_path))

@@ -10,8 +10,7 @@
 
 A checkpoint is a directory, or an ``s3://bucket/prefix`` URL (the same files as objects below
 the prefix, ``gdsckpt.io.s3``; each object appears whole, so the atomic renames below become
-single PUTs, and a save that fails leaves no ``.metadata`` either). Each rank writes one gdsckpt
-file, ``__<rank>_0.gdsckpt``, through
+single PUTs). Each rank writes one gdsckpt file, ``__<rank>_<file id>.gdsckpt``, through
 ``gdsckpt.save`` (chunked, compressed, checksummed, atomic): a flat dict of that rank's write
 items, keyed ``"<fqn>@<chunk offsets>"`` (the ``MetadataIndex`` of the item). Tensors are stored
 as tensors; DCP's byte items (non-tensor state, which DCP itself serialises) are stored as raw
@@ -23,25 +22,36 @@ values, which a reader decodes without running code from the file; it records th
 ``FileSystemWriter`` does (so torch's ``FileSystemReader`` and older gdsckpt versions read it).
 ``.metadata`` is written last: a directory without it is not a checkpoint. Metadata that the JSON
 schema cannot express (a custom planner's ``planner_data``, a dtype outside the table) is written
-as the pickle only, with a ``PickleOnlyMetadataWarning``. If any rank fails, DCP raises on every
-rank and never calls ``finish``, and the coordinator removed a stale ``.metadata`` (then
-``.metadata.json``) before any rank wrote, so the directory is not a (mixed) checkpoint either.
-The JSON form's encoder and strict decoder live in ``dcp_metadata``; it carries a digest of its
-own content, and its chunks and storage entries are checked to fit together (``check_metadata``).
-The coordinator also removes stale rank-local ``__<rank>.metadata`` files (of an earlier save with
-``use_collectives=False``), which ``dcp.load`` would otherwise fall back to after a failed save.
+as the pickle only, with a ``PickleOnlyMetadataWarning``.
 
-Each save writes a random id into each rank file (an empty array keyed
+**A save into a directory that holds a checkpoint replaces it only when it has succeeded.** Its
+rank files have names of their own (the save's random file id), so the previous checkpoint's
+metadata and the rank files it names stay as they were while the ranks write. If any rank fails
+(an error, a full disk, a killed process), DCP raises on every rank and never calls ``finish``:
+the previous checkpoint still loads, beside the failed save's files (so the storage needs room
+for both checkpoints until a save has succeeded). Once the new metadata is
+written, the coordinator removes the rank files it does not name (the previous checkpoint's and
+any failed save's) and stale rank-local ``__<rank>.metadata`` files of an earlier save with
+``use_collectives=False``, which ``dcp.load`` would otherwise fall back to; a save without
+collectives removes only its own rank's. A process killed between the two metadata renames
+leaves a ``.metadata.json`` that does not describe ``.metadata``, which the reader refuses,
+naming both (nothing is removed before both are written). The JSON form's encoder and strict
+decoder live in ``dcp_metadata``; it carries a digest of its own content, and its chunks and
+storage entries are checked to fit together (``check_metadata``).
+
+Each save writes its random id into each rank file as well (an empty array keyed
 ``gdsckpt.dcp.file_id.<id>``) and records it in every storage entry of that file
-(``GdsStorageInfo.file_id``). A reader refuses a rank file holding another id, naming it: another
-save (two jobs saving to one directory at once, or a later save that failed) replaced the file
-after this metadata's save wrote it.
+(``GdsStorageInfo.file_id``). A reader refuses a rank file holding another id, naming it, and a
+rank file that is missing: two saves to one directory at once end with the metadata of the one
+that finished last, whose files the other's ``finish`` may have removed. Either way the load
+fails with a message, never with a mix of two saves.
 
-A writer refuses what would fail inside ``write_data`` before a save removes the previous
-checkpoint's metadata: an unknown codec, a compression level the codec refuses, a GPU-only codec
-where no GPU is usable (at construction), a sparse tensor or a dtype gdsckpt cannot store (in
-``prepare_local_plan``). What the plan does not show still fails in ``write_data``, after the
-removal: a tensor on the ``meta`` device, and a GPU-only codec for state in host memory.
+A writer refuses early what would fail inside ``write_data``: an unknown codec, a compression
+level the codec refuses, a GPU-only codec where no GPU is usable (at construction), a sparse
+tensor or a dtype gdsckpt cannot store (in ``prepare_local_plan``), so that the save fails
+before any rank writes. What the plan does not show (a tensor on the ``meta`` device, a GPU-only
+codec for state in host memory) fails in ``write_data``, which leaves the previous checkpoint
+as it was.
 
 Loading reads ``.metadata.json`` (never the pickle, unless ``GdsStorageReader(trust_pickle=True)``),
 groups the read items by rank file, opens each file once with ``gdsckpt.open`` and reads only the
@@ -140,6 +150,9 @@ class _FilePrefix:
 
 _RANK_METADATA = re.compile(r"__[0-9]+" + re.escape(METADATA_NAME) + r"(" + re.escape(JSON_SUFFIX) + r")?")
 """Names of rank-local metadata files, ``__<rank>.metadata`` and ``__<rank>.metadata.json``."""
+_RANK_FILE = re.compile(r"__[0-9]+_[0-9A-Za-z]+" + re.escape(SUFFIX))
+"""Names of rank files: ``__<rank>_<file id>.gdsckpt`` (``__<rank>_0.gdsckpt`` before file ids
+were in the names)."""
 _URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -316,8 +329,9 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
 
     ``codec`` and ``config`` are those of ``gdsckpt.save``; further keyword ``options`` override
     fields of the configuration (``chunk_bytes=``, ``fsync=``, ``level=``, ...). ``fsync`` also
-    governs the metadata files. Existing rank files, ``.metadata`` and ``.metadata.json`` in
-    ``path`` are replaced, and stale rank-local ``__<rank>.metadata`` files removed. Metadata that
+    governs the metadata files. A checkpoint already in ``path`` is replaced once the save has
+    succeeded (its metadata, then its rank files and stale rank-local ``__<rank>.metadata``
+    files removed); a save that fails leaves it loadable (module docstring). Metadata that
     ``.metadata.json`` cannot express is written to ``.metadata`` only, with a
     ``PickleOnlyMetadataWarning``.
 
@@ -395,29 +409,18 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        # Before anything is removed: an item gdsckpt cannot store fails the save here, and the
-        # previous checkpoint in the directory stays complete.
+        # An item gdsckpt cannot store fails the save here, before any rank writes.
         _check_write_items(plan)
         save = self._current()
         self._files.make()
         if not save.use_collectives and save.rank is not None:
-            self._remove_metadata(self._metadata_path(save.rank))
             plan = dataclasses.replace(plan, storage_data=_FilePrefix(f"__{save.rank}_"))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # Runs on the coordinator after every rank planned and before any rank writes: a stale
-        # .metadata goes first, so that a save failing half-way leaves no committed checkpoint
-        # pointing into rank files it partly replaced. So do rank-local __<rank>.metadata files of
-        # an earlier save without collectives: dcp.load falls back to them when .metadata is
-        # missing. (Without collectives every rank runs this step for itself, and removes only
-        # its own, in prepare_local_plan: another rank may have written its own already.)
-        self._remove_metadata(self._metadata_path())
-        if self._current().use_collectives:
-            stale = sorted(name for name in self._files.names() if _RANK_METADATA.fullmatch(name))
-            for name in stale:  # each .metadata with its JSON, then any JSON left without one
-                if not name.endswith(JSON_SUFFIX) or name[:-len(JSON_SUFFIX)] not in stale:
-                    self._remove_metadata(name.removesuffix(JSON_SUFFIX))
+        # Nothing of the previous checkpoint is removed here: every rank writes files of new
+        # names, and the previous metadata with the files it names stays loadable until finish
+        # replaces it. A save that fails on any rank leaves the directory as it was.
         return [dataclasses.replace(plan, storage_data=_FilePrefix(f"__{i}_"))
                 if plan.storage_data is None else plan for i, plan in enumerate(plans)]
 
@@ -435,8 +438,10 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
     def _write_rank_file(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items to its rank file, with a new file id (``GdsStorageInfo``)."""
         prefix: _FilePrefix = plan.storage_data
-        file_name = f"{prefix.prefix}0{SUFFIX}"
         file_id = uuid.uuid4().hex
+        # A name of its own per save: the previous checkpoint's rank files stay as they are until
+        # this save's metadata has replaced theirs (``_remove_unnamed``).
+        file_name = f"{prefix.prefix}{file_id}{SUFFIX}"
         # An empty array whose key holds the id: a reader finds it in the index, reading no chunk.
         state: dict[str, Any] = {FILE_ID_PREFIX + file_id: torch.empty(0, dtype=torch.uint8)}
         results: list[WriteResult] = []
@@ -468,6 +473,7 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         save = self._current()
         try:
             self._write_metadata(save, metadata, results)
+            self._remove_unnamed(save, results)
         finally:
             self._release(save)
 
@@ -498,6 +504,34 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         else:
             files.write(json_name, encoded, self.config.fsync)
         files.write(final, pickled, self.config.fsync)
+
+    def _remove_unnamed(self, save: _Save, results: list[list[WriteResult]]) -> None:
+        """Once the metadata of ``save`` is written: remove the rank files it does not name (the
+        previous checkpoint's, a failed save's) and, after a collective save, rank-local
+        ``__<rank>.metadata`` files of an earlier save without collectives, which ``dcp.load``
+        would fall back to were ``.metadata`` ever missing. A save without collectives removes
+        only its own rank's files. The save is complete whatever this step meets: a file it
+        cannot remove is logged and left."""
+        named = {result.storage_data.relative_path for rank_results in results for result in rank_results
+                 if isinstance(result.storage_data, GdsStorageInfo)}
+        files = self._files
+        own = None if save.use_collectives else f"__{save.rank}_"
+        try:
+            names = files.names()
+            stale = [name for name in names if _RANK_FILE.fullmatch(name) and name not in named
+                     and (own is None or name.startswith(own))]
+            if save.use_collectives:
+                metadata = sorted(name for name in names if _RANK_METADATA.fullmatch(name))
+                for name in metadata:  # each .metadata with its JSON, then any JSON left without one
+                    if not name.endswith(JSON_SUFFIX) or name[:-len(JSON_SUFFIX)] not in metadata:
+                        self._remove_metadata(name.removesuffix(JSON_SUFFIX))
+            for name in stale:
+                files.remove(name, fsync=False)
+            if stale and self.config.fsync and not isinstance(save.path, str):
+                _fsync_dir(Path(save.path), self.config.timeout)
+        except (OSError, CheckpointError) as err:
+            logger.warning("gdsckpt: the DCP save to %s is complete, but removing the files it replaced "
+                           "failed: %s", str(save.path), err)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -673,7 +707,7 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
             if Path(relative_path).name != relative_path:
                 raise CorruptCheckpointError(f"DCP metadata names a file outside the checkpoint: "
                                              f"{relative_path!r}")
-            with api.open(_Files(self.path, self.config).of(relative_path), config=self.config) as ckpt:
+            with self._open_rank_file(relative_path) as ckpt:
                 self._check_file_id(ckpt, relative_path, {self._info(item).file_id for item in items})
                 # Several read items may take pieces of one stored item: each key is read once.
                 # Keys are read in batches (one parallel restore each, on the device their
@@ -707,6 +741,17 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _open_rank_file(self, relative_path: str) -> Any:
+        """``gdsckpt.open`` of a rank file the metadata names; a missing one is a
+        ``CorruptCheckpointError`` saying how that happens."""
+        try:
+            return api.open(_Files(self.path, self.config).of(relative_path), config=self.config)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{relative_path}, which the DCP metadata of {str(self.path)!r} names, is missing: another "
+                f"save to this directory that finished later (two saves at once) removed it, or the "
+                f"directory was copied in part; save it again") from None
 
     def _check_file_id(self, ckpt: Any, relative_path: str, expected: set[str | None]) -> None:
         """Refuse a rank file that another save wrote than the one this metadata describes: its

@@ -132,7 +132,8 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
 
 def test_layout_and_round_trip_bit_exact(saved: tuple[Path, dict[str, Any]]) -> None:
     path, state = saved
-    assert sorted(os.listdir(path)) == [".metadata", ".metadata.json", "__0_0.gdsckpt"]
+    (rank_file,) = path.glob("__0_*.gdsckpt")  # its name carries the save's file id
+    assert sorted(os.listdir(path)) == [".metadata", ".metadata.json", rank_file.name]
     target = empty_like(state)
     load(target, GdsStorageReader(path))
     assert_same(target, state)
@@ -241,11 +242,12 @@ def test_crafted_byte_item_is_not_run(saved: tuple[Path, dict[str, Any]], tmp_pa
     # through only what torch's weights_only loader accepts
     path = copy_checkpoint(saved[0], tmp_path / "ck")
     marker = tmp_path / "marker"
-    flat = gdsckpt.load(path / "__0_0.gdsckpt")
+    (rank_file,) = path.glob("__0_*.gdsckpt")
+    flat = gdsckpt.load(rank_file)
     payload = io.BytesIO()
     torch.save(Payload(marker), payload)
     flat["step@"] = torch.frombuffer(bytearray(payload.getvalue()), dtype=torch.uint8)
-    gdsckpt.save(flat, path / "__0_0.gdsckpt")
+    gdsckpt.save(flat, rank_file)
     with pytest.raises(CheckpointException, match=r"byte item 'step'.*trust_pickle=True"), \
             pytest.warns(UserWarning, match=DISABLED):
         dcp.load(empty_like(saved[1]), storage_reader=GdsStorageReader(path))
