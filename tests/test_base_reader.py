@@ -249,6 +249,34 @@ def test_read_ahead_of_small_arrays_batches_each_once() -> None:
     assert sorted(fetched) == sorted(sizes) and len(arrays.calls) == -(-60 * 300 // WINDOW)
 
 
+def test_read_ahead_over_many_small_arrays_walks_the_cache_a_bounded_number_of_times() -> None:
+    """Looking for the window after a batch of small arrays scans the cache once, not once per
+    array: with the cache scanned for each array, 3,000 arrays in one batch cost millions of
+    entry visits (a convert of 20,000 small arrays took 20 s instead of 1)."""
+    from collections import OrderedDict
+
+    visits = [0]
+
+    class CountingCache(OrderedDict):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            for entry in super().__iter__():
+                visits[0] += 1
+                yield entry
+
+        def items(self) -> Any:  # lazy, as OrderedDict's: a lookup that stops early visits few
+            return ((key, self[key]) for key in self)
+
+    count = 3000
+    sizes = {f"s{i}": 8 for i in range(count)}
+    arrays = _Arrays(sizes)
+    reader = BaseReader(arrays, sizes, read_ahead=True, window_bytes=1 << 20)
+    reader._cache = CountingCache()
+    _read_all(reader, sizes, step=8)
+    reader.close()
+    assert len(arrays.calls) == 1
+    assert visits[0] < 20 * count, visits[0]
+
+
 def test_a_convert_reads_each_source_byte_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, h: Any) -> None:
     """Small arrays recorded between large ones are packed at the end of the file; the reader
     batches them in file order, so a convert fetches every byte of its source once. In record

@@ -374,6 +374,54 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path: 
     assert bits(target["w"]) == bits(torch.arange(10.0))
 
 
+@pytest.mark.parametrize("pickle_only", [False, True], ids=["json_and_pickle", "pickle_only"])
+def test_a_save_failing_to_write_metadata_keeps_the_previous_checkpoint(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       pickle_only: bool) -> None:
+    # .metadata.json is replaced (or, for metadata without a JSON form, removed) before .metadata
+    # is written: when that write fails, the previous JSON comes back, which describes the
+    # previous .metadata, still in place.
+    import errno
+
+    from gdsckpt.integrations import dcp as dcp_module
+
+    save({"w": torch.arange(10.0)}, tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in (".metadata", ".metadata.json")}
+    original = dcp_module._Files.write
+
+    def failing(self: Any, name: str, data: bytes, fsync: bool) -> None:
+        if name == ".metadata":
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        original(self, name, data, fsync)
+
+    def unexpressible(*args: Any, **kwargs: Any) -> Any:
+        raise dcp_module.UnexpressibleMetadata("planner_data (injected)")
+
+    monkeypatch.setattr(dcp_module._Files, "write", failing)
+    if pickle_only:
+        monkeypatch.setattr(dcp_module, "encode_metadata_json", unexpressible)
+    with pytest.raises(CheckpointException, match="No space left"), pytest.warns(UserWarning):
+        dcp.save({"w": torch.arange(10.0) + 1}, storage_writer=GdsStorageWriter(tmp_path, **OPTIONS))
+    monkeypatch.undo()
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    target = {"w": torch.zeros(10)}
+    load(target, tmp_path)  # the default reader: the JSON path
+    assert bits(target["w"]) == bits(torch.arange(10.0))
+
+
+def test_a_save_without_collectives_over_a_collective_checkpoint_loads(tmp_path: Path) -> None:
+    # dcp.load reads .metadata before any rank-local __<rank>.metadata: the collective
+    # checkpoint's, which names the rank files this save replaced, goes once the save is written.
+    save({"w": torch.arange(10.0)}, tmp_path)
+    with pytest.warns(UserWarning, match=DISABLED):
+        dcp.save({"w": torch.arange(10.0) + 1}, storage_writer=GdsStorageWriter(tmp_path, **OPTIONS),
+                 use_collectives=False)
+    assert not (tmp_path / ".metadata").exists() and not (tmp_path / ".metadata.json").exists()
+    target = {"w": torch.zeros(10)}
+    load(target, tmp_path)
+    assert bits(target["w"]) == bits(torch.arange(10.0) + 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. one writer, two overlapping async saves
 

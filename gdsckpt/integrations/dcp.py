@@ -498,25 +498,47 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
                           f"{err} has no JSON form; GdsStorageReader loads it only with trust_pickle=True",
                           PickleOnlyMetadataWarning, stacklevel=2)
         # The JSON goes first and .metadata last: .metadata marks the checkpoint complete, and the
-        # JSON names the .metadata it was written with (length and SHA-256).
-        if encoded is None:
-            files.remove(json_name, self.config.fsync)
-        else:
-            files.write(json_name, encoded, self.config.fsync)
-        files.write(final, pickled, self.config.fsync)
+        # JSON names the .metadata it was written with (length and SHA-256). Should .metadata not
+        # be written (a full disk, say), the previous JSON is put back: it describes the previous
+        # .metadata, still in place, and the previous checkpoint loads as before.
+        try:
+            previous: bytes | None = files.read(json_name, MAX_METADATA_JSON_BYTES)
+        except (FileNotFoundError, CheckpointError):
+            previous = None
+        try:
+            if encoded is None:
+                files.remove(json_name, self.config.fsync)
+            else:
+                files.write(json_name, encoded, self.config.fsync)
+            files.write(final, pickled, self.config.fsync)
+        except BaseException:
+            try:
+                if previous is None:
+                    files.remove(json_name, self.config.fsync)
+                else:
+                    files.write(json_name, previous, self.config.fsync)
+            except (OSError, CheckpointError) as err:
+                logger.error("gdsckpt: the DCP save to %s failed writing %s, and putting the previous %s "
+                             "back failed too: %s", str(save.path), final, json_name, err)
+            raise
 
     def _remove_unnamed(self, save: _Save, results: list[list[WriteResult]]) -> None:
         """Once the metadata of ``save`` is written: remove the rank files it does not name (the
         previous checkpoint's, a failed save's) and, after a collective save, rank-local
         ``__<rank>.metadata`` files of an earlier save without collectives, which ``dcp.load``
         would fall back to were ``.metadata`` ever missing. A save without collectives removes
-        only its own rank's files. The save is complete whatever this step meets: a file it
-        cannot remove is logged and left."""
+        a collective checkpoint's ``.metadata`` (which ``dcp.load`` reads first) and then only
+        its own rank's files. The save is complete whatever this step meets: a file it cannot
+        remove is logged and left."""
         named = {result.storage_data.relative_path for rank_results in results for result in rank_results
                  if isinstance(result.storage_data, GdsStorageInfo)}
         files = self._files
         own = None if save.use_collectives else f"__{save.rank}_"
         try:
+            if not save.use_collectives:
+                # A collective checkpoint's .metadata, which dcp.load reads before any rank-local
+                # one, names rank files this save replaces: it goes before they do.
+                self._remove_metadata(self._metadata_path())
             names = files.names()
             stale = [name for name in names if _RANK_FILE.fullmatch(name) and name not in named
                      and (own is None or name.startswith(own))]

@@ -258,8 +258,12 @@ class BaseReader:
             high = (start // size + 1) * size
             if high < self._sizes[key]:
                 return key, high
-        for other in self._order[self._position[key] + 1:]:
-            if self._sizes[other] and not self._holds(other, 0, device):
+        # One pass over the cache, then one over the keys: a batch of tens of thousands of small
+        # arrays is walked once, not once per array against the whole cache.
+        held = {cached_key for kind, cached_key, low, _high in self._cache if kind == device and low == 0}
+        for position in range(self._position[key] + 1, len(self._order)):
+            other = self._order[position]
+            if self._sizes[other] and other not in held:
                 return other, 0
         return None
 
