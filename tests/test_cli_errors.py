@@ -107,7 +107,13 @@ def test_help_is_plain_text(command: str | None, h: Any) -> None:
     # the plan's floats overflowed: exit 1 with an OverflowError
     (["plan", "--params", "1e400"], "plan", ["--params", "at most 1e+18", "'1e400'"]),
     (["plan"], "plan", ["give --params"]),
+    # a price or GPU count near float's limit printed "$inf" / "$nan", and NaN into --json
+    (["plan", "--params", "7B", "--gpu-hour-price", "1e308"], "plan", ["--gpu-hour-price", "at most 1e+12"]),
+    (["plan", "--params", "7B", "--gpus", "99999999999999999999999"], "plan", ["--gpus", "at most 1e+12"]),
+    (["plan", "--params", "7B", "--gpus", "2.5"], "plan", ["--gpus", "whole number >= 1"]),
     (["convert", "", "x.gdsckpt"], "convert", ["the path is empty"]),
+    # rebase's bad codec exited 1 with "ValueError: unknown codec", convert's 2
+    (["rebase", "x.gdsckpt", "--codec", "bogus"], "rebase", ["unknown codec 'bogus'"]),
     (["--config", "fast-nvm", "verify", "x"], "verify", ["--config", "did you mean 'fast-nvme'?"]),
     (["--config", "missing.toml", "verify", "x"], "verify", ["--config", "missing.toml"]),
 ])

@@ -102,6 +102,31 @@ def test_save_to_bytesio_and_load_it_back_bit_exact(tmp_path: Path, h: Any) -> N
         assert torch.equal(checkpoint.get("model/w"), state["model"]["w"])
 
 
+def test_save_async_to_bytesio_writes_the_buffer(tmp_path: Path, h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``save_async`` to a file object wrote a file named after its ``repr`` in the working
+    directory (``<_io.BytesIO object at 0x...>``) and left the buffer empty, reporting success."""
+    monkeypatch.chdir(tmp_path)
+    state, buffer = _state(), io.BytesIO()
+    report = gdsckpt.save_async(state, buffer).wait(timeout=60)
+    assert os.listdir(tmp_path) == [] and report.file_bytes == len(buffer.getvalue())
+    buffer.seek(0)
+    h.assert_same(state, gdsckpt.load(buffer))
+    with pytest.raises(TypeError, match="worker process"):  # a file object cannot go to another process
+        gdsckpt.save_async(state, io.BytesIO(), config=gdsckpt.Config(async_worker="process"))
+
+
+@pytest.mark.parametrize("target", [None, 3, b"x.gdsckpt", ["x.gdsckpt"]], ids=["none", "int", "bytes", "list"])
+def test_save_and_save_async_refuse_a_target_that_is_no_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            target: Any) -> None:
+    """``save_async(state, None)`` wrote a file named ``None`` in the working directory, and
+    ``3``, ``b"x"`` or a list likewise under their ``str``, reporting success."""
+    monkeypatch.chdir(tmp_path)
+    for save in (gdsckpt.save, gdsckpt.save_async):
+        with pytest.raises(TypeError, match="saved to a path"):
+            save(_state(), target)
+    assert os.listdir(tmp_path) == []
+
+
 def test_file_objects_are_read_and_written_from_their_position(tmp_path: Path, h: Any) -> None:
     state = _state()
     path = tmp_path / "in_a_file.bin.gdsckpt"

@@ -440,6 +440,38 @@ def test_a_step_saved_again_under_a_delta_never_blocks_later_saves(tmp_path: Pat
     assert step == 1400
 
 
+def test_a_delta_base_is_never_pruned_while_it_is_being_chosen(tmp_path: Path, config: gdsckpt.Config,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``save_async(3)`` chose step 1 as its base and checked its chain; another save completing
+    at that moment (step 2, a full one, ``keep_last=1``) pruned step 1 before the base was
+    registered as in use, and the delta failed with ``DeltaBaseError``: step 3 was never saved.
+    A candidate is now reserved before it is checked. The other save is run inside the check, the
+    window a background save of a ``max_inflight`` > 1 manager hits at random."""
+    import gdsckpt.manager as manager_module
+
+    manager = CheckpointManager(tmp_path, keep_last=1, config=config, delta_every=1, full_every=2,
+                                max_inflight=2)
+    manager.save(1, _delta_state(1))
+    original = manager_module._problem
+    inside: list[int] = []
+
+    def problem(path: Any, **kwargs: Any) -> Any:
+        found = original(path, **kwargs)
+        if kwargs.get("chain") and not inside:
+            inside.append(1)
+            manager.save(2, _delta_state(2))  # complete, and prunes what keep_last=1 lets go
+        return found
+
+    monkeypatch.setattr(manager_module, "_problem", problem)
+    handle = manager.save_async(3, _delta_state(3))
+    monkeypatch.undo()
+    report = handle.wait(timeout=60)
+    assert inside and report.base is not None and report.base.endswith(_ckpt(1))
+    assert torch.equal(gdsckpt.load(manager.path(3))["model"]["w"], _delta_state(3)["model"]["w"])
+    manager.save(4, _delta_state(4))  # step 3 completed after 2: the base it used may go now
+    assert manager.restore_latest()[0] == 4
+
+
 @pytest.mark.parametrize("damage", ["chunk bytes", "deleted"])
 def test_a_damaged_base_under_the_newest_delta_never_blocks_later_saves(tmp_path: Path, config: gdsckpt.Config,
                                                                         damage: str) -> None:

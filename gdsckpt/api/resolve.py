@@ -27,7 +27,7 @@ from ..errors import (
 )
 from ..format import Index
 from ..io import PosixReader, PosixWriter, StorageReader, StorageWriter
-from ..io.fileobj import FileObjectReader
+from ..io.fileobj import FileObjectReader, is_file_object
 from ..io.posix import refuse_special_target
 from ..io.s3 import JOIN_READ_BYTES, READ_THREADS, S3Reader, S3Writer, is_url, split_url, upload_concurrency
 from ..pipeline.engine import HostEngine
@@ -137,10 +137,14 @@ def _caller_level() -> tuple[int, list[str]]:
 
 
 def check_target(path: Any) -> None:
-    """The checks a save makes of its path before writing anything: a file path whose directory
-    exists (made in the caller by ``save_async``, so that a bad path fails there and not in the
-    background), and a ``ForeignExtensionWarning`` for a name another format owns. Anything but a
-    path (a storage writer) passes."""
+    """The checks a save makes of its path before writing anything: a target of a kind a save
+    writes to (a path, an ``s3://`` URL, a ``StorageWriter`` or a binary file object; anything
+    else, ``None`` or ``bytes`` included, is a ``TypeError``), a file path whose directory exists
+    (made in the caller by ``save_async``, so that a bad path fails there and not in the
+    background), and a ``ForeignExtensionWarning`` for a name another format owns."""
+    if not isinstance(path, (str, os.PathLike, StorageWriter)) and not is_file_object(path):
+        raise TypeError(f"a checkpoint is saved to a path (str or os.PathLike), an s3:// URL, a StorageWriter "
+                        f"or a binary file object, got {type(path).__qualname__}: {path!r:.80}")
     warn_foreign_extension(path)
     check_path(path)
 

@@ -60,13 +60,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from .. import api as _api
 from ..api import saving as api_saving
 from ..api.resolve import check_target, resolve_config
 from ..api.saving import refuse_replacing_base
 from ..config import Config
+from ..io.fileobj import FileObjectWriter, is_file_object
 from ..io.s3 import is_url
 from ..state import flatten
 from ..state.delta import DEFAULT_MAX_CHAIN
@@ -100,6 +101,8 @@ def _location_key(location: Any) -> str | None:
 class _Job:
     def __init__(self, saver: AsyncSaver, path: PathLike, timeout: float, base: Any = None):
         self.saver = saver
+        self.target = path
+        """What the save writes to, as given (a file object or writer is written to, not its str)."""
         self.path = str(path)
         self.key = _location_key(path)
         self.base_key = _location_key(base)
@@ -282,7 +285,12 @@ class AsyncSaver:
             raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
         _take_errors(orphans_only=True)
         cfg = config if config is not None else Config.from_env()
+        if is_file_object(path):  # as gdsckpt.save writes to one
+            path = cast(Any, FileObjectWriter(path))
         check_target(path)  # a bad directory fails here, not in the background
+        if cfg.async_worker == "process" and not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"save_async with Config(async_worker='process') saves to a path or an s3:// URL; "
+                            f"a {type(path).__qualname__} cannot be handed to the worker process")
         if not force:
             refuse_replacing_base(path, cfg)  # so does replacing a delta's base
         started = time.perf_counter()
@@ -352,7 +360,7 @@ class AsyncSaver:
             if in_process:
                 report = self.worker().save(holder.pop(), lent, job.path, options, job.timeout)
             else:
-                report = api_saving.save_flat(flatten(holder.pop()), job.path, **options)
+                report = api_saving.save_flat(flatten(holder.pop()), job.target, **options)
             if after is not None:
                 after(report)
             job.report = report
@@ -479,7 +487,11 @@ def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: 
     memory is bounded by ``max_inflight`` times the state's bytes and reused across calls
     (``pool_stats()``).
 
+    ``path`` may be a binary file object, as for ``gdsckpt.save`` (not with
+    ``Config(async_worker="process")``, which hands the path to another process).
+
     Raises, in the caller: ``TypeError`` / ``ValueError`` for a state ``gdsckpt.save`` would reject,
+    ``TypeError`` for a ``path`` that is not a path, URL, writer or file object,
     ``FileNotFoundError`` / ``IsADirectoryError`` for a bad path, ``DeltaBaseError`` for a
     ``path`` that deltas use as their base (see ``gdsckpt.save``), and the error of an earlier
     background save whose handle was dropped without ``wait()`` (this save is then not started).

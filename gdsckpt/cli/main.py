@@ -155,7 +155,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_rebase(args: argparse.Namespace) -> int:
     from ..api import rebase
+    from ..integrations.convert import check_codec
 
+    try:
+        check_codec(args.codec, "gdsckpt")  # a usage error, as for convert
+    except ValueError as err:
+        raise UsageError(str(err)) from err
     report = rebase(args.path, args.output, codec=args.codec, config=args.config, force=args.force)
     print(f"{report.path}: full checkpoint, {report.tensors} arrays, {report.file_bytes} bytes, "
           f"ratio {report.ratio:.3f}")

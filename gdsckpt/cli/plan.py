@@ -20,7 +20,7 @@ from typing import Any
 from ..config import Config
 from ..errors import CheckpointError
 from ..tools import costmodel
-from .common import nonempty_path, positive_int
+from .common import nonempty_path
 
 log = logging.getLogger("gdsckpt")
 
@@ -36,6 +36,8 @@ _SECONDS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 
 
 MAX_COUNT = 10**18
+MAX_FIGURE = 1e12
+"""The largest price, speed or count the plan takes: its products stay far from overflowing."""
 """The largest parameter count ``plan`` takes (a million times today's largest models)."""
 
 
@@ -68,14 +70,26 @@ def parse_duration(text: str) -> float:
 
 
 def _number(text: str, cast: type[float | int], noun: str) -> float:
-    """``text`` as a finite ``cast`` (argparse's error naming ``noun`` otherwise)."""
+    """``text`` as a finite ``cast`` of at most ``MAX_FIGURE`` (argparse's error naming ``noun``
+    otherwise): the plan multiplies these figures in floats, and a price of 1e308 printed
+    ``$inf`` and ``NaN`` (JSON no parser accepts)."""
     try:
         value = cast(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    if abs(value) > MAX_FIGURE:
+        raise argparse.ArgumentTypeError(f"a figure of at most {MAX_FIGURE:.0e} is planned, got {text!r}")
     return value
+
+
+def _job_count(text: str) -> int:
+    """A positive whole number of GPUs, writers or checkpoints, at most ``MAX_FIGURE``."""
+    value = _number(text, float, "a whole number")
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(value)
 
 
 def _positive_float(text: str) -> float:
@@ -131,8 +145,8 @@ def register(subparsers: Any) -> None:
     job = parser.add_argument_group("the job")
     job.add_argument("--interval", type=parse_duration, default=1800.0,
                      help="time between checkpoints: 30m, 2h, 1800s (default 30m)")
-    job.add_argument("--gpus", type=positive_int, default=8, help="GPUs of the job (default 8)")
-    job.add_argument("--writers", type=positive_int,
+    job.add_argument("--gpus", type=_job_count, default=8, help="GPUs of the job (default 8)")
+    job.add_argument("--writers", type=_job_count,
                      help="GPUs that each save a shard (default: all, as DCP/FSDP; 1 for rank 0 only)")
     job.add_argument("--storage-gbps", type=_positive_float,
                      help=f"storage write speed, GB/s, all writers together (default: the config's "
@@ -141,7 +155,7 @@ def register(subparsers: Any) -> None:
                      help="observed speed of the current save, GB/s (default: the storage's speed)")
     job.add_argument("--gpu-hour-price", type=_non_negative_float, metavar="USD",
                      help="price of one GPU-hour (without it: no money figures)")
-    job.add_argument("--keep-last", type=positive_int, default=3, help="checkpoints kept (default 3)")
+    job.add_argument("--keep-last", type=_job_count, default=3, help="checkpoints kept (default 3)")
     figures = parser.add_argument_group("gdsckpt's figures (defaults measured on a GPU: docs/performance.md)")
     figures.add_argument("--snapshot", choices=costmodel.SNAPSHOTS, default="auto",
                                   help="where save_async copies the state (auto: GPU when a shard fits "

@@ -356,14 +356,30 @@ class CheckpointManager:
             path = self.path(candidate)
             if path in self._unusable_bases:
                 continue
-            # the whole chain below it must resolve: a base replaced by an earlier step saved again,
-            # or deleted, made every later delta on it fail until the next full save
-            if (self.delta_base == "previous" or self._is_full(path)) and \
-                    _problem(path, config=self.config, chain=True) is None:
-                with self._lock:  # from now until the save ends, pruning keeps it
-                    self._bases_in_use[candidate] += 1
+            # Reserved before it is checked, so that no save completing meanwhile prunes it between
+            # the check and the delta's reads (a pruned candidate fails the check instead); kept
+            # from then until this save ends.
+            with self._lock:
+                self._bases_in_use[candidate] += 1
+            try:
+                # the whole chain below it must resolve: a base replaced by an earlier step saved
+                # again, or deleted, made every later delta on it fail until the next full save
+                usable = (self.delta_base == "previous" or self._is_full(path)) and \
+                    _problem(path, config=self.config, chain=True) is None
+            except BaseException:
+                self._release_base(candidate)
+                raise
+            if usable:
                 return path
+            self._release_base(candidate)
         return None
+
+    def _release_base(self, step: int) -> None:
+        """One save fewer uses checkpoint ``step`` as its base (``_bases_in_use``)."""
+        with self._lock:
+            self._bases_in_use[step] -= 1
+            if self._bases_in_use[step] <= 0:
+                del self._bases_in_use[step]
 
     def _recorded_base(self, path: Path) -> tuple[bool, dict[str, Any] | None]:
         """(readable, the index's ``base`` member) of the checkpoint at ``path``; a damaged file
@@ -618,12 +634,9 @@ class CheckpointManager:
             self._writing[step] -= 1
             if self._writing[step] <= 0:
                 del self._writing[step]
-            match = self._pattern.match(Path(str(base)).name) if base is not None else None
-            if match:
-                used = int(match.group(1))
-                self._bases_in_use[used] -= 1
-                if self._bases_in_use[used] <= 0:
-                    del self._bases_in_use[used]
+        match = self._pattern.match(Path(str(base)).name) if base is not None else None
+        if match:
+            self._release_base(int(match.group(1)))
 
     def _completed(self, step: int) -> None:
         """Checkpoint ``step`` is complete: point ``latest`` at it (unless a higher step of this
