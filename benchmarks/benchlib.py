@@ -166,6 +166,15 @@ def build_state(width: int, depth: int, steps: int, device: str) -> dict[str, An
     return state
 
 
+def sized_state(report: Any, size: str | int, steps: int, device: str) -> tuple[Any, int]:
+    """The benchmark state of about ``size`` bytes (``build_state`` after ``steps`` steps, on
+    ``device``) and its logical bytes; ``report["state"]`` describes it."""
+    width, depth = shape_for_bytes(parse_size(size))
+    state = build_state(width, depth, steps, device)
+    report["state"] = describe_state(state, width=width, depth=depth, steps=steps)
+    return state, logical_bytes(state)
+
+
 def describe_state(state: Any, **extra: Any) -> dict[str, Any]:
     tensors = flatten(state)[0]
     by_dtype: dict[str, int] = {}

@@ -382,10 +382,7 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
 
     device = args.device
     gpu = device == "cuda"
-    width, depth = benchlib.shape_for_bytes(benchlib.parse_size(args.size))
-    state = benchlib.build_state(width, depth, args.steps, device)
-    logical = benchlib.logical_bytes(state)
-    report["state"] = benchlib.describe_state(state, width=width, depth=depth, steps=args.steps)
+    state, logical = benchlib.sized_state(report, args.size, args.steps, device)
     shm = Path(args.shm_dir) / f"gdsckpt-tier-{os.getpid()}"
     shm.mkdir(parents=True, exist_ok=False)
     results, limits = report["results"], report["limits"]

@@ -107,10 +107,7 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
     from gdsckpt.api.checkpoint import Checkpoint, base_arrays
 
     device = args.device
-    width, depth = benchlib.shape_for_bytes(benchlib.parse_size(args.size))
-    state = benchlib.build_state(width, depth, args.steps, device)
-    logical = benchlib.logical_bytes(state)
-    report["state"] = benchlib.describe_state(state, width=width, depth=depth, steps=args.steps)
+    state, logical = benchlib.sized_state(report, args.size, args.steps, device)
     results = report["results"]
     drop = benchlib.can_drop_caches()
     benchlib.warm_up(directory, device)

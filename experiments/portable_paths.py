@@ -56,10 +56,7 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
     import gdsckpt
     from gdsckpt.api.checkpoint import Checkpoint
 
-    width, depth = benchlib.shape_for_bytes(benchlib.parse_size(args.size))
-    state = benchlib.build_state(width, depth, args.steps, "cuda")
-    logical = benchlib.logical_bytes(state)
-    report["state"] = benchlib.describe_state(state, width=width, depth=depth, steps=args.steps)
+    state, logical = benchlib.sized_state(report, args.size, args.steps, "cuda")
     results = report["results"]
     drop = benchlib.can_drop_caches()
     benchlib.warm_up(directory, "cuda")
