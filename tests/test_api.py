@@ -216,6 +216,21 @@ def test_open_context_manager_closes_the_file(saved: Any) -> None:
     assert _open_fds() == before
 
 
+def test_reading_a_closed_checkpoint_says_it_is_closed(saved: Any) -> None:
+    """``get`` / ``get_rows`` / ``get_many`` after ``close`` raised ``RuntimeError: submit to a
+    closed io lane``, naming neither the checkpoint nor that it was closed; the index stays
+    readable."""
+    path, _ = saved
+    with gdsckpt.open(path) as ckpt:
+        names = ckpt.keys()
+        key = next(k for k in names if ckpt.info(k).shape)
+    for read in (lambda: ckpt.get(key), lambda: ckpt.get_many([key]), lambda: ckpt.get_rows(key, 0, 1)):
+        with pytest.raises(ValueError, match=r"checkpoint .* is closed"):
+            read()
+    names_after = ckpt.keys()
+    assert key in names_after and ckpt.info(key).nbytes > 0
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
 def test_load_inspect_verify_leave_no_file_open(saved: Any) -> None:
     path, _ = saved

@@ -171,6 +171,28 @@ def test_missing_or_changed_base_is_a_clear_error(tmp_path):
         gdsckpt.save(state, tmp_path / "c.gdsckpt", base=a, max_chain=-1)
 
 
+@pytest.mark.parametrize("layout", ["base below the delta's directory", "one directory, force=True"])
+def test_a_delta_is_never_saved_over_a_link_of_its_own_chain(tmp_path, layout):
+    """``save(s3, x, base=y)`` where ``y`` is a delta on ``x``: the save reported success, the
+    new ``x`` (a delta on ``y``) could never load, and ``y`` lost its base. The guard against
+    replacing a delta's base searches only ``x``'s directory (and ``force=True`` passes it);
+    a save over any link of its base's chain is now refused either way."""
+    if layout.startswith("base below"):
+        (tmp_path / "sub").mkdir()
+        x, y, force = tmp_path / "sub" / "x.gdsckpt", tmp_path / "y.gdsckpt", False
+    else:
+        x, y, force = tmp_path / "x.gdsckpt", tmp_path / "y.gdsckpt", True
+    state = _state()
+    gdsckpt.save(state, x)
+    gdsckpt.save(_step(state, 1), y, base=x)
+    before = x.read_bytes()
+    with pytest.raises(ValueError, match="is a base of .*its chain of deltas"):
+        gdsckpt.save(_step(state, 2), x, base=y, force=force)
+    assert x.read_bytes() == before
+    loaded, saved = gdsckpt.load(y), _step(state, 1)
+    assert all(bit_equal(loaded["model"][k], v) for k, v in saved["model"].items() if isinstance(v, torch.Tensor))
+
+
 def test_a_directory_of_checkpoints_moves_as_a_whole(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

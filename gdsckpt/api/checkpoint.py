@@ -268,6 +268,13 @@ class Checkpoint:
         self._window_restorers: dict[int | None, tuple[Any, StorageReader, contextlib.ExitStack]] = {}
         """GPU device (None: the CPU engine) -> the engine, data reader and their exit stack that
         ``_read_many`` keeps across its restores (closed by ``close``)."""
+        self._closed = False
+
+    def _check_open(self) -> None:
+        """``ValueError`` for a read after ``close`` (as a closed Python file raises), rather than
+        whatever the closed reader's machinery meets. The index stays readable: ``keys``, ``info``."""
+        if self._closed:
+            raise ValueError(f"checkpoint {self.path!r} is closed: open it again to read its arrays")
 
     def keys(self) -> list[str]:
         """Key strings of every array, in file order."""
@@ -300,6 +307,7 @@ class Checkpoint:
     def get_many(self, keys: Iterable[str], device: Any = None, *, map_location: Any = None) -> dict[str, Any]:
         """Read several arrays in one restore (their chunks read in parallel, each once);
         returns key -> array, as ``get`` would return each."""
+        self._check_open()
         keys = list(dict.fromkeys(keys))
         ids = [self._id(key) for key in keys]
         location = resolve_location(device, map_location)
@@ -317,6 +325,7 @@ class Checkpoint:
         """Rows ``[start, stop)`` of an array of at least one dimension (``array[start:stop]``),
         reading only the chunks that hold them: how a rank of a resharded DCP load reads its
         slice of a larger tensor. ``TypeError`` for row numbers that are not integers."""
+        self._check_open()
         try:
             start, stop = operator.index(start), operator.index(stop)
         except TypeError:
@@ -366,6 +375,7 @@ class Checkpoint:
     def _read_many(self, requests: list[tuple[str, int, int]], device: Any = None) -> list[Any]:
         """Bytes ``[start, stop)`` of each named array (distinct, not aliases) as flat uint8 arrays
         (NumPy, or CuPy on ``device`` ``"cuda:N"``), deltas resolved, in one restore."""
+        self._check_open()
         index = self._opened.index
         target_device = parse_device(device)
         ids, windows, records = [], {}, {}
@@ -416,7 +426,9 @@ class Checkpoint:
         return kept[0], kept[1]
 
     def close(self) -> None:
-        """Close the file (and the base a delta's reads opened)."""
+        """Close the file (and the base a delta's reads opened); reading an array afterwards is a
+        ``ValueError``."""
+        self._closed = True
         with self._window_lock:
             restorers, self._window_restorers = list(self._window_restorers.values()), {}
         try:

@@ -272,11 +272,20 @@ def _delta_sources(flat: FlatState, path: PathLike, base: PathLike, max_chain: i
         log.info("base %s is a delta %d deep (max_chain=%d): writing a full checkpoint", base_path, depth,
                  max_chain)
         return None, set()
+    # Every link of the base's chain must resolve, and none may be ``path``: a delta saved over
+    # a link below its own base (``save(s, x, base=y)`` where ``y`` is a delta on ``x``) replaced
+    # the file its chain needs and could never load, nor could ``y``.
+    with checkpoint_module.base_chain(checkpoint, config) as chain:
+        for link_file in chain[1:]:
+            if _same_location(link_file.path, path):
+                raise ValueError(f"{str(path)!r} is a base of {str(base_path)!r} (its chain of deltas): a delta "
+                                 f"on it saved there would replace a file its own chain needs; save it to "
+                                 f"another path, or rebase {str(base_path)!r} first")
+        gpu_only = sorted({name for link_file in chain for name in gpu_only_bitstreams(link_file.index)}) \
+            if config.portable else []
     if config.portable:
         # A delta loads only where its bases decode: on a base only a GPU decodes, the file
         # portable=True promises (any machine reads it) is a full one.
-        with checkpoint_module.base_chain(checkpoint, config) as chain:
-            gpu_only = sorted({name for link_file in chain for name in gpu_only_bitstreams(link_file.index)})
         if gpu_only:
             log.info("base %s holds chunks only a GPU decodes (%s): portable=True writes a full checkpoint",
                      base_path, ", ".join(gpu_only))
@@ -292,6 +301,15 @@ def _delta_sources(flat: FlatState, path: PathLike, base: PathLike, max_chain: i
             array.source = XorSource(array.source, reader.view(record.key))
             delta.add(i)
     return link, delta
+
+
+def _same_location(link: str | None, path: PathLike) -> bool:
+    """Whether a base link's location (a file path or an object URL) is ``path``."""
+    if link is None:
+        return False
+    if is_url(link) or is_url(path):
+        return str(link) == str(path)
+    return Path(path).exists() and Path(link).exists() and os.path.samefile(link, path)
 
 
 def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto", config: Config | None = None,
