@@ -151,6 +151,43 @@ def test_nested_state_round_trips_with_structure_ties_and_parameters(tmp_path: P
     assert restored["model"]._metadata == state["model"]._metadata
 
 
+def test_a_legacy_tar_pickle_is_refused_without_advice_to_trust_it(tmp_path: Path) -> None:
+    """torch refuses the legacy .tar format under ``weights_only=True`` and advises loading it
+    with ``weights_only=False``; convert passed that advice on."""
+    import io
+    import tarfile
+
+    source = tmp_path / "old.pt"
+    with tarfile.open(source, "w") as archive:
+        for name in ("storages", "tensors", "pickle"):
+            data = pickle.dumps({}, protocol=2)
+            entry = tarfile.TarInfo(name)
+            entry.size = len(data)
+            archive.addfile(entry, io.BytesIO(data))
+    with pytest.raises(UnsafePickleError, match="legacy .tar format") as caught:
+        gdsckpt.convert(source, tmp_path / "out.gdsckpt")
+    assert "weights_only" not in str(caught.value) and not (tmp_path / "out.gdsckpt").exists()
+
+
+@pytest.mark.parametrize("dst_name", ["out.gdsckpt", "out.safetensors"])
+def test_an_expanded_tensor_far_beyond_its_storage_is_refused_before_writing(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            dst_name: str) -> None:
+    """A 1.5 KB pickle of ``torch.zeros(1).expand(2**40)`` made convert write until the disk was
+    full (gdsckpt) or ask for 4 TiB of memory (safetensors). Here the limit is lowered to 1 MiB
+    and the tensor is 16 MiB, so that the test stays cheap whether or not the guard holds."""
+    from gdsckpt.integrations import convert as convert_module
+
+    monkeypatch.setattr(convert_module, "EXPANSION_LIMIT", 1 << 20)
+    source = tmp_path / "bomb.pt"
+    torch.save({"model": {"big": torch.zeros(1).expand(1 << 22), "small": torch.ones(3).expand(2, 3)}}, source)
+    with pytest.raises(ConvertError, match=r"tensor 'model/big' \(shape \[4194304\]\) is a view whose 16777216 bytes"):
+        gdsckpt.convert(source, tmp_path / dst_name)
+    assert sorted(os.listdir(tmp_path)) == ["bomb.pt"]
+    monkeypatch.undo()
+    gdsckpt.convert(source, tmp_path / dst_name)  # within the default limit: written in full
+
+
 def test_safetensors_destination_is_flat_with_dotted_names(tmp_path: Path, h: Any) -> None:
     state = nested_state()
     src, dst = tmp_path / "state.pt", tmp_path / "state.safetensors"

@@ -153,6 +153,16 @@ def test_a_malformed_bucket_name_is_a_value_error_naming_the_url(s3: str, tmp_pa
             call()
 
 
+@pytest.mark.parametrize("url", ["s3://bucket//lead.gdsckpt", "s3://bucket/a//b.gdsckpt"])
+def test_a_key_with_an_empty_segment_is_refused(s3: str, url: str) -> None:
+    """``s3://bucket//lead.gdsckpt`` was written, and replaced, ``s3://bucket/lead.gdsckpt``:
+    obstore drops the empty segment (on AWS the two are different keys)."""
+    url = url.replace("bucket", BUCKET, 1)
+    for call in (lambda: gdsckpt.save(_state(0), url), lambda: gdsckpt.load(url)):
+        with pytest.raises(ValueError, match="empty path segment"):
+            call()
+
+
 def test_the_command_line_reports_a_malformed_bucket_name_in_one_line(s3: str, h: Any) -> None:
     done = h.run_python("-m", "gdsckpt", "verify", "s3://my bucket/x.gdsckpt", timeout=60)
     assert done.returncode != 0

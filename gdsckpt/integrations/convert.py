@@ -370,9 +370,43 @@ def _read_pt(path: Path, config: Config, progress: Progress) -> tuple[Any, dict[
     except (OSError, MemoryError):
         raise
     except Exception as err:  # torch reports a malformed file as any of many exception types
+        text = str(err)
+        if "legacy .tar format" in text:  # torch's message goes on to advise weights_only=False
+            raise UnsafePickleError(f"refused {str(path)!r}: a torch pickle in the legacy .tar format, which "
+                                    f"torch reads only without its weights-only safeguard (running any code the "
+                                    f"file names); convert never does. Re-save it with a current torch.save in a "
+                                    f"process you trust") from None
         raise ConvertError(f"cannot read {str(path)!r} as a torch pickle "
-                           f"({type(err).__name__}: {err})") from err
+                           f"({type(err).__name__}: {text})") from err
+    _refuse_expanded(state, torch, path)
     return state, {}
+
+
+EXPANSION_LIMIT = 1 << 30
+"""Bytes by which a tensor of a torch pickle may outgrow its storage before convert refuses it."""
+
+
+def _refuse_expanded(state: Any, torch: Any, path: Path) -> None:
+    """Refuse a tensor whose elements overlap in its storage (``expand``, stride 0) and stand for
+    more than ``EXPANSION_LIMIT`` bytes beyond it: a checkpoint stores every element, so a 1.5 KB
+    pickle of ``torch.zeros(1).expand(2**40)`` became a 4 TiB write that filled the disk. A
+    ``ConvertError`` naming the key, before anything is written."""
+    pending: list[tuple[str, Any]] = [("", state)]
+    while pending:
+        name, obj = pending.pop()
+        if isinstance(obj, dict):
+            pending.extend((f"{name}/{key}", value) for key, value in obj.items())
+        elif isinstance(obj, (list, tuple)):
+            pending.extend((f"{name}/{i}", value) for i, value in enumerate(obj))
+        elif isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
+            logical = obj.numel() * obj.element_size()
+            stored = obj.untyped_storage().nbytes()
+            if logical > stored + EXPANSION_LIMIT:
+                raise ConvertError(
+                    f"{str(path)!r}: tensor {name.lstrip('/') or '(the root)'!r} (shape {list(obj.shape)}) is a "
+                    f"view whose {logical} bytes of elements overlap in {stored} bytes of storage (expand, "
+                    f"stride 0); a checkpoint stores every element, so converting would write {logical} "
+                    f"bytes: make it contiguous yourself first if that is meant")
 
 
 def _weights_only_reason(message: str) -> str:

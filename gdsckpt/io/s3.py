@@ -179,6 +179,10 @@ def split_url(url: str) -> tuple[str, str]:
     bucket, _slash, key = rest.partition("/")
     if not bucket or not key or key.endswith("/"):
         raise ValueError(f"{url!r} is not an object URL: expected s3://bucket/key (a key, not a prefix)")
+    if "" in key.split("/"):
+        # obstore drops an empty segment: s3://b//k would be written to s3://b/k, another key
+        raise ValueError(f"{url!r} has an empty path segment in its key ({key!r}): the client would address "
+                         f"another key; write s3://bucket/key without '//'")
     return check_bucket(bucket, url), key
 
 
