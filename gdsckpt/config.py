@@ -42,6 +42,7 @@ import math
 import os
 import re
 import sys
+import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -115,6 +116,8 @@ def default_io_threads() -> int:
     return max(1, min(IO_THREADS_MOST, available_cores()))
 
 
+MAX_THREADS = 1024
+"""The most threads a thread-count field takes: each is an OS thread kept for the process's life."""
 CONFIG_FILE_LIMIT = 1 << 20
 """The most bytes ``Config.from_toml`` reads: a configuration is a few lines."""
 
@@ -167,7 +170,7 @@ class Config:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid (expected one of: "
                                  f"{', '.join(choices)})")
-        if self.o_direct not in ("auto", True, False):
+        if not (self.o_direct is True or self.o_direct is False or self.o_direct == "auto"):
             raise ValueError(f"o_direct={self.o_direct!r} is invalid (expected one of: auto, True, False)")
         if self.max_staging_bytes <= 0 or self.snapshot_gpu_bytes < 0:
             raise ValueError(f"max_staging_bytes must be > 0 and snapshot_gpu_bytes >= 0, got "
@@ -175,14 +178,54 @@ class Config:
         if self.restore_staging_bytes is not None and self.restore_staging_bytes <= 0:
             raise ValueError(f"restore_staging_bytes must be > 0 or None (sized from free device memory), "
                              f"got {self.restore_staging_bytes}")
-        if self.io_threads < 1 or self.codec_threads < 0:
-            raise ValueError("io_threads must be >= 1 and codec_threads >= 0")
+        # Checked here, not where a save first uses them: a value that fails half-way through a
+        # save (a level the codec refuses, a thread count the OS cannot start, a timeout beyond
+        # what a lock can wait) left a file object truncated or a process without threads.
+        for name, least in (("io_threads", 1), ("codec_threads", 0), ("kvikio_threads", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_THREADS:
+                raise ValueError(f"{name} must be an integer from {least} to {MAX_THREADS}, got {value!r}")
+        if isinstance(self.pack_below, bool) or not isinstance(self.pack_below, int) or self.pack_below < 0:
+            raise ValueError(f"pack_below must be a size >= 0, got {self.pack_below!r}")
+        if self.kvikio_task_size is not None and self.kvikio_task_size <= 0:
+            raise ValueError(f"kvikio_task_size must be > 0 or None (kvikio's default), got {self.kvikio_task_size!r}")
+        if self.storage_gbps is not None and (isinstance(self.storage_gbps, bool)
+                                              or not isinstance(self.storage_gbps, (int, float))
+                                              or not 0 < self.storage_gbps < math.inf):
+            raise ValueError(f"storage_gbps must be a positive number of GB/s or None (measured), "
+                             f"got {self.storage_gbps!r}")
+        if self.s3_endpoint is not None and not isinstance(self.s3_endpoint, str):
+            raise ValueError(f"s3_endpoint must be a URL string or None, got {self.s3_endpoint!r}")
+        self._check_codec()
         for name in ("fsync", "portable"):  # a truthy string such as "no" must not read as True
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
-                or not 0 < self.timeout < math.inf):
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+                or not 0 < self.timeout <= threading.TIMEOUT_MAX):
+            raise ValueError(f"timeout must be a positive number of seconds of at most "
+                             f"{threading.TIMEOUT_MAX:.0f}, got {self.timeout!r}")
+
+    def _check_codec(self) -> None:
+        """A codec name this installation knows (``ValueError`` listing them), and a ``level``
+        that is an integer the CPU engine's codec takes (zstd for ``"auto"``, deflate)."""
+        from .codecs import host_encoder, versioned_name
+
+        if not isinstance(self.codec, str):
+            raise ValueError(f"codec must be a codec name, got {self.codec!r}")
+        if self.codec != "auto":
+            versioned_name(self.codec)
+        if self.level is None:
+            return
+        if isinstance(self.level, bool) or not isinstance(self.level, int):
+            raise ValueError(f"level must be an integer or None, got {self.level!r}")
+        host_name = "zstd" if self.codec == "auto" else self.codec
+        if host_name in ("zstd", "deflate"):
+            import numpy as np
+
+            try:
+                host_encoder(host_name, self.level).encode(np.zeros(64, dtype=np.uint8))
+            except ValueError as err:  # zstandard's "level must be less than 23", ...
+                raise ValueError(f"level={self.level} is not a valid {host_name} compression level: {err}") from None
 
     @property
     def effective_codec_threads(self) -> int:

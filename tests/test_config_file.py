@@ -279,7 +279,7 @@ def test_an_empty_file_changes_nothing(tmp_path: Path) -> None:
     ("chunk_bytes = 1000\n", r"chunk_bytes must be a multiple of 4096"),
     ("chunk_bytes = true\n", r"chunk_bytes = True has the wrong type \(expected an integer number of bytes"),
     ("io_threads = 2.5\n", r"io_threads = 2.5 has the wrong type \(expected an integer\)"),
-    ("io_threads = 0\n", r"io_threads must be >= 1"),
+    ("io_threads = 0\n", r"io_threads must be an integer from 1 to 1024, got 0"),
     ("fsync = 1\n", r"fsync = 1 has the wrong type \(expected true or false\)"),
     ("fsync = 'maybe'\n", r"fsync='maybe' is invalid \(expected true or false, or as text one of: 1, true"),
     ("o_direct = 'sometimes'\n", r"o_direct='sometimes' is invalid \(expected true, false or \"auto\""),
@@ -351,3 +351,33 @@ def test_config_refuses_a_flag_or_timeout_of_the_wrong_kind(change: dict[str, An
     with pytest.raises(ValueError, match=f"^{name} must be"):
         Config(**change)
     assert Config(fsync=False).fsync is False and Config(timeout=0.5).timeout == 0.5
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"timeout": 1e10}, r"^timeout must be a positive number of seconds of at most"),
+    ({"codec_threads": 10**6}, r"^codec_threads must be an integer from 0 to 1024"),
+    ({"codec_threads": 2.5}, r"^codec_threads must be an integer"),
+    ({"io_threads": True}, r"^io_threads must be an integer"),
+    ({"kvikio_threads": -5}, r"^kvikio_threads must be an integer"),
+    ({"pack_below": -1}, r"pack_below"),
+    ({"kvikio_task_size": -1}, r"kvikio_task_size"),
+    ({"storage_gbps": float("nan")}, r"^storage_gbps must be a positive number"),
+    ({"storage_gbps": "fast"}, r"^storage_gbps must be a positive number"),
+    ({"storage_gbps": -1.0}, r"^storage_gbps must be a positive number"),
+    ({"s3_endpoint": 5}, r"^s3_endpoint must be a URL string"),
+    ({"o_direct": 1}, r"^o_direct=1 is invalid"),
+    ({"codec": "bogus"}, r"unknown codec 'bogus'"),
+    ({"codec": 3}, r"^codec must be a codec name"),
+    ({"level": "3"}, r"^level must be an integer"),
+    ({"level": 3.5}, r"^level must be an integer"),
+    ({"level": 100}, r"^level=100 is not a valid zstd compression level"),
+])
+def test_config_refuses_at_construction_what_a_save_would_fail_on(change: dict[str, Any], message: str) -> None:
+    """Each was accepted and failed only once a save ran: a timeout beyond what a lock can wait
+    (``OverflowError`` from every save), a million codec threads (started until the OS refused,
+    then every later save in the process failed), a level the codec refuses (after a file
+    object's header was written), ``storage_gbps=nan`` (every chunk stored uncompressed,
+    silently), and text where numbers belong."""
+    with pytest.raises(ValueError, match=message):
+        Config(**change)
+    assert Config(codec_threads=1024, level=3, storage_gbps=2.5, o_direct=True).o_direct is True

@@ -127,6 +127,60 @@ def test_save_and_save_async_refuse_a_target_that_is_no_path(tmp_path: Path, mon
     assert os.listdir(tmp_path) == []
 
 
+def test_a_save_over_a_longer_checkpoint_in_a_file_object_leaves_no_old_tail(tmp_path: Path, h: Any) -> None:
+    """``open(p, "r+b")`` over a longer checkpoint (or a reused ``BytesIO``): the old index and
+    trailer stayed at the end, and ``load(keys=...)`` returned the old file's arrays without an
+    error. A seekable file object is now cut at the checkpoint's end."""
+    old = {"z": torch.arange(50_000, dtype=torch.float32), "pad": torch.ones(200_000)}
+    new = {"z": torch.zeros(10)}
+    path = tmp_path / "a.gdsckpt"
+    gdsckpt.save(old, path)
+    with open(path, "r+b") as handle:
+        report = gdsckpt.save(new, handle)
+    assert path.stat().st_size == report.file_bytes
+    h.assert_same(new, gdsckpt.load(path))
+    buffer = io.BytesIO()
+    gdsckpt.save(old, buffer)
+    buffer.seek(0)
+    gdsckpt.save(new, buffer)
+    h.assert_same(new, gdsckpt.load(buffer.getvalue(), keys=["z"]))
+
+
+def test_a_file_object_save_that_fails_before_its_first_chunk_leaves_it_as_it_was(tmp_path: Path) -> None:
+    """A save that failed at its first chunk (an encoder's error) truncated the file object to
+    where it started: an existing checkpoint opened ``r+b``, or a ``BytesIO`` of other data, was
+    emptied though the save had only written its header."""
+    from gdsckpt.io import fileobj
+
+    buffer = io.BytesIO(b"precious" * 100)
+    original = fileobj.FileObjectWriter._write_at
+
+    def failing_chunk(self: Any, offset: int, view: memoryview) -> None:
+        if offset > 0:
+            raise OSError("injected failure of the first chunk's write")
+        original(self, offset, view)
+
+    fileobj.FileObjectWriter._write_at = failing_chunk  # type: ignore[method-assign]
+    try:
+        with pytest.raises(OSError, match="injected"):
+            gdsckpt.save(_state(), buffer)
+    finally:
+        fileobj.FileObjectWriter._write_at = original  # type: ignore[method-assign]
+    assert buffer.getvalue() == b"precious" * 100
+
+
+def test_a_stream_that_takes_no_bytes_is_an_error_not_a_hang() -> None:
+    class Stuck(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data: Any) -> int:
+            return 0
+
+    with pytest.raises(OSError, match="took no bytes"):
+        gdsckpt.save(_state(), Stuck())
+
+
 def test_file_objects_are_read_and_written_from_their_position(tmp_path: Path, h: Any) -> None:
     state = _state()
     path = tmp_path / "in_a_file.bin.gdsckpt"

@@ -326,3 +326,22 @@ def test_import_gdsckpt_does_not_import_lightning(h: Any) -> None:
     result = h.run_python("-c", probe, cwd=Path("/"))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_checkpoint_that_holds_itself_is_refused_not_walked_for_ever(tmp_path: Path) -> None:
+    """Hyperparameters holding themselves twice made the plugin walk the checkpoint 2**256 times
+    (its depth cap, no cycle check) before ``gdsckpt.save`` could refuse the cycle."""
+    hp: dict[str, Any] = {"lr": 0.1}
+    hp["a"] = hp
+    hp["b"] = hp
+    with pytest.raises(TypeError, match="reference cycle"):
+        GdsCheckpointIO().save_checkpoint({"hyper_parameters": hp}, tmp_path / "x.gdsckpt")
+    shared: dict[str, Any] = {"v": torch.ones(2)}
+    for _level in range(6):  # one dict reached by several paths is still saved and loaded
+        shared = {"a": shared, "b": shared}
+    GdsCheckpointIO().save_checkpoint({"hyper_parameters": shared}, tmp_path / "y.gdsckpt")
+    loaded = GdsCheckpointIO().load_checkpoint(tmp_path / "y.gdsckpt")
+    node = loaded["hyper_parameters"]
+    for branch in "abaaba":
+        node = node[branch]
+    assert bit_equal(node["v"], torch.ones(2))

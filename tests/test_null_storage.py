@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -68,3 +69,12 @@ def test_the_null_source_refuses_reads_past_its_end_and_damage_still_shows(tmp_p
     data[4096 + 10] ^= 0xFF  # a byte of the first chunk
     with pytest.raises(CorruptCheckpointError, match="checksum"):
         gdsckpt.load(PreloadedReader(bytes(data)))
+
+
+def test_the_null_source_refuses_a_fifo_without_blocking(tmp_path: Path) -> None:
+    """``PreloadedReader(fifo)`` opened it with a blocking ``open`` and waited for ever for a
+    writer; the other readers refuse such a path as not a regular file."""
+    fifo = tmp_path / "x.gdsckpt"
+    os.mkfifo(fifo)
+    with pytest.raises(gdsckpt.errors.UnsupportedFormatError, match="is a FIFO, not a regular file"):
+        PreloadedReader(fifo)

@@ -329,11 +329,35 @@ def _valid_key(key: Any) -> bool:
     return key is None or isinstance(key, (bool, int, float, str))
 
 
+_IN_PROGRESS = object()
+
+
 def _replace_unsupported(obj: Any, path: list[Any], convert: Callable[[Any], Any] | None, problems: list[str],
-                         depth: int) -> Any:
-    """``obj`` with unsupported entries converted; the same object where nothing changed."""
+                         depth: int, memo: dict[int, tuple[Any, Any]] | None = None) -> Any:
+    """``obj`` with unsupported entries converted; the same object where nothing changed.
+
+    Each container is walked once (``memo``, by identity): a checkpoint whose hyperparameters
+    held a dict twice per level was walked 2**256 times, and one that held itself never ended.
+    A container met again while it is being walked (a cycle) is left as it is: ``gdsckpt.save``
+    refuses the cycle, naming the key."""
     if depth > 256:
         return obj  # gdsckpt.save rejects the nesting, naming the key
+    if memo is None:
+        memo = {}
+    if isinstance(obj, (dict, list, tuple)):
+        done = memo.get(id(obj))
+        if done is not None:
+            return obj if done[1] is _IN_PROGRESS else done[1]
+        # The object is kept beside its result: its id cannot pass to another object meanwhile.
+        memo[id(obj)] = (obj, _IN_PROGRESS)
+        result = _replace_container(obj, path, convert, problems, depth, memo)
+        memo[id(obj)] = (obj, result)
+        return result
+    return _replace_leaf(obj, path, convert, problems, depth, memo)
+
+
+def _replace_container(obj: Any, path: list[Any], convert: Callable[[Any], Any] | None, problems: list[str],
+                       depth: int, memo: dict[int, tuple[Any, Any]]) -> Any:
     if isinstance(obj, dict):
         changed = {}
         for key, value in obj.items():
@@ -341,7 +365,7 @@ def _replace_unsupported(obj: Any, path: list[Any], convert: Callable[[Any], Any
                 problems.append(f"{join_key(path)!r}: dict key {key!r} of type {_type_name(key)} (keys "
                                 f"must be str, int, float, bool or None)")
                 continue
-            new = _replace_unsupported(value, path + [key], convert, problems, depth + 1)
+            new = _replace_unsupported(value, path + [key], convert, problems, depth + 1, memo)
             if new is not value:
                 changed[key] = new
         if not changed:
@@ -351,11 +375,16 @@ def _replace_unsupported(obj: Any, path: list[Any], convert: Callable[[Any], Any
         result.update(changed)
         return result
     if type(obj) in (list, tuple):
-        items = [_replace_unsupported(item, path + [i], convert, problems, depth + 1)
+        items = [_replace_unsupported(item, path + [i], convert, problems, depth + 1, memo)
                  for i, item in enumerate(obj)]
         if all(new is old for new, old in zip(items, obj)):
             return obj
         return type(obj)(items)
+    return _replace_leaf(obj, path, convert, problems, depth, memo)
+
+
+def _replace_leaf(obj: Any, path: list[Any], convert: Callable[[Any], Any] | None, problems: list[str],
+                  depth: int, memo: dict[int, tuple[Any, Any]]) -> Any:
     if _stored_as_is(obj):
         return obj
     if convert is None:
@@ -364,7 +393,7 @@ def _replace_unsupported(obj: Any, path: list[Any], convert: Callable[[Any], Any
     converted = convert(obj)
     before = len(problems)
     # The converted value must be storable as it is: no second conversion.
-    result = _replace_unsupported(converted, path, None, problems, depth)
+    result = _replace_unsupported(converted, path, None, problems, depth, memo)
     for i in range(before, len(problems)):
         problems[i] += f" (returned by convert for a {_type_name(obj)})"
     return result

@@ -51,9 +51,13 @@ def _check_binary(obj: Any, what: str) -> None:
 class FileObjectWriter(StorageWriter):
     """Writes a checkpoint into a writable binary file object, front to back.
 
-    ``commit`` flushes the file object; ``abort`` truncates it back to where the save started when
-    it is seekable (else the partial bytes stay: a stream cannot take them back). Unlike a save to
-    a path, a file object is not replaced atomically and not fsynced."""
+    ``commit`` flushes the file object and, where it can seek, truncates it at the checkpoint's end:
+    a save over a longer checkpoint in the same file (``open(p, "r+b")``, a reused ``BytesIO``)
+    otherwise left the old index and trailer at the end, and a load of some keys returned the old
+    file's arrays without an error. ``abort`` truncates it back to where the save started when it
+    is seekable and the save wrote anything (else the partial bytes stay: a stream cannot take
+    them back; a save that failed before its first write leaves the file object as it was).
+    Unlike a save to a path, a file object is not replaced atomically and not fsynced."""
 
     name = "fileobj"
 
@@ -66,13 +70,24 @@ class FileObjectWriter(StorageWriter):
         self._start = fileobj.tell() if self._seekable else 0
         self._position = 0
         """Bytes written so far, relative to the start."""
+        self._wrote = False
+        self._held: bytes | None = None
+        """The header, until the next write (``submit_write``)."""
 
     def submit_write(self, offset: int, data: Any) -> Future[None]:
-        """Write ``data`` at ``offset`` now (zeros fill any gap since the previous write)."""
+        """Write ``data`` at ``offset`` now (zeros fill any gap since the previous write). The
+        header, the save's first write, is held until the next write: a save that fails before
+        its first chunk (an encoder's error) leaves the file object as it was."""
+        if offset == 0 and not self._wrote and self._held is None:
+            self._held = bytes(host_bytes(data))
+            return done_future()
         self._write_at(offset, host_bytes(data))
         return done_future()
 
     def _write_at(self, offset: int, view: memoryview) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._write_at(0, memoryview(held))
         if offset < self._position:
             if not self._seekable:
                 raise ValueError(f"write at offset {offset} after {self._position} bytes: the file object "
@@ -85,8 +100,12 @@ class FileObjectWriter(StorageWriter):
 
     def _put(self, view: memoryview) -> None:
         done = 0
+        self._wrote = True
         while done < len(view):
             written = self._file.write(view[done:])
+            if written == 0:  # would loop for ever: a stream that takes nothing is broken, as EIO
+                raise OSError(errno.EIO, f"the file object took no bytes of a write after "
+                                         f"{self._position + done} bytes (its write() returned 0)")
             if written is None and isinstance(self._file, io.RawIOBase):
                 # a raw stream returns None when it would block: nothing of this write was taken
                 raise BlockingIOError(errno.EAGAIN, f"the file object would block after {self._position + done} "
@@ -102,14 +121,18 @@ class FileObjectWriter(StorageWriter):
         self._write_at(offset, memoryview(data))
 
     def commit(self) -> None:
-        """Flush the file object (the caller closes it)."""
+        """Truncate the file object at the checkpoint's end where it can seek (class docstring),
+        then flush it (the caller closes it)."""
+        if self._seekable and callable(getattr(self._file, "truncate", None)):
+            self._file.seek(self._start + self._position)
+            self._file.truncate()
         flush = getattr(self._file, "flush", None)
         if flush is not None:
             flush()
 
     def abort(self) -> None:
-        """Take back the partial file where the file object can seek."""
-        if self._seekable:
+        """Take back the partial file where the file object can seek and the save wrote to it."""
+        if self._seekable and self._wrote:
             try:
                 self._file.seek(self._start)
                 self._file.truncate()

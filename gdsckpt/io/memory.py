@@ -160,19 +160,36 @@ class PreloadedReader(StorageReader):
 
     def __init__(self, source: Any, *, pinned: bool = False, threads: int = 8, timeout: float = DRAIN_TIMEOUT):
         data = memoryview(source) if isinstance(source, (bytes, bytearray, memoryview)) else None
-        size = data.nbytes if data is not None else os.path.getsize(source)
+        fd = None
+        if data is None:
+            from .posix import open_regular  # never blocks on a FIFO: refused as not a regular file
+
+            fd = open_regular(source)
+        try:
+            size = os.fstat(fd).st_size if fd is not None else data.nbytes if data is not None else 0
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
         self.size = size
         self.timeout = timeout
-        if pinned:
-            import cupy
+        try:
+            if pinned:
+                import cupy
 
-            self._data = np.frombuffer(cupy.cuda.alloc_pinned_memory(max(size, 1)), dtype=np.uint8, count=size)
-        else:
-            self._data = np.empty(size, dtype=np.uint8)
+                self._data = np.frombuffer(cupy.cuda.alloc_pinned_memory(max(size, 1)), dtype=np.uint8,
+                                           count=size)
+            else:
+                self._data = np.empty(size, dtype=np.uint8)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
         if data is not None:
             self._data[:] = np.frombuffer(data, dtype=np.uint8)
         else:
-            with open(source, "rb", buffering=0) as handle:
+            assert fd is not None
+            with open(fd, "rb", buffering=0) as handle:  # closes fd
                 view, done = self._data.data, 0
                 while done < size:
                     got = handle.readinto(view[done:])
