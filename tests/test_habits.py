@@ -146,6 +146,23 @@ def test_a_save_over_a_longer_checkpoint_in_a_file_object_leaves_no_old_tail(tmp
     h.assert_same(new, gdsckpt.load(buffer.getvalue(), keys=["z"]))
 
 
+def test_a_file_object_that_cannot_cut_an_older_tail_fails_the_save(h: Any) -> None:
+    """Older bytes after the checkpoint that the file object cannot truncate would load as its
+    index: the save fails instead of reporting success."""
+    class NoTruncate(io.BytesIO):
+        def truncate(self, size: Any = None) -> int:
+            raise io.UnsupportedOperation("truncate")
+
+    buffer = NoTruncate()
+    gdsckpt.save({"z": torch.arange(100_000, dtype=torch.float32)}, buffer)
+    buffer.seek(0)
+    with pytest.raises(OSError, match="cannot truncate"):
+        gdsckpt.save({"z": torch.zeros(3)}, buffer)
+    fresh = NoTruncate()  # nothing after the checkpoint: nothing to cut, the save succeeds
+    gdsckpt.save({"z": torch.zeros(3)}, fresh)
+    h.assert_same({"z": torch.zeros(3)}, gdsckpt.load(fresh.getvalue()))
+
+
 def test_a_file_object_save_that_fails_before_its_first_chunk_leaves_it_as_it_was(tmp_path: Path) -> None:
     """A save that failed at its first chunk (an encoder's error) truncated the file object to
     where it started: an existing checkpoint opened ``r+b``, or a ``BytesIO`` of other data, was

@@ -123,9 +123,17 @@ class FileObjectWriter(StorageWriter):
     def commit(self) -> None:
         """Truncate the file object at the checkpoint's end where it can seek (class docstring),
         then flush it (the caller closes it)."""
-        if self._seekable and callable(getattr(self._file, "truncate", None)):
-            self._file.seek(self._start + self._position)
-            self._file.truncate()
+        if self._seekable:
+            end = self._start + self._position
+            if self._file.seek(0, io.SEEK_END) > end:  # older bytes after the checkpoint
+                self._file.seek(end)
+                try:
+                    self._file.truncate()
+                except (OSError, ValueError) as err:  # left there, they would load as its index
+                    raise OSError(errno.EIO, f"the file object holds older bytes after the checkpoint, "
+                                             f"which it cannot truncate ({err}): a load would read "
+                                             f"their index") from err
+            self._file.seek(end)
         flush = getattr(self._file, "flush", None)
         if flush is not None:
             flush()
