@@ -122,6 +122,26 @@ CONFIG_FILE_LIMIT = 1 << 20
 """The most bytes ``Config.from_toml`` reads: a configuration is a few lines."""
 
 
+def check_level(codec: str, level: Any) -> None:
+    """``ValueError`` unless ``level`` is None or an integer the CPU engine's codec for ``codec``
+    takes (zstd for ``"auto"``; deflate; other codecs take any integer): what ``Config`` and the
+    DCP writer (whose codec may differ from its configuration's) check before a save begins."""
+    if level is None:
+        return
+    if isinstance(level, bool) or not isinstance(level, int):
+        raise ValueError(f"level must be an integer or None, got {level!r}")
+    host_name = "zstd" if codec == "auto" else codec
+    if host_name in ("zstd", "deflate"):
+        import numpy as np
+
+        from .codecs import host_encoder
+
+        try:
+            host_encoder(host_name, level).encode(np.zeros(64, dtype=np.uint8))
+        except ValueError as err:  # zstandard's "level must be less than 23", ...
+            raise ValueError(f"level={level} is not a valid {host_name} compression level: {err}") from None
+
+
 @dataclass(frozen=True)
 class Config:
     """Options of save and load. Immutable; ``replace(**changes)`` derives a modified copy."""
@@ -208,24 +228,13 @@ class Config:
     def _check_codec(self) -> None:
         """A codec name this installation knows (``ValueError`` listing them), and a ``level``
         that is an integer the CPU engine's codec takes (zstd for ``"auto"``, deflate)."""
-        from .codecs import host_encoder, versioned_name
+        from .codecs import versioned_name
 
         if not isinstance(self.codec, str):
             raise ValueError(f"codec must be a codec name, got {self.codec!r}")
         if self.codec != "auto":
             versioned_name(self.codec)
-        if self.level is None:
-            return
-        if isinstance(self.level, bool) or not isinstance(self.level, int):
-            raise ValueError(f"level must be an integer or None, got {self.level!r}")
-        host_name = "zstd" if self.codec == "auto" else self.codec
-        if host_name in ("zstd", "deflate"):
-            import numpy as np
-
-            try:
-                host_encoder(host_name, self.level).encode(np.zeros(64, dtype=np.uint8))
-            except ValueError as err:  # zstandard's "level must be less than 23", ...
-                raise ValueError(f"level={self.level} is not a valid {host_name} compression level: {err}") from None
+        check_level(self.codec, self.level)
 
     @property
     def effective_codec_threads(self) -> int:

@@ -110,9 +110,9 @@ from torch.futures import Future
 
 from .. import api
 from ..api.resolve import check_portable, resolve_config
-from ..codecs import codec_spec, host_encoder, versioned_name
+from ..codecs import codec_spec, versioned_name
 from ..codecs.nvcomp import gpu_available
-from ..config import Config
+from ..config import Config, check_level
 from ..errors import CheckpointError, CodecUnavailableError, CorruptCheckpointError, PickleOnlyMetadataWarning
 from ..io.posix import fsync_directory, read_small_file, write_atomically
 from ..io.s3 import SCHEME, is_url
@@ -190,13 +190,7 @@ def _check_codec(codec: str, config: Config) -> None:
                 f"codec {name!r} runs only on the GPU engine (nvCOMP), which "
                 f"{'engine=cpu rules out' if config.engine == 'cpu' else 'is not usable here'}: "
                 f"choose a portable codec (zstd, lz4, deflate, none) or codec='auto'")
-    host_name = "zstd" if name == "auto" else name
-    if config.level is None or host_name not in ("zstd", "deflate"):
-        return
-    try:
-        host_encoder(host_name, config.level).encode(np.zeros(64, dtype=np.uint8))
-    except ValueError as err:  # zstandard's "level must be less than 23", ...
-        raise ValueError(f"level={config.level} is not a valid {host_name} compression level: {err}") from None
+    check_level(name, config.level)
 
 
 def _check_write_items(plan: SavePlan) -> None:

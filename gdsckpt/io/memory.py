@@ -159,39 +159,20 @@ class PreloadedReader(StorageReader):
     name = "preloaded"
 
     def __init__(self, source: Any, *, pinned: bool = False, threads: int = 8, timeout: float = DRAIN_TIMEOUT):
-        data = memoryview(source) if isinstance(source, (bytes, bytearray, memoryview)) else None
-        fd = None
-        if data is None:
-            from .posix import open_regular  # never blocks on a FIFO: refused as not a regular file
-
-            fd = open_regular(source)
-        try:
-            size = os.fstat(fd).st_size if fd is not None else data.nbytes if data is not None else 0
-        except BaseException:
-            if fd is not None:
-                os.close(fd)
-            raise
-        self.size = size
         self.timeout = timeout
-        try:
-            if pinned:
-                import cupy
-
-                self._data = np.frombuffer(cupy.cuda.alloc_pinned_memory(max(size, 1)), dtype=np.uint8,
-                                           count=size)
-            else:
-                self._data = np.empty(size, dtype=np.uint8)
-        except BaseException:
-            if fd is not None:
-                os.close(fd)
-            raise
-        if data is not None:
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            data = memoryview(source)
+            self.size = data.nbytes
+            self._data = self._allocate(self.size, pinned)
             self._data[:] = np.frombuffer(data, dtype=np.uint8)
         else:
-            assert fd is not None
-            with open(fd, "rb", buffering=0) as handle:  # closes fd
+            from .posix import open_regular  # never blocks on a FIFO: refused as not a regular file
+
+            with open(open_regular(source), "rb", buffering=0) as handle:
+                self.size = os.fstat(handle.fileno()).st_size
+                self._data = self._allocate(self.size, pinned)
                 view, done = self._data.data, 0
-                while done < size:
+                while done < self.size:
                     got = handle.readinto(view[done:])
                     if not got:
                         raise CorruptCheckpointError(f"{source!r} shrank while being read")
@@ -236,6 +217,15 @@ class PreloadedReader(StorageReader):
         else:
             out[:] = source
         return out
+
+    @staticmethod
+    def _allocate(size: int, pinned: bool) -> np.ndarray:
+        """``size`` bytes of host memory, page-locked where ``pinned``."""
+        if pinned:
+            import cupy
+
+            return np.frombuffer(cupy.cuda.alloc_pinned_memory(max(size, 1)), dtype=np.uint8, count=size)
+        return np.empty(size, dtype=np.uint8)
 
     def close(self) -> None:
         """Wait for the reads in flight. The bytes stay: the reader serves any number of restores
