@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import time
 import traceback
 from collections.abc import Callable
@@ -298,6 +299,17 @@ def _saves(reports: list[dict[str, Any]], directory: str) -> list[dict[str, Any]
     return [entry for report in reports for entry in report["engines"] if entry["dir"] == directory]
 
 
+def _rank_files(groups: dict[str, Any], directory: str) -> list[Path]:
+    """Each rank's one file in ``directory`` (``__<rank>_<file id>.gdsckpt``), in rank order:
+    a finished save leaves exactly one per rank."""
+    root, world = groups["root"], groups["world"]
+    files = sorted((root / directory).glob("__*.gdsckpt"))
+    by_rank = [[f for f in files if re.fullmatch(rf"__{rank}_[0-9a-f]{{32}}\.gdsckpt", f.name)]
+               for rank in range(world)]
+    assert all(len(found) == 1 for found in by_rank) and len(files) == world, [f.name for f in files]
+    return [found[0] for found in by_rank]
+
+
 def test_ranks_exit_cleanly(groups: dict[str, Any]) -> None:
     assert groups["endings"] == {"cuda": None, "cpu": None}
 
@@ -328,15 +340,14 @@ def test_cpu_ranks_load_what_cuda_ranks_saved(groups: dict[str, Any], entry: str
 def _check_gpu_written(groups: dict[str, Any], directory: str) -> None:
     """Every rank's file in ``directory`` came from the GPU engine (kvikio writer, nvCOMP chains)
     and holds nvCOMP ANS streams."""
-    root, world = groups["root"], groups["world"]
     saves = _saves(groups["cuda"], directory)
     print(f"{directory}:", json.dumps(saves))
-    assert sorted(save["file"] for save in saves) == [f"__{r}_0.gdsckpt" for r in range(world)]
+    paths = _rank_files(groups, directory)
+    assert [save["file"] for save in saves] == [path.name for path in paths]
     for save in saves:
         assert save["engine"] == "gpu" and save["backend"].startswith("kvikio"), save
     labels: dict[str, int] = {}
-    for rank in range(world):
-        path = root / directory / f"__{rank}_0.gdsckpt"
+    for path in paths:
         info = gdsckpt.inspect(path)
         for label, count in info.codecs.items():
             labels[label] = labels.get(label, 0) + count
@@ -348,8 +359,8 @@ def _check_gpu_written(groups: dict[str, Any], directory: str) -> None:
 
 def test_sync_save_ran_the_gpu_engine_with_nvcomp_ans(groups: dict[str, Any]) -> None:
     _check_gpu_written(groups, "ans")
-    for rank in range(groups["world"]):  # the rank's CUDA tensors were saved from its own GPU
-        info = gdsckpt.inspect(groups["root"] / "ans" / f"__{rank}_0.gdsckpt")
+    for rank, path in enumerate(_rank_files(groups, "ans")):  # each rank's CUDA tensors came from its own GPU
+        info = gdsckpt.inspect(path)
         devices = {t.device for t in info.tensors}
         assert f"cuda:{rank}" in devices and devices <= {"cpu", f"cuda:{rank}"}, devices
 
@@ -362,7 +373,7 @@ def test_zstd_save_of_cuda_state_ran_the_cpu_engine_and_is_portable(groups: dict
     saves = _saves(groups["cuda"], "zstd")
     print("dcp.save (zstd):", json.dumps(saves))
     assert len(saves) == groups["world"] and all(save["engine"] == "cpu" for save in saves), saves
-    for path in sorted((groups["root"] / "zstd").glob("__*_0.gdsckpt")):
+    for path in _rank_files(groups, "zstd"):
         codecs = gdsckpt.inspect(path).codecs
         assert all(label.endswith(("zstd/1", "none/1")) for label in codecs), codecs
         gdsckpt.verify(path, config=gdsckpt.Config(engine="cpu"))
@@ -376,5 +387,5 @@ def test_async_save_default_writer(groups: dict[str, Any]) -> None:
     assert len(saves) == groups["world"], saves
     directory = groups["root"] / "auto-async"
     assert (directory / ".metadata").exists()
-    for rank in range(groups["world"]):
-        gdsckpt.verify(directory / f"__{rank}_0.gdsckpt")
+    for path in _rank_files(groups, "auto-async"):
+        gdsckpt.verify(path)
