@@ -171,3 +171,50 @@ def test_kvikio_settings_are_restored_after_our_files_close(tmp_path) -> None:
     back = gdsckpt.load(tmp_path / "k.gdsckpt", device="cuda", config=config)
     assert kvikio_defaults.get("thread_pool_nthreads") == before
     assert bool((cupy.asarray(back["x"]) == cupy.arange(1 << 20, dtype=cupy.float32)).all())
+
+
+def test_a_kvikio_reader_reads_a_file_not_in_the_page_cache_in_cold_read_tasks(tmp_path) -> None:
+    """In compat mode a file whose pages are not cached is read in ``COLD_READ_TASK_BYTES`` tasks,
+    a cached one in kvikio's own, a configured ``task_size`` always wins; each reads the file's
+    bytes, and kvikio's process-wide task size is left alone."""
+    import os
+
+    kvikio_defaults = pytest.importorskip("kvikio.defaults")
+    from gdsckpt.io import kvikio as kvikio_io
+    from gdsckpt.io.posix import in_page_cache
+
+    size = 3 * kvikio_io.COLD_READ_TASK_BYTES + 4096
+    data = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
+    path = tmp_path / "cold.bin"
+    path.write_bytes(data.tobytes())
+
+    def evict() -> bool:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            return in_page_cache(fd, size) is False
+        finally:
+            os.close(fd)
+
+    def read_whole(**kwargs: Any) -> tuple[str, int | None]:
+        task_before = kvikio_defaults.get("task_size")
+        with kvikio_io.KvikioReader(path, threads=4, **kwargs) as reader:
+            out = cupy.empty(size, dtype=cupy.uint8)
+            reader.submit_read(0, out).result(60)
+            assert out.get().tobytes() == data.tobytes()
+            found = reader.name, reader.read_task_bytes
+        assert kvikio_defaults.get("task_size") == task_before
+        return found
+
+    if not evict():
+        pytest.skip("this filesystem keeps the file's pages cached (tmpfs) or cannot tell")
+    mode, task = read_whole()
+    if mode != "kvikio-compat":
+        assert task is None  # GPUDirect Storage: no page cache, kvikio's task size
+        return
+    assert task == kvikio_io.COLD_READ_TASK_BYTES
+    path.read_bytes()  # now in the page cache
+    assert read_whole() == (mode, None)
+    assert evict()
+    assert read_whole(task_size=1 << 20) == (mode, None)
