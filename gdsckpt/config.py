@@ -28,7 +28,7 @@ the presets shipped in the package (``Config.preset("fast-nvme")``, ``gdsckpt --
 | async_worker | ``"thread"`` | ``save_async`` / ``CheckpointManager.save_async``: where the background save runs: ``thread`` (a thread of the training process) or ``process`` (a spawned worker process reading the snapshot through shared memory: the training process's GIL stays free; see ``gdsckpt.background.worker``) |
 | async_engine | ``"auto"`` | ``save_async``: the engine of the background save: ``auto`` (as ``engine``), ``cpu``, ``gpu``. With ``async_worker="process"``, ``cpu`` leaves the GPU and the training process to training: 0.96-0.97 of the steps per second without checkpoints, against 0.90 for the defaults (docs/performance.md) (preset ``async-training``) |
 | kvikio_threads | 16 | kvikio thread pool size (GPU engine) |
-| kvikio_task_size | ``None`` | kvikio task size in bytes (None: kvikio's default) |
+| kvikio_task_size | ``None`` | kvikio task size in bytes (None: kvikio's default; in compat mode, 16 MiB for reads of a file not in the page cache) |
 | storage_gbps | ``None`` | storage write speed for ``codec="auto"`` (None: measured once per filesystem and cached) |
 | s3_endpoint | ``None`` | the S3 server of ``s3://`` checkpoints (e.g. ``http://minio:9000``; None: ``AWS_ENDPOINT_URL``, else AWS itself); credentials and region from the AWS environment (docs/object-storage.md) |
 | portable | False | write only codecs with a CPU decoder (``zstd``, ``lz4``, ``deflate``, ``none``), so that any machine reads the file: ``codec="auto"`` chooses among them and a GPU-only codec is refused; CUDA state is then compressed by the CPU engine unless ``engine="gpu"`` (see ``gdsckpt.save``) |

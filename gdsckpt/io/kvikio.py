@@ -348,7 +348,7 @@ class KvikioWriter(PosixWriter):
             _SETTINGS.release()
 
 
-COLD_READ_TASK_BYTES = 16 << 20
+COLD_READ_TASK_BYTES: int | None = 16 << 20
 """kvikio's task size for the device reads of a file whose data is not in the page cache, in
 compat mode, where no ``task_size`` is configured (``KvikioReader``). Why: larger POSIX reads keep
 more of a cold storage's queue busy. A kvikio read of an 8.9 GB file not in the page cache into
