@@ -74,20 +74,37 @@ def new_target(record: TensorRecord, device: str | None) -> Any:
 
 def parameter_requires_grad(record: TensorRecord) -> bool | None:
     """A torch record's ``parameter`` member: the Parameter's ``requires_grad``, or None for a
-    plain tensor. ``CorruptCheckpointError`` for a dtype that cannot require grad."""
+    plain tensor (also for a member that is not an object, which this reader cannot use).
+    ``CorruptCheckpointError`` for a ``requires_grad`` that is not a boolean, or true on a dtype
+    that cannot require grad."""
     parameter = record.extra.get("parameter")
-    requires_grad = bool(parameter.get("requires_grad")) if isinstance(parameter, dict) else None
+    if not isinstance(parameter, dict):
+        return None  # none, or a member this reader cannot use: a plain tensor (docs/format.md §6.5)
+    requires_grad = parameter.get("requires_grad", False)
+    if not isinstance(requires_grad, bool):  # "no" is not false
+        raise CorruptCheckpointError(f"a Parameter's requires_grad must be true or false, got "
+                                     f"{requires_grad!r:.40}", key=record.key)
     if requires_grad and not (record.dtype.startswith(("float", "bfloat", "complex"))):
         raise CorruptCheckpointError(f"a {record.dtype} tensor cannot be a Parameter that requires "
                                      f"grad", key=record.key)
     return requires_grad
 
 
+def numpy_scalar(record: TensorRecord) -> bool:
+    """A numpy record's ``scalar`` member: whether the array was a NumPy scalar.
+    ``CorruptCheckpointError`` for a member that is not a boolean."""
+    scalar = record.extra.get("scalar", False)
+    if not isinstance(scalar, bool):
+        raise CorruptCheckpointError(f"a tensor record's scalar member must be true, got {scalar!r:.40}",
+                                     key=record.key)
+    return scalar
+
+
 def _make_target(record: TensorRecord, device: str | None) -> Any:
     if record.kind == "torch":
         return TorchTarget(record.shape, record.dtype, device or "cpu", parameter=parameter_requires_grad(record))
     if record.kind == "numpy":
-        return NumpyTarget(record.shape, record.dtype, scalar=bool(record.extra.get("scalar")))
+        return NumpyTarget(record.shape, record.dtype, scalar=numpy_scalar(record))
     if record.kind == "cupy":
         chosen = device if device and device.startswith("cuda") else record.device
         match = re.fullmatch(r"cuda(?::(\d{1,4}))?", chosen)

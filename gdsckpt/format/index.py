@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -42,6 +43,11 @@ MAX_CHAIN_STAGES = 8
 a chunk's decoded bytes, so an unbounded chain let a 174 KiB file keep a reader busy for minutes;
 writers emit at most 3 stages (xorbase/1, byteplanes/1, a codec)."""
 BYTE_PLANES = "byteplanes/1"
+V1_CODECS = frozenset({"none/1", "zstd/1", "lz4/1", "deflate/1", "nvcomp.ans/1", "nvcomp.gdeflate/1",
+                       "nvcomp.snappy/1", "nvcomp.bitcomp/1", "nvcomp.cascaded/1", "nvcomp.bitcomp-lossy/1"})
+"""The codecs of §9.1: a chain's last stage and no other (§6.3). A reader that does not know a
+name cannot tell a codec from a transform; one it knows as a codec anywhere else makes the chain
+corrupt at parse time, not an unknown transform when a chunk is decoded."""
 PLANE_WIDTHS = (2, 4, 8)
 """The ``width`` values of a byteplanes/1 stage (§9.2)."""
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -228,7 +234,7 @@ def parse_index(data: bytes, *, index_offset: int) -> Index:
         )
     if doc.get("checksum") != CHECKSUM_ALGORITHM:
         raise _fail(f"checksum algorithm {doc.get('checksum')!r:.40} is not {CHECKSUM_ALGORITHM!r}")
-    if doc.get("alignment", ALIGNMENT) != ALIGNMENT:
+    if "alignment" in doc and _int(doc["alignment"], "alignment") != ALIGNMENT:  # 4096.0 is not an integer (§6.1)
         raise _fail(f"alignment must be {ALIGNMENT}")
 
     chains = _parse_chains(doc.get("chains"))
@@ -313,6 +319,8 @@ def _parse_chains(raw: Any) -> list[list[dict[str, Any]]]:
         names = [stage["name"] for stage in chain]
         if len(set(names)) != len(names):
             raise _fail(f"chain {i} names a stage twice: {'+'.join(names)!r:.200}")
+        if any(name in V1_CODECS for name in names[:-1]):
+            raise _fail(f"chain {i}: a codec is only ever the last stage: {'+'.join(names)!r:.200}")
         for position, stage in enumerate(chain):
             if stage["name"] != BYTE_PLANES:
                 continue
@@ -452,16 +460,21 @@ def _check_tiling(spans: list[Segment], chunk_raw: list[int]) -> None:
         position = 0
 
 
+_LARGEST_FLOAT = int(sys.float_info.max)
+
+
 def _parse_lossy(raw: Any, key: str) -> dict[str, Any]:
     """A tensor record's ``lossy`` member (§6.5): informative, but a malformed one is corrupt."""
     if not isinstance(raw, dict) or not isinstance(raw.get("mode"), str):
         raise _fail("lossy must be an object with a string mode", key=key)
     for name in ("rel_bound", "abs_bound", "max_error"):
         value = raw.get(name)
-        # ints are exact (no float() of a huge one); bool is not a number here
-        if not ((isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+        # bool is not a number here; an int must be one a float holds (inspect prints it as one)
+        if not ((isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _LARGEST_FLOAT)
                 or (isinstance(value, float) and math.isfinite(value) and value >= 0)):
             raise _fail(f"lossy {name} must be a finite number >= 0, got {value!r:.40}", key=key)
+    if raw["max_error"] > raw["abs_bound"]:
+        raise _fail(f"lossy max_error {raw['max_error']!r:.40} is above abs_bound {raw['abs_bound']!r:.40}", key=key)
     return raw
 
 

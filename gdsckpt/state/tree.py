@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import re
 import struct
 import sys
 from collections.abc import Iterable, Iterator
@@ -29,7 +30,10 @@ def escape_key(component: Any) -> str:
 def join_key(path: Iterable[Any]) -> str:
     """The key string of a path of container keys, e.g. ``["optimizer", "state", 0]`` ->
     ``"optimizer/state/0"``."""
-    parts = [str(part) for part in path]
+    try:
+        parts = [str(part) for part in path]
+    except ValueError:  # an int beyond the process's int-to-text limit (``int_text``)
+        parts = [int_text(part) if isinstance(part, int) else str(part) for part in path]
     joined = "/".join(parts)
     # Most keys need no escaping: one "/" per join and no "~" says so without a pass per part.
     if "~" not in joined and joined.count("/") == len(parts) - 1:
@@ -75,6 +79,45 @@ def float_from_bits(text: str) -> float:
     return float(struct.unpack(">d", bytes.fromhex(text))[0])
 
 
+_PIECE_DIGITS = 500
+"""Digits converted at a time where the process limits int <-> text conversion
+(``sys.set_int_max_str_digits``): below 640, the lowest limit Python accepts."""
+
+
+def int_text(value: int) -> str:
+    """``str(value)`` whatever the process's int-to-text limit: a checkpoint holds ints of up to
+    ``MAX_INT_DIGITS`` digits (docs/format.md §7.2), and a process that lowered the limit must
+    still save and read them."""
+    try:
+        return str(value)
+    except ValueError:
+        pass
+    sign, rest = ("-", -value) if value < 0 else ("", value)
+    pieces = []
+    while rest:
+        rest, piece = divmod(rest, 10 ** _PIECE_DIGITS)
+        pieces.append(piece)
+    return sign + str(pieces[-1]) + "".join(f"{piece:0{_PIECE_DIGITS}d}" for piece in reversed(pieces[:-1]))
+
+
+def int_from_text(text: str) -> int:
+    """``int(text)`` of a decimal string whatever the process's int-to-text limit (``int_text``)."""
+    try:
+        return int(text)
+    except ValueError:
+        if not _DECIMAL.fullmatch(text):
+            raise
+    digits = text.lstrip("-")
+    value = 0
+    for start in range(0, len(digits), _PIECE_DIGITS):
+        piece = digits[start:start + _PIECE_DIGITS]
+        value = value * 10 ** len(piece) + int(piece)
+    return -value if text.startswith("-") else value
+
+
+_DECIMAL = re.compile(r"-?[0-9]+")
+
+
 def encode_scalar(value: Any, path: list[Any]) -> dict[str, Any] | None:
     """The JSON node of a plain value, or None if ``value`` is not one."""
     if value is None:
@@ -85,7 +128,7 @@ def encode_scalar(value: Any, path: list[Any]) -> dict[str, Any] | None:
         if value.bit_length() > 3 * MAX_INT_DIGITS and abs(value) >= _INT_LIMIT:  # no str() of it
             raise ValueError(f"int at {join_key(path)!r} has more than {MAX_INT_DIGITS} decimal digits, "
                              f"the most a checkpoint holds")
-        return {"t": "int", "v": str(int(value))}
+        return {"t": "int", "v": int_text(int(value))}
     if isinstance(value, float):
         return {"t": "float", "v": _float_bits(float(value))}
     if isinstance(value, str):
@@ -125,7 +168,7 @@ def decode_scalar(node: dict[str, Any]) -> Any:
     if kind == "bool":
         return bool(node["v"])
     if kind == "int":
-        return int(node["v"])
+        return int_from_text(node["v"])
     if kind == "float":
         return float_from_bits(node["v"])
     return node["v"]
@@ -177,11 +220,19 @@ class _Flattener:
 
     def _dict(self, obj: dict[Any, Any], path: list[Any], depth: int) -> dict[str, Any]:
         items = []
+        nan_key = False
         for key, value in obj.items():
             if isinstance(key, (dict, list, tuple)) or encode_scalar(key, path) is None:
                 raise TypeError(f"dict key {key!r} of type {type(key).__name__} at {join_key(path)!r} "
                                 f"is not supported (use str, int, float, bool or None keys)")
             key = plain_key(key)  # stored, and keyed, as it comes back
+            if isinstance(key, float) and key != key:
+                # Two NaN objects are two keys of a Python dict but one key path: a reader could not
+                # tell them apart, and refuses such a file (docs/format.md §7.1).
+                if nan_key:
+                    raise ValueError(f"the dict at {join_key(path)!r} has more than one NaN key; "
+                                     f"a checkpoint keys every entry by its text, and these share 'nan'")
+                nan_key = True
             items.append([encode_scalar(key, path), self.visit(value, path + [key], depth + 1)])
         node: dict[str, Any] = {"t": "dict", "items": items}
         if isinstance(obj, collections.OrderedDict):

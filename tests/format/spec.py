@@ -280,6 +280,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+V1_CODECS = {"none/1", "zstd/1", "lz4/1", "deflate/1", "nvcomp.ans/1", "nvcomp.gdeflate/1", "nvcomp.snappy/1",
+             "nvcomp.bitcomp/1", "nvcomp.cascaded/1", "nvcomp.bitcomp-lossy/1"}
+"""§9.1's codecs: only ever the last stage of a chain (§6.3)."""
+
+
 def violations(doc: Any, index_offset: int) -> list[str]:
     """Every normative invariant of an index document that ``doc`` breaks (empty: valid)."""
     problems: list[str] = []
@@ -291,7 +296,7 @@ def violations(doc: Any, index_offset: int) -> list[str]:
         return ["version"]
     if doc.get("checksum") != "crc32c":
         problems.append("checksum")
-    if "alignment" in doc and doc["alignment"] != 4096:
+    if "alignment" in doc and (not _is_int(doc["alignment"]) or doc["alignment"] != 4096):
         problems.append("alignment")
     if "user" in doc and not isinstance(doc["user"], dict):
         problems.append("user")
@@ -306,6 +311,8 @@ def violations(doc: Any, index_offset: int) -> list[str]:
         names = [stage["name"] for stage in chain]
         if len(chain) > 8 or len(set(names)) != len(names):
             return problems + ["chain length or repeated stage"]
+        if any(name in V1_CODECS for name in names[:-1]):
+            return problems + ["codec before the last stage"]
         width = 1
         for position, stage in enumerate(chain):
             if stage["name"] == "byteplanes/1":

@@ -145,6 +145,8 @@ BAD_CHAINS: dict[str, Callable[[dict[str, Any]], None]] = {
     "byteplanes/1 twice": _chain_of_chunk("i", [_planes(8), _planes(8), ZSTD]),
     "zstd/1 twice": _chain_of_chunk("i", [ZSTD, ZSTD]),
     "byteplanes/1 after the codec": _chain_of_chunk("i", [ZSTD, _planes(8)]),
+    "a codec before another (zstd/1, none/1)": _chain_of_chunk("i", [ZSTD, NONE]),
+    "a codec before a transform and a codec": _chain_of_chunk("i", [NONE, _planes(2), ZSTD]),
     "byteplanes/1 alone": _chain_of_chunk("i", [_planes(8)]),
     "byteplanes/1 width 4 over a 6-byte chunk": _chain_of_chunk("h", [_planes(4), NONE]),
     "byteplanes/1 width 8 over a 6-byte chunk": _chain_of_chunk("h", [_planes(8), NONE]),
