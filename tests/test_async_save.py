@@ -476,3 +476,79 @@ def test_a_delta_on_a_file_being_saved_waits_for_that_save(tmp_path: Path, monke
         gdsckpt.save_async(s0, d, max_inflight=2)
     assert delta.done()
     assert torch.equal(gdsckpt.load(c)["w"], s2["w"]) and torch.equal(gdsckpt.load(d)["w"], s1["w"])
+
+
+def test_a_blocking_save_waits_for_a_save_async_it_shares_a_file_with(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gdsckpt.save`` (and ``convert``) ignored ``save_async`` calls still in flight: a save over
+    the base of a delta in flight replaced it, so the delta, reported saved, never loaded; a delta
+    on a file being saved was written against the old file; a save to the same file could be
+    replaced by the older background save. Each now waits for the save it shares a file with."""
+    g = torch.Generator().manual_seed(5)
+    s0 = {"w": torch.randn(20_000, generator=g)}
+    s1 = {"w": s0["w"] + 1}
+    s2 = {"w": s1["w"].clone()}
+    s2["w"][::50] += 1
+
+    base, delta = tmp_path / "base.gdsckpt", tmp_path / "delta.gdsckpt"
+    gdsckpt.save(s1, base)
+    _slowed_saves(monkeypatch, delta)
+    handle = gdsckpt.save_async(s2, delta, base=base)
+    with pytest.raises(gdsckpt.DeltaBaseError):  # waited for the delta, which now depends on base
+        gdsckpt.save(s0, base)
+    assert handle.done()
+    assert torch.equal(gdsckpt.load(delta)["w"], s2["w"]) and torch.equal(gdsckpt.load(base)["w"], s1["w"])
+
+    a, b = tmp_path / "a.gdsckpt", tmp_path / "b.gdsckpt"
+    gdsckpt.save(s0, a)
+    _slowed_saves(monkeypatch, a)
+    handle = gdsckpt.save_async(s1, a)
+    report = gdsckpt.save(s2, b, base=a)  # written against the a that the background save wrote
+    assert handle.done() and report.base is not None
+    assert torch.equal(gdsckpt.load(b)["w"], s2["w"]) and torch.equal(gdsckpt.load(a)["w"], s1["w"])
+
+    same = tmp_path / "same.gdsckpt"
+    _slowed_saves(monkeypatch, same)
+    handle = gdsckpt.save_async(s1, same)
+    gdsckpt.save(s2, same)
+    assert handle.done() and torch.equal(gdsckpt.load(same)["w"], s2["w"])
+
+    source, copy = tmp_path / "source.gdsckpt", tmp_path / "copy.gdsckpt"
+    gdsckpt.save(s0, source)
+    _slowed_saves(monkeypatch, source)
+    handle = gdsckpt.save_async(s1, source)
+    gdsckpt.convert(source, copy, codec="lz4")
+    assert handle.done() and torch.equal(gdsckpt.load(copy)["w"], s1["w"])
+
+
+def test_save_async_writes_a_relative_path_where_it_was_called(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative path was resolved when the background thread wrote it: an ``os.chdir`` right
+    after the call put the checkpoint in the new directory, without an error."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir()
+    there.mkdir()
+    monkeypatch.chdir(here)
+    _slowed_saves(monkeypatch, here / "rel.gdsckpt")
+    handle = gdsckpt.save_async({"x": torch.arange(5.0)}, "rel.gdsckpt")
+    monkeypatch.chdir(there)
+    handle.wait(60)
+    assert (here / "rel.gdsckpt").is_file() and not (there / "rel.gdsckpt").exists()
+    assert torch.equal(gdsckpt.load(here / "rel.gdsckpt")["x"], torch.arange(5.0))
+
+
+def test_a_delta_opened_by_a_relative_path_reads_its_base_after_a_chdir(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gdsckpt.open("run/delta.gdsckpt")`` resolves its base when it first reads: after an
+    ``os.chdir`` that read looked for the base in the wrong directory (``DeltaBaseError``)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.chdir(tmp_path)
+    full = {"w": torch.arange(1000.0)}
+    gdsckpt.save(full, "run/full.gdsckpt")
+    changed = {"w": full["w"].clone()}
+    changed["w"][::7] = -1
+    gdsckpt.save(changed, "run/delta.gdsckpt", base="run/full.gdsckpt")
+    with gdsckpt.open("run/delta.gdsckpt") as ckpt:
+        monkeypatch.chdir(run)
+        assert torch.equal(ckpt.get("w"), changed["w"])

@@ -265,7 +265,9 @@ def test_index_rules_for_deltas(tmp_path):
         (lambda d: d["base"].__setitem__("depth", 0), "depth"),
         (lambda d: d["base"].__setitem__("path", ""), "path"),
         (lambda d: d.__setitem__("base", [1]), "base must be an object"),
-        (lambda d: d["chains"].append([{"name": "zstd/1"}, {"name": "xorbase/1"}]), "first stage"),
+        (lambda d: d["chains"].append([{"name": "zstd/1"}, {"name": "xorbase/1"}]), "last stage"),
+        (lambda d: d["chains"].append([{"name": "byteplanes/1", "width": 2}, {"name": "xorbase/1"}, {"name": "zstd/1"}]),
+         "first stage"),
         (lambda d: d["chains"].append([{"name": "xorbase/1"}]), "first stage"),
     ]:
         changed = json.loads(json.dumps(doc))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
+import os
 import re
 import threading
 import warnings
@@ -22,6 +23,7 @@ from ..errors import (
 )
 from ..format import Index, TensorRecord
 from ..io import StorageReader
+from ..io.s3 import is_url
 from ..pipeline.load import DeferredTargets, OpenedFile, run_restore
 from ..state import (
     CupyTarget,
@@ -271,6 +273,9 @@ class Checkpoint:
         """``staging_share``: the part of the restore staging budget this file's GPU restores take
         (less than 1 for the base of a delta, whose reads run beside the delta's own)."""
         self.path = source_name(path)
+        if isinstance(path, (str, os.PathLike)) and not is_url(path):
+            # Reads (and a delta's base, named relative to it) may come after an os.chdir.
+            path = os.path.abspath(path)
         self._source = path
         self._config = resolve_config(config)
         self._staging_share = staging_share

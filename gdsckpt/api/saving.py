@@ -41,6 +41,7 @@ from ..state.delta import DEFAULT_MAX_CHAIN, BaseBytes, XorSource, base_link, ba
 from ..state.lossy import LossyPolicy, apply_policy
 from ..version import __version__
 from . import checkpoint as checkpoint_module
+from . import inflight
 from .checkpoint import Checkpoint, base_arrays, data_record, opened_file
 from .reading import gpu_only_bitstreams, inspect
 from .reports import Progress, SaveReport, chain_label
@@ -135,10 +136,12 @@ def save(state: Any, path: PathLike | StorageWriter | BinaryIO, *, codec: str = 
         config = resolve_config(config, portable=portable)
     target = FileObjectWriter(path) if is_file_object(path) else cast("PathLike | StorageWriter", path)
     check_target(target)  # before the state is flattened: a bad path fails, a foreign extension warns
-    if not force:
-        refuse_replacing_base(target, config)
-    return save_flat(flatten(state), target, codec=codec, chunk_bytes=chunk_bytes, config=config,
-                     progress=progress, base=base, max_chain=max_chain, lossy=lossy)
+    # after a save_async of this file, of its base, or of a delta on it still in flight (api.inflight)
+    with inflight.exclusive(target, base, resolve_config(config).timeout):
+        if not force:
+            refuse_replacing_base(target, config)
+        return save_flat(flatten(state), target, codec=codec, chunk_bytes=chunk_bytes, config=config,
+                         progress=progress, base=base, max_chain=max_chain, lossy=lossy)
 
 
 def _gpu_chunk_bytes(chunk_bytes: int | str | None) -> int | None:
@@ -326,6 +329,11 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
     """
     cfg = resolve_config(config)
     output = path if output is None else output
+    with inflight.exclusive(output, path, cfg.timeout, what="rebase"):  # after saves of either in flight
+        return _rebase(path, output, codec, cfg, force)
+
+
+def _rebase(path: PathLike, output: PathLike, codec: str, cfg: Config, force: bool) -> SaveReport:
     if is_url(path) or is_url(output):
         if not force:
             refuse_replacing_base(output, cfg)  # in place or not: an object another delta needs

@@ -63,6 +63,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from .. import api as _api
+from ..api import inflight
 from ..api import saving as api_saving
 from ..api.resolve import check_target, resolve_config
 from ..api.saving import refuse_replacing_base
@@ -88,24 +89,15 @@ _unobserved: list[_Job] = []
 _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 
 
-def _location_key(location: Any) -> str | None:
-    """What names the file or object a save writes (or a delta reads as its base), so that saves
-    sharing one are ordered (``AsyncSaver._save``); None for a writer object."""
-    if location is None or not isinstance(location, (str, os.PathLike)):
-        return None
-    if is_url(location):
-        return str(location)
-    return os.path.realpath(os.fspath(location))
-
-
 class _Job:
     def __init__(self, saver: AsyncSaver, path: PathLike, timeout: float, base: Any = None):
         self.saver = saver
         self.target = path
         """What the save writes to, as given (a file object or writer is written to, not its str)."""
         self.path = str(path)
-        self.key = _location_key(path)
-        self.base_key = _location_key(base)
+        self.base = base
+        self.flight: inflight.Flight | None = None
+        """Its place among the operations in flight (``api.inflight``), from the slot on."""
         self.timeout = timeout
         self.event = threading.Event()
         self.lock = threading.Lock()
@@ -233,6 +225,13 @@ def _background_config(config: Config) -> Config:
     return config if config.async_engine == "auto" else config.replace(engine=config.async_engine)
 
 
+def _absolute(location: Any) -> Any:
+    """A relative local path made absolute now; anything else (a URL, a writer) as it is."""
+    if isinstance(location, (str, os.PathLike)) and not is_url(location) and not os.path.isabs(location):
+        return os.path.abspath(location)
+    return location
+
+
 class AsyncSaver:
     """Runs background saves with a bounded number in flight and its own snapshot pool.
 
@@ -287,6 +286,10 @@ class AsyncSaver:
         cfg = config if config is not None else Config.from_env()
         if is_file_object(path):  # as gdsckpt.save writes to one
             path = cast(Any, FileObjectWriter(path))
+        # A relative path names the file where the caller is now, not where the process is when
+        # the background thread writes it (an os.chdir in between).
+        path, base = _absolute(path), _absolute(delta.get("base"))
+        delta = {**delta, "base": base}
         check_target(path)  # a bad directory fails here, not in the background
         if cfg.async_worker == "process" and not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"save_async with Config(async_worker='process') saves to a path or an s3:// URL; "
@@ -296,37 +299,29 @@ class AsyncSaver:
         started = time.perf_counter()
         devices, cuda_bytes = _survey(state)  # a state gdsckpt.save would reject fails here
         validated = time.perf_counter()
-        job = _Job(self, path, cfg.timeout, delta.get("base"))
-
-        def tied(other: _Job) -> bool:
-            # Saves in flight finish in any order: one to the same file, to this one's base, or
-            # reading this file as its base must end first, or the older would replace the newer,
-            # or a delta be written against a base then replaced under it.
-            return any(a is not None and a == b for a, b in ((other.key, job.key), (other.key, job.base_key),
-                                                              (other.base_key, job.key)))
-
+        job = _Job(self, path, cfg.timeout, base)
         with self._cond:
-            waited_for_tied = any(tied(other) for other in self._inflight)
             self._waiting += 1
             try:
-                ok = self._cond.wait_for(lambda: len(self._inflight) < max_inflight
-                                         and not any(tied(other) for other in self._inflight), timeout=cfg.timeout)
+                ok = self._cond.wait_for(lambda: len(self._inflight) < max_inflight, timeout=cfg.timeout)
             finally:
                 self._waiting -= 1
             if not ok:
-                if any(tied(other) for other in self._inflight):
-                    raise TimeoutError(f"save_async to {str(path)!r}: an earlier save to that file, to its base "
-                                       f"or reading it as a base still in flight after {cfg.timeout} s "
-                                       f"(config timeout)")
                 raise TimeoutError(f"save_async to {str(path)!r}: {max_inflight} earlier save(s) still in "
                                    f"flight after {cfg.timeout} s (config timeout)")
             self._inflight.append(job)
-        if waited_for_tied and not force:
-            try:  # a delta on this file, in flight at the call, is on disk now
+        try:
+            # Saves of one file, of a delta's base, or reading this file as a base, by any saver
+            # or a blocking save, run one after another: the older could otherwise replace the
+            # newer, or a delta be written against a base then replaced under it. The place
+            # belongs to the background thread (owner 0 until it starts), so a blocking save
+            # this caller makes next waits for it.
+            job.flight, waited_for_tied = inflight.board(path, base, cfg.timeout, owner=0, what="save_async")
+            if waited_for_tied and not force:  # a delta on this file, in flight at the call, is on disk now
                 refuse_replacing_base(path, cfg)
-            except BaseException:
-                self._end(job)
-                raise
+        except BaseException:
+            self._end(job)
+            raise
         slot = time.perf_counter()
         in_process = cfg.async_worker == "process"
         try:
@@ -356,6 +351,8 @@ class AsyncSaver:
              after: Callable[[_api.SaveReport], None] | None,
              finally_: Callable[[BaseException | None], None] | None,
              in_process: bool = False) -> None:
+        if job.flight is not None:
+            job.flight.owner = threading.get_ident()
         try:
             if in_process:
                 report = self.worker().save(holder.pop(), lent, job.path, options, job.timeout)
@@ -378,6 +375,8 @@ class AsyncSaver:
             self._end(job)
 
     def _end(self, job: _Job) -> None:
+        if job.flight is not None:
+            inflight.land(job.flight)
         with self._cond:
             if job in self._inflight:
                 self._inflight.remove(job)

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from ..api import SaveReport
+from ..api import SaveReport, inflight
 from ..api import load as _load_gdsckpt
 from ..api import save as _save_gdsckpt
 from ..api.resolve import open_reader, resolve_config
@@ -163,9 +163,15 @@ def convert(src: PathLike, dst: PathLike, *, codec: str = "auto", config: Config
     cfg = resolve_config(config)
     src_path, dst_path = _location(src), _location(dst)
     _check_paths(src_path, dst_path, src_kind, dst_kind, overwrite, cfg)
-    if overwrite and not force:
-        refuse_replacing_base(dst_path, cfg)
+    # after saves of either file still in flight (a save_async of the source, say)
+    with inflight.exclusive(dst_path, src_path, cfg.timeout, what="convert"):
+        if overwrite and not force:
+            refuse_replacing_base(dst_path, cfg)
+        return _convert(src_path, dst_path, src_kind, dst_kind, codec, cfg, overwrite, progress, started)
 
+
+def _convert(src_path: Any, dst_path: Any, src_kind: str, dst_kind: str, codec: str, cfg: Config, overwrite: bool,
+             progress: Progress | None, started: float) -> ConvertReport:
     if src_kind == dst_kind == "gdsckpt":
         return _recompress(src_path, dst_path, codec, cfg, overwrite, progress, started)
     phases = _Phases(progress)

@@ -141,6 +141,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import api as _api
+from ..api import inflight
 from ..api import saving as _saving
 from ..api.checkpoint import base_chain
 from ..api.resolve import open_reader, resolve_config
@@ -403,29 +404,33 @@ class CheckpointManager:
         base = None
         try:
             base = self._base_for(step)
-            # force: a run restarted from an older step writes over the abandoned run's files by
-            # design (``latest`` then names the new one), deltas of that run based on them included.
-            # With a remote tier the file is uploaded too, and there every byte saved is worth
-            # ``ratio`` bytes of state: ``auto`` compresses even where the local disk outruns it.
-            try:
-                report = _saving.save_flat(flatten(state), path, codec=codec, config=self.config, base=base,
-                                           max_chain=self.max_chain, lossy=self.lossy,
-                                           may_store_as_is=self.remote is None)
-            except Exception as err:
-                if base is None or not _is_damage(err):
-                    raise
-                # The base's chunks proved damaged (or its chain broken) only as the delta read
-                # them: this step is saved in full instead of lost, and no later delta uses it.
-                self._unusable_bases.add(base)
-                warnings.warn(f"checkpoint step {step}: its delta base {str(base)!r} cannot be read ({err}); "
-                              f"saving it in full", SkippedCheckpointWarning, stacklevel=2)
-                report = _saving.save_flat(flatten(state), path, codec=codec, config=self.config, base=None,
-                                           max_chain=self.max_chain, lossy=self.lossy,
-                                           may_store_as_is=self.remote is None)
+            # after any save or conversion of this file or of its base still in flight (api.inflight)
+            with inflight.exclusive(path, base, resolve_config(self.config).timeout, what="CheckpointManager.save"):
+                report = self._save_now(step, state, path, base, codec)
             self._completed(step)
         finally:
             self._end(step, base)
         return report
+
+    def _save_now(self, step: int, state: dict[Any, Any], path: Path, base: Path | None, codec: str) -> _api.SaveReport:
+        """``save``'s file: a delta on ``base`` where given, in full where that base proves damaged."""
+        # force: a run restarted from an older step writes over the abandoned run's files by
+        # design (``latest`` then names the new one), deltas of that run based on them included.
+        # With a remote tier the file is uploaded too, and there every byte saved is worth
+        # ``ratio`` bytes of state: ``auto`` compresses even where the local disk outruns it.
+        try:
+            return _saving.save_flat(flatten(state), path, codec=codec, config=self.config, base=base,
+                                     max_chain=self.max_chain, lossy=self.lossy, may_store_as_is=self.remote is None)
+        except Exception as err:
+            if base is None or not _is_damage(err):
+                raise
+            # The base's chunks proved damaged (or its chain broken) only as the delta read
+            # them: this step is saved in full instead of lost, and no later delta uses it.
+            self._unusable_bases.add(base)
+            warnings.warn(f"checkpoint step {step}: its delta base {str(base)!r} cannot be read ({err}); "
+                          f"saving it in full", SkippedCheckpointWarning, stacklevel=3)
+            return _saving.save_flat(flatten(state), path, codec=codec, config=self.config, base=None,
+                                     max_chain=self.max_chain, lossy=self.lossy, may_store_as_is=self.remote is None)
 
     def save_async(self, step: int, state: dict[Any, Any], *, codec: str = "auto") -> SaveHandle:
         """``gdsckpt.save_async`` of ``state`` as checkpoint ``step``: returns once the snapshot is
