@@ -98,6 +98,10 @@ def save(state: Any, path: PathLike | StorageWriter | BinaryIO, *, codec: str = 
     already a delta ``max_chain`` deep, a full checkpoint is written instead (see
     ``SaveReport.base``). ``base`` must not be ``path`` itself.
 
+    A save first waits (at most ``config.timeout``) for any ``save_async``, conversion or other
+    save still in flight that writes ``path``, writes its ``base``, or reads ``path`` as a base
+    (``gdsckpt.api.inflight``): saves of one file end in the order they were called.
+
     Replacing a checkpoint that deltas use as their base would leave them unloadable for good:
     when ``path`` exists and a delta checkpoint in its directory names it as its base (and still
     matches its content), ``DeltaBaseError`` lists those deltas and nothing is written;

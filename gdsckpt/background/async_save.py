@@ -481,8 +481,11 @@ def save_async(state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: 
     At most ``max_inflight`` saves of this module-wide saver run at once: a further call blocks
     until an earlier one finishes (``TimeoutError`` after ``config.timeout`` seconds). So does a
     call whose ``path`` an earlier save in flight writes or reads as its base, or whose ``base``
-    one writes: saves of one file complete in the order they were called (else the older could
-    replace the newer, or a delta be written against a base replaced under it). Snapshot
+    one writes, whichever API started it (``gdsckpt.save``, ``convert``, ``rebase``, a
+    ``CheckpointManager``): saves of one file complete in the order they were called (else the
+    older could replace the newer, or a delta be written against a base replaced under it), and
+    those blocking calls wait for this one in the same way (``gdsckpt.api.inflight``). A relative
+    ``path`` or ``base`` names the file where the caller is at the call. Snapshot
     memory is bounded by ``max_inflight`` times the state's bytes and reused across calls
     (``pool_stats()``).
 
