@@ -898,3 +898,65 @@ def test_the_decoder_budget_leaves_out_the_bytes_reserved_for_destinations() -> 
     finally:
         reserved.close()
         plain.close()
+
+
+class _HostBase:
+    """A delta's base bytes (``state.delta.BaseBytes``'s interface), held in host memory here."""
+
+    def __init__(self, array: np.ndarray):
+        self.flat = array.reshape(-1).view(np.uint8)
+
+    def device(self, start: int, stop: int) -> np.ndarray:
+        return self.flat[start:stop]
+
+    def host(self, start: int, stop: int) -> np.ndarray:
+        return self.flat[start:stop]
+
+
+@pytest.mark.parametrize(("dtype", "codec", "byte_planes"), [(np.uint8, "ans", "auto"), (np.float32, "lz4", "never")])
+def test_a_gpu_delta_save_holds_no_xor_arrays_beyond_its_staging_budget(
+        dtype: Any, codec: str, byte_planes: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delta's XOR with its base is a new chunk-sized device array (``XorSource.device_bytes``).
+    For a chunk that takes no byte planes the encoder read it in place, as a view of a tensor, and
+    so held one per chunk of a batch (up to one per slot) beyond ``max_staging_bytes``: 1.21x the
+    budget here. Now such bytes are copied into the chunk's slot, one at a time. A stand-in for
+    ``cupy.bitwise_xor`` allocates its result from the fake device, as CuPy's pool would."""
+    import sys
+    import time
+    import types
+
+    from gdsckpt.state.delta import XorSource
+
+    device = FakeDevice()
+
+    def bitwise_xor(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        out = device.empty(a.nbytes)
+        np.bitwise_xor(a, b, out=out)
+        return out
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(bitwise_xor=bitwise_xor))
+    use = device.use_in_thread  # the worker's first batch waits until the driver has queued every chunk
+    monkeypatch.setattr(device, "use_in_thread", lambda: (time.sleep(0.3), use()))
+
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 255, 24 << 20, dtype=np.uint8).view(dtype)
+    new = base.copy()
+    new.view(np.uint8)[::97] ^= 1
+    flat = flatten({"w": new})
+    sources = [XorSource(DeviceSource(array.source), _HostBase(base)) for array in flat.arrays]
+    budget = 64 << 20
+    encoder = GpuEncoder(sources, codec=codec, byte_planes=byte_planes, device_id=0, chunk_bytes=256 * KIB,
+                         max_staging_bytes=budget, timeout=TIMEOUT, device=device, fit_chunk=True)
+    plans = plan_chunks([(s.nbytes, s.itemsize, s.plane_width) for s in sources], chunk_bytes=encoder.chunk_bytes,
+                        pack_below=encoder.chunk_bytes // 4, delta={0})
+    store = MemoryStore()
+    try:
+        run_save(plans, encoder, MemoryWriter(store, "ckpt"), max_inflight_bytes=1 << 30,
+                 index=index_template(flat, base={"path": "base.gdsckpt", "index_sha256": "0" * 64,
+                                                  "file_length": 1 << 20, "depth": 1}), timeout=TIMEOUT)
+    finally:
+        encoder.close()
+    assert encoder.max_pending > 8  # batches of many chunks: what held the arrays
+    assert device.peak_bytes <= budget, (device.peak_bytes, budget)
+    got = restore_through(decoder(FakeDevice()), store, flat)["w"]
+    # without the base's bytes (an XorTarget's) the chunks decode to the XOR itself
+    assert got.view(np.uint8).tobytes() == (new.view(np.uint8) ^ base.view(np.uint8)).tobytes()

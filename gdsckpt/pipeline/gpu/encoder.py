@@ -312,11 +312,23 @@ class GpuEncoder(WorkerOwner, Encoder):
     def _on_device(self, chunk: ChunkPlan) -> bool:
         return all(self.sources[p.array].on_device for p in chunk.parts)
 
+    def _device_view(self, chunk: ChunkPlan) -> bool:
+        """Whether the chunk is one range of one source's device memory, so that its bytes can be
+        read in place. Not so for bytes a source computes (a delta's XOR with its base, a range
+        of a non-contiguous tensor): each is a new chunk-sized array, and held until its batch is
+        compressed they would take up to a chunk per slot beyond ``max_staging_bytes``; they are
+        copied into the slot instead, one at a time."""
+        if len(chunk.parts) != 1 or not self._on_device(chunk):
+            return False
+        part = chunk.parts[0]
+        span = getattr(self.sources[part.array], "device_span", None)
+        return span is not None and span(part.start, part.stop) is not None
+
     def _gather(self, chunk: ChunkPlan, into: Any) -> Any:
         """The chunk's bytes on the device: a view of the source when it is one device range and
         ``into`` is None, else copied into ``into`` (host ranges with an asynchronous copy on the
         stream)."""
-        if into is None and len(chunk.parts) == 1 and self._on_device(chunk):
+        if into is None and len(chunk.parts) == 1 and self._on_device(chunk):  # a view (or, lossy, a rounded copy)
             part = chunk.parts[0]
             return self.sources[part.array].device_bytes(part.start, part.stop)
         position = 0
@@ -434,7 +446,7 @@ class GpuEncoder(WorkerOwner, Encoder):
             chunk = job.chunk
             slot = self._acquire()
             slot_in, slot_out = ring.first(slot), ring.second(slot)
-            direct = len(chunk.parts) == 1 and self._on_device(chunk)
+            direct = self._device_view(chunk)
             data = self._gather(chunk, None if direct else slot_out)
             use_planes, data_type = self._decide(chunk, data)
             if use_planes:
@@ -460,8 +472,7 @@ class GpuEncoder(WorkerOwner, Encoder):
             chunk, slot_out = job.chunk, ring.second(slot)
             if size is None or codec is None or size >= chunk.raw:
                 # Incompressible (or codec "none"): store the untransformed bytes.
-                in_place = len(chunk.parts) == 1 and self._on_device(chunk)
-                original = self._gather(chunk, None if in_place else slot_out)
+                original = self._gather(chunk, None if self._device_view(chunk) else slot_out)
                 if self.device.address(original) != self.device.address(slot_out):
                     slot_out[:original.nbytes] = original
                 stored, chain = chunk.raw, NONE_CHAIN
