@@ -3,6 +3,7 @@ read straight into the destination array and checksummed there."""
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -216,3 +217,27 @@ def test_a_reader_whose_constructor_fails_after_the_open_closes_its_descriptor(
     assert descriptors_of_the_file() == []
     with open(path, "rb"):  # the check does see a descriptor that is open
         assert len(descriptors_of_the_file()) == 1
+
+
+def test_an_interrupt_in_the_page_cache_probe_stays_an_interrupt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ^C handled right after the probe's ``mincore`` left its ctypes view of the mapping alive
+    when the mapping closed: ``BufferError: cannot close exported pointers exist`` replaced the
+    ``KeyboardInterrupt`` (a training loop's ``except KeyboardInterrupt`` missed it), from any load
+    and any save over an existing file. Fault injection: ``mincore`` raising it."""
+    from gdsckpt.io import posix
+
+    path = tmp_path / "file.bin"
+    path.write_bytes(b"x" * (4 * mmap.PAGESIZE))
+    if posix._mincore is None:
+        pytest.skip("no mincore here")
+
+    def interrupted(*_args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(posix, "_mincore", interrupted)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            posix.in_page_cache(fd, path.stat().st_size)
+    finally:
+        os.close(fd)

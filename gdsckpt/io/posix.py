@@ -682,12 +682,16 @@ def in_page_cache(fd: int, size: int) -> bool | None:
         mapping = mmap.mmap(fd, page, access=mmap.ACCESS_COPY, offset=size // 2 // page * page)
     except (OSError, ValueError):
         return None
+    view = None
     try:
         view = ctypes.c_char.from_buffer(mapping)
         resident = ctypes.c_ubyte(0)
         failed = _mincore(ctypes.addressof(view), page, ctypes.byref(resident)) != 0
-        del view  # the mapping cannot close while ctypes holds its buffer
     finally:
+        # The mapping cannot close while ctypes holds its buffer: drop the view first, also when
+        # an exception (a ^C right after the call) leaves the block, or close would raise
+        # BufferError in its place.
+        view = None
         mapping.close()
     return None if failed else bool(resident.value & 1)
 
