@@ -552,3 +552,100 @@ def test_a_delta_opened_by_a_relative_path_reads_its_base_after_a_chdir(tmp_path
     with gdsckpt.open("run/delta.gdsckpt") as ckpt:
         monkeypatch.chdir(run)
         assert torch.equal(ckpt.get("w"), changed["w"])
+
+
+class _ThreadingWith:
+    """The ``threading`` module as ``async_save`` sees it, with another ``Thread`` (fault injection
+    for the one thread a ``save_async`` starts; every other thread is left alone)."""
+
+    def __init__(self, thread_class: type) -> None:
+        self.Thread = thread_class
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(threading, name)
+
+
+def test_an_interrupt_while_save_async_starts_its_thread_leaves_that_save_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ^C while ``Thread.start`` waited for the save's thread, which it had already made: the
+    caller returned the snapshot buffers to the pool and ended the job, yet the thread ran on.
+    The next ``save_async`` of a state of the same shapes copied into those buffers under it, and
+    the first file held the second state, checksums and all. Now the thread keeps the job."""
+    a, b = tmp_path / "a.gdsckpt", tmp_path / "b.gdsckpt"
+    s1, s2 = {"w": torch.arange(100_000.0)}, {"w": -torch.arange(100_000.0)}
+
+    class StartedThenInterrupted(threading.Thread):
+        def start(self) -> None:
+            super().start()
+            raise KeyboardInterrupt
+
+    _slowed_saves(monkeypatch, a)  # the first save's thread reads its snapshot after the second call
+    monkeypatch.setattr(async_save, "threading", _ThreadingWith(StartedThenInterrupted))
+    with pytest.raises(KeyboardInterrupt):
+        gdsckpt.save_async(s1, a)
+    monkeypatch.setattr(async_save, "threading", threading)
+    gdsckpt.save_async(s2, b).wait(60)
+    gdsckpt.wait_all(60)
+    assert torch.equal(gdsckpt.load(a)["w"], s1["w"]) and torch.equal(gdsckpt.load(b)["w"], s2["w"])
+
+
+def test_an_interrupt_before_save_async_starts_its_thread_ends_the_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ^C while the save's handle or thread was being made (after the job joined the saver's
+    saves in flight): the job never ended, ``wait_all()`` blocked for ever and every later
+    ``save_async`` failed after ``Config.timeout``."""
+
+    class NotMade(threading.Thread):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(async_save, "threading", _ThreadingWith(NotMade))
+    with pytest.raises(KeyboardInterrupt):
+        gdsckpt.save_async({"w": torch.ones(10)}, tmp_path / "a.gdsckpt")
+    monkeypatch.setattr(async_save, "threading", threading)
+    gdsckpt.wait_all(5)
+    gdsckpt.save_async({"w": torch.zeros(10)}, tmp_path / "b.gdsckpt",
+                       config=gdsckpt.Config(timeout=5)).wait(60)
+    assert not (tmp_path / "a.gdsckpt").exists() and torch.equal(gdsckpt.load(tmp_path / "b.gdsckpt")["w"],
+                                                                   torch.zeros(10))
+
+
+def test_an_interrupt_before_the_chunk_stream_leaves_no_temporary_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ^C after the save made its writer (the temporary file open) but before the chunk stream
+    began (here while the index template is made): nothing aborted the writer, and the temporary
+    file and its descriptors stayed for the life of the process."""
+    from gdsckpt.api import saving
+
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"w": torch.ones(10)}, path)
+
+    def interrupted(*_args: Any, **_kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(saving, "index_template", interrupted)
+    descriptors = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(KeyboardInterrupt):
+        gdsckpt.save({"w": torch.zeros(10)}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.gdsckpt"]
+    assert len(os.listdir("/proc/self/fd")) <= descriptors
+    assert torch.equal(gdsckpt.load(path)["w"], torch.ones(10))
+
+
+def test_an_interrupt_as_a_lane_hands_a_task_to_its_pool_does_not_stall_its_close(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ^C inside ``WorkerPool.put``: the lane had counted the task as running, so its close (a
+    writer's abort) waited its whole timeout for a task that never existed."""
+    from gdsckpt.io import pools
+
+    lane = pools.Lane("io", 2)
+    lane.submit(lambda: None).result(10)  # the lane has its pool
+
+    def interrupted(self: Any, task: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pools.WorkerPool, "put", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        lane.submit(lambda: None)
+    monkeypatch.undo()
+    assert lane.close(5.0)  # False once the 5 s pass with the phantom task still counted

@@ -211,6 +211,7 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
               a.source.plane_width if a.source else 0) for a in flat.arrays],
             chunk_bytes=chunk, pack_below=min(cfg.pack_below, chunk), delta=delta,
         )
+        writer: StorageWriter | None = None
         try:
             writer = path if isinstance(path, StorageWriter) else make_writer(path, cfg)
             if not rename:
@@ -221,6 +222,14 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
             result = run_save(plans, engine, writer, progress=progress,
                               max_inflight_bytes=inflight_budget(cfg, engine),
                               index=index_template(flat, link), timeout=cfg.timeout)
+        except BaseException:
+            # run_save aborts the writer it was handed; an error before it began (a ^C while the
+            # index template is made) would leave the temporary file and its descriptors for the
+            # life of the process. abort is safe more than once, and a no-op once committed.
+            if writer is not None:
+                with contextlib.suppress(Exception):
+                    writer.abort()
+            raise
         finally:
             engine.close()
     logical = sum(a.source.nbytes for a in flat.arrays if a.alias is None)

@@ -105,8 +105,16 @@ class _Job:
         self.error: BaseException | None = None
         self.observed = False
         self.dropped = False
+        self.claimed = False
         self.snapshot_seconds = 0.0
         self.snapshot_bytes = 0
+
+    def claim(self) -> bool:
+        """Take the job's end on oneself: True for the first caller only (its thread, or the
+        caller whose start of that thread failed)."""
+        with self.lock:
+            claimed, self.claimed = self.claimed, True
+        return not claimed
 
     def finish_error(self, error: BaseException) -> None:
         with self.lock:
@@ -331,19 +339,23 @@ class AsyncSaver:
         except BaseException:
             self._end(job)
             raise
-        job.snapshot_seconds = (validated - started) + (time.perf_counter() - slot)
-        job.snapshot_bytes = nbytes
-        handle = SaveHandle(job)
-        thread = threading.Thread(target=self._run, name="gdsckpt-async-save", daemon=True,
-                                  args=(job, [snapshot], lent, max_inflight,
-                                        dict(codec=codec, chunk_bytes=chunk_bytes, config=_background_config(cfg),
-                                             devices=devices if cuda_bytes else None, background=True, **delta),
-                                        after, finally_, in_process))
         try:
+            job.snapshot_seconds = (validated - started) + (time.perf_counter() - slot)
+            job.snapshot_bytes = nbytes
+            handle = SaveHandle(job)
+            thread = threading.Thread(target=self._run, name="gdsckpt-async-save", daemon=True,
+                                      args=(job, [snapshot], lent, max_inflight,
+                                            dict(codec=codec, chunk_bytes=chunk_bytes, config=_background_config(cfg),
+                                                 devices=devices if cuda_bytes else None, background=True, **delta),
+                                            after, finally_, in_process))
             thread.start()
         except BaseException:
-            self.pool.release(lent, copies=max_inflight)
-            self._end(job)
+            # A ^C can land while start() waits for a thread it has already made: that thread then
+            # runs the save, and returning its snapshot buffers here would let the next save copy
+            # another state into them under it. Whichever side claims the job first ends it.
+            if job.claim():
+                self.pool.release(lent, copies=max_inflight)
+                self._end(job)
             raise
         return handle
 
@@ -351,6 +363,8 @@ class AsyncSaver:
              after: Callable[[_api.SaveReport], None] | None,
              finally_: Callable[[BaseException | None], None] | None,
              in_process: bool = False) -> None:
+        if not job.claim():
+            return  # the caller gave the job up (its start was interrupted) and ended it
         if job.flight is not None:
             job.flight.owner = threading.get_ident()
         try:

@@ -172,7 +172,14 @@ class Lane:
                 self._pending.append((future, fn, args))
             pool = self._pool
         if start_now:
-            pool.put(lambda: self._run(future, fn, args))
+            try:
+                pool.put(lambda: self._run(future, fn, args))
+            except BaseException:
+                # Not handed to the pool (a ^C at the call): uncount it, or the lane's close would
+                # wait its whole timeout for a task that never runs.
+                with self._lock:
+                    self._running -= 1
+                raise
         return future
 
     def _run(self, future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
