@@ -649,3 +649,47 @@ def test_an_interrupt_as_a_lane_hands_a_task_to_its_pool_does_not_stall_its_clos
         lane.submit(lambda: None)
     monkeypatch.undo()
     assert lane.close(5.0)  # False once the 5 s pass with the phantom task still counted
+
+
+FORK_CHILD_CHECK = """
+import os, sys, time
+import numpy as np
+import gdsckpt
+from gdsckpt.api import saving
+
+directory = sys.argv[1]
+real = saving.save_flat
+def slowed(flat, path, **options):
+    time.sleep(1.0)
+    return real(flat, path, **options)
+saving.save_flat = slowed
+handle = gdsckpt.save_async({"w": np.arange(1000.0)}, os.path.join(directory, "parent.gdsckpt"))
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        gdsckpt.wait_all(5)  # the parent's save is not the child's to wait for
+        saving.save_flat = real
+        gdsckpt.save_async({"w": np.ones(10)}, os.path.join(directory, "child.gdsckpt"),
+                           config=gdsckpt.Config(timeout=5)).wait(30)
+        code = 0
+    finally:
+        os._exit(code)
+_, status = os.waitpid(pid, 0)
+handle.wait(60)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_child_forked_while_a_save_async_runs_saves_on_its_own(tmp_path: Path) -> None:
+    """``os.fork`` while a ``save_async`` was in flight: the child inherited the saver's save in
+    flight but not its thread, so there ``wait_all()`` blocked for ever and a ``save_async``
+    failed after ``Config.timeout``. Run in a fresh NumPy-only interpreter (the fork)."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", FORK_CHILD_CHECK, str(tmp_path)], capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0 and child.stdout.strip().endswith("child 0"), (child.stdout, child.stderr[-2000:])
+    assert np.array_equal(gdsckpt.load(tmp_path / "parent.gdsckpt")["w"], np.arange(1000.0))
+    assert np.array_equal(gdsckpt.load(tmp_path / "child.gdsckpt")["w"], np.ones(10))

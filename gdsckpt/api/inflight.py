@@ -62,6 +62,17 @@ _cond = threading.Condition()
 _flying: list[Flight] = []
 
 
+def _forget_after_fork() -> None:
+    """A forked child has none of its parent's threads: the operations they ran are not in flight
+    there (a lock held by one of them at the fork would never be released)."""
+    global _cond
+    _cond = threading.Condition()
+    _flying.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def _blocking(flight: Flight) -> list[Flight]:
     me = threading.get_ident()
     return [other for other in _flying if other.owner != me and other.shares_a_file_with(flight)]

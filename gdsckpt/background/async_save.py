@@ -553,6 +553,21 @@ def clear_pool() -> int:
 # ---------------------------------------------------------------------------------------------
 # interpreter exit
 
+def _forget_after_fork() -> None:
+    """A forked child has none of the savers' threads (nor their worker process): their saves in
+    flight would never end there, and ``wait_all``, a later ``save_async`` and the exit hook
+    would wait on them (for ever, or ``Config.timeout``)."""
+    for saver in list(_savers):
+        saver._cond = threading.Condition()
+        saver._inflight = []
+        saver._waiting = 0
+        saver._worker = None
+        saver._worker_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def _at_exit() -> None:
     """Let in-flight saves finish (each up to its config timeout); report what cannot."""
     for saver in list(_savers):
