@@ -634,21 +634,26 @@ def test_an_interrupt_before_the_chunk_stream_leaves_no_temporary_file(
 
 def test_an_interrupt_as_a_lane_hands_a_task_to_its_pool_does_not_stall_its_close(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ^C inside ``WorkerPool.put``: the lane had counted the task as running, so its close (a
-    writer's abort) waited its whole timeout for a task that never existed."""
+    """A ^C inside the hand-off of a task to the pool (then ``WorkerPool.put``, a Python call):
+    the lane had counted the task as running, so its close (a writer's abort) waited its whole
+    timeout for a task that never existed. The hand-off's one Python call now comes before the
+    count and the queue's C put; an interrupt there leaves neither."""
+    import types
+
     from gdsckpt.io import pools
 
     lane = pools.Lane("io", 2)
     lane.submit(lambda: None).result(10)  # the lane has its pool
 
-    def interrupted(self: Any, task: Any) -> None:
+    def interrupted(*_args: Any) -> Any:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pools.WorkerPool, "put", interrupted)
+    monkeypatch.setattr(pools, "functools", types.SimpleNamespace(partial=interrupted))
     with pytest.raises(KeyboardInterrupt):
         lane.submit(lambda: None)
     monkeypatch.undo()
-    assert lane.close(5.0)  # False once the 5 s pass with the phantom task still counted
+    assert lane.submit(lambda: 7).result(10) == 7
+    assert lane.close(5.0)  # False once the 5 s pass with a phantom task still counted
 
 
 FORK_CHILD_CHECK = """
@@ -693,3 +698,19 @@ def test_a_child_forked_while_a_save_async_runs_saves_on_its_own(tmp_path: Path)
     assert child.returncode == 0 and child.stdout.strip().endswith("child 0"), (child.stdout, child.stderr[-2000:])
     assert np.array_equal(gdsckpt.load(tmp_path / "parent.gdsckpt")["w"], np.arange(1000.0))
     assert np.array_equal(gdsckpt.load(tmp_path / "child.gdsckpt")["w"], np.ones(10))
+
+
+def test_an_interrupt_as_the_latest_pointer_is_published_leaves_no_temporary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``write_atomically`` (the manager's ``latest``): a ^C as ``publish`` began left the complete
+    temporary file, which no later save of this (live) process removes."""
+    target = tmp_path / "latest"
+    target.write_bytes(b"step-1")
+
+    def interrupted(*_args: Any, **_kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(posix, "publish", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        posix.write_atomically(target, b"step-2", fsync=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"] and target.read_bytes() == b"step-1"

@@ -21,6 +21,7 @@ it) and lanes made before the fork move to the child's pools on their next submi
 from __future__ import annotations
 
 import _thread
+import functools
 import os
 import queue
 import threading
@@ -42,6 +43,9 @@ class WorkerPool:
     def __init__(self, name: str):
         self.name = name
         self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.tasks = self._tasks
+        """The queue itself, a plain attribute: ``Lane.submit`` puts into it with no Python frame
+        in between (``put`` is C code), where a ^C could land."""
         self._lock = threading.Lock()
         self._threads = 0
         self._reserved = 0
@@ -165,21 +169,17 @@ class Lane:
                 pool = shared_pool(self.pool_name)
                 pool.reserve(self.threads)
                 self._pool = pool
-            start_now = self._running < self.threads
-            if start_now:
+            if self._running < self.threads:
+                # Counted, then queued with the queue's own put (C code, never blocking), with no
+                # call between them where a ^C could be handled: it lands before both or after
+                # both. One between them left a task counted that never ran, or queued and
+                # uncounted, and the lane's close waited its whole timeout for the count to be 0.
+                task = functools.partial(self._run, future, fn, args)
+                tasks = self._pool.tasks
                 self._running += 1
+                tasks.put(task)
             else:
                 self._pending.append((future, fn, args))
-            pool = self._pool
-        if start_now:
-            try:
-                pool.put(lambda: self._run(future, fn, args))
-            except BaseException:
-                # Not handed to the pool (a ^C at the call): uncount it, or the lane's close would
-                # wait its whole timeout for a task that never runs.
-                with self._lock:
-                    self._running -= 1
-                raise
         return future
 
     def _run(self, future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:

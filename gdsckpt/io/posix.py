@@ -278,7 +278,13 @@ def write_atomically(target: Path, data: bytes, *, fsync: bool, timeout: float =
         temp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    publish(temp, target, fsync=fsync, timeout=timeout)
+    try:
+        publish(temp, target, fsync=fsync, timeout=timeout)
+    except BaseException:
+        # Not renamed (a ^C as publish began): nothing else removes a live process's temporary.
+        # Once renamed it is gone, and once linked the target keeps the data.
+        temp.unlink(missing_ok=True)
+        raise
 
 
 def fsync_within(fd: int, timeout: float, what: str) -> None:
