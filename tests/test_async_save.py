@@ -634,7 +634,7 @@ def test_an_interrupt_before_the_chunk_stream_leaves_no_temporary_file(
 
 def test_an_interrupt_as_a_lane_hands_a_task_to_its_pool_does_not_stall_its_close(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ^C inside the hand-off of a task to the pool (then ``WorkerPool.put``, a Python call):
+    """A ^C inside the hand-off of a task to the pool (then a ``WorkerPool.put`` call, in Python):
     the lane had counted the task as running, so its close (a writer's abort) waited its whole
     timeout for a task that never existed. The hand-off's one Python call now comes before the
     count and the queue's C put; an interrupt there leaves neither."""

@@ -97,7 +97,7 @@ def numpy_scalar(record: TensorRecord) -> bool:
     ``CorruptCheckpointError`` for a member that is not a boolean."""
     scalar = record.extra.get("scalar", False)
     if not isinstance(scalar, bool):
-        raise CorruptCheckpointError(f"a tensor record's scalar member must be true, got {scalar!r:.40}",
+        raise CorruptCheckpointError(f"a tensor record's scalar member must be true or false, got {scalar!r:.40}",
                                      key=record.key)
     return scalar
 

@@ -90,12 +90,11 @@ _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 
 
 class _Job:
-    def __init__(self, saver: AsyncSaver, path: PathLike, timeout: float, base: Any = None):
+    def __init__(self, saver: AsyncSaver, path: PathLike, timeout: float):
         self.saver = saver
         self.target = path
         """What the save writes to, as given (a file object or writer is written to, not its str)."""
         self.path = str(path)
-        self.base = base
         self.flight: inflight.Flight | None = None
         """Its place among the operations in flight (``api.inflight``), from the slot on."""
         self.timeout = timeout
@@ -307,7 +306,7 @@ class AsyncSaver:
         started = time.perf_counter()
         devices, cuda_bytes = _survey(state)  # a state gdsckpt.save would reject fails here
         validated = time.perf_counter()
-        job = _Job(self, path, cfg.timeout, base)
+        job = _Job(self, path, cfg.timeout)
         with self._cond:
             self._waiting += 1
             try:

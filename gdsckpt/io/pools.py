@@ -42,10 +42,10 @@ class WorkerPool:
 
     def __init__(self, name: str):
         self.name = name
-        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self.tasks = self._tasks
-        """The queue itself, a plain attribute: ``Lane.submit`` puts into it with no Python frame
-        in between (``put`` is C code), where a ^C could land."""
+        self.tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        """The tasks for the next idle worker (callers stay within their reservation). A plain
+        attribute: ``Lane.submit`` puts into it with no Python frame in between (``put`` is C
+        code), where a ^C could land."""
         self._lock = threading.Lock()
         self._threads = 0
         self._reserved = 0
@@ -68,10 +68,6 @@ class WorkerPool:
         """Give back a lane's reservation when it goes idle; the threads stay for the next."""
         with self._lock:
             self._reserved -= threads
-
-    def put(self, task: Callable[[], None]) -> None:
-        """Queue ``task`` for the next idle worker (callers stay within their reservation)."""
-        self._tasks.put(task)
 
     def _start_worker(self) -> None:
         started = threading.Event()
@@ -97,7 +93,7 @@ class WorkerPool:
         while True:
             # An idle worker waits for work as long as the process lives: this wait holds up no
             # operation (each lane's caller bounds its own waits on its futures).
-            task = self._tasks.get()
+            task = self.tasks.get()
             try:
                 task()
             except BaseException:  # noqa: BLE001
