@@ -27,6 +27,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from ..io.pools import Gate
 from ..io.s3 import is_url
 
 __all__ = ["Flight", "board", "exclusive", "land", "location_key"]
@@ -58,15 +59,16 @@ class Flight:
                                                          (self.base_key, other.key)))
 
 
-_cond = threading.Condition()
+_gate = Gate()
+"""Guards ``_flying``; a ^C while a save takes or gives back its place leaves it usable."""
 _flying: list[Flight] = []
 
 
 def _forget_after_fork() -> None:
     """A forked child has none of its parent's threads: the operations they ran are not in flight
     there (a lock held by one of them at the fork would never be released)."""
-    global _cond
-    _cond = threading.Condition()
+    global _gate
+    _gate = Gate()
     _flying.clear()
 
 
@@ -86,22 +88,26 @@ def board(path: Any, base: Any, timeout: float, *, owner: int | None = None, wha
     flight = Flight(location_key(path), location_key(base), threading.get_ident() if owner is None else owner)
     if flight.key is None and flight.base_key is None:
         return flight, False
-    with _cond:
+    with _gate.lock:
         waited = bool(_blocking(flight))
-        if not _cond.wait_for(lambda: not _blocking(flight), timeout=timeout):
-            raise TimeoutError(f"{what} of {str(path)!r}: another operation on that file"
-                               f"{' or its base' if base is not None else ''} still in flight after "
-                               f"{timeout} s (config timeout)")
-        _flying.append(flight)
+    try:
+        boarded = _gate.wait_for(lambda: not _blocking(flight), timeout, then=lambda: _flying.append(flight))
+    except BaseException:
+        land(flight)  # a ^C right after it took its place
+        raise
+    if not boarded:
+        raise TimeoutError(f"{what} of {str(path)!r}: another operation on that file"
+                           f"{' or its base' if base is not None else ''} still in flight after "
+                           f"{timeout} s (config timeout)")
     return flight, waited
 
 
 def land(flight: Flight) -> None:
     """Give the place back (safe more than once)."""
-    with _cond:
+    with _gate.lock:
         if flight in _flying:
             _flying.remove(flight)
-            _cond.notify_all()
+            _gate.notify_all()
 
 
 @contextlib.contextmanager

@@ -69,6 +69,7 @@ from ..api.resolve import check_target, resolve_config
 from ..api.saving import refuse_replacing_base
 from ..config import Config
 from ..io.fileobj import FileObjectWriter, is_file_object
+from ..io.pools import Gate
 from ..io.s3 import is_url
 from ..state import flatten
 from ..state.delta import DEFAULT_MAX_CHAIN
@@ -98,7 +99,8 @@ class _Job:
         self.flight: inflight.Flight | None = None
         """Its place among the operations in flight (``api.inflight``), from the slot on."""
         self.timeout = timeout
-        self.event = threading.Event()
+        self.ended = False
+        """Set, under the saver's lock, once the job has ended (its thread or its caller)."""
         self.lock = threading.Lock()
         self.report: _api.SaveReport | None = None
         self.error: BaseException | None = None
@@ -107,6 +109,10 @@ class _Job:
         self.claimed = False
         self.snapshot_seconds = 0.0
         self.snapshot_bytes = 0
+
+    def has_ended(self) -> bool:
+        """Whether the job has ended (read under the saver's lock while waiting for it)."""
+        return self.ended
 
     def claim(self) -> bool:
         """Take the job's end on oneself: True for the first caller only (its thread, or the
@@ -197,7 +203,7 @@ class SaveHandle:
 
     def done(self) -> bool:
         """True once the save has finished, successfully or not."""
-        return self._job.event.is_set()
+        return self._job.ended
 
     def wait(self, timeout: float | None = None) -> _api.SaveReport:
         """Block until the save is durable at ``path`` and return its ``SaveReport``; raise the
@@ -215,7 +221,8 @@ class SaveHandle:
         return self._job.error
 
     def _wait(self, timeout: float | None) -> None:
-        if not self._job.event.wait(timeout):
+        job = self._job
+        if not job.saver.ended.wait_for(job.has_ended, timeout):
             raise TimeoutError(f"save to {self.path!r} still running after {timeout} s")
         self._job.observe()
 
@@ -247,9 +254,11 @@ class AsyncSaver:
 
     def __init__(self) -> None:
         self.pool = SnapshotPool()
-        self._cond = threading.Condition()
+        self._slots = Gate()
+        """Guards ``_inflight``; its waiters are callers waiting for a slot under ``max_inflight``."""
+        self.ended = Gate(self._slots.lock)
+        """Its waiters wait for saves to end (a handle's ``wait``, ``wait_all``)."""
         self._inflight: list[_Job] = []
-        self._waiting = 0
         self._worker: Any = None  # gdsckpt.background.worker.SaveWorker, made on the first process save
         self._worker_lock = threading.Lock()
         _savers.add(self)
@@ -257,14 +266,13 @@ class AsyncSaver:
     @property
     def inflight(self) -> int:
         """Saves started and not yet finished."""
-        with self._cond:
+        with self._slots.lock:
             return len(self._inflight)
 
     @property
     def waiting(self) -> int:
         """Callers blocked in ``save`` until an earlier save finishes (``max_inflight``)."""
-        with self._cond:
-            return self._waiting
+        return self._slots.waiting
 
     def save(self, state: Any, path: PathLike, *, codec: str = "auto", chunk_bytes: int | str | None = None,
              config: Config | None = None, max_inflight: int = 1,
@@ -307,17 +315,17 @@ class AsyncSaver:
         devices, cuda_bytes = _survey(state)  # a state gdsckpt.save would reject fails here
         validated = time.perf_counter()
         job = _Job(self, path, cfg.timeout)
-        with self._cond:
-            self._waiting += 1
-            try:
-                ok = self._cond.wait_for(lambda: len(self._inflight) < max_inflight, timeout=cfg.timeout)
-            finally:
-                self._waiting -= 1
-            if not ok:
+        lent: list[Any] = []
+        # One try from the slot to the thread's start: a ^C anywhere in between (one can land
+        # between any two statements) ends the job, or the saver would count it in flight for
+        # ever. A ^C can also land while start() waits for a thread it has already made: that
+        # thread then runs the save, and returning its snapshot buffers here would let the next
+        # save copy another state into them under it. Whichever side claims the job first ends it.
+        try:
+            if not self._slots.wait_for(lambda: len(self._inflight) < max_inflight, cfg.timeout,
+                                        then=lambda: self._inflight.append(job)):
                 raise TimeoutError(f"save_async to {str(path)!r}: {max_inflight} earlier save(s) still in "
                                    f"flight after {cfg.timeout} s (config timeout)")
-            self._inflight.append(job)
-        try:
             # Saves of one file, of a delta's base, or reading this file as a base, by any saver
             # or a blocking save, run one after another: the older could otherwise replace the
             # newer, or a delta be written against a base then replaced under it. The place
@@ -326,19 +334,11 @@ class AsyncSaver:
             job.flight, waited_for_tied = inflight.board(path, base, cfg.timeout, owner=0, what="save_async")
             if waited_for_tied and not force:  # a delta on this file, in flight at the call, is on disk now
                 refuse_replacing_base(path, cfg)
-        except BaseException:
-            self._end(job)
-            raise
-        slot = time.perf_counter()
-        in_process = cfg.async_worker == "process"
-        try:
+            slot = time.perf_counter()
+            in_process = cfg.async_worker == "process"
             snapshot, lent, nbytes = take_snapshot(state, self.pool, validate=False,
                                                    cuda_on_device=0 < cuda_bytes <= cfg.snapshot_gpu_bytes,
                                                    shared=in_process)
-        except BaseException:
-            self._end(job)
-            raise
-        try:
             job.snapshot_seconds = (validated - started) + (time.perf_counter() - slot)
             job.snapshot_bytes = nbytes
             handle = SaveHandle(job)
@@ -349,11 +349,9 @@ class AsyncSaver:
                                             after, finally_, in_process))
             thread.start()
         except BaseException:
-            # A ^C can land while start() waits for a thread it has already made: that thread then
-            # runs the save, and returning its snapshot buffers here would let the next save copy
-            # another state into them under it. Whichever side claims the job first ends it.
             if job.claim():
-                self.pool.release(lent, copies=max_inflight)
+                if lent:
+                    self.pool.release(lent, copies=max_inflight)
                 self._end(job)
             raise
         return handle
@@ -390,11 +388,12 @@ class AsyncSaver:
     def _end(self, job: _Job) -> None:
         if job.flight is not None:
             inflight.land(job.flight)
-        with self._cond:
+        with self._slots.lock:
             if job in self._inflight:
                 self._inflight.remove(job)
-            self._cond.notify_all()
-        job.event.set()
+            job.ended = True
+            self._slots.notify_all()
+            self.ended.notify_all()
 
     def wait_all(self, timeout: float | None = None) -> None:
         """Wait for every save in flight; then raise the first error of this saver's saves that no
@@ -403,16 +402,11 @@ class AsyncSaver:
         _take_errors(saver=self)
 
     def _wait_inflight(self, timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._cond:
-                jobs = list(self._inflight)
-            if not jobs:
-                return True
-            for job in jobs:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not job.event.wait(remaining):
-                    raise TimeoutError(f"save to {job.path!r} still running after {timeout} s")
+        if self.ended.wait_for(lambda: not self._inflight, timeout):
+            return True
+        with self._slots.lock:
+            running = [job.path for job in self._inflight]
+        raise TimeoutError(f"save to {running[0] if running else '?'!r} still running after {timeout} s")
 
     def clear_pool(self) -> int:
         """Drop the idle snapshot buffers; returns the bytes freed."""
@@ -433,10 +427,10 @@ class AsyncSaver:
         up to its config timeout, then abandoned with an error logged; the worker restarts on the
         next process save). ``timeout``: how long the worker may take to exit; ``when`` names
         the occasion in that log line."""
-        with self._cond:
+        with self._slots.lock:
             jobs = list(self._inflight)
         for job in jobs:
-            if not job.event.wait(job.timeout):
+            if not self.ended.wait_for(job.has_ended, job.timeout):
                 logger.error("gdsckpt: abandoning the background save to %s %s after %s s; the path "
                              "keeps its previous content", job.path, when, job.timeout)
         with self._worker_lock:
@@ -557,9 +551,9 @@ def _forget_after_fork() -> None:
     flight would never end there, and ``wait_all``, a later ``save_async`` and the exit hook
     would wait on them (for ever, or ``Config.timeout``)."""
     for saver in list(_savers):
-        saver._cond = threading.Condition()
+        saver._slots = Gate()
+        saver.ended = Gate(saver._slots.lock)
         saver._inflight = []
-        saver._waiting = 0
         saver._worker = None
         saver._worker_lock = threading.Lock()
 

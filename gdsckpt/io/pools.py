@@ -25,6 +25,7 @@ import functools
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -35,6 +36,68 @@ START_TIMEOUT = 30.0
 it fails with ``RuntimeError`` (a healthy thread reports within a millisecond)."""
 DRAIN_TIMEOUT = 600.0
 """Default seconds ``Lane.close`` waits for its running tasks (``Config.timeout``'s default)."""
+
+
+RECHECK_SECONDS = 0.5
+"""The longest a ``Gate`` waiter sleeps before it checks again without being woken."""
+
+
+class Gate:
+    """Bookkeeping under a plain lock, and waits for it to change that a ^C cannot break.
+
+    Why not ``threading.Condition``: it runs Python code while it holds its lock, gives it up, or
+    takes it back (``__exit__``, ``wait``), and the main thread runs a ^C's handler between any
+    two lines of Python. A ^C landing there leaves the lock held (so every other thread using it
+    blocks for ever: the background save's end, a later save's place) or released twice. Here
+    the lock is a plain ``threading.Lock`` taken only by ``with`` (C code both ways), and a
+    waiter sleeps outside it on a queue of its own (``SimpleQueue.get``, C code): wherever a ^C
+    lands, the lock is free afterwards and the bookkeeping is as its last statement left it. A
+    waiter that missed its wake-up (a ^C inside the notifier's loop) checks again after
+    ``RECHECK_SECONDS``.
+    """
+
+    def __init__(self, lock: threading.Lock | None = None):
+        self.lock = lock if lock is not None else threading.Lock()
+        """Guards the bookkeeping; take it with ``with`` only."""
+        self._wakers: list[queue.SimpleQueue[None]] = []
+
+    @property
+    def waiting(self) -> int:
+        """Threads waiting in ``wait_for`` now."""
+        with self.lock:
+            return len(self._wakers)
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float | None,
+                 then: Callable[[], None] | None = None) -> bool:
+        """Wait until ``ready()`` is true, then run ``then()`` (both under ``lock``, which the
+        caller must not hold); False if ``timeout`` seconds (None: no bound) pass first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waker: queue.SimpleQueue[None] = queue.SimpleQueue()
+        try:
+            while True:
+                with self.lock:
+                    if ready():
+                        if then is not None:
+                            then()
+                        return True
+                    if waker not in self._wakers:
+                        self._wakers.append(waker)
+                remaining = RECHECK_SECONDS if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                try:
+                    waker.get(timeout=min(remaining, RECHECK_SECONDS))
+                except queue.Empty:
+                    pass
+        finally:
+            with self.lock:
+                if waker in self._wakers:
+                    self._wakers.remove(waker)
+
+    def notify_all(self) -> None:
+        """Wake every waiter; call it holding ``lock``, after changing what they wait for."""
+        for waker in self._wakers:
+            waker.put(None)
 
 
 class WorkerPool:
@@ -143,7 +206,7 @@ class Lane:
         self.pool_name = pool_name
         self.threads = max(1, threads)
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._idle = Gate(self._lock)
         self._pending: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
         self._running = 0
         self._pool: WorkerPool | None = None
@@ -200,8 +263,7 @@ class Lane:
     def drain(self, timeout: float | None = DRAIN_TIMEOUT) -> bool:
         """Wait up to ``timeout`` s for every task submitted so far to end, leaving the lane open;
         True when none runs any more."""
-        with self._lock:
-            return self._idle.wait_for(lambda: self._running == 0, timeout)
+        return self._idle.wait_for(lambda: self._running == 0, timeout)
 
     def close(self, timeout: float | None = DRAIN_TIMEOUT) -> bool:
         """Cancel the tasks not started and wait up to ``timeout`` s for the running ones; True
@@ -211,4 +273,4 @@ class Lane:
             for future, _fn, _args in self._pending:
                 future.cancel()
             self._pending.clear()
-            return self._idle.wait_for(lambda: self._running == 0, timeout)
+        return self._idle.wait_for(lambda: self._running == 0, timeout)
