@@ -25,6 +25,7 @@ import os
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover 
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import gdsckpt
 from gdsckpt.dcp import GdsStorageReader, GdsStorageWriter
@@ -439,29 +441,69 @@ class HeldWriter(GdsStorageWriter):
         return super().write_data(plan, planner)
 
 
-def test_reused_writer_refuses_an_overlapping_async_save(tmp_path: Path) -> None:
+def test_a_reused_writer_runs_overlapping_async_saves_each_to_its_own_checkpoint(tmp_path: Path) -> None:
     writer = HeldWriter(tmp_path / "unused", **OPTIONS)
     with pytest.warns(UserWarning, match=DISABLED):
         first = dcp.async_save({"w": torch.ones(3)}, storage_writer=writer, checkpoint_id=tmp_path / "step1")
         assert writer.entered.acquire(timeout=30)  # the first save is writing
         second = dcp.async_save({"w": torch.ones(3) * 2}, storage_writer=writer, checkpoint_id=tmp_path / "step2")
-        # the second save fails at once, or (unfixed) reaches write_data too
-        deadline = time.monotonic() + 30
-        while not second.done() and not writer.entered.acquire(timeout=0.05):
-            assert time.monotonic() < deadline
+        assert writer.entered.acquire(timeout=30)  # and the second, set up while the first runs
         writer.release.set()
         first.result(timeout=60)
-        with pytest.raises(RuntimeError, match=r"GdsStorageWriter is still saving to .*step1.*its own GdsStorageWriter"):
-            second.result(timeout=60)
+        second.result(timeout=60)
+    for step, value in (("step1", 1), ("step2", 2)):
+        target = {"w": torch.zeros(3)}
+        load(target, tmp_path / step)
+        assert bits(target["w"]) == bits(torch.ones(3) * value)
+    assert not (tmp_path / "unused").exists()
+
+
+class FailingPlanner(DefaultSavePlanner):
+    """Fails the save before the writer's ``write_data``: DCP tells the writer nothing of it."""
+
+    def create_local_plan(self) -> Any:
+        raise RuntimeError("injected planner failure")
+
+
+def test_a_save_that_failed_before_writing_does_not_hold_the_writer(tmp_path: Path) -> None:
+    """A save that failed before ``write_data`` (a planner's error; on the coordinator, another
+    rank's failure) on a thread that lives on: the writer took it for a save still in flight and
+    refused every later save from another thread (``RuntimeError: still saving``)."""
+    writer = GdsStorageWriter(tmp_path / "unused", **OPTIONS)
+    both_busy = threading.Barrier(2)  # the two saves run on two different live threads
+
+    def failing() -> None:
+        both_busy.wait(30)
+        with pytest.warns(UserWarning, match=DISABLED), pytest.raises(CheckpointException, match="injected"):
+            dcp.save({"w": torch.ones(3)}, storage_writer=writer, checkpoint_id=tmp_path / "failed",
+                     planner=FailingPlanner())
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failed = pool.submit(failing)
+
+        def later() -> None:
+            both_busy.wait(30)
+            failed.result(timeout=60)
+            with pytest.warns(UserWarning, match=DISABLED):
+                dcp.save({"w": torch.ones(3) * 5}, storage_writer=writer, checkpoint_id=tmp_path / "later")
+
+        pool.submit(later).result(timeout=120)
     target = {"w": torch.zeros(3)}
-    load(target, tmp_path / "step1")
-    assert bits(target["w"]) == bits(torch.ones(3))
-    assert not (tmp_path / "step2" / ".metadata").exists()
-    # once the first save is done, the writer takes the next one
-    with pytest.warns(UserWarning, match=DISABLED):
-        dcp.async_save({"w": torch.ones(3) * 2}, storage_writer=writer, checkpoint_id=tmp_path / "step2").result()
-    load(target, tmp_path / "step2")
-    assert bits(target["w"]) == bits(torch.ones(3) * 2)
+    load(target, tmp_path / "later")
+    assert bits(target["w"]) == bits(torch.ones(3) * 5)
+    assert not (tmp_path / "failed" / ".metadata").exists()
+
+
+def test_torchs_own_reader_on_a_gdsckpt_checkpoint_names_the_reader_to_use(tmp_path: Path) -> None:
+    """``dcp.load(state, checkpoint_id=dir)`` picks torch's ``FileSystemReader``, which failed on
+    gdsckpt's rank files with ``AttributeError: 'GdsStorageInfo' object has no attribute 'offset'``."""
+    save({"w": torch.arange(6.0)}, tmp_path)
+    with pytest.warns(UserWarning, match=DISABLED), \
+            pytest.raises(CheckpointException, match=r"GdsStorageWriter.*GdsStorageReader"):
+        dcp.load({"w": torch.zeros(6)}, checkpoint_id=tmp_path)
+    target = {"w": torch.zeros(6)}
+    load(target, tmp_path)  # the checkpoint itself is fine
+    assert bits(target["w"]) == bits(torch.arange(6.0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,3 +535,37 @@ def test_target_of_another_dtype_is_cast_as_filesystemreader_does(tmp_path: Path
             dcp.load(target, storage_reader=reader(where))
         targets.append(target)
     assert all(bits(targets[0][k]) == bits(targets[1][k]) for k in state)
+
+
+def test_an_unknown_writer_option_names_the_writer_and_what_it_takes(tmp_path: Path) -> None:
+    """Options of torch's FileSystemWriter, or ``lossy=``, failed inside ``Config.__init__``."""
+    for options in ({"sync_files": False}, {"lossy": "bf16"}, {"thread_count": 4}):
+        with pytest.raises(TypeError, match=r"GdsStorageWriter got unknown option.*fields of gdsckpt\.Config"):
+            GdsStorageWriter(tmp_path, **options)
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_next_save_removes_a_killed_ranks_temporary(tmp_path: Path) -> None:
+    """Each save writes rank files of new names, so a killed rank's temporary was never removed
+    by gdsckpt.save's sweep of its own target and stayed for good, one more per killed save."""
+    import subprocess
+    import sys
+
+    save({"w": torch.arange(4.0)}, tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        left = tmp_path / f".__0_{'a' * 32}.gdsckpt.gdsckpt-tmp-{dead.pid}-0123abcd"
+        writing = tmp_path / f".__1_{'b' * 32}.gdsckpt.gdsckpt-tmp-{alive.pid}-0123abcd"
+        unrelated = tmp_path / f".notes.txt.gdsckpt-tmp-{dead.pid}-0123abcd"
+        for path in (left, writing, unrelated):
+            path.write_bytes(b"partial")
+        save({"w": torch.arange(4.0) + 1}, tmp_path)
+        assert not left.exists() and writing.exists() and unrelated.exists()
+    finally:
+        alive.kill()
+        alive.wait()
+    target = {"w": torch.zeros(4)}
+    load(target, tmp_path)
+    assert bits(target["w"]) == bits(torch.arange(4.0) + 1)

@@ -19,7 +19,9 @@ length). The coordinator writes DCP's ``Metadata`` last, twice, each through a t
 fsync, rename and directory fsync: first as JSON, ``.metadata.json`` (a strict schema of plain
 values, which a reader decodes without running code from the file; it records the SHA-256 of the
 ``.metadata`` written with it), then as DCP's own pickle, ``.metadata``, the way
-``FileSystemWriter`` does (so torch's ``FileSystemReader`` and older gdsckpt versions read it).
+``FileSystemWriter`` does (so older gdsckpt versions, and DCP tools that read the metadata alone,
+read it; torch's ``FileSystemReader`` cannot read the rank files, and its first read of one raises
+``UnsupportedFormatError`` naming ``GdsStorageReader``).
 ``.metadata`` is written last: a directory without it is not a checkpoint. Metadata that the JSON
 schema cannot express (a custom planner's ``planner_data``, a dtype outside the table) is written
 as the pickle only, with a ``PickleOnlyMetadataWarning``.
@@ -114,7 +116,7 @@ from ..codecs import codec_spec, versioned_name
 from ..codecs.nvcomp import gpu_available
 from ..config import Config, check_level
 from ..errors import CheckpointError, CodecUnavailableError, CorruptCheckpointError, PickleOnlyMetadataWarning
-from ..io.posix import fsync_directory, read_small_file, write_atomically
+from ..io.posix import fsync_directory, read_small_file, remove_if_stale, temporary_target, write_atomically
 from ..io.s3 import SCHEME, is_url
 from ..state import torch_dtype_name
 from .dcp_metadata import (
@@ -331,9 +333,13 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
 
     The constructor refuses an unknown codec or level, and a GPU-only codec where no GPU engine is
     usable (``ValueError`` / ``CodecUnavailableError``); ``path`` may be a directory or an
-    ``s3://`` prefix, any other URL is a ``ValueError``. One writer serves one save at a time:
-    a save (``dcp.save`` / ``dcp.async_save``) started with it while another thread's save with
-    it is still in flight raises ``RuntimeError``; use one writer per concurrent save.
+    ``s3://`` prefix, any other URL is a ``ValueError``. Saves with one writer from several
+    threads at once (``dcp.async_save`` while another runs) each keep what DCP set up in their
+    own thread: the location named by that thread's ``reset(checkpoint_id)``, else the writer's
+    ``path`` when the save is set up, which ``reset`` with a ``checkpoint_id`` moves for every
+    later save, as torch's ``FileSystemWriter`` does. An ``async_save`` without a
+    ``checkpoint_id`` thus writes where the writer points when its thread starts the save: give
+    each save its ``checkpoint_id`` to fix it at the call.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, codec: str = "auto", config: Config | None = None,
@@ -341,6 +347,12 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         super().__init__()
         self.path = _location(path)
         self.codec = codec
+        unknown = sorted(set(options) - {field.name for field in dataclasses.fields(Config)})
+        if unknown:
+            raise TypeError(f"GdsStorageWriter got unknown option(s) {', '.join(map(repr, unknown))}: it takes "
+                            f"path, codec=, config= and the fields of gdsckpt.Config (chunk_bytes=, fsync=, "
+                            f"level=, portable=, ...); torch FileSystemWriter's own options do not apply, and "
+                            f"lossy= and delta saves are not available through DCP")
         self.config = resolve_config(config, **options)
         _check_codec(codec, self.config)  # here, not in every rank's write after the old metadata went
         self.rank: int | None = None
@@ -351,8 +363,11 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
 
     def _init_saves(self) -> None:
         self._lock = threading.Lock()
-        self._save: _Save | None = None
-        """The save in flight (from ``set_up_storage_writer`` to the end of this rank's part)."""
+        self._saves: dict[int, _Save] = {}
+        """Thread id -> the save that thread runs (from ``set_up_storage_writer`` to the end of this
+        rank's part). Per thread, not one per writer: DCP tells a writer nothing when a save fails
+        before ``write_data`` (a planner's error, another rank's), so a writer-wide record of the
+        save in flight could not tell a failed save from a running one."""
         self._reset_paths: dict[int, Path | str] = {}
         """Thread id -> the location its ``reset`` named, for the save that thread sets up next."""
 
@@ -360,7 +375,7 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         # DCP's process-based async_save sends the writer to another process: without the lock
         # and this process's saves in flight
         state = self.__dict__.copy()
-        for name in ("_lock", "_save", "_reset_paths"):
+        for name in ("_lock", "_saves", "_reset_paths"):
             state.pop(name, None)
         return state
 
@@ -372,9 +387,8 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, at ``checkpoint_id`` when given (DCP calls it with ``save``'s
-        ``checkpoint_id``); ``RuntimeError`` while another thread's save with this writer runs."""
+        ``checkpoint_id``)."""
         with self._lock:
-            self._refuse_if_in_flight(checkpoint_id)
             if checkpoint_id:
                 self.path = _location(checkpoint_id)
                 self._reset_paths[threading.get_ident()] = self.path
@@ -385,19 +399,21 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         return _Files(self._current().path, self.config)
 
     def storage_meta(self) -> StorageMeta | None:
-        save = self._save
+        save = self._saves.get(threading.get_ident())
         if save is not None and save.thread is threading.current_thread():
             return StorageMeta(checkpoint_id=str(save.path), save_id=save.save_id)
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         with self._lock:
-            self._refuse_if_in_flight(None)
+            # Records of threads that have ended go (a failed save's, whose thread never returned).
+            self._saves = {ident: save for ident, save in self._saves.items() if save.thread.is_alive()}
             path = self._reset_paths.pop(threading.get_ident(), self.path)
-            self._save = _Save(path=path, thread=threading.current_thread(), is_coordinator=is_coordinator,
-                               rank=kwargs.get("rank"), use_collectives=kwargs.get("use_collectives", True),
-                               save_id=str(uuid.uuid4()))
-            self.save_id = self._save.save_id
+            save = _Save(path=path, thread=threading.current_thread(), is_coordinator=is_coordinator,
+                         rank=kwargs.get("rank"), use_collectives=kwargs.get("use_collectives", True),
+                         save_id=str(uuid.uuid4()))
+            self._saves[threading.get_ident()] = save
+            self.save_id = save.save_id
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
@@ -543,6 +559,14 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
                         self._remove_metadata(name.removesuffix(JSON_SUFFIX))
             for name in stale:
                 files.remove(name, fsync=False)
+            if not isinstance(save.path, str):
+                # A rank killed while writing left its rank file's temporary: no later save writes
+                # that file name again, so gdsckpt.save's own sweep of its target never finds it.
+                for name in names:
+                    made_for = temporary_target(name)
+                    if made_for is not None and _RANK_FILE.fullmatch(made_for[0]) and made_for[0] not in named \
+                            and (own is None or made_for[0].startswith(own)):
+                        remove_if_stale(Path(save.path) / name)
             if stale and self.config.fsync and not isinstance(save.path, str):
                 _fsync_dir(Path(save.path), self.config.timeout)
         except (OSError, CheckpointError) as err:
@@ -551,23 +575,10 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _refuse_if_in_flight(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
-        """``RuntimeError`` while a save with this writer runs in another live thread. (A save that
-        failed on another rank never reaches this rank's finish; the thread that ran it, once
-        finished, or the same thread, which runs one save at a time, may start the next.)"""
-        save = self._save
-        if save is None or save.thread is threading.current_thread() or not save.thread.is_alive():
-            return
-        wanted = "" if checkpoint_id is None else f" to {str(checkpoint_id)!r}"
-        raise RuntimeError(
-            f"GdsStorageWriter is still saving to {str(save.path)!r} (thread {save.thread.name!r}); a save"
-            f"{wanted} with the same writer cannot start before it ends: give each concurrent "
-            f"dcp.save / dcp.async_save its own GdsStorageWriter, or wait for the previous one's future")
-
     def _current(self) -> _Save:
         """The save this thread runs: the one set up in it, or (called outside a DCP save, as a
         test may call ``finish``) one at the writer's own settings."""
-        save = self._save
+        save = self._saves.get(threading.get_ident())
         if save is not None and save.thread is threading.current_thread():
             return save
         return _Save(path=self.path, thread=threading.current_thread(), is_coordinator=self.is_coordinator,
@@ -575,8 +586,9 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
 
     def _release(self, save: _Save) -> None:
         with self._lock:
-            if self._save is save:
-                self._save = None
+            ident = save.thread.ident
+            if ident is not None and self._saves.get(ident) is save:
+                del self._saves[ident]
 
     @staticmethod
     def _metadata_path(rank: int | None = None) -> str:

@@ -81,6 +81,22 @@ class GdsStorageInfo:
     length: int
     file_id: str | None = None
 
+    @property
+    def offset(self) -> int:
+        """Not a byte offset: torch's ``FileSystemReader`` (which ``dcp.load`` picks for a
+        ``checkpoint_id`` alone, and ``dcp_to_torch_save`` uses) asks for one to read a raw slice,
+        and a gdsckpt rank file has none to give. ``UnsupportedFormatError`` naming the reader."""
+        raise UnsupportedFormatError(
+            f"{self.relative_path!r} is a rank file of gdsckpt.dcp.GdsStorageWriter (a compressed gdsckpt "
+            f"file), which torch's FileSystemReader cannot read: load it with dcp.load(state, "
+            f"storage_reader=gdsckpt.dcp.GdsStorageReader(path)), or turn it into a torch.save file with "
+            f"gdsckpt.dcp.GdsStorageReader and torch.save")
+
+    @property
+    def transform_descriptors(self) -> None:
+        """As ``offset``: what torch's ``FileSystemReader`` reads besides the offset."""
+        return self.offset  # type: ignore[return-value]  # raises
+
 
 def item_name(index: MetadataIndex) -> str:
     """``fqn@offsets`` (``"w@0,128"``; ``"step@"`` for an item without offsets): the write item's
