@@ -223,6 +223,26 @@ def test_stale_temporary_of_a_dead_writer_is_removed(ckpt_path: Path, h: Any) ->
         live_writer.wait()
 
 
+def test_a_temporary_of_an_earlier_process_with_this_pid_is_removed(ckpt_path: Path, h: Any) -> None:
+    """A container restarted (or a job in a fresh PID namespace) gets the pid its killed
+    predecessor had: that predecessor's temporaries named a live process, this one, and were
+    never removed, one checkpoint's worth of disk per crash. The name now carries a token of
+    the process as well as its pid."""
+    from gdsckpt.io import posix
+
+    directory = ckpt_path.parent
+    other_token = "0000" if posix._process_token != "0000" else "ffff"
+    predecessor = directory / f".{ckpt_path.name}.gdsckpt-tmp-{os.getpid()}-{other_token}beef"
+    predecessor.write_bytes(b"half a checkpoint of the killed incarnation")
+    own = directory / f".{ckpt_path.name}.gdsckpt-tmp-{os.getpid()}-{posix._process_token}beef"
+    own.write_bytes(b"this process's save in progress")
+    gdsckpt.save(_old_state(), ckpt_path, config=_config(h))
+    assert not predecessor.exists(), "the earlier incarnation's temporary must be removed"
+    assert own.exists(), "this process's own temporary is left alone"
+    own.unlink()
+    h.assert_same(_old_state(), gdsckpt.load(ckpt_path))
+
+
 def test_readers_never_see_a_temporary_file(ckpt_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             previous: bytes, h: Any) -> None:
     """While a save is half written, loading the path gives the previous checkpoint."""

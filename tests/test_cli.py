@@ -68,7 +68,7 @@ def test_inspect_prints_every_array(saved: Path, h: Any) -> None:
     for key in ("model/embed.weight", "model/head.bias", "tied"):
         assert key in result.stdout
     assert "alias of model/embed.weight" in result.stdout
-    assert "3 arrays" in result.stdout
+    assert "2 arrays (+1 alias of them)" in result.stdout  # as the group totals count them
 
 
 def test_inspect_says_whether_a_file_is_portable(saved: Path, tmp_path: Path, h: Any) -> None:
@@ -151,6 +151,8 @@ def test_missing_or_foreign_file_exits_one(command: str, tmp_path: Path, h: Any)
     ["verify", "a", "b"],
     ["demo", "--width", "wide"],
     ["inspect", "--bogus", "x"],
+    ["bench", "--target", ".", "--threads", "100000"],
+    ["plan", "--params", "7B", "--interval", "9" * 400],
 ])
 def test_bad_arguments_exit_two(args: list[str], h: Any) -> None:
     result = h.run_cli(*args)
@@ -207,3 +209,86 @@ def test_progress_callbacks_reach_the_total(tmp_path: Path, h: Any) -> None:
         assert all(total == logical for _done, total in seen), name
         dones = [done for done, _total in seen]
         assert dones == sorted(dones) and dones[-1] == logical, name
+
+
+def test_bench_stops_when_its_time_budget_is_spent(tmp_path: Path, h: Any) -> None:
+    """Once ``--max-seconds`` was spent, every remaining round of ``--repeats`` still ran its
+    bookkeeping: 100,000 repeats took over an hour for a 1 s budget."""
+    out = tmp_path / "out"
+    result = h.run_cli("-q", "bench", "--target", str(tmp_path), "--size", "1MiB", "--codecs", "zstd",
+                       "--chunk-sizes", "1MiB", "--threads", "1", "--baselines", "none", "--out", str(out),
+                       "--repeats", "100000", "--max-seconds", "1", timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert "of 100000 repeats: the time budget" in result.stdout  # the table says how few ran
+
+
+def test_bench_refuses_a_directory_as_preset_out_before_measuring(tmp_path: Path, h: Any) -> None:
+    result = h.run_cli("bench", "--target", str(tmp_path), "--size", "1MiB", "--recommend",
+                       "--preset-out", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and "--preset-out" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_rebase_keeps_an_existing_output_unless_told(tmp_path: Path, h: Any) -> None:
+    """``rebase DELTA -o model.pt`` replaced an existing torch.save file without a word."""
+    state = {"w": torch.arange(100.0)}
+    gdsckpt.save(state, tmp_path / "a.gdsckpt")
+    gdsckpt.save({"w": state["w"] + 1}, tmp_path / "b.gdsckpt", base=tmp_path / "a.gdsckpt")
+    other = tmp_path / "model.pt"
+    torch.save({"x": torch.ones(3)}, other)
+    before = other.read_bytes()
+    result = h.run_cli("rebase", str(tmp_path / "b.gdsckpt"), "-o", str(other))
+    assert result.returncode == 1 and "--overwrite" in result.stderr, result.stderr
+    assert other.read_bytes() == before
+    result = h.run_cli("rebase", str(tmp_path / "b.gdsckpt"), "-o", str(other), "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert "ForeignExtensionWarning" in result.stderr or ".pt" in result.stderr
+    assert torch.equal(gdsckpt.load(other)["w"], state["w"] + 1)
+
+
+def test_inspect_escapes_keys_that_would_forge_lines(tmp_path: Path, h: Any) -> None:
+    path = tmp_path / "keys.gdsckpt"
+    gdsckpt.save({"a\nportable: every chunk decodes": torch.ones(3), "\x1b[31mred": torch.zeros(2)}, path)
+    result = h.run_cli("inspect", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout
+    assert "a\\nportable" in result.stdout and "\\x1b[31mred" in result.stdout
+    assert sum(line.startswith("portable:") for line in result.stdout.splitlines()) <= 1
+
+
+def test_plan_from_a_delta_checkpoint_is_refused(tmp_path: Path, h: Any) -> None:
+    """Its chunks hold XORs with the base: an unchanged state planned at "ratio 15420"."""
+    state = {"w": torch.randn(10_000, generator=torch.Generator().manual_seed(0))}
+    gdsckpt.save(state, tmp_path / "a.gdsckpt")
+    gdsckpt.save(state, tmp_path / "b.gdsckpt", base=tmp_path / "a.gdsckpt")
+    result = h.run_cli("plan", "--from", str(tmp_path / "b.gdsckpt"))
+    assert result.returncode == 1 and "delta checkpoint" in result.stderr and "rebase" in result.stderr
+    assert h.run_cli("plan", "--from", str(tmp_path / "a.gdsckpt")).returncode == 0
+
+
+def test_convert_to_a_path_ending_in_a_slash_writes_nothing(tmp_path: Path, h: Any) -> None:
+    source = tmp_path / "a.pt"
+    torch.save({"w": torch.ones(3)}, source)
+    result = h.run_cli("convert", str(source), str(tmp_path / "out.gdsckpt") + "/")
+    assert result.returncode == 1 and "not a directory" in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt"]
+
+
+def test_a_delta_opened_through_a_symlink_elsewhere_finds_its_base(tmp_path: Path, h: Any) -> None:
+    """The base's relative path was resolved beside the link: "missing", or with an unrelated
+    file of the base's name there, "changed"."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "links").mkdir()
+    state = {"w": torch.arange(64.0)}
+    gdsckpt.save(state, tmp_path / "run" / "a.gdsckpt")
+    gdsckpt.save({"w": state["w"] + 1}, tmp_path / "run" / "b.gdsckpt", base=tmp_path / "run" / "a.gdsckpt")
+    gdsckpt.save({"w": torch.zeros(64)}, tmp_path / "links" / "a.gdsckpt")  # a decoy beside the link
+    (tmp_path / "links" / "best.gdsckpt").symlink_to(tmp_path / "run" / "b.gdsckpt")
+    assert torch.equal(gdsckpt.load(tmp_path / "links" / "best.gdsckpt")["w"], state["w"] + 1)
+    assert h.run_cli("verify", str(tmp_path / "links" / "best.gdsckpt")).returncode == 0
+
+
+def test_demo_refuses_a_cpu_index_before_any_work(h: Any) -> None:
+    """``--device cpu:1`` ran the whole demo, then failed inside torch.load with exit 1."""
+    result = h.run_cli("demo", "--device", "cpu:1")
+    assert result.returncode == 2 and "cpu:1" in result.stderr and "Traceback" not in result.stderr

@@ -168,7 +168,9 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path: Path, config:
     dead.wait()
     stale = [tmp_path / f".{_ckpt(7)}{TEMP_MARKER}{dead.pid}-0000",
              tmp_path / f".latest{TEMP_MARKER}{dead.pid}-0001"]
-    mine = tmp_path / f".{_ckpt(8)}{TEMP_MARKER}{os.getpid()}-0002"  # a live writer's: kept
+    from gdsckpt.io import posix
+
+    mine = tmp_path / f".{_ckpt(8)}{TEMP_MARKER}{os.getpid()}-{posix._process_token}0002"  # this process's: kept
     for path in stale + [mine]:
         path.write_bytes(b"partial")
     (tmp_path / "unrelated.txt").write_text("x")
@@ -506,3 +508,60 @@ def test_the_uploader_survives_a_failing_round_even_when_warnings_are_errors(cap
     assert isinstance(uploader.error, ConnectionError) and "server gone" in caplog.text
     uploader.request()  # a later round runs again
     assert uploader.wait_idle(timeout=30) and len(calls) == 2
+
+
+def test_a_later_step_renamed_before_an_earlier_one_moved_latest_is_restored(tmp_path: Path) -> None:
+    """Two saves in flight (``max_inflight=2``): step 2's file is in place first, then step 1's
+    save ends and moved ``latest`` to step 1, written after step 2's rename. A process killed
+    before step 2's own update restored step 1: step 2, intact, no longer counted as completed
+    after ``latest``. Now step 1's update names step 2, whose file is already complete."""
+    manager = CheckpointManager(tmp_path, keep_last=3, max_inflight=2)
+    manager.save(0, {"w": torch.zeros(1000)})
+    completed = manager._completed
+    killed = threading.Event()  # step 2's update never runs while this is unset: the kill
+
+    def steered(step: int) -> None:
+        if step == 1:
+            deadline = time.monotonic() + 30
+            while not manager.path(2).exists():
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+        if step == 2:
+            assert killed.wait(60)
+        completed(step)
+
+    manager._completed = steered  # type: ignore[method-assign]
+    first = manager.save_async(1, {"w": torch.full((1000,), 1.0)})
+    second = manager.save_async(2, {"w": torch.full((1000,), 2.0)})
+    first.wait(60)
+    try:
+        restored = CheckpointManager(tmp_path, keep_last=3).restore_latest()
+        assert restored is not None and restored[0] == 2 and torch.equal(restored[1]["w"], torch.full((1000,), 2.0))
+    finally:
+        killed.set()
+        second.wait(60)
+
+
+def test_a_restore_while_another_process_prunes_every_listed_checkpoint_lists_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader whose every listed checkpoint was pruned by a trainer saving meanwhile
+    (``keep_last=1``) returned None, a fresh start, while a newer checkpoint was on disk."""
+    import gdsckpt.manager as manager_module
+
+    trainer = CheckpointManager(tmp_path / "run", keep_last=1)
+    trainer.save(1, {"w": torch.full((100,), 1.0)})
+    problem = manager_module._problem
+    saved_meanwhile: list[int] = []
+
+    def pruned_meanwhile(path: Any, **kwargs: Any) -> Any:
+        if not saved_meanwhile:
+            saved_meanwhile.append(2)
+            trainer.save(2, {"w": torch.full((100,), 2.0)})  # prunes step 1, the reader's one candidate
+        return problem(path, **kwargs)
+
+    monkeypatch.setattr(manager_module, "_problem", pruned_meanwhile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedCheckpointWarning)
+        restored = CheckpointManager(tmp_path / "run", keep_last=1).restore_latest()
+    assert saved_meanwhile and restored is not None and restored[0] == 2
+    assert torch.equal(restored[1]["w"], torch.full((100,), 2.0))

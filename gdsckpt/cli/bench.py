@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..codecs import known_codec_names
-from ..config import Config, parse_size
+from ..config import MAX_THREADS, Config, parse_size
 from ..tools import storagebench as sb
 from .common import nonempty_path, require_module
 from .progress import progress_bar
@@ -81,6 +81,13 @@ def _counts(text: str) -> tuple[int, ...]:
     return values
 
 
+def _thread_counts(text: str) -> tuple[int, ...]:
+    counts = _counts(text)
+    if any(count > MAX_THREADS for count in counts):
+        raise argparse.ArgumentTypeError(f"thread counts must be at most {MAX_THREADS}, got {text!r}")
+    return counts
+
+
 def _depths(text: str) -> tuple[int | None, ...]:
     return tuple(None if item == "default" else _counts(item)[0] for item in _items(text))
 
@@ -135,7 +142,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--chunk-sizes", type=_chunk_sizes, default=(4 << 20, 16 << 20), metavar="LIST",
                         help="chunk sizes of gdsckpt and block sizes of raw I/O (default 4MiB,16MiB; "
                              "the GPU engine takes at most 16MiB)")
-    parser.add_argument("--threads", type=_counts, default=sb.default_thread_counts(), metavar="LIST",
+    parser.add_argument("--threads", type=_thread_counts, default=sb.default_thread_counts(), metavar="LIST",
                         help="I/O threads: io_threads, and kvikio_threads on the GPU (default: "
                              "min(8, cores),16)")
     parser.add_argument("--depth", type=_depths, default=(None,), metavar="LIST",
@@ -221,8 +228,9 @@ def run(args: argparse.Namespace) -> int:
         problem = f"--out {str(out)!r} cannot be created here"
     elif args.recommend and len(args.target) > 1 and "{target}" not in preset_pattern:
         problem = "with several targets, --preset-out needs '{target}' in it (one preset per target)"
-    elif args.recommend and not _writable_destination(Path(preset_pattern).parent):
-        problem = f"--preset-out {preset_pattern!r} cannot be written"
+    elif args.recommend and (not _writable_destination(Path(preset_pattern).parent)
+                             or Path(preset_pattern.replace("{target}", "x")).is_dir()):
+        problem = f"--preset-out {preset_pattern!r} cannot be written (a directory, or no writable parent)"
     if problem:
         logger.error("%s", problem)
         return 2
@@ -291,6 +299,8 @@ def format_report(report: sb.BenchReport) -> str:
             notes = m.backend or ""
             if m.status != "ok":
                 notes = f"{m.status}: {m.reason}"
+            elif m.reason:  # measured fewer times than the header's median says
+                notes += f" {m.reason}"
             elif m.bit_exact is False:
                 notes += " NOT BIT-EXACT"
             fractions = sb.limit_fractions(target, m) if m.status == "ok" else None

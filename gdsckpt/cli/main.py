@@ -103,8 +103,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         }, indent=2))
         return 0
     print(f"{info.path}: format {info.format_version[0]}.{info.format_version[1]}, written by {info.writer}")
-    print(f"{len(info.tensors)} arrays, {info.logical_bytes} logical bytes, {info.file_bytes} bytes on disk, "
-          f"ratio {info.ratio:.3f}")
+    aliases = sum(1 for t in info.tensors if t.alias_of)
+    also = f" (+{aliases} alias{'es' if aliases > 1 else ''} of them)" if aliases else ""
+    print(f"{len(info.tensors) - aliases} arrays{also}, {info.logical_bytes} logical bytes, {info.file_bytes} "
+          f"bytes on disk, ratio {info.ratio:.3f}")
     if info.portable:
         print("portable: every chunk decodes without a GPU")
     else:
@@ -112,17 +114,17 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
               f"{CONVERT_TO_PORTABLE}")
     if info.base is not None:
         deltas = sum(t.delta for t in info.tensors)
-        print(f"delta checkpoint: {deltas} arrays stored as the XOR with base {info.base['path']!r} "
+        print(f"delta checkpoint: {deltas} arrays stored as the XOR with base {_shown(repr(info.base['path']))} "
               f"(chain depth {info.base['depth']}; 'gdsckpt rebase' writes it in full)")
     print(f"  {'key':50} {'dtype':10} {'shape':20} {'stored':>12} {'ratio':>7}  codecs")
     for t in info.tensors:
-        codecs = ",".join(t.codecs) or (f"alias of {t.alias_of}" if t.alias_of else "-")
-        print(f"  {t.key:50} {t.dtype:10} {list(t.shape)!s:20} "
+        codecs = ",".join(t.codecs) or (f"alias of {_shown(t.alias_of)}" if t.alias_of else "-")
+        print(f"  {_shown(t.key):50} {t.dtype:10} {list(t.shape)!s:20} "
               f"{_estimate(str(t.stored_bytes), t.stored_estimated):>12} "
               f"{_estimate(_ratio_text(t.ratio), t.stored_estimated):>7}  {codecs}")
     print(f"  {'group':30} {'arrays':>7} {'logical bytes':>15} {'stored bytes':>15} {'ratio':>7}")
     for name, group in groups.items():
-        print(f"  {name:30} {group['arrays']:7} {group['logical_bytes']:15} "
+        print(f"  {_shown(name):30} {group['arrays']:7} {group['logical_bytes']:15} "
               f"{_estimate(str(group['stored_bytes']), group['estimated']):>15} "
               f"{_estimate(_ratio_text(group['ratio']), group['estimated']):>7}")
     print(f"  {'total':30} {sum(g['arrays'] for g in groups.values()):7} {info.logical_bytes:15} "
@@ -136,9 +138,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  {'key':50} {'mode':6} {'rel bound':>10} {'abs bound':>12} {'max error':>12}")
         for t in lossy:
             assert t.lossy is not None
-            print(f"  {t.key:50} {t.lossy['mode']:6} {t.lossy['rel_bound']:10.3g} "
+            print(f"  {_shown(t.key):50} {t.lossy['mode']:6} {t.lossy['rel_bound']:10.3g} "
                   f"{t.lossy['abs_bound']:12.4g} {t.lossy['max_error']:12.4g}")
     return 0
+
+
+def _shown(text: str) -> str:
+    """``text`` for a terminal line: characters that are not printable (a newline, an escape
+    sequence's ESC) escaped as Python writes them, so a key cannot forge lines or colours."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -155,13 +163,22 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_rebase(args: argparse.Namespace) -> int:
     from ..api import rebase
+    from ..api.resolve import warn_foreign_extension
     from ..integrations.convert import check_codec
+    from ..io.s3 import is_url
 
     try:
         check_codec(args.codec, "gdsckpt")  # a usage error, as for convert
     except ValueError as err:
         raise UsageError(str(err)) from err
-    report = rebase(args.path, args.output, codec=args.codec, config=args.config, force=args.force)
+    output = args.output
+    if output is not None and not args.overwrite and not is_url(output) and os.path.lexists(output) \
+            and not (os.path.exists(args.path) and os.path.exists(output) and os.path.samefile(args.path, output)):
+        # as convert: an existing file (a torch.save .pt, another run's checkpoint) is kept
+        raise FileExistsError(f"output {output!r} exists; pass --overwrite to replace it")
+    if output is not None:
+        warn_foreign_extension(output)
+    report = rebase(args.path, output, codec=args.codec, config=args.config, force=args.force)
     print(f"{report.path}: full checkpoint, {report.tensors} arrays, {report.file_bytes} bytes, "
           f"ratio {report.ratio:.3f}")
     return 0
@@ -217,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Write a delta checkpoint as a full one, resolving its chain of bases.")
     rebase.add_argument("path", type=nonempty_path, metavar="PATH", help="the delta checkpoint")
     rebase.add_argument("--output", "-o", type=nonempty_path, default=None, metavar="PATH",
-                        help="write here instead of replacing PATH")
+                        help="write here instead of replacing PATH (refused if it exists, unless --overwrite)")
+    rebase.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     rebase.add_argument("--codec", default="auto", help="codec of the full checkpoint (default: auto)")
     rebase.add_argument("--force", action="store_true",
                         help="replace PATH even when other checkpoints beside it are deltas on it")

@@ -58,14 +58,22 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
+MIN_DURATION_S = 1e-3
+MAX_DURATION_S = 1e12
+"""Durations a plan takes (a millisecond to about 30,000 years)."""
+
+
 def parse_duration(text: str) -> float:
     """Seconds from ``1800``, ``1800s``, ``30m``, ``2h``, ``1.5h``, ``1d`` (> 0)."""
     match = _DURATION.match(text)
     if not match:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (examples: 30m, 2h, 1800s)")
     seconds = float(match.group(1)) * _SECONDS[(match.group(2) or "").lower()]
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"a duration must be > 0, got {text!r}")
+    # the plan divides and multiplies by it in floats: a 400-digit or 1e-400 interval printed
+    # "every inf h" and wrote Infinity into the JSON
+    if not MIN_DURATION_S <= seconds <= MAX_DURATION_S:
+        raise argparse.ArgumentTypeError(f"a duration from {MIN_DURATION_S:g} s to {MAX_DURATION_S:.0e} s "
+                                         f"is planned, got {text!r}")
     return seconds
 
 

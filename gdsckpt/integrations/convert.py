@@ -204,8 +204,15 @@ def _convert(src_path: Any, dst_path: Any, src_kind: str, dst_kind: str, codec: 
 
 
 def _location(path: PathLike) -> Any:
-    """A local path as a ``Path``; an ``s3://`` URL kept as text (``Path`` would fold its ``//``)."""
-    return str(path) if is_url(path) else Path(path)
+    """A local path as a ``Path``; an ``s3://`` URL kept as text (``Path`` would fold its ``//``).
+    A path ending in ``/`` names a directory, as for ``cp``: ``Path`` would drop the slash and
+    write a file of that name, so one that is no directory is a ``NotADirectoryError``."""
+    if is_url(path):
+        return str(path)
+    text = os.fspath(path)
+    if isinstance(text, str) and text.endswith(os.sep) and not os.path.isdir(text):
+        raise NotADirectoryError(f"{text!r} ends in {os.sep!r} but is not a directory; give a file path")
+    return Path(path)
 
 
 def _stored_size(location: Any, config: Config) -> int:

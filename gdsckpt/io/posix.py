@@ -70,7 +70,21 @@ NAME_MAX = 255
 """Longest file name (bytes) the supported file systems (ext4, xfs, tmpfs, Lustre, GPFS) take."""
 
 _SUFFIX_ROOM = 24
-"""Bytes a temporary name needs after its prefix: the writer's pid (up to 10 digits), "-", 8 hex."""
+"""Bytes a temporary name needs after its prefix: the writer's pid (up to 10 digits), "-", 8 hex
+(this process's token, then the file's own)."""
+
+_process_token = secrets.token_hex(2)
+"""4 hex digits naming this process among those that had its pid: a container restarted, or a
+job rescheduled in a fresh PID namespace, gets the pid its killed predecessor had, and that
+predecessor's temporaries then named a live process (this one) and were never removed."""
+
+
+def _new_process_token() -> None:
+    global _process_token
+    _process_token = secrets.token_hex(2)
+
+
+os.register_at_fork(after_in_child=_new_process_token)
 
 _DIGEST_CHARS = 16
 
@@ -94,7 +108,7 @@ def temporary_prefix(target: Path) -> str:
 def temporary_path(target: Path) -> Path:
     """A fresh temporary path beside ``target`` (same directory, so the rename is atomic), its
     name within ``NAME_MAX``."""
-    return target.with_name(f"{temporary_prefix(target)}{os.getpid()}-{secrets.token_hex(4)}")
+    return target.with_name(f"{temporary_prefix(target)}{os.getpid()}-{_process_token}{secrets.token_hex(2)}")
 
 
 def temporary_target(name: str) -> tuple[str, bool] | None:
@@ -125,9 +139,13 @@ def remove_stale_temporaries(target: Path) -> list[Path]:
 def remove_if_stale(path: Path) -> bool:
     """Remove the temporary file ``path`` if the process that wrote it no longer exists (its pid
     follows the marker in the name); whether it was removed. Never opens it."""
-    pid_text = path.name[path.name.index(TEMP_MARKER) + len(TEMP_MARKER):].split("-", 1)[0]
-    if pid_text.isdigit() and _process_alive(int(pid_text)):
-        return False
+    pid_text, _dash, rest = path.name[path.name.index(TEMP_MARKER) + len(TEMP_MARKER):].partition("-")
+    if pid_text.isdigit():
+        if int(pid_text) == os.getpid():
+            if rest.startswith(_process_token):  # this process's own (a save of it still writing)
+                return False
+        elif _process_alive(int(pid_text)):
+            return False
     try:
         path.unlink()
     except OSError:
@@ -186,8 +204,6 @@ def read_small_file(path: str | os.PathLike[str], limit: int) -> bytes:
 
 
 def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -135,6 +135,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -174,6 +175,14 @@ POINTER = "latest"
 
 MAX_POINTER_BYTES = 4096
 """``latest`` holds one file name (at most 255 bytes); a larger pointer is ignored unread."""
+
+FILE_CLOCK_SLACK_NS = 20_000_000
+"""How far behind the wall clock a file's timestamps may lag (the kernel stamps them from a coarse
+clock, a tick behind): a save counts as begun this much earlier when its file's rename time is
+compared with its start."""
+
+RELISTS = 3
+"""How many times ``restore_latest`` lists the directory when every checkpoint it listed vanished."""
 
 _DAMAGE = (CorruptCheckpointError, UnsupportedFormatError, DeltaBaseError, FileNotFoundError)
 """What makes ``restore_latest`` pass over a checkpoint: proof that the file is damaged or not a
@@ -249,6 +258,8 @@ class CheckpointManager:
         self._saver = AsyncSaver()
         self._lock = threading.Lock()
         self._writing: Counter[int] = Counter()
+        self._begun_ns: dict[int, int] = {}
+        """Step -> when its first save still running began (``time.time_ns``, as file times)."""
         self._bases_in_use: Counter[int] = Counter()
         """Steps that saves still being written use as their base: never pruned under them."""
         self._unusable_bases: set[Any] = set()
@@ -627,6 +638,8 @@ class CheckpointManager:
         path = self.path(step)
         with self._lock:
             self._writing[step] += 1
+            # less the file clock's coarseness: the kernel stamps files from a clock up to a tick behind
+            self._begun_ns.setdefault(step, time.time_ns() - FILE_CLOCK_SLACK_NS)
         return path
 
     def _end(self, step: int, base: Path | None = None, error: BaseException | None = None) -> None:
@@ -639,6 +652,7 @@ class CheckpointManager:
             self._writing[step] -= 1
             if self._writing[step] <= 0:
                 del self._writing[step]
+                self._begun_ns.pop(step, None)
         match = self._pattern.match(Path(str(base)).name) if base is not None else None
         if match:
             self._release_base(int(match.group(1)))
@@ -651,9 +665,10 @@ class CheckpointManager:
             self._completed_object(step)
             return
         with self._lock:
-            if self._pointer_step is None or step >= self._pointer_step:
-                self._write_pointer(self._name(step))
-                self._pointer_step = step
+            newest = max([step, *self._renamed_in_flight(step)])
+            if self._pointer_step is None or newest >= self._pointer_step:
+                self._write_pointer(self._name(newest))
+                self._pointer_step = newest
             if self.remote is not None:
                 self._unsent.add(step)
                 if self.keep_last_remote is not None:  # older ones would be pruned there at once
@@ -680,6 +695,23 @@ class CheckpointManager:
         except Exception as err:  # noqa: BLE001 - as in _completed: the save is complete and published
             warnings.warn(f"checkpoint step {step} is saved, but pruning {self.directory!r} was skipped: "
                           f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
+
+    def _renamed_in_flight(self, step: int) -> list[int]:
+        """Higher steps than ``step`` whose saves are still running but whose files are already in
+        place (renamed since their saves began): complete, their ``latest`` update to come. Why:
+        with saves in flight together a later step can finish first; had ``latest`` then named
+        ``step``, written after that file's rename, a process killed before the later step's own
+        update would restore ``step`` (the later file no longer counts as completed after
+        ``latest``), throwing its progress away."""
+        renamed = []
+        for later, begun in self._begun_ns.items():
+            if later > step and self._writing.get(later, 0) > 0:
+                try:
+                    if self.path(later).stat().st_ctime_ns >= begun:
+                        renamed.append(later)
+                except OSError:
+                    pass
+        return renamed
 
     def _write_pointer(self, name: str) -> None:
         config = self.config if self.config is not None else Config.from_env()
@@ -818,9 +850,21 @@ class CheckpointManager:
         """
         if state is not None and not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__qualname__}")
-        local: list[tuple[int, str | Path, str]] = list(self._candidates(warn=True))
-        restored = self._restore_first(local, model, optimizer, state, verify,
-                                       instead=self._remote_copy if self.remote is not None else None)
+        restored = None
+        tried: set[tuple[int, str]] = set()
+        for listing in range(RELISTS):
+            # Every candidate gone (pruned by a process saving meanwhile) is no proof that none is
+            # left: the files that replaced them are listed again, never a fresh start returned.
+            local: list[tuple[int, str | Path, str]] = [
+                candidate for candidate in self._candidates(warn=listing == 0)
+                if (candidate[0], str(candidate[1])) not in tried]
+            if not local:
+                break
+            tried.update((step, str(path)) for step, path, _source in local)
+            restored = self._restore_first(local, model, optimizer, state, verify,
+                                           instead=self._remote_copy if self.remote is not None else None)
+            if restored is not None:
+                return restored
         if restored is None and self.remote is not None:
             restored = self._restore_first(self._remote_candidates(), model, optimizer, state, verify)
         return restored

@@ -91,7 +91,12 @@ def base_path_of(delta_path: str | None, link: dict[str, Any]) -> Path:
     if delta_path is None:
         raise DeltaBaseError(f"the delta checkpoint names its base by the relative path "
                                   f"{link['path']!r}, but it was not opened from a path")
-    return Path(os.path.abspath(delta_path)).parent / path
+    # Relative to the directory the delta was written in: the real file's, which a symlink to
+    # the delta elsewhere does not move (beside the link, an unrelated file of the base's name
+    # may lie). Beside the link only where the real directory lacks it.
+    real = Path(os.path.realpath(delta_path)).parent / path
+    lexical = Path(os.path.abspath(delta_path)).parent / path
+    return real if os.path.lexists(real) or not os.path.lexists(lexical) else lexical
 
 
 def base_location_of(delta_location: str | None, link: dict[str, Any]) -> str | Path:

@@ -253,6 +253,11 @@ def group_sizes(path: str | os.PathLike[str]) -> dict[str, GroupSize]:
     from ..api import inspect
 
     info = inspect(path)
+    if info.base is not None:
+        # its chunks hold XORs with the base: their ratio says how little changed, not how well
+        # the state compresses (an unchanged state showed "ratio 15420")
+        raise ValueError(f"{str(path)!r} is a delta checkpoint (on {info.base['path']!r}): plan from a full "
+                         f"one, or write it in full first with 'gdsckpt rebase {path} -o FULL'")
     dtypes: dict[str, set[str]] = {}
     for tensor in info.tensors:
         if tensor.alias_of is None:

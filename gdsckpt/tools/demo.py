@@ -104,7 +104,7 @@ def check_demo_options(*, width: int, depth: int, device: str | None) -> str:
         parsed = torch.device(device)
     except (RuntimeError, ValueError):
         parsed = None
-    if parsed is None or parsed.type not in ("cpu", "cuda"):
+    if parsed is None or parsed.type not in ("cpu", "cuda") or (parsed.type == "cpu" and parsed.index not in (None, 0)):
         raise ValueError(f"device {device!r} is invalid (expected one of: cpu, cuda, cuda:N)")
     if parsed.type == "cuda":
         if not torch.cuda.is_available():

@@ -477,6 +477,16 @@ def progress_total(settings: BenchSettings, targets: int) -> int:
     return per_side * sides * settings.repeats * targets * logical_bytes_for(settings.size_bytes)
 
 
+def _out_of_time(m: Measurement, repeats: int) -> None:
+    """Mark a measurement the time budget cut short: skipped if never run, else how many of its
+    repeats ran."""
+    if m.status == "pending":
+        m.status, m.reason = "skipped", "the time budget (--max-seconds) was spent first"
+    elif m.status == "ok" and len(m.save_seconds) < repeats:
+        m.reason = (f"{len(m.save_seconds)} of {repeats} repeats: the time budget "
+                    f"(--max-seconds) was spent")
+
+
 def _measure_target(result: TargetResult, sides: list[_Side], settings: BenchSettings, logical: int,
                     directory: Path, tick: Callable[[int], None], deadline: float | None = None) -> None:
     cases = [(side, case) for side in sides for case in _cases(side, settings, logical)]
@@ -486,15 +496,18 @@ def _measure_target(result: TargetResult, sides: list[_Side], settings: BenchSet
     # Round-robin: every configuration once per round, so a slow phase of the storage (a noisy
     # neighbour, a cache flush) hits all of them rather than one configuration's repeats.
     for round_number in range(settings.repeats):
+        if deadline is not None and time.perf_counter() > deadline:
+            # The budget is spent: every case says so, the rounds left count as done at once
+            # (without this, each of --repeats rounds still ran, a million of them for ever).
+            for _side, case in cases:
+                _out_of_time(case.measurement, settings.repeats)
+            tick(logical * len(cases) * (settings.repeats - round_number))
+            break
         gc.collect()  # once a round: garbage of earlier rounds is not collected inside a timing
         for number, (side, case) in enumerate(cases):
             m = case.measurement
             if deadline is not None and time.perf_counter() > deadline and m.status in ("pending", "ok"):
-                if m.status == "pending":
-                    m.status, m.reason = "skipped", "the time budget (--max-seconds) was spent first"
-                elif len(m.save_seconds) < settings.repeats:
-                    m.reason = (f"{len(m.save_seconds)} of {settings.repeats} repeats: the time budget "
-                                f"(--max-seconds) was spent")
+                _out_of_time(m, settings.repeats)
                 tick(logical)
                 continue
             if m.status in ("pending", "ok"):
