@@ -289,8 +289,10 @@ def test_missing_or_bad_pointer_falls_back_to_the_newest_by_step(three: Checkpoi
     assert three.latest_step() == 3
     pointer.write_text(_ckpt(2) + "\n")
     three.path(2).unlink()
+    # 3 was written before latest, so by an abandoned run (one manager never moves latest back):
+    # the run latest names falls back to its own earlier step first
     with pytest.warns(SkippedCheckpointWarning, match=f"{_ckpt(2)}.*latest.*missing"):
-        _restore_and_check(three, 3)
+        _restore_and_check(three, 1)
 
 
 def test_every_checkpoint_damaged_returns_none(three: CheckpointManager) -> None:
@@ -565,3 +567,30 @@ def test_a_restore_while_another_process_prunes_every_listed_checkpoint_lists_ag
         restored = CheckpointManager(tmp_path / "run", keep_last=1).restore_latest()
     assert saved_meanwhile and restored is not None and restored[0] == 2
     assert torch.equal(restored[1]["w"], torch.full((100,), 2.0))
+
+
+def test_a_restarted_run_keeps_its_own_checkpoints_over_an_abandoned_runs_higher_steps(tmp_path: Path) -> None:
+    """Run 2 restarted from step 0 beside run 1's steps 100-300: keep_last counted run 1's
+    higher steps first, pruned all of run 2's but the one latest named, and when that one proved
+    damaged the restore fell back to run 1's step 300."""
+    def state(run: int, step: int) -> dict[str, Any]:
+        return {"w": torch.full((1000,), float(run)), "step": step, "run": run}
+
+    first = CheckpointManager(tmp_path, keep_last=3)
+    for step in (100, 200, 300):
+        first.save(step, state(1, step))
+    second = CheckpointManager(tmp_path, keep_last=3)
+    for step in (10, 20, 30):
+        second.save(step, state(2, step))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".gdsckpt") == [
+        second.path(step).name for step in (10, 20, 30, 300)]  # keep_last of its own, and the newest by step
+    damaged = second.path(30)
+    chunk = gdsckpt.inspect(damaged).chunks[0]
+    with open(damaged, "r+b") as handle:
+        handle.seek(chunk.offset + 1)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 1]))
+    with pytest.warns(SkippedCheckpointWarning, match="named by latest"):
+        restored = CheckpointManager(tmp_path, keep_last=3).restore_latest()
+    assert restored is not None and restored[0] == 20 and restored[1]["run"] == 2

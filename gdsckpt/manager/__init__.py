@@ -92,13 +92,16 @@ keys. The step is the file name's; the manager adds nothing to the state.
 
 Which checkpoint: the newest complete one. That is the one ``latest`` names, provided its file
 passes the cheap check (header, trailer and index, as ``gdsckpt.open`` reads them; with
-``verify=True``, ``gdsckpt.verify`` of every chunk); else the highest step that passes. A
+``verify=True``, ``gdsckpt.verify`` of every chunk); else the highest lower step that passes,
+and only then the higher steps written before ``latest`` (an abandoned run's). A
 ``SkippedCheckpointWarning`` names each file passed over and why. One refinement: a checkpoint
 with a higher step than ``latest`` names whose file was renamed into place after ``latest`` was
 written (the process died between that save's rename and its pointer update; with saves in
 flight together its writes may have ended before) is newer, and is tried first; ``latest`` still
 wins over higher-numbered files of an abandoned run (a run restarted from an older step), and
-pruning never removes the checkpoint ``latest`` names, whichever process wrote it.
+pruning never removes the checkpoint ``latest`` names, whichever process wrote it. Pruning keeps
+``keep_last`` checkpoints in the order restore tries them (so a restarted run keeps its own) and
+the highest step besides.
 
 How: in place, with ``gdsckpt.load_into`` (``strict=False``): ``model`` into the checkpoint's
 top-level key ``"model"``, ``optimizer`` into ``"optimizer"``, and every key of ``state`` (a dict
@@ -730,9 +733,13 @@ class CheckpointManager:
         on_disk = self._pointer(warn=False) if files else None
         if on_disk is not None:  # what ``latest`` names, whoever wrote it (a run this one resumes)
             keep.add(on_disk[0])
-        readable = [step for step in sorted(files, reverse=True)
-                    if step not in busy and _problem(files[step], config=self.config) is None]
+        # In the order restore tries them: an abandoned run's higher steps count last, so a
+        # restarted run keeps keep_last of its own
+        readable = [step for step, _path, _source in self._candidates(warn=False)
+                    if step in files and step not in busy and _problem(files[step], config=self.config) is None]
         keep.update(readable[:self.keep_last])
+        if readable:  # and the newest by step: an abandoned run keeps its last checkpoint
+            keep.add(max(readable))
         keep.update(self._bases_in_use)
         keep.update(self._unsent)  # the only copy until uploaded
         keep |= self._bases_of(keep, files)
@@ -822,7 +829,10 @@ class CheckpointManager:
 
         First checkpoints with a higher step than ``latest`` names that were written after
         ``latest`` was (a crash between a save's rename and its pointer update leaves one), then the
-        one ``latest`` names, then every other checkpoint by step, descending.
+        one ``latest`` names, then the lower steps, descending, and last the higher steps written
+        before ``latest`` (an abandoned run's: a run restarted from an older step falls back to
+        its own earlier checkpoints before those). ``_prune`` keeps ``keep_last`` in this order,
+        and the newest by step besides.
         """
         files = self._files()
         order: list[tuple[int, Path, str]] = []
@@ -836,8 +846,10 @@ class CheckpointManager:
                     order.append((step, files[step], "completed after latest was written"))
             order.append((pointed, self.path(pointed), "named by latest"))
         listed = {step for step, _path, _source in order}
-        order.extend((step, files[step], "scan") for step in sorted(files, reverse=True)
-                     if step not in listed)
+        rest = [step for step in sorted(files, reverse=True) if step not in listed]
+        order.extend((step, files[step], "scan") for step in rest if pointer is None or step < pointer[0])
+        order.extend((step, files[step], "a higher step written before latest: an abandoned run's")
+                     for step in rest if pointer is not None and step > pointer[0])
         return order
 
     def restore_latest(self, model: Any = None, optimizer: Any = None, state: dict[Any, Any] | None = None, *,
