@@ -594,3 +594,26 @@ def test_a_restarted_run_keeps_its_own_checkpoints_over_an_abandoned_runs_higher
     with pytest.warns(SkippedCheckpointWarning, match="named by latest"):
         restored = CheckpointManager(tmp_path, keep_last=3).restore_latest()
     assert restored is not None and restored[0] == 20 and restored[1]["run"] == 2
+
+
+def test_a_rollback_to_a_lower_step_moves_latest_to_it(tmp_path: Path) -> None:
+    """One manager saved 10, 20, 30 (30 a delta on 20), then, gone back to step 20, saved it
+    again: step 20 was replaced (by design), but latest still named 30, whose base had changed,
+    and every restore warned and fell back. A save begun below a step the manager completed is a
+    rollback: latest names it."""
+    def state(value: float) -> dict[str, Any]:
+        return {"w": torch.full((1000,), value)}
+
+    manager = CheckpointManager(tmp_path, keep_last=3, delta_every=10)
+    for step in (10, 20, 30):
+        manager.save(step, state(step))
+    assert gdsckpt.inspect(manager.path(30)).base is not None  # a delta, on 20
+    manager.save(20, state(21.0))
+    assert manager.latest_step() == 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SkippedCheckpointWarning)
+        restored = CheckpointManager(tmp_path, keep_last=3).restore_latest()
+    assert restored is not None and restored[0] == 20 and torch.equal(restored[1]["w"], torch.full((1000,), 21.0))
+    manager.save_async(20, state(22.0)).wait(60)  # again, in the background
+    manager.save(25, state(25.0))
+    assert manager.latest_step() == 25

@@ -430,12 +430,13 @@ def test_a_step_saved_again_under_a_delta_never_blocks_later_saves(tmp_path: Pat
     abandoned run's files), and ``latest`` stays on 1100. Every later delta save then took 1100 as
     its base, whose own base no longer matched, and failed with ``DeltaBaseError`` (its state
     lost) until the next ``full_every`` step, for ever without one. A base is now chosen only
-    when its whole chain resolves: the next step is saved in full, the ones after it as deltas,
-    each loading bit-exact."""
+    when its whole chain resolves, and the second 1000, a rollback, is what ``latest`` names:
+    the next steps are deltas on it, each loading bit-exact."""
     manager = CheckpointManager(tmp_path, keep_last=5, config=config, delta_every=100)
     assert _saves_of(manager, [1000, 1100]) == [(1000, False), (1100, True)]
     manager.save(1000, _delta_state(999))
-    assert _saves_of(manager, [1200, 1300, 1400]) == [(1200, False), (1300, True), (1400, True)]
+    assert manager.latest_step() == 1000
+    assert _saves_of(manager, [1200, 1300, 1400]) == [(1200, True), (1300, True), (1400, True)]
     step, _extra = manager.restore_latest()
     assert step == 1400
 

@@ -409,17 +409,22 @@ def refuse_replacing_base(path: PathLike | StorageWriter, config: Config | None)
     depend on it as it is (``_dependents``): replacing it would make them unloadable. Costs
     nothing when ``path`` does not exist; else it reads the index of each file beside it (of
     each object in its prefix, for an ``s3://`` URL)."""
-    if is_url(path):
-        dependents: list[Any] = _object_dependents(str(path), resolve_config(config))
-    elif not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
-        return
-    else:
-        dependents = _dependents(Path(path), resolve_config(config))
+    dependents = deltas_on(path, config)
     if dependents:
         raise DeltaBaseError(
             f"{str(path)!r} is the base of {', '.join(repr(str(d)) for d in dependents)}: replacing it "
             f"would make them unloadable; rebase those first (gdsckpt rebase), write to another path, "
             f"or pass force=True (--force)")
+
+
+def deltas_on(path: PathLike | StorageWriter, config: Config | None) -> list[Any]:
+    """The delta checkpoints beside ``path`` (files in its directory, objects in its prefix) that
+    depend on it as it is now; empty when ``path`` does not exist or is no file or object."""
+    if is_url(path):
+        return _object_dependents(str(path), resolve_config(config))
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        return []
+    return _dependents(Path(path), resolve_config(config))
 
 
 def _dependents(path: Path, config: Config) -> list[Path]:

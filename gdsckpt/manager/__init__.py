@@ -263,6 +263,8 @@ class CheckpointManager:
         self._writing: Counter[int] = Counter()
         self._begun_ns: dict[int, int] = {}
         """Step -> when its first save still running began (``time.time_ns``, as file times)."""
+        self._rollbacks: set[int] = set()
+        """Steps whose running saves began below a step this manager had completed."""
         self._bases_in_use: Counter[int] = Counter()
         """Steps that saves still being written use as their base: never pruned under them."""
         self._unusable_bases: set[Any] = set()
@@ -640,6 +642,11 @@ class CheckpointManager:
                             f"...}}), got {type(state).__qualname__}")
         path = self.path(step)
         with self._lock:
+            if self._pointer_step is not None and step < self._pointer_step:
+                # begun after a higher step completed: a rollback (a run gone back to an older
+                # step in this process), whose save latest then names; a save in flight together
+                # with a higher one that finishes later is none, and latest stays
+                self._rollbacks.add(step)
             self._writing[step] += 1
             # less the file clock's coarseness: the kernel stamps files from a clock up to a tick behind
             self._begun_ns.setdefault(step, time.time_ns() - FILE_CLOCK_SLACK_NS)
@@ -656,20 +663,21 @@ class CheckpointManager:
             if self._writing[step] <= 0:
                 del self._writing[step]
                 self._begun_ns.pop(step, None)
+                self._rollbacks.discard(step)
         match = self._pattern.match(Path(str(base)).name) if base is not None else None
         if match:
             self._release_base(int(match.group(1)))
 
     def _completed(self, step: int) -> None:
         """Checkpoint ``step`` is complete: point ``latest`` at it (unless a higher step of this
-        manager already is), then prune."""
+        manager already is, and ``step`` is no rollback), then prune."""
         self._unusable_bases.discard(self.path(step))  # a new file: a base again
         if self.objects_only:
             self._completed_object(step)
             return
         with self._lock:
             newest = max([step, *self._renamed_in_flight(step)])
-            if self._pointer_step is None or newest >= self._pointer_step:
+            if self._pointer_step is None or newest >= self._pointer_step or step in self._rollbacks:
                 self._write_pointer(self._name(newest))
                 self._pointer_step = newest
             if self.remote is not None:
