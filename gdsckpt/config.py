@@ -287,8 +287,8 @@ class Config:
             # ever, a device or a checkpoint given by mistake be read whole
             data = read_small_file(where, CONFIG_FILE_LIMIT)
         except UnsupportedFormatError:
-            raise ValueError(f"configuration file {where!r} is not a regular file (a FIFO, a device or a "
-                             f"socket)") from None
+            kind = "a directory" if os.path.isdir(where) else "a FIFO, a device or a socket"
+            raise ValueError(f"configuration file {where!r} is not a regular file ({kind})") from None
         except CheckpointError:  # more bytes than any configuration
             raise ValueError(f"configuration file {where!r} holds more than {CONFIG_FILE_LIMIT} bytes: "
                              f"not a configuration") from None

@@ -292,3 +292,13 @@ def test_demo_refuses_a_cpu_index_before_any_work(h: Any) -> None:
     """``--device cpu:1`` ran the whole demo, then failed inside torch.load with exit 1."""
     result = h.run_cli("demo", "--device", "cpu:1")
     assert result.returncode == 2 and "cpu:1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_convert_of_random_bytes_named_pt_says_it_is_no_torch_file(tmp_path: Path, h: Any) -> None:
+    """It said the file held "objects other than tensors" (an unsafe pickle), for bytes that are
+    no pickle at all."""
+    source = tmp_path / "random.pt"
+    source.write_bytes(np.random.default_rng(0).bytes(4096))
+    result = h.run_cli("convert", str(source), str(tmp_path / "out.gdsckpt"))
+    assert result.returncode == 1 and "no torch.save file, or a damaged one" in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["random.pt"]

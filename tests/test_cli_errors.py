@@ -215,7 +215,7 @@ def test_config_takes_a_preset_name_from_any_directory(saved: Path, tmp_path: Pa
                               "verify", 1, "engine='gpu'")
 
 
-@pytest.mark.parametrize("kind", ["fifo", "huge"])
+@pytest.mark.parametrize("kind", ["fifo", "huge", "directory"])
 def test_a_config_that_is_not_a_small_regular_file_is_a_usage_error(kind: str, tmp_path: Path, h: Any) -> None:
     """``--config`` naming a FIFO hung the command for ever (the file was read with a plain
     ``open().read()``), and a large file (a checkpoint given by mistake) was read whole. Both are
@@ -223,7 +223,10 @@ def test_a_config_that_is_not_a_small_regular_file_is_a_usage_error(kind: str, t
     config = tmp_path / "config.toml"
     if kind == "fifo":
         os.mkfifo(config)
-        fragment = "is not a regular file"
+        fragment = "is not a regular file (a FIFO"
+    elif kind == "directory":  # said "(a FIFO, a device or a socket)"
+        config.mkdir()
+        fragment = "is not a regular file (a directory)"
     else:
         config.write_bytes(b"#" * (2 << 20))
         fragment = "holds more than 1048576 bytes"

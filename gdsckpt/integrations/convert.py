@@ -374,6 +374,9 @@ def _read_pt(path: Path, config: Config, progress: Progress) -> tuple[Any, dict[
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         text = str(err)
+        if "Unsupported operand" in text:  # no pickle opcode: random bytes or a damaged file
+            raise ConvertError(f"cannot read {str(path)!r} as a torch pickle: it is no torch.save file, or "
+                               f"a damaged one (an invalid pickle opcode)") from None
         if "weights only" in text.lower() or "WeightsUnpickler" in text:
             raise UnsafePickleError(
                 f"refused {str(path)!r}: it holds objects other than tensors and plain containers "
