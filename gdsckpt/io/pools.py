@@ -46,8 +46,9 @@ class Gate:
     """Bookkeeping under a plain lock, and waits for it to change that a ^C cannot break.
 
     Why not ``threading.Condition``: it runs Python code while it holds its lock, gives it up, or
-    takes it back (``__exit__``, ``wait``), and the main thread runs a ^C's handler between any
-    two lines of Python. A ^C landing there leaves the lock held (so every other thread using it
+    takes it back (``__exit__``, ``wait``), and the main thread runs a ^C's handler where CPython
+    checks for signals: at the start of any Python function and on the return from a C call,
+    which that code is full of. A ^C landing there leaves the lock held (so every other thread using it
     blocks for ever: the background save's end, a later save's place) or released twice. Here
     the lock is a plain ``threading.Lock`` taken only by ``with`` (C code both ways), and a
     waiter sleeps outside it on a queue of its own (``SimpleQueue.get``, C code): wherever a ^C
