@@ -49,7 +49,7 @@ from typing import Any
 from .codecs.nvcomp import MAX_CHUNK_BYTES
 from .format import ALIGNMENT
 
-_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -131,6 +131,8 @@ def check_level(codec: str, level: Any) -> None:
     if isinstance(level, bool) or not isinstance(level, int):
         raise ValueError(f"level must be an integer or None, got {level!r}")
     host_name = "zstd" if codec == "auto" else codec
+    if host_name == "deflate" and not 0 <= level <= 9:  # the encoder clamped others silently (-5: stored)
+        raise ValueError(f"level={level} is not a valid deflate compression level: 0 to 9")
     if host_name in ("zstd", "deflate"):
         import numpy as np
 
@@ -138,7 +140,7 @@ def check_level(codec: str, level: Any) -> None:
 
         try:
             host_encoder(host_name, level).encode(np.zeros(64, dtype=np.uint8))
-        except ValueError as err:  # zstandard's "level must be less than 23", ...
+        except (ValueError, OverflowError) as err:  # zstandard's "level must be less than 23", 10**30 ...
             raise ValueError(f"level={level} is not a valid {host_name} compression level: {err}") from None
 
 
@@ -257,9 +259,13 @@ class Config:
                 continue
             try:
                 changes[f.name] = _coerce(f.name, text)
-            except ValueError as err:
+            except (ValueError, KeyError, OverflowError) as err:
                 raise ValueError(f"environment variable {variable}: {err}") from err
-        return cls(**changes)
+        try:
+            return cls(**changes)
+        except (ValueError, OverflowError) as err:  # a value that parsed but Config refuses: say where it came from
+            variables = ", ".join(f"GDSCKPT_{name.upper()}" for name in changes)
+            raise ValueError(f"{err} (from the environment: {variables})") from err
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], *, base: Config | None = None) -> Config:
@@ -393,7 +399,10 @@ def _file_value(where: str, key: str, value: Any) -> Any:
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from err
     elif _native_fits(kind, value):
-        coerced = float(value) if kind == "float" else value
+        try:
+            coerced = float(value) if kind == "float" else value
+        except OverflowError:  # an integer of 400 digits
+            raise ValueError(f"{where}: {key} = {value!r:.40} is too large for a number of its kind") from None
     else:
         raise ValueError(f"{where}: {key} = {value!r} has the wrong type (expected {_expected(key)})")
     if key == "codec":

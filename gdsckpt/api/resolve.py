@@ -60,6 +60,12 @@ def source_name(source: Any) -> str:
 
 
 def resolve_config(config: Config | None, **overrides: Any) -> Config:
+    """``config`` (else the environment's), with the ``overrides`` that are not None applied;
+    ``TypeError`` for a ``config`` that is no ``Config`` (a preset's name, a dict)."""
+    if config is not None and not isinstance(config, Config):
+        hint = f"Config.preset({config!r})" if isinstance(config, str) else "Config(**settings)"
+        raise TypeError(f"config= takes a gdsckpt.Config, got {type(config).__qualname__} {config!r:.60}: "
+                        f"pass {hint}")
     base = config if config is not None else Config.from_env()
     changes = {name: value for name, value in overrides.items() if value is not None}
     return base.replace(**changes) if changes else base

@@ -43,7 +43,8 @@ def is_file_object(obj: Any) -> bool:
 
 
 def _check_binary(obj: Any, what: str) -> None:
-    if isinstance(obj, io.TextIOBase) or "b" not in getattr(obj, "mode", "b"):
+    mode = getattr(obj, "mode", "b")
+    if isinstance(obj, io.TextIOBase) or (isinstance(mode, str) and "b" not in mode):  # gzip's mode is an int
         raise TypeError(f"{what} needs a binary file object (opened with 'b', or io.BytesIO), got "
                         f"{type(obj).__qualname__} in text mode")
 
@@ -68,6 +69,13 @@ class FileObjectWriter(StorageWriter):
         self._file = fileobj
         self._seekable = bool(getattr(fileobj, "seekable", lambda: False)())
         self._start = fileobj.tell() if self._seekable else 0
+        mode = getattr(fileobj, "mode", "")
+        if self._seekable and isinstance(mode, str) and "a" in mode and self._start != fileobj.seek(0, io.SEEK_END):
+            # an append-mode file writes at its end whatever its position: the save would land
+            # there, behind the old content, and its commit cut the file short of it
+            fileobj.seek(self._start)
+            raise ValueError(f"save into a file object opened in append mode ({mode!r}) and positioned before "
+                             f"its end: its writes go to the end; open it with 'wb' or 'r+b', or seek to its end")
         self._position = 0
         """Bytes written so far, relative to the start."""
         self._wrote = False
@@ -125,7 +133,11 @@ class FileObjectWriter(StorageWriter):
         then flush it (the caller closes it)."""
         if self._seekable:
             end = self._start + self._position
-            if self._file.seek(0, io.SEEK_END) > end:  # older bytes after the checkpoint
+            try:
+                file_end = self._file.seek(0, io.SEEK_END)
+            except (OSError, ValueError):  # seeks forward only (a gzip.GzipFile being written)
+                file_end = end
+            if file_end > end:  # older bytes after the checkpoint
                 self._file.seek(end)
                 try:
                     self._file.truncate()
@@ -166,7 +178,7 @@ class FileObjectReader(StorageReader):
         self._file = source
         self._lock = threading.Lock()
         self._start = source.tell()
-        self.size = source.seek(0, io.SEEK_END) - self._start
+        self.size = max(0, source.seek(0, io.SEEK_END) - self._start)  # positioned past its end: empty
 
     def read(self, offset: int, length: int) -> bytes:
         """Exactly ``length`` bytes at ``offset``."""

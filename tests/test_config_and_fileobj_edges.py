@@ -1,0 +1,97 @@
+"""Configuration values and file objects that earlier gave an unclear error, or were accepted
+and silently misused (a review of ``Config`` and the file-object API)."""
+
+from __future__ import annotations
+
+import gzip
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+import gdsckpt
+from gdsckpt import Config
+
+
+@pytest.mark.parametrize("level", [-5, -1, 10, 100, 10**30])
+def test_a_deflate_level_outside_0_to_9_is_refused(level: int) -> None:
+    """-5 was clamped to 0 and stored the data uncompressed (1,053,101 bytes against 8,622)."""
+    with pytest.raises(ValueError, match=r"not a valid deflate compression level: 0 to 9"):
+        Config(codec="deflate", level=level)
+
+
+def test_a_huge_zstd_level_is_a_value_error_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"level=10+ is not a valid zstd"):
+        Config(level=10**30)
+    with pytest.raises(ValueError, match=r"GDSCKPT_LEVEL"):
+        Config.from_env({"GDSCKPT_LEVEL": "9" * 20})
+
+
+@pytest.mark.parametrize("text", ["4i", "8ib", "4096 i"])
+def test_a_size_whose_unit_is_only_i_is_refused(text: str) -> None:
+    """A bare ``KeyError: 'i'``, from every place a size is taken."""
+    with pytest.raises(ValueError, match="not a byte size"):
+        Config(chunk_bytes=text)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="GDSCKPT_CHUNK_BYTES"):
+        Config.from_env({"GDSCKPT_CHUNK_BYTES": text})
+
+
+def test_an_environment_value_config_refuses_names_its_variable() -> None:
+    with pytest.raises(ValueError, match=r"io_threads.*from the environment: GDSCKPT_IO_THREADS"):
+        Config.from_env({"GDSCKPT_IO_THREADS": "0"})
+
+
+def test_a_toml_integer_too_large_for_a_float_is_a_value_error(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(f"timeout = {'9' * 400}\n")
+    with pytest.raises(ValueError, match=r"timeout = 9+ is too large"):
+        Config.from_toml(path)
+
+
+@pytest.mark.parametrize("config", ["portable", {"codec": "zstd"}])
+def test_a_config_that_is_no_config_is_a_type_error_naming_it(tmp_path: Path, config: object) -> None:
+    """``AttributeError: 'str' object has no attribute 'io_threads'`` from deep inside."""
+    with pytest.raises(TypeError, match=r"config= takes a gdsckpt\.Config"):
+        gdsckpt.save({"w": torch.ones(3)}, tmp_path / "a.gdsckpt", config=config)  # type: ignore[arg-type]
+    assert not (tmp_path / "a.gdsckpt").exists()
+    with pytest.raises(TypeError, match=r"Config\.preset\('portable'\)"):
+        gdsckpt.load(tmp_path / "a.gdsckpt", config="portable")  # type: ignore[arg-type]
+
+
+def test_a_save_into_an_append_mode_file_positioned_before_its_end_is_refused(tmp_path: Path) -> None:
+    """Its writes went to the end, and the commit cut the file short: success reported, a file
+    no load read ("bad magic number")."""
+    path = tmp_path / "a.bin"
+    path.write_bytes(b"old content")
+    with open(path, "a+b") as handle:
+        handle.seek(0)
+        with pytest.raises(ValueError, match="append mode"):
+            gdsckpt.save({"w": torch.ones(3)}, handle)
+    assert path.read_bytes() == b"old content"
+    with open(path, "ab") as handle:  # at its end: the checkpoint follows the old content
+        gdsckpt.save({"w": torch.arange(3.0)}, handle)
+    with open(path, "rb") as handle:
+        handle.seek(len(b"old content"))
+        assert torch.equal(gdsckpt.load(handle)["w"], torch.arange(3.0))
+
+
+def test_a_file_object_positioned_past_its_end_is_a_checkpoint_error() -> None:
+    """NumPy's "negative dimensions are not allowed"."""
+    buffer = io.BytesIO()
+    gdsckpt.save({"w": torch.arange(4.0)}, buffer)
+    for read in (gdsckpt.load, gdsckpt.inspect, gdsckpt.verify):
+        buffer.seek(len(buffer.getvalue()) + 100)
+        with pytest.raises(gdsckpt.CheckpointError):
+            read(buffer)
+
+
+def test_a_gzip_file_object_saves_and_loads(tmp_path: Path) -> None:
+    """``GzipFile.mode`` is an int: ``TypeError: argument of type 'int' is not iterable``."""
+    path = tmp_path / "a.gdsckpt.gz"
+    state = {"w": torch.tensor([1.0, -0.0, float("nan")])}
+    with gzip.open(path, "wb") as handle:
+        gdsckpt.save(state, handle)
+    with gzip.open(path, "rb") as handle:
+        loaded = gdsckpt.load(io.BytesIO(handle.read()))
+    assert torch.equal(loaded["w"].view(torch.int32), state["w"].view(torch.int32))
