@@ -4,6 +4,7 @@
 GPU packages are imported when a state or a call needs them.
 """
 
+from . import async_save  # noqa: F401 - ``gdsckpt.async_save.prepare`` after ``import gdsckpt``
 from .api import (
     Checkpoint,
     CheckpointInfo,

@@ -307,3 +307,150 @@ def test_small_arrays_share_slabs_within_a_low_descriptor_limit(tmp_path: Path, 
     result = h.run_python("-c", _MANY_SMALL, str(path), timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
+
+
+def test_a_save_the_worker_could_not_map_leaves_later_saves_working(tmp_path: Path, saver: Any) -> None:
+    """A worker that fails to map a save's new shared buffer (its address space is limited here)
+    and the parent agree afterwards on which buffers it knows: the next saves, reusing the pooled
+    buffer, go through (they failed with a bare KeyError for the life of the worker)."""
+    import resource
+
+    saver.save({"w": torch.randn(10)}, tmp_path / "a.gdsckpt", config=PROCESS).wait(120)
+    pid = saver.worker().pid
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_AS)
+    size = int(Path(f"/proc/{pid}/status").read_text().split("VmSize:")[1].split()[0]) * 1024
+    resource.prlimit(pid, resource.RLIMIT_AS, (size + (8 << 20), hard))  # 8 MiB more address space only
+    state = {"big": torch.randn(4 << 20)}  # 16 MiB: a shared buffer of its own
+    error = saver.save(state, tmp_path / "b.gdsckpt", config=PROCESS).exception(120)
+    assert error is not None, "the limit makes the worker's mapping fail"
+    assert not (tmp_path / "b.gdsckpt").exists()
+    if saver.worker().pid == pid:
+        resource.prlimit(pid, resource.RLIMIT_AS, (soft, hard))
+    for step in range(3):
+        state["big"].fill_(step)
+        saver.save(state, tmp_path / "b.gdsckpt", config=PROCESS).wait(120)
+        assert torch.equal(gdsckpt.load(tmp_path / "b.gdsckpt")["big"], torch.full((4 << 20,), float(step)))
+
+
+def test_enum_keys_and_values_defined_in_the_callers_code_save_as_gdsckpt_save_does(tmp_path: Path,
+                                                                                  saver: Any) -> None:
+    """A worker process cannot import a class defined inside a function or in the training
+    script: enum members travel as the plain values the file stores for them."""
+    import enum
+
+    class Phase(enum.IntEnum):
+        WARMUP = 1
+
+    class Split(str, enum.Enum):
+        TRAIN = "train"
+
+    state = {Split.TRAIN: {"w": torch.ones(3)}, "phase": Phase.WARMUP, Phase.WARMUP: Split.TRAIN}
+    gdsckpt.save(state, tmp_path / "sync.gdsckpt")
+    saver.save(state, tmp_path / "worker.gdsckpt", config=PROCESS).wait(120)
+    expected, loaded = gdsckpt.load(tmp_path / "sync.gdsckpt"), gdsckpt.load(tmp_path / "worker.gdsckpt")
+    assert loaded.keys() == expected.keys() == {"train", "phase", 1}
+    assert type(loaded["phase"]) is int and type(loaded[1]) is str and loaded[1] == expected[1]
+    assert torch.equal(loaded["train"]["w"], torch.ones(3))
+
+
+def test_a_save_longer_than_the_timeout_goes_on_while_the_worker_is_alive(tmp_path: Path, saver: Any) -> None:
+    """``Config.timeout`` bounds a silence of the worker (its heartbeats), not a whole save, as it
+    bounds single waits in ``gdsckpt.save``: a save that runs for several timeouts completes. The
+    worker is held back by stopping it for 0.6 s at a time (well within the timeout, which also
+    bounds each wait inside the worker: hence small chunks), so the save lasts long whatever the
+    machine's speed."""
+    config = gdsckpt.Config(async_worker="process", codec="zstd", level=19, codec_threads=1,
+                            chunk_bytes=64 << 10, timeout=2.0)
+    state = {"w": torch.randn(6 << 20, generator=torch.Generator().manual_seed(5))}  # 24 MiB
+    pid = saver.worker().start(120)
+    handle = saver.save(state, tmp_path / "slow.gdsckpt", config=config)
+    held_until = time.monotonic() + 3 * config.timeout
+    try:
+        while time.monotonic() < held_until and not handle.done():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.6)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.1)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert not handle.done(), "the save ended before it had run for three timeouts: give it more work"
+    report = handle.wait(120)
+    assert report.path == str(tmp_path / "slow.gdsckpt") and saver.worker().pid == pid
+    assert torch.equal(gdsckpt.load(tmp_path / "slow.gdsckpt")["w"], state["w"])
+
+
+def test_a_stopped_worker_fails_a_save_after_the_timeout_and_is_replaced(tmp_path: Path, saver: Any) -> None:
+    """A worker that takes no message (stopped here) must not block the save's thread for ever in
+    its send: NumPy arrays travel in the message, and 8 MiB do not fit the socket's buffer."""
+    config = gdsckpt.Config(async_worker="process", timeout=2.0)
+    pid = saver.worker().start(120)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        error = saver.save({"opt": np.ones(8 << 20, dtype=np.uint8)}, tmp_path / "s.gdsckpt",
+                           config=config).exception(60)
+    finally:
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+    assert isinstance(error, gdsckpt.SaveWorkerError) and "within 2.0 s" in str(error), repr(error)
+    assert not (tmp_path / "s.gdsckpt").exists()
+    saver.save({"opt": np.ones(8 << 20, dtype=np.uint8)}, tmp_path / "s.gdsckpt", config=config).wait(120)
+    assert saver.worker().pid != pid
+    assert np.array_equal(gdsckpt.load(tmp_path / "s.gdsckpt")["opt"], np.ones(8 << 20, dtype=np.uint8))
+
+
+_FORKED_CHILD_SAVES = """
+import os, signal, sys
+import torch, gdsckpt
+from gdsckpt.background import async_save
+
+directory = sys.argv[1]
+config = gdsckpt.Config(async_worker="process", timeout=120)
+shape = (1000,)
+gdsckpt.save_async({"w": torch.zeros(shape)}, f"{directory}/warm.gdsckpt", config=config).wait(120)
+worker = async_save._default_saver.worker().pid
+os.kill(worker, signal.SIGSTOP)  # the parent's save waits until the child's is done
+handle = gdsckpt.save_async({"w": torch.full(shape, 1.0)}, f"{directory}/parent.gdsckpt", config=config)
+child = os.fork()
+if child == 0:
+    code = 0
+    try:
+        handle.wait(5)  # the parent's save: only the parent can wait for it
+        code = 3
+    except RuntimeError as error:
+        code = 0 if "forked" in str(error) else 4
+    except TimeoutError:
+        code = 5
+    gdsckpt.save_async({"w": torch.full(shape, 2.0)}, f"{directory}/child.gdsckpt", config=config).wait(120)
+    os._exit(code)
+_, status = os.waitpid(child, 0)
+os.kill(worker, signal.SIGCONT)
+handle.wait(120)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_neither_writes_into_the_parents_snapshot_nor_waits_for_its_saves(
+        tmp_path: Path, h: Any) -> None:
+    """The worker's snapshot buffers are memory shared with it (``MAP_SHARED``), which a fork
+    shares with the child as well: the child's save copied its state into the parent's snapshot
+    in flight, and the parent's file held the child's values."""
+    result = h.run_python("-c", _FORKED_CHILD_SAVES, str(tmp_path), timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "0", f"the child's wait of the parent's handle: {result.stdout}"
+    assert torch.equal(gdsckpt.load(tmp_path / "parent.gdsckpt")["w"], torch.full((1000,), 1.0))
+    assert torch.equal(gdsckpt.load(tmp_path / "child.gdsckpt")["w"], torch.full((1000,), 2.0))
+
+
+_GONE_WORKING_DIRECTORY = """
+import os, sys, torch, gdsckpt
+os.makedirs(sys.argv[1] + "/gone"); os.chdir(sys.argv[1] + "/gone"); os.rmdir(sys.argv[1] + "/gone")
+config = gdsckpt.Config(async_worker="process")
+gdsckpt.save_async({"w": torch.ones(3)}, sys.argv[1] + "/x.gdsckpt", config=config).wait(120)
+gdsckpt.async_save.prepare({"w": torch.ones(3)}, config=config)  # the documented path after import gdsckpt
+"""
+
+
+def test_a_worker_starts_from_a_removed_working_directory(tmp_path: Path, h: Any) -> None:
+    result = h.run_python("-c", _GONE_WORKING_DIRECTORY, str(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert torch.equal(gdsckpt.load(tmp_path / "x.gdsckpt")["w"], torch.ones(3))

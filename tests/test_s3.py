@@ -243,3 +243,20 @@ def test_joined_gets_stay_within_the_in_flight_bound(s3: str) -> None:
         assert small.join_bytes == (8 << 20) // READ_THREADS
     with open_reader(url, gdsckpt.Config(max_inflight_bytes=4 << 30)) as large:
         assert large.join_bytes == JOIN_READ_BYTES
+
+
+def test_save_async_in_a_worker_process_uploads_the_object(s3: str, h: Any) -> None:
+    """``Config(async_worker="process")``: the worker uploads the object and completes it itself
+    (there is no rename to leave to the training process); the object loads bit-exact."""
+    from gdsckpt.background.async_save import AsyncSaver
+
+    state = _state(5)
+    url = f"s3://{BUCKET}/worker/a.gdsckpt"
+    saver = AsyncSaver()
+    try:
+        report = saver.save(state, url, config=gdsckpt.Config(async_worker="process", chunk_bytes=64 << 10)).wait(120)
+    finally:
+        saver.close_worker()
+    assert report.path == url
+    h.assert_same(state, gdsckpt.load(url))
+    assert "<Upload>" not in _uploads(s3), "no multipart upload is left open"

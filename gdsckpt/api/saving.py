@@ -159,7 +159,8 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
               devices: list[str] | None = None, progress: Progress | None = None, base: PathLike | None = None,
               max_chain: int = DEFAULT_MAX_CHAIN,
               lossy: LossyPolicy | dict[str, float] | None = None, rename: bool = True,
-              background: bool = False, may_store_as_is: bool = True) -> SaveReport:
+              background: bool = False, may_store_as_is: bool = True,
+              before_commit: Callable[[], None] | None = None) -> SaveReport:
     """The one save entry of the package: write a flattened state (``gdsckpt.state.flatten``) to
     ``path``. ``save`` (after its guard against replacing a delta's base), the background savers,
     the save worker and ``rebase`` (which builds ``flat`` from a checkpoint's index) all end here.
@@ -173,7 +174,9 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
     (``save_async``), whose speed ``codec="auto"`` does not learn from (``pipeline.host_auto``).
     ``may_store_as_is=False``: ``codec="auto"`` on host state compresses even where the codec
     threads are slower than the local disk (a ``CheckpointManager`` with a remote tier: the file
-    is uploaded as well, where every byte saved is worth ``ratio`` bytes of state)."""
+    is uploaded as well, where every byte saved is worth ``ratio`` bytes of state).
+    ``before_commit()`` runs just before the file or object becomes visible; its error aborts the
+    save (the save worker checks there that the process owning the snapshot is still alive)."""
     started = time.perf_counter()
     cfg = resolve_config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=_gpu_chunk_bytes(chunk_bytes),
                          codec=None if codec == "auto" else codec)
@@ -221,7 +224,8 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
                 writer.keep_temporary = True
             result = run_save(plans, engine, writer, progress=progress,
                               max_inflight_bytes=inflight_budget(cfg, engine),
-                              index=index_template(flat, link), timeout=cfg.timeout)
+                              index=index_template(flat, link), timeout=cfg.timeout,
+                              before_commit=before_commit)
         except BaseException:
             # run_save aborts the writer it was handed; an error before it began (a ^C while the
             # index template is made) would leave the temporary file and its descriptors for the

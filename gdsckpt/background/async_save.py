@@ -549,11 +549,25 @@ def clear_pool() -> int:
 def _forget_after_fork() -> None:
     """A forked child has none of the savers' threads (nor their worker process): their saves in
     flight would never end there, and ``wait_all``, a later ``save_async`` and the exit hook
-    would wait on them (for ever, or ``Config.timeout``)."""
+    would wait on them (for ever, or ``Config.timeout``). Their handles, copied into the child,
+    fail at once there: the save goes on in the parent, which alone can wait for it. Each saver
+    gets a pool of its own, since the parent's snapshot buffers for a worker process are memory
+    both share (``MAP_SHARED``): a save in the child would copy its state into them. Errors
+    nobody has seen yet are the parent's to report."""
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    _unobserved.clear()
     for saver in list(_savers):
         saver._slots = Gate()
         saver.ended = Gate(saver._slots.lock)
+        for job in saver._inflight:
+            job.lock = threading.Lock()
+            job.error = RuntimeError(f"gdsckpt: the background save to {job.path} runs in the process that "
+                                     f"forked this one (pid {os.getppid()}); only that process can wait for it")
+            job.observed = True
+            job.ended = True
         saver._inflight = []
+        saver.pool = SnapshotPool()
         saver._worker = None
         saver._worker_lock = threading.Lock()
 

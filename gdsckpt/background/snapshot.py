@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..state import flatten
+from ..state.tree import plain_key
 
 PathLike = str | os.PathLike[str]
 
@@ -172,16 +173,22 @@ class _Snapshotter:
 
     def copy(self, obj: Any) -> Any:
         # The structure was validated by flatten(): only supported types reach here.
-        if isinstance(obj, np.generic) or obj is None or isinstance(obj, (bool, int, float, str)):
+        if isinstance(obj, np.generic) or obj is None:
             return obj  # immutable
+        if isinstance(obj, (bool, int, float, str)):
+            # Immutable; a subclass (an IntEnum, a str-mixin Enum) as the plain value the file
+            # stores for it: a worker process unpickles the snapshot, and a class defined in the
+            # caller's script or inside a function is not importable there.
+            return plain_key(obj)
         if isinstance(obj, dict):
+            items = ((plain_key(key), self.copy(value)) for key, value in obj.items())
             if isinstance(obj, collections.OrderedDict):
-                result: dict[Any, Any] = collections.OrderedDict((k, self.copy(v)) for k, v in obj.items())
+                result: dict[Any, Any] = collections.OrderedDict(items)
                 metadata = getattr(obj, "_metadata", None)
                 if isinstance(metadata, dict):
                     result._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
                 return result
-            return {key: self.copy(value) for key, value in obj.items()}
+            return dict(items)
         if type(obj) is list:
             return [self.copy(item) for item in obj]
         if type(obj) is tuple:

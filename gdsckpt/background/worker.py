@@ -29,9 +29,16 @@ How
   fsynced file is left at a temporary path, and the training process, which owns the snapshot,
   renames it over the target and fsyncs the directory. A worker still writing when the training
   process dies may read freed memory, but its file is never renamed (and the next save to that
-  path removes it); the worker exits within half a second of the training process.
+  path removes it); the worker exits within half a second of the training process. An
+  ``s3://`` object becomes visible only when its upload completes, which the worker does itself,
+  after checking that the training process is still there.
+- ``Config.timeout`` bounds each silence of the worker, not a save's length: while a save runs
+  the worker sends a heartbeat every ``POLL_SECONDS``; one that stops sending (stopped, stuck)
+  or does not take a save's message within the timeout is killed and the save fails.
+- A save that fails leaves both sides as they were: the buffers its message introduced count as
+  mapped only once the worker reports the save done.
 - Errors come back pickled (the same exception type, with the worker's traceback as a note); a
-  worker that dies or exceeds ``Config.timeout`` fails that save with ``SaveWorkerError`` and is
+  worker that dies or falls silent for ``Config.timeout`` fails that save with ``SaveWorkerError`` and is
   replaced on the next save.
 
 Cost: the worker's interpreter, torch and (with CUDA tensors) a CUDA context of its own, a few
@@ -47,7 +54,7 @@ snapshot), where the CPU engine in a thread reached 0.919: the worker process is
 save run off the GPU without taking the training process's time. The ``async-training`` preset
 (``Config.preset``) sets both.
 
-Why one module of about 570 lines: the parent's side (``SaveWorker``: spawning, handing over
+Why one module of about 700 lines: the parent's side (``SaveWorker``: spawning, handing over
 buffers, waiting with bounds) and the child's side (``_serve``) speak one private message protocol
 of pickled dicts and shared-memory buffers; kept in one file, a change to a message is made on
 both sides at once.
@@ -76,6 +83,7 @@ from typing import Any
 from ..config import Config
 from ..errors import SaveWorkerError
 from ..io.posix import publish
+from ..io.s3 import is_url
 
 logger = logging.getLogger("gdsckpt")
 
@@ -160,6 +168,16 @@ class _Slabs:
 
 
 _slabs = _Slabs()
+
+
+def _forget_slabs_after_fork() -> None:
+    """A forked child shares the parent's slabs (``MAP_SHARED`` memory): carving its snapshots
+    from them would write into the parent's snapshots in flight. The child opens its own."""
+    global _slabs
+    _slabs = _Slabs()
+
+
+os.register_at_fork(after_in_child=_forget_slabs_after_fork)
 
 
 def shared_host_buffer(nbytes: int, *, pin: bool) -> Any:
@@ -249,6 +267,8 @@ class _SnapshotUnpickler(pickle.Unpickler):
         import torch
 
         _kind, bid, dtype, shape, stride, offset = pid
+        if bid not in self.buffers:  # the two sides disagree: the parent replaces this worker
+            raise SaveWorkerError(f"the save names shared buffer {bid}, which this worker has not mapped")
         return self.buffers[bid].view(getattr(torch, dtype)).as_strided(shape, stride, offset)
 
 
@@ -317,14 +337,19 @@ class SaveWorker:
         env = dict(os.environ)
         # The caller's import path ('' is its working directory), so the worker imports the same
         # gdsckpt (and any module the state's pickles name) before it imports anything else.
-        env[_ENV_SYSPATH] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        env[_ENV_SYSPATH] = os.pathsep.join(_import_path())
+        try:
+            os.getcwd()
+            cwd = None
+        except OSError:  # removed: libraries the worker loads (MKL's) fail to start in it
+            cwd = "/"
         env[_ENV_PARENT] = str(os.getpid())
         env[_ENV_WARM] = ",".join(_warm_up_list())
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-c", _BOOT,
                  str(child_msgs.fileno()), str(child_fds.fileno())],
-                pass_fds=(child_msgs.fileno(), child_fds.fileno()), env=env, stdin=subprocess.DEVNULL,
+                pass_fds=(child_msgs.fileno(), child_fds.fileno()), env=env, stdin=subprocess.DEVNULL, cwd=cwd,
                 # Its own session: a Ctrl-C at the terminal interrupts the training process,
                 # which then waits for the save in flight, instead of also killing that save.
                 start_new_session=True)
@@ -343,19 +368,29 @@ class SaveWorker:
             self._discard()
             raise SaveWorkerError(f"gdsckpt save worker sent {reply[0]!r} instead of ready")
 
-    def _receive(self, timeout: float, what: str) -> Any:
+    def _receive(self, timeout: float, what: str, job: int | None = None) -> Any:
+        """The worker's next answer. ``timeout`` bounds each silence, not the whole save: during
+        a save the worker sends a heartbeat every ``POLL_SECONDS``, so a save that runs for
+        longer than ``Config.timeout`` (a large state on slow storage) goes on, while a worker
+        that is stopped or gone fails it (the save's own waits are bounded inside the worker,
+        as in the training process)."""
         deadline = time.monotonic() + timeout
         assert self._conn is not None and self._process is not None
         process = self._process
         try:
-            while not self._conn.poll(POLL_SECONDS):
-                if process.poll() is not None and not self._conn.poll(0):
-                    raise EOFError
-                if time.monotonic() > deadline:
-                    self._discard()
-                    raise SaveWorkerError(f"gdsckpt save worker gave no answer to the {what} within {timeout} s "
-                                          f"(config timeout); it was stopped")
-            return pickle.loads(self._conn.recv_bytes())
+            while True:
+                while not self._conn.poll(POLL_SECONDS):
+                    if process.poll() is not None and not self._conn.poll(0):
+                        raise EOFError
+                    if time.monotonic() > deadline:
+                        self._discard()
+                        raise SaveWorkerError(f"gdsckpt save worker gave no sign of life during the {what} "
+                                              f"for {timeout} s (config timeout); it was stopped")
+                reply = pickle.loads(self._conn.recv_bytes())
+                if job is not None and reply == (job, "alive"):
+                    deadline = time.monotonic() + timeout
+                    continue
+                return reply
         except (EOFError, OSError) as err:
             try:
                 code = process.wait(timeout=POLL_SECONDS * 4)
@@ -389,6 +424,8 @@ class SaveWorker:
             except SaveWorkerError:
                 self._discard()
                 raise
+        if is_url(path):
+            return report
         config = options.get("config")
         config = config if config is not None else Config.from_env()
         publish(Path(report.path), Path(path), fsync=config.fsync, timeout=config.timeout)
@@ -399,6 +436,11 @@ class SaveWorker:
         by_pointer: dict[int, int] = {}
         new_host: list[tuple[int, int, int, bool]] = []  # (id, bytes, memfd, page-locked)
         new_cuda: dict[int, Any] = {}
+        # Buffers this message introduces become known only once the worker reports the save
+        # done: a save that fails anywhere (its state does not pickle, the worker cannot map a
+        # buffer, the save itself fails) leaves both sides as they were, where marking them known
+        # at once left the next save naming a buffer the worker never mapped.
+        introduced: dict[int, tuple[Any, int]] = {}  # id(root) -> (root, its new id)
         for (kind, _nbytes), buffer in lent:
             if kind == "numpy":
                 continue  # NumPy arrays travel by value
@@ -407,6 +449,8 @@ class SaveWorker:
                 fd, pinned, slab = _host_buffers[buffer]
                 root = buffer if slab is None else slab
             bid = self._known.get(root)
+            if bid is None and id(root) in introduced:
+                bid = introduced[id(root)][1]
             if bid is None:
                 bid = self._next_id
                 self._next_id += 1
@@ -414,18 +458,43 @@ class SaveWorker:
                     new_cuda[bid] = root
                 else:
                     new_host.append((bid, root.numel(), fd, pinned))
-                self._known[root] = bid
+                introduced[id(root)] = (root, bid)
             by_pointer[root.untyped_storage().data_ptr()] = bid
         skeleton = io.BytesIO()
         _SnapshotPickler(skeleton, by_pointer).dump(snapshot)
         job = self._next_job
         self._next_job += 1
+        live = sorted([*self._known.values(), *(bid for _root, bid in introduced.values())])
         message = pickle.dumps({
             "job": job, "host": [(bid, nbytes, pinned) for bid, nbytes, _fd, pinned in new_host],
             "cuda": _dumps_cuda(new_cuda) if new_cuda else None, "snapshot": skeleton.getvalue(),
-            "live": sorted(self._known.values()), "path": path, "options": options,
+            "live": live, "path": path, "options": options,
         }, protocol=pickle.HIGHEST_PROTOCOL)
-        assert self._conn is not None and self._fds is not None
+        self._send(message, new_host, timeout)
+        reply = self._receive(timeout, f"save to {path!r}", job=job)
+        if reply[0] != job:
+            raise SaveWorkerError(f"gdsckpt save worker answered job {reply[0]} instead of {job}")
+        if reply[1] == "error":
+            raise pickle.loads(reply[2])
+        for root, bid in introduced.values():
+            self._known[root] = bid
+        return reply[2]
+
+    def _send(self, message: bytes, new_host: list[tuple[int, int, int, bool]], timeout: float) -> None:
+        """Send a save's message and its new buffers' descriptors. A worker that takes none of it
+        (stopped, or stuck) is killed after ``timeout`` seconds, which ends the blocked send."""
+        assert self._conn is not None and self._fds is not None and self._process is not None
+        process = self._process
+        stalled = threading.Event()
+
+        def kill_stalled() -> None:
+            stalled.set()
+            if process.poll() is None:
+                process.kill()
+
+        watchdog = threading.Timer(timeout, kill_stalled)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             # The message first: the worker reads it, then takes the descriptors one by one. The
             # other order deadlocks once the unsent descriptors fill the socket's buffer (a few
@@ -434,13 +503,12 @@ class SaveWorker:
             for bid, _nbytes, fd, _pinned in new_host:
                 socket.send_fds(self._fds, [bid.to_bytes(8, "little")], [fd])
         except OSError as err:
+            if stalled.is_set():
+                raise SaveWorkerError(f"gdsckpt save worker took no save within {timeout} s (config timeout); "
+                                      f"it was stopped") from err
             raise SaveWorkerError(f"gdsckpt save worker is gone: {err}") from err
-        reply = self._receive(timeout, f"save to {path!r}")
-        if reply[0] != job:
-            raise SaveWorkerError(f"gdsckpt save worker answered job {reply[0]} instead of {job}")
-        if reply[1] == "error":
-            raise pickle.loads(reply[2])
-        return reply[2]
+        finally:
+            watchdog.cancel()
 
     def close(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit (after its current save) and wait up to ``timeout`` seconds,
@@ -466,6 +534,16 @@ class SaveWorker:
 
 # ---------------------------------------------------------------------------------------------
 # the worker process
+
+def _import_path() -> list[str]:
+    """The caller's ``sys.path`` with '' (its working directory) spelled out; without it where
+    that directory has been removed (it names nothing then, and ``os.getcwd`` fails)."""
+    try:
+        cwd: str | None = os.getcwd()
+    except OSError:
+        cwd = None
+    return [entry or cwd for entry in sys.path if entry or cwd]  # type: ignore[misc]
+
 
 def _warm_up_list() -> list[str]:
     """What the worker should load before its first save: the caller's loaded modules among
@@ -501,28 +579,74 @@ def _watch_parent(parent: int) -> None:
             os._exit(3)
 
 
-def _map_host(fds: socket.socket, bid: int, nbytes: int, pinned: bool) -> tuple[Any, int]:
+def _receive_fds(fds: socket.socket, ids: list[int]) -> list[int]:
+    """The descriptors of a message's new host buffers, all of them: a mapping that fails later
+    must not leave descriptors in the socket for the next message to take as its own."""
+    received: list[int] = []
+    try:
+        for bid in ids:
+            data, got, _flags, _address = socket.recv_fds(fds, 8, 1)
+            received.extend(got)
+            if int.from_bytes(data, "little") != bid or len(got) != 1:
+                raise SaveWorkerError(f"shared buffer {bid} did not arrive")
+    except BaseException:
+        for fd in received:
+            os.close(fd)
+        raise
+    return received
+
+
+def _map_host(fd: int, nbytes: int, pinned: bool) -> tuple[Any, int]:
     import torch
 
-    data, received, _flags, _address = socket.recv_fds(fds, 8, 1)
-    if int.from_bytes(data, "little") != bid or len(received) != 1:
-        raise SaveWorkerError(f"shared buffer {bid} did not arrive")
-    fd = received[0]
-    try:
-        mapping = mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
+    mapping = mmap.mmap(fd, nbytes)
     buffer = torch.frombuffer(mapping, dtype=torch.uint8)
     pointer = buffer.data_ptr() if pinned and _register(buffer.data_ptr(), nbytes) else 0
     return buffer, pointer
+
+
+class _Heartbeat:
+    """Tells the parent, every ``POLL_SECONDS`` while a save runs, that this worker is alive:
+    the parent's ``Config.timeout`` then bounds a silence, not the length of a save."""
+
+    def __init__(self, send: Any, job: int):
+        self._send, self._job = send, job
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gdsckpt-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_SECONDS):
+            try:
+                self._send((self._job, "alive"))
+            except OSError:
+                return  # the parent is gone; the watcher thread ends this process
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _check_parent() -> None:
+    """Refuse to publish a save whose snapshot's owner has died: its GPU buffers (CUDA IPC) may
+    have been freed under the save's reads."""
+    if os.getppid() != int(os.environ[_ENV_PARENT]):
+        raise SaveWorkerError("the training process that owns this save's snapshot exited during the save")
 
 
 def _serve(conn: Any, fds: socket.socket) -> None:
     from ..api import saving as api_saving
     from ..state import flatten
 
+    send_lock = threading.Lock()
+
+    def send(obj: Any) -> None:
+        payload = pickle.dumps(obj)
+        with send_lock:
+            conn.send_bytes(payload)
+
     buffers: dict[int, tuple[Any, int]] = {}  # id -> (tensor, page-locked pointer or 0)
-    conn.send_bytes(pickle.dumps(("ready", os.getpid())))
+    send(("ready", os.getpid()))
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
@@ -531,21 +655,40 @@ def _serve(conn: Any, fds: socket.socket) -> None:
         if message.get("exit"):
             return
         job = message["job"]
+        introduced: list[int] = [bid for bid, _nbytes, _pinned in message["host"]]
+        heartbeat = _Heartbeat(send, job)
         try:
-            for bid, nbytes, pinned in message["host"]:
-                buffers[bid] = _map_host(fds, bid, nbytes, pinned)
+            received = _receive_fds(fds, introduced)
+            try:
+                for fd, (bid, nbytes, pinned) in zip(received, message["host"]):
+                    buffers[bid] = _map_host(fd, nbytes, pinned)
+            finally:
+                for fd in received:  # a mapping keeps its own reference to the memory
+                    os.close(fd)
             if message["cuda"] is not None:
-                buffers.update({bid: (t, 0) for bid, t in pickle.loads(message["cuda"]).items()})
+                cuda = pickle.loads(message["cuda"])
+                introduced.extend(cuda)
+                buffers.update({bid: (t, 0) for bid, t in cuda.items()})
             for bid in set(buffers) - set(message["live"]):
                 _unregister(buffers.pop(bid)[1])
             tensors = {bid: entry[0] for bid, entry in buffers.items()}
             snapshot = _SnapshotUnpickler(io.BytesIO(message["snapshot"]), tensors).load()
-            report = api_saving.save_flat(flatten(snapshot), message["path"], rename=False, **message["options"])
+            # A file is left at a temporary path for the parent to rename; an s3:// object
+            # becomes visible only when its upload completes, so the worker publishes it itself.
+            report = api_saving.save_flat(flatten(snapshot), message["path"], rename=is_url(message["path"]),
+                                          before_commit=_check_parent, **message["options"])
             del snapshot, tensors
-            reply = pickle.dumps((job, "ok", report))
+            reply: Any = (job, "ok", report)
         except BaseException as err:  # noqa: BLE001 - every error goes back to the caller
-            reply = pickle.dumps((job, "error", _error_payload(err)))
-        conn.send_bytes(reply)
+            # The parent counts a failed save's new buffers as unknown: forget them here too.
+            for bid in introduced:
+                entry = buffers.pop(bid, None)
+                if entry is not None:
+                    _unregister(entry[1])
+            reply = (job, "error", _error_payload(err))
+        finally:
+            heartbeat.stop()
+        send(reply)
 
 
 def _main() -> None:

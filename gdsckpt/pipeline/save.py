@@ -49,7 +49,8 @@ class SaveResult:
 
 def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, max_inflight_bytes: int,
              index: Index, timeout: float | None = None,
-             progress: Callable[[int, int], None] | None = None) -> SaveResult:
+             progress: Callable[[int, int], None] | None = None,
+             before_commit: Callable[[], None] | None = None) -> SaveResult:
     """Encode and write every planned chunk, then the index, then commit.
 
     ``index`` is the file's index as the caller knows it before any chunk is written: the tree,
@@ -59,7 +60,8 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
     bounds every single wait on a worker (seconds).
     A plan marked ``delta`` (its sources yield the XOR with a base) gets ``xorbase/1`` in front of
     the chain the engine reports, so engines need not know about deltas. ``progress(done,
-    total)`` is called in this thread with the raw bytes written so far.
+    total)`` is called in this thread with the raw bytes written so far. ``before_commit()`` runs
+    just before the commit; its error aborts the save (nothing becomes visible).
     """
     total = sum(plan.raw for plan in plans)
     done = 0
@@ -147,6 +149,8 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
         writer.write_tail(index_offset, index_bytes + pack_trailer(index_offset, len(index_bytes),
                                                                    checksum(index_bytes), index.minor))
         result.file_bytes = index_offset + len(index_bytes) + TRAILER_SIZE
+        if before_commit is not None:
+            before_commit()
         writer.commit()
     except BaseException:
         for _plan, future in encodes:
