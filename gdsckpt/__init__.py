@@ -4,7 +4,6 @@
 GPU packages are imported when a state or a call needs them.
 """
 
-from . import async_save  # noqa: F401 - ``gdsckpt.async_save.prepare`` after ``import gdsckpt``
 from .api import (
     Checkpoint,
     CheckpointInfo,
@@ -56,3 +55,18 @@ __all__ = [
     "UnsupportedFormatError", "VerifyReport", "__version__", "convert", "inspect", "load", "load_into",
     "open", "rebase", "save", "save_async", "verify", "wait_all",
 ]
+
+
+_ON_FIRST_USE = ("async_save", "dcp", "lightning", "lossy")
+"""Documented modules reachable as attributes after a plain ``import gdsckpt`` (the README's
+``gdsckpt.async_save.prepare``), imported on first use: ``gdsckpt.dcp`` brings in
+``torch.distributed`` and ``gdsckpt.lightning`` Lightning, which ``import gdsckpt`` does not need."""
+
+
+def __getattr__(name: str) -> object:
+    """The modules of ``_ON_FIRST_USE``, imported when first named."""
+    if name in _ON_FIRST_USE:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -88,10 +88,15 @@ def board(path: Any, base: Any, timeout: float, *, owner: int | None = None, wha
     flight = Flight(location_key(path), location_key(base), threading.get_ident() if owner is None else owner)
     if flight.key is None and flight.base_key is None:
         return flight, False
-    with _gate.lock:
-        waited = bool(_blocking(flight))
+    checks = 0
+
+    def free() -> bool:  # called under the gate's lock: a second call means it waited
+        nonlocal checks
+        checks += 1
+        return not _blocking(flight)
+
     try:
-        boarded = _gate.wait_for(lambda: not _blocking(flight), timeout, then=lambda: _flying.append(flight))
+        boarded = _gate.wait_for(free, timeout, then=lambda: _flying.append(flight))
     except BaseException:
         land(flight)  # a ^C right after it took its place
         raise
@@ -99,7 +104,7 @@ def board(path: Any, base: Any, timeout: float, *, owner: int | None = None, wha
         raise TimeoutError(f"{what} of {str(path)!r}: another operation on that file"
                            f"{' or its base' if base is not None else ''} still in flight after "
                            f"{timeout} s (config timeout)")
-    return flight, waited
+    return flight, checks > 1
 
 
 def land(flight: Flight) -> None:

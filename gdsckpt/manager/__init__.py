@@ -743,7 +743,7 @@ class CheckpointManager:
             keep.add(on_disk[0])
         # In the order restore tries them: an abandoned run's higher steps count last, so a
         # restarted run keeps keep_last of its own
-        readable = [step for step, _path, _source in self._candidates(warn=False)
+        readable = [step for step, _path, _source in self._restore_order(files, on_disk)
                     if step in files and step not in busy and _problem(files[step], config=self.config) is None]
         keep.update(readable[:self.keep_last])
         if readable:  # and the newest by step: an abandoned run keeps its last checkpoint
@@ -842,11 +842,13 @@ class CheckpointManager:
         its own earlier checkpoints before those). ``_prune`` keeps ``keep_last`` in this order,
         and the newest by step besides.
         """
-        files = self._files()
-        order: list[tuple[int, Path, str]] = []
         if self.objects_only:
-            return order
-        pointer = self._pointer(warn)
+            return []
+        return self._restore_order(self._files(), self._pointer(warn))
+
+    def _restore_order(self, files: dict[int, Path], pointer: tuple[int, int] | None) -> list[tuple[int, Path, str]]:
+        """``_candidates`` of a listing (``_files``) and a pointer (``_pointer``) already read."""
+        order: list[tuple[int, Path, str]] = []
         if pointer is not None:
             pointed, pointer_mtime = pointer
             for step in sorted(files, reverse=True):
