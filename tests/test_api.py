@@ -462,3 +462,22 @@ def test_an_empty_selection_keeps_an_ordered_dict_roots_metadata(tmp_path: Path)
     none = gdsckpt.load(path, keys=[])
     assert type(none) is collections.OrderedDict and len(none) == 0
     assert getattr(none, "_metadata", None) == state._metadata  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_a_delta_read_racing_close_does_not_open_its_base_for_good(tmp_path: Path) -> None:
+    """A ``get`` of a delta in another thread that reaches the base's opening after ``close``
+    has run opened the base then, and nothing closed it (about 1 race in 40). Reproduced
+    deterministically: the read's step that opens the base, run after ``close``."""
+    from gdsckpt.api.checkpoint import _read_against_base
+
+    base, delta = tmp_path / "base.gdsckpt", tmp_path / "delta.gdsckpt"
+    state = {f"w{i}": torch.randn(64, 64) for i in range(4)}
+    gdsckpt.save(state, base)
+    gdsckpt.save({k: v + 1 for k, v in state.items()}, delta, base=base)
+    before = _open_fds()
+    ckpt = gdsckpt.open(delta)
+    ckpt.close()
+    with pytest.raises(ValueError, match="is closed"):
+        _read_against_base(ckpt._opened, gdsckpt.Config(), {}, set(), None)
+    assert ckpt._opened.base is None and _open_fds() == before

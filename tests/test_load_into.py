@@ -329,3 +329,57 @@ def test_load_into_a_non_contiguous_inference_tensor(tmp_path: Path, h: Any) -> 
     target = {"w": storage.t(), "alias": tied}
     gdsckpt.load_into(target, path)
     assert _bits(target["w"], h) == _bits(source, h) and _bits(tied, h) == _bits(source, h)
+
+
+def test_parameters_that_need_grad_and_are_not_contiguous_are_filled(tmp_path: Path, h: Any) -> None:
+    """A channels_last convnet (the usual recipe for convnets), a weight stored transposed and a
+    checkpoint tied where the model is not: each Parameter filled through a copy (not in its own
+    memory) was refused by torch ("a leaf Variable that requires grad is being used in an
+    in-place operation") after the other tensors were overwritten."""
+    torch.manual_seed(0)
+
+    def convnet() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3)).to(
+            memory_format=torch.channels_last)
+
+    source, target = convnet(), convnet()
+    transposed = torch.nn.Parameter(torch.zeros(4, 3).t())
+    assert not transposed.is_contiguous() and transposed.requires_grad
+    tied = torch.randn(5, 2)
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"net": source.state_dict(), "t": torch.randn(3, 4), "a": tied, "b": tied}, path)
+    a, b = torch.nn.Parameter(torch.zeros(5, 2)), torch.nn.Parameter(torch.zeros(5, 2))
+    gdsckpt.load_into({"net": target, "t": transposed, "a": a, "b": b}, path)
+    expected = gdsckpt.load(path)
+    for key, value in target.state_dict().items():
+        h.assert_same(expected["net"][key], value.contiguous())
+    h.assert_same(expected["t"], transposed.detach().contiguous())
+    h.assert_same(tied, a.detach())
+    h.assert_same(tied, b.detach())
+    assert transposed.requires_grad and a.requires_grad and target[0].weight.requires_grad
+
+
+def test_an_optimizer_that_does_not_fit_is_refused_before_the_model_is_written(tmp_path: Path) -> None:
+    """``optimizer.load_state_dict`` runs after the tensors are restored; its own checks (the
+    number of parameter groups, of parameters in each) are made with the others, first."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "o.gdsckpt"
+    gdsckpt.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 5}, path)
+    other = torch.nn.Linear(8, 8)
+    before = {key: value.clone() for key, value in other.state_dict().items()}
+    for groups, message in (([{"params": [other.weight]}, {"params": [other.bias]}], "2"),
+                            ([{"params": [other.weight]}], "group 0 holds 2 parameter")):
+        target = {"model": other, "optimizer": torch.optim.AdamW(groups, lr=1e-3), "step": 0}
+        with pytest.raises(gdsckpt.StateMismatchError, match=message):
+            gdsckpt.load_into(target, path)
+        assert target["step"] == 0
+        assert all(torch.equal(before[key], value) for key, value in other.state_dict().items())
+    not_an_optimizer = tmp_path / "n.gdsckpt"
+    gdsckpt.save({"model": model.state_dict(), "optimizer": {"lr": 0.1}}, not_an_optimizer)
+    with pytest.raises(gdsckpt.StateMismatchError, match="no optimizer state_dict"):
+        gdsckpt.load_into({"model": other, "optimizer": torch.optim.AdamW(other.parameters())}, not_an_optimizer)
+    assert all(torch.equal(before[key], value) for key, value in other.state_dict().items())

@@ -303,6 +303,25 @@ def test_every_checkpoint_damaged_returns_none(three: CheckpointManager) -> None
     assert len(record) == 3
 
 
+def test_no_checkpoint_restored_after_one_wrote_part_of_itself_raises_not_none(three: CheckpointManager) -> None:
+    """A damaged chunk found while loading leaves the targets partly written: ``None`` (a fresh
+    start, the caller's model untouched) would then be a lie. Where an older checkpoint loads,
+    it overwrites everything, as before."""
+    for step in (1, 2):
+        three.path(step).write_bytes(b"\0" * 100)  # found by the checks: nothing written
+    path = three.path(3)
+    data = bytearray(path.read_bytes())
+    data[4096 + 10] ^= 0xFF  # the first chunk: header, trailer and index still fine
+    path.write_bytes(bytes(data))
+    target = {"w": torch.zeros(2000), "b": torch.zeros(10)}
+    with pytest.warns(SkippedCheckpointWarning), pytest.raises(gdsckpt.CorruptCheckpointError,
+                                                               match="hold part of .*step 3.*not a fresh start"):
+        three.restore_latest(state=target)
+    # Without targets nothing is written: no checkpoint is still None.
+    with pytest.warns(SkippedCheckpointWarning):
+        assert three.restore_latest() is None
+
+
 # ---------------------------------------------------------------------------------------------
 # crash and resume: SIGKILL at random moments
 

@@ -50,7 +50,9 @@ from .resolve import (
     source_name,
 )
 
-_BASE_LOCK = threading.Lock()
+_BASE_LOCK = threading.RLock()
+"""Guards opening a delta's base (``OpenedFile.base``) against other restores and ``close``.
+Reentrant: a base found changed is closed (``Checkpoint.close``, which takes it) while held."""
 
 
 MAX_RESOLVE_DEPTH = 64
@@ -170,6 +172,8 @@ def _read_against_base(opened: OpenedFile, config: Config, targets: dict[int, An
     bytes (the base opened once per file and kept for its later restores)."""
     index = opened.index
     with _BASE_LOCK:  # restores of one open Checkpoint may run in several threads
+        if opened.closed:  # closed by another thread: its base would stay open for good
+            raise ValueError(f"checkpoint {opened.path!r} is closed: open it again to read its arrays")
         if opened.base is None:  # kept for the next restore of this file: its cache with it
             checkpoint = open_base(opened, config, share)
             opened.base = (checkpoint, checkpoint._base_reader())
@@ -457,7 +461,10 @@ class Checkpoint:
             for _engine, _reader, stack in restorers:
                 stack.close()
         finally:
-            self._opened.close_base()
+            with _BASE_LOCK:  # a restore about to open the base waits, then finds the file closed
+                base, self._opened.base, self._opened.closed = self._opened.base, None, True
+            if base is not None:  # a chain's bases close outside it: their reads may be slow to end
+                base[0].close()
             self._reader.close()
 
     def __enter__(self) -> Checkpoint:

@@ -7,6 +7,7 @@ that share memory are restored in key order, so the last key wins, as in ``load_
 from __future__ import annotations
 
 import contextlib
+import functools
 import struct
 import sys
 from collections.abc import Callable
@@ -53,8 +54,13 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
     optimizer that has no state yet), a tensor-holding state dict, or a dict / list nesting any
     of these (``{"model": model, "optimizer": optimizer, "step": 0}``): key paths in ``target``
     correspond to key paths in the checkpoint. Plain values (ints, floats, ...) in a target dict
-    are replaced by the checkpoint's. Any missing key, or a shape or dtype that differs, raises
-    ``StateMismatchError`` listing every difference before anything is written.
+    are replaced by the checkpoint's. Any missing key, a shape or dtype that differs, or an
+    optimizer whose parameter groups differ, raises ``StateMismatchError`` listing every
+    difference before anything is written. Damage found while reading (a chunk that fails its
+    checksum) raises ``CorruptCheckpointError`` with the targets partly written: tensors are filled
+    in their own memory as chunks arrive, and the one being read may then hold neither its old
+    values nor the checkpoint's. ``gdsckpt.verify`` first, where that matters (the
+    ``CheckpointManager`` falls back to an older checkpoint, which overwrites them all).
 
     ``strict`` says which checkpoint entries ``target`` must hold too. ``True`` (the default):
     those that ``target`` asks for, the entries under the top-level keys a dict or list ``target``
@@ -130,6 +136,10 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
         for node, delegate in delegate_nodes.items():
             if node not in found:
                 problems.append(f"{join_key(delegate.path)!r}: {delegate.what} missing from checkpoint")
+            elif delegate.check is not None:
+                problem = delegate.check(unflatten(_subtree(index.tree, delegate.path), _NO_ARRAYS))
+                if problem is not None:
+                    problems.append(f"{join_key(delegate.path)!r}: {problem}")
         if problems:
             raise StateMismatchError("checkpoint does not match target:\n  " + "\n  ".join(problems))
 
@@ -302,6 +312,9 @@ class _Delegate:
     path: list[Any]
     apply: Callable[[Any], Any]
     what: str
+    check: Callable[[Any], str | None] | None = None
+    """Given the checkpoint's subtree with its arrays left out (None), why ``apply`` would refuse
+    it, or None: run with the other checks, before anything is written."""
 
 
 def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any], delegates: list[_Delegate],
@@ -316,7 +329,8 @@ def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any], delega
         _collect_module(obj, path, existing, delegates)
         return
     if torch is not None and isinstance(obj, torch.optim.Optimizer):
-        delegates.append(_Delegate(list(path), obj.load_state_dict, "optimizer state"))
+        delegates.append(_Delegate(list(path), obj.load_state_dict, "optimizer state",
+                                   functools.partial(_optimizer_problem, obj)))
         return
     if torch is not None and isinstance(obj, torch.Tensor):
         _check_fillable(obj, join_key(path))
@@ -404,6 +418,47 @@ def _same_value(first: Any, second: Any) -> bool:
 
 def _is_plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _optimizer_problem(optimizer: Any, saved: Any) -> str | None:
+    """Why ``optimizer.load_state_dict`` would refuse ``saved`` (its arrays None): the checks it
+    makes before it changes anything, made here before the model is written."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or "state" not in saved:
+        return "the checkpoint's entry is no optimizer state_dict (it needs 'state' and 'param_groups')"
+    if len(groups) != len(optimizer.param_groups):
+        return (f"the checkpoint's optimizer has {len(groups)} parameter group(s), the target's "
+                f"{len(optimizer.param_groups)}")
+    for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, groups)):
+        params = saved_group.get("params") if isinstance(saved_group, dict) else None
+        if not isinstance(params, list) or len(params) != len(group["params"]):
+            count = len(params) if isinstance(params, list) else "no"
+            return (f"parameter group {i} holds {count} parameter(s) in the checkpoint, "
+                    f"{len(group['params'])} in the target's optimizer")
+    return None
+
+
+class _NoArrays(dict[int, Any]):
+    """``unflatten``'s arrays for a tree's values without its arrays: every array None (and,
+    unlike a ``defaultdict``, nothing stored per lookup)."""
+
+    def __missing__(self, key: int) -> None:
+        return None
+
+
+_NO_ARRAYS = _NoArrays()
+
+
+def _subtree(tree: dict[str, Any], path: list[Any]) -> dict[str, Any]:
+    """The node of ``tree`` (an index's) at ``path`` (dict keys as ``plain_key`` gives them, list
+    positions as ints); the caller knows it is there (``_plain_values`` found it)."""
+    node = tree
+    for part in path:
+        if node["t"] == "dict":
+            node = next(child for key, child in node["items"] if decode_scalar(key) == part)
+        else:
+            node = node["items"][part]
+    return node
 
 
 def _plain_values(tree: Any, paths: KeyPaths, skip: set[int]) -> tuple[dict[int, Any], set[int], set[int]]:

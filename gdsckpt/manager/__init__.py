@@ -117,7 +117,10 @@ A checkpoint is passed over only on proof that it is unusable: a checksum or str
 failed (``CorruptCheckpointError``, ``UnsupportedFormatError``), its delta base is missing,
 changed or damaged (``DeltaBaseError``), or its file vanished (``FileNotFoundError``: a
 concurrent prune). It is skipped with a warning and the next older one is restored; that one
-overwrites whatever the failed one wrote. Every other error is raised and nothing else is tried,
+overwrites whatever the failed one wrote. Where none is usable after one failed while loading
+(its checks passed, so part of it may be in the targets already), that error is raised rather
+than ``None`` returned: the targets are no longer the fresh start ``None`` stands for. Every
+other error is raised and nothing else is tried,
 since the newest checkpoint may well be intact and restarting from an older one loses progress:
 running out of memory (``MemoryError``; CuPy's and torch's out-of-memory errors on the GPU), I/O
 errors (``OSError``, and the ``CheckpointError`` "I/O error reading chunk N" the reader raises
@@ -874,6 +877,7 @@ class CheckpointManager:
             raise TypeError(f"state must be a dict, got {type(state).__qualname__}")
         restored = None
         tried: set[tuple[int, str]] = set()
+        failed_loads: list[tuple[int, str | Path, BaseException]] = []
         for listing in range(RELISTS):
             # Every candidate gone (pruned by a process saving meanwhile) is no proof that none is
             # left: the files that replaced them are listed again, never a fresh start returned.
@@ -883,12 +887,19 @@ class CheckpointManager:
             if not local:
                 break
             tried.update((step, str(path)) for step, path, _source in local)
-            restored = self._restore_first(local, model, optimizer, state, verify,
+            restored = self._restore_first(local, model, optimizer, state, verify, failed_loads,
                                            instead=self._remote_copy if self.remote is not None else None)
             if restored is not None:
                 return restored
         if restored is None and self.remote is not None:
-            restored = self._restore_first(self._remote_candidates(), model, optimizer, state, verify)
+            restored = self._restore_first(self._remote_candidates(), model, optimizer, state, verify,
+                                           failed_loads)
+        if restored is None and failed_loads and (model is not None or optimizer is not None or state):
+            step, path, error = failed_loads[-1]
+            raise CorruptCheckpointError(
+                f"no checkpoint could be restored, and the targets hold part of {str(path)!r} (step {step}), "
+                f"which failed while loading ({error}): they are not a fresh start. Restore with "
+                f"verify=True to check every chunk before anything is written") from error
         return restored
 
     def _remote_copy(self, step: int, path: str | Path) -> tuple[int, str | Path, str] | None:
@@ -900,11 +911,14 @@ class CheckpointManager:
         return (step, self.remote.url_of(name), "remote copy") if self.remote.size(name) is not None else None
 
     def _restore_first(self, candidates: Any, model: Any, optimizer: Any, state: dict[Any, Any] | None,
-                       verify: bool, instead: Any = None) -> tuple[int, dict[Any, Any]] | None:
+                       verify: bool, failed_loads: list[tuple[int, str | Path, BaseException]],
+                       instead: Any = None) -> tuple[int, dict[Any, Any]] | None:
         """Restore the first usable of ``candidates`` ((step, path or URL, source)), passing over
-        damaged ones with a warning (module docstring). ``instead(step, path)``: another copy of a
-        damaged candidate's step to try before the older ones (the remote tier's), or None; a
-        newer step whole elsewhere beats an older one here."""
+        damaged ones with a warning (module docstring); those that failed while loading (after
+        their checks, so part of them may be in the targets) are added to ``failed_loads``.
+        ``instead(step, path)``: another copy of a damaged candidate's step to try before the
+        older ones (the remote tier's), or None; a newer step whole elsewhere beats an older one
+        here."""
         pending = list(candidates)
         replaced: set[str] = set()
         while pending:
@@ -912,11 +926,14 @@ class CheckpointManager:
             try:
                 problem = _problem(path, verify=verify, config=self.config)
                 if problem is None:
+                    writing: list[bool] = []
                     try:
-                        return step, self._load(path, model, optimizer, state)
+                        return step, self._load(path, model, optimizer, state, writing)
                     except Exception as err:
                         if not _is_damage(err):
                             raise
+                        if writing:
+                            failed_loads.append((step, path, err))
                         problem = f"failed while loading: {err}"
             except ObjectChangedError:
                 # saved again while read (a whole new version of the same step): read it once
@@ -934,7 +951,10 @@ class CheckpointManager:
                 pending.insert(0, other)
         return None
 
-    def _load(self, path: str | Path, model: Any, optimizer: Any, state: dict[Any, Any] | None) -> dict[Any, Any]:
+    def _load(self, path: str | Path, model: Any, optimizer: Any, state: dict[Any, Any] | None,
+              writing: list[bool]) -> dict[Any, Any]:
+        """Restore ``path`` into the targets (module docstring, "How"); ``writing`` gets an entry
+        once the targets may change."""
         with open_reader(path, resolve_config(self.config)) as reader:
             tree = open_file(reader).index.tree
         if tree.get("t") != "dict":
@@ -946,6 +966,7 @@ class CheckpointManager:
         if optimizer is not None:
             target["optimizer"] = optimizer
         if target:
+            writing.append(True)
             _api.load_into(target, path, strict=False, config=self.config)
             if state is not None:
                 for key, value in state.items():  # load_into replaced top-level plain values in ``target``

@@ -78,6 +78,8 @@ class OpenedFile:
     base: tuple[OpenBase, Any] | None = None
     """A delta's base, opened once by the first restore that needs it and kept for the next ones,
     with the reader of its bytes (and that reader's cache); closed by ``close_base``."""
+    closed: bool = False
+    """Set when the file is closed (``Checkpoint.close``): no restore opens the base again."""
 
     def close_base(self) -> None:
         """Close the base this file's restores opened (and, through it, the rest of the chain)."""

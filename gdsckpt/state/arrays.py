@@ -226,10 +226,12 @@ class _Target:
 @contextlib.contextmanager
 def writable(tensor: Any) -> Iterator[None]:
     """A context in which ``tensor`` can be written in place: no autograd recording, and inference
-    mode for a tensor made under it (an inference tensor is written only there)."""
+    mode for a tensor made under it (an inference tensor is written only there). Inference mode
+    is entered only for such a tensor: ``torch.inference_mode(False)`` switches grad mode back on,
+    and a leaf that requires grad (a non-contiguous Parameter) then refuses the in-place copy."""
     import torch
 
-    with torch.no_grad(), torch.inference_mode(tensor.is_inference()):
+    with torch.no_grad(), (torch.inference_mode() if tensor.is_inference() else contextlib.nullcontext()):
         yield
 
 
