@@ -450,3 +450,131 @@ def test_a_manager_with_a_remote_tier_compresses_where_the_local_disk_alone_woul
     step, restored = gdsckpt.CheckpointManager(tmp_path / "new-node", remote=remote).restore_latest()
     assert step == 1
     h.assert_same(state, restored)
+
+
+def test_an_upload_the_server_answers_not_found_stays_pending(remote: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 404 from the server during an upload (its multipart upload aborted under it by a
+    lifecycle rule; injected here) was taken for the local file pruned: the step left the pending
+    set without a word and ``wait()`` reported success with the remote tier lacking it."""
+    manager = gdsckpt.CheckpointManager(tmp_path / "node", remote=remote, keep_last=2)
+    real_put = obstore.put
+
+    def not_found(*args: Any, **kwargs: Any) -> Any:
+        raise FileNotFoundError("NoSuchUpload (injected)")
+
+    monkeypatch.setattr(obstore, "put", not_found)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RemoteUploadWarning)
+        manager.save(1, _state(1))
+        with pytest.raises(RemoteUploadError, match="lacks checkpoint step"):
+            manager.wait(timeout=60)
+    assert manager.pending_uploads() == [1] and manager.remote_steps() == []
+    monkeypatch.setattr(obstore, "put", real_put)
+    manager.wait(timeout=60)  # retried
+    assert manager.remote_steps() == [1] and manager.pending_uploads() == []
+
+
+def test_a_rollback_moves_the_remote_latest_down_too(remote: str, tmp_path: Path, h: Any) -> None:
+    """Steps 10, 20, 30, then 20 again and 21 (a run gone back to an older step): the local
+    ``latest`` names 21, and the remote one named 30, the abandoned step, which a replacement
+    node then restored (the uploads of one round go oldest first, 30 last)."""
+    objects = f"{remote}-objects"
+    for directory in (gdsckpt.CheckpointManager(tmp_path / "node", remote=remote, keep_last=3, keep_last_remote=3),
+                      gdsckpt.CheckpointManager(objects, keep_last=3)):
+        for step in (10, 20, 30):
+            directory.save(step, _state(step))
+        directory.save(20, _state(1020))
+        directory.save(21, _state(1021))
+        directory.wait(timeout=60)
+    for manager in (gdsckpt.CheckpointManager(tmp_path / "replacement", remote=remote), gdsckpt.CheckpointManager(objects)):
+        restored = manager.restore_latest()
+        assert restored is not None and restored[0] == 21
+        h.assert_same(_state(1021), restored[1])
+
+
+def test_the_newest_step_damaged_on_both_tiers_falls_back_to_an_older_one(remote: str, tmp_path: Path,
+                                                                          h: Any) -> None:
+    """A file damaged before its upload is damaged on both tiers: the remote copy of a remote
+    candidate was asked for again and again, and restore never returned."""
+    import threading
+
+    manager = gdsckpt.CheckpointManager(tmp_path / "node", remote=remote, keep_last=3, keep_last_remote=3)
+    manager.save(1, _state(1))
+    manager.save(2, _state(2))
+    manager.wait(timeout=60)
+    name = manager.path(2).name
+    data = bytearray(manager.path(2).read_bytes())
+    data[4096 + 10] ^= 0xFF  # inside the first chunk
+    manager.path(2).write_bytes(bytes(data))
+    bucket, _slash, prefix = remote[len("s3://"):].partition("/")
+    obstore.put(open_store(bucket), f"{prefix}/{name}", bytes(data))
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(gdsckpt.CheckpointManager(tmp_path / "node", remote=remote)
+                                                           .restore_latest()), daemon=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedCheckpointWarning)
+        thread.start()
+        thread.join(60)
+    assert result, "restore_latest did not return within 60 s"
+    assert result[0] is not None and result[0][0] == 1
+    h.assert_same(_state(1), result[0][1])
+
+
+def test_an_object_deleted_while_read_is_gone_not_an_io_error(remote: str) -> None:
+    """A concurrent prune deleting an object after its reader opened it: a plain
+    ``CheckpointError`` ("I/O error"), which ``restore_latest`` raises, where the local tier's
+    vanished file is passed over."""
+    url = f"{remote}/step-0000000001.gdsckpt"
+    gdsckpt.save({"w": torch.arange(1000.0)}, url)
+    bucket, _slash, key = url[len("s3://"):].partition("/")
+    with gdsckpt.open(url) as checkpoint:
+        obstore.delete(open_store(bucket), key)
+        with pytest.raises(FileNotFoundError, match="deleted while it was read"):
+            checkpoint.get("w")
+
+
+@pytest.mark.parametrize("prefix", ["run//a", "./run", "run/../a"])
+def test_a_prefix_the_client_would_change_is_refused_at_once(server: SeaweedServer, tmp_path: Path,
+                                                              prefix: str) -> None:
+    with pytest.raises(ValueError, match="path segment"):
+        gdsckpt.CheckpointManager(tmp_path / "node", remote=f"s3://{BUCKET}/{prefix}")
+    with pytest.raises(ValueError, match="path segment"):
+        gdsckpt.CheckpointManager(f"s3://{BUCKET}/{prefix}")
+
+
+_PRUNING_WRITER = """
+import sys, warnings, torch, gdsckpt
+warnings.simplefilter("ignore")
+manager = gdsckpt.CheckpointManager(sys.argv[1], keep_last=1)
+step = 0
+while True:
+    step += 1
+    manager.save(step, {"model": {"w": torch.full((256,), float(step))}})
+"""
+
+
+def test_restoring_objects_another_process_prunes_as_fast_as_it_saves(remote: str) -> None:
+    """A reader of a tier whose saver keeps one checkpoint (``keep_last=1``) finds every object it
+    listed pruned before it reads it: the remote tier was listed once, and ``restore_latest``
+    returned ``None``, a fresh start (the first restore, each of 4 runs)."""
+    import os
+    import time
+
+    writer = subprocess.Popen([sys.executable, "-c", _PRUNING_WRITER, remote], env=dict(os.environ))
+    try:
+        reader = gdsckpt.CheckpointManager(remote, keep_last=1)
+        deadline = time.monotonic() + 60
+        while not reader.remote_steps() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert writer.poll() is None, "the writer stopped"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SkippedCheckpointWarning)
+            for _ in range(5):
+                restored = reader.restore_latest()
+                assert restored is not None
+                step, state = restored
+                assert torch.equal(state["model"]["w"], torch.full((256,), float(step)))
+    finally:
+        writer.kill()
+        writer.wait()

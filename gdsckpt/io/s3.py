@@ -196,6 +196,12 @@ def split_prefix(url: str) -> tuple[str, str]:
         raise ValueError(f"{url!r} names no bucket: expected s3://bucket/prefix")
     check_bucket(bucket, url)
     prefix = prefix.strip("/")
+    bad = [segment for segment in prefix.split("/") if segment in ("", ".", "..")] if prefix else []
+    if bad:
+        # the client drops an empty segment and refuses "." / "..": every object under the
+        # prefix would go to another key, or fail only when the first upload runs
+        raise ValueError(f"{url!r} has a path segment {bad[0]!r} in its prefix: write s3://bucket/a/b "
+                         f"without '//', '.' or '..'")
     return bucket, f"{prefix}/" if prefix else ""
 
 
@@ -308,11 +314,16 @@ class ObjectDirectory:
         all."""
         from pathlib import Path
 
+        source = Path(path)
         try:
-            self._obstore.put(self.store, self.prefix + name, Path(path), use_multipart=True,
+            self._obstore.put(self.store, self.prefix + name, source, use_multipart=True,
                               chunk_size=self.part_bytes, max_concurrency=self.concurrency)
-        except FileNotFoundError:
-            raise
+        except FileNotFoundError as err:
+            if not source.exists():
+                raise  # the local file is gone (pruned): the caller's to judge
+            # The server's "not found" (the bucket, or the multipart upload aborted under it by
+            # a lifecycle rule): a failed upload, never to be taken for a pruned file.
+            raise _storage_error(err, "upload of", self.url_of(name)) from err
         except BaseException as err:
             if not _is_store_failure(err):
                 raise
@@ -609,6 +620,10 @@ class S3Reader(StorageReader):
             options["if_match"] = self.etag
         try:
             data = self._obstore.get(self.store, self.key, options=options).bytes()
+        except FileNotFoundError as err:
+            # Deleted after it was opened (a concurrent prune): gone, as a local file unlinked
+            # under its reader is not, but never an I/O error to retry.
+            raise FileNotFoundError(f"{self.url} was deleted while it was read") from err
         except self._changed as err:
             raise ObjectChangedError(f"{self.url} was replaced while it was read (the server no longer holds the "
                                      f"version with ETag {self.etag} this read opened): the read stopped rather "

@@ -144,6 +144,7 @@ import threading
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -188,7 +189,8 @@ clock, a tick behind): a save counts as begun this much earlier when its file's 
 compared with its start."""
 
 RELISTS = 3
-"""How many times ``restore_latest`` lists the directory when every checkpoint it listed vanished."""
+"""How many times ``restore_latest`` lists a tier again when every checkpoint it listed vanished;
+beyond that it goes on while each listing brings new checkpoints, until ``Config.timeout``."""
 
 _DAMAGE = (CorruptCheckpointError, UnsupportedFormatError, DeltaBaseError, FileNotFoundError)
 """What makes ``restore_latest`` pass over a checkpoint: proof that the file is damaged or not a
@@ -552,7 +554,13 @@ class CheckpointManager:
                     continue
                 with self._lock:
                     self._unsent.discard(step)
-                    if self._remote_newest is None or step > self._remote_newest:
+                    # The remote latest follows the local one: to the step it names, else to
+                    # the highest below it. A higher step than the local latest is one a run
+                    # rolled back from (completed saves move the local latest first), which a
+                    # replacement node must not restore.
+                    pointer = self._pointer_step
+                    if step == pointer or ((pointer is None or step < pointer)
+                                           and (self._remote_newest is None or step > self._remote_newest)):
                         self._remote_newest = step
                 # the object's content changed (a step saved again after a rollback): its cached
                 # base may no longer hold, even where the new object's size happens to match
@@ -645,7 +653,8 @@ class CheckpointManager:
                             f"...}}), got {type(state).__qualname__}")
         path = self.path(step)
         with self._lock:
-            if self._pointer_step is not None and step < self._pointer_step:
+            latest = self._remote_pointer if self.objects_only else self._pointer_step
+            if latest is not None and step < latest:
                 # begun after a higher step completed: a rollback (a run gone back to an older
                 # step in this process), whose save latest then names; a save in flight together
                 # with a higher one that finishes later is none, and latest stays
@@ -701,7 +710,7 @@ class CheckpointManager:
         """``_completed`` of a manager of objects only: the object is complete (an upload appears
         whole); move the ``latest`` object (only ever to a higher step of this manager), prune."""
         with self._lock:
-            if self._remote_pointer is None or step >= self._remote_pointer:
+            if self._remote_pointer is None or step >= self._remote_pointer or step in self._rollbacks:
                 self._write_remote_pointer(step)
                 self._remote_pointer = self._remote_newest = step
         try:
@@ -875,25 +884,12 @@ class CheckpointManager:
         """
         if state is not None and not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__qualname__}")
-        restored = None
-        tried: set[tuple[int, str]] = set()
         failed_loads: list[tuple[int, str | Path, BaseException]] = []
-        for listing in range(RELISTS):
-            # Every candidate gone (pruned by a process saving meanwhile) is no proof that none is
-            # left: the files that replaced them are listed again, never a fresh start returned.
-            local: list[tuple[int, str | Path, str]] = [
-                candidate for candidate in self._candidates(warn=listing == 0)
-                if (candidate[0], str(candidate[1])) not in tried]
-            if not local:
-                break
-            tried.update((step, str(path)) for step, path, _source in local)
-            restored = self._restore_first(local, model, optimizer, state, verify, failed_loads,
-                                           instead=self._remote_copy if self.remote is not None else None)
-            if restored is not None:
-                return restored
+        restored = self._restore_listed(self._candidates, model, optimizer, state, verify, failed_loads,
+                                        instead=self._remote_copy if self.remote is not None else None)
         if restored is None and self.remote is not None:
-            restored = self._restore_first(self._remote_candidates(), model, optimizer, state, verify,
-                                           failed_loads)
+            restored = self._restore_listed(self._remote_candidates, model, optimizer, state, verify,
+                                            failed_loads)
         if restored is None and failed_loads and (model is not None or optimizer is not None or state):
             step, path, error = failed_loads[-1]
             raise CorruptCheckpointError(
@@ -902,11 +898,44 @@ class CheckpointManager:
                 f"verify=True to check every chunk before anything is written") from error
         return restored
 
+    def _restore_listed(self, candidates: Callable[..., Any], model: Any, optimizer: Any,
+                        state: dict[Any, Any] | None, verify: bool,
+                        failed_loads: list[tuple[int, str | Path, BaseException]],
+                        instead: Any = None) -> tuple[int, dict[Any, Any]] | None:
+        """``_restore_first`` of the candidates ``candidates(warn=...)`` lists (a tier's). Every
+        candidate gone (pruned by a process saving meanwhile) is no proof that none is left: the
+        checkpoints that replaced them are listed again while new ones appear, never a fresh start
+        returned. A saver that prunes each checkpoint faster than this reads one (an object store,
+        ``keep_last=1``) keeps it going past ``RELISTS`` listings until ``Config.timeout``, then
+        a ``TimeoutError``."""
+        tried: set[tuple[int, str]] = set()
+        deadline = time.monotonic() + resolve_config(self.config).timeout
+        listing = 0
+        while True:
+            listed: list[tuple[int, str | Path, str]] = [
+                candidate for candidate in candidates(warn=listing == 0)
+                if (candidate[0], str(candidate[1])) not in tried]
+            if not listed:
+                return None
+            if listing >= RELISTS and time.monotonic() > deadline:
+                raise TimeoutError(f"restore_latest: every checkpoint listed in {listing} listings was removed "
+                                   f"before it could be read, for {resolve_config(self.config).timeout} s "
+                                   f"(config timeout): another process prunes faster than this one reads")
+            listing += 1
+            tried.update((step, str(path)) for step, path, _source in listed)
+            restored = self._restore_first(listed, model, optimizer, state, verify, failed_loads, instead=instead)
+            if restored is not None:
+                return restored
+
     def _remote_copy(self, step: int, path: str | Path) -> tuple[int, str | Path, str] | None:
         """The remote tier's copy of local checkpoint ``step`` as a candidate, or None where it has
         none. Asked only once the local file proved damaged: a restore of intact local files
         sends no request to the remote tier."""
+        from ..io.s3 import is_url
+
         assert self.remote is not None
+        if is_url(str(path)):  # a remote candidate itself: there is no other copy
+            return None
         name = Path(path).name
         return (step, self.remote.url_of(name), "remote copy") if self.remote.size(name) is not None else None
 

@@ -482,6 +482,8 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             # a future's timeout is not the builtin one
             return TimeoutError(f"chunk {chunk} (tensor {chunk_owner(index, chunk)!r}) was not read and "
                                 f"decoded within {timeout} s: {err}")
+        if isinstance(err, FileNotFoundError):  # an object deleted under its reader: gone, no I/O error
+            return FileNotFoundError(f"chunk {chunk} (tensor {chunk_owner(index, chunk)!r}): {err}")
         if isinstance(err, OSError):
             return CheckpointError(f"I/O error reading chunk {chunk} (tensor "
                                    f"{chunk_owner(index, chunk)!r}): {err}")
