@@ -37,6 +37,13 @@ class UnsupportedFormatError(CheckpointError):
     """The file is not a gdsckpt checkpoint, or has a format version this reader cannot read."""
 
 
+class NewerFormatError(UnsupportedFormatError):
+    """The checkpoint was written by a newer gdsckpt: a format major version, codec or transform
+    this version does not know, in a header or index whose checksum holds. Intact as far as this
+    version can tell: upgrade gdsckpt to read it. ``CheckpointManager.restore_latest`` raises it
+    rather than restoring an older step, and its pruning never removes such a file."""
+
+
 class CodecUnavailableError(CheckpointError):
     """A codec named by the caller or by a checkpoint cannot run here (e.g. a GPU-only codec
     on a machine without a GPU, or a missing optional package)."""

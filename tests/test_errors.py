@@ -326,3 +326,25 @@ def test_former_import_paths_of_moved_exceptions_still_work() -> None:
             PickleOnlyMetadataWarning) == (gdsckpt.ConvertError, gdsckpt.UnsafePickleError,
                                            gdsckpt.InsufficientSpaceError, gdsckpt.SkippedCheckpointWarning,
                                            gdsckpt.LossyWarning, gdsckpt.PickleOnlyMetadataWarning)
+
+
+def test_a_newer_major_version_is_told_apart_from_a_damaged_header(tmp_path: Path) -> None:
+    """A higher major version in a header whose checksum holds is a newer writer's file
+    (``NewerFormatError``); with the checksum broken it is no proof of that (damage)."""
+    import struct
+
+    from gdsckpt.format import checksum
+
+    path = tmp_path / "x.gdsckpt"
+    gdsckpt.save({"w": torch.arange(10)}, path)
+    data = bytearray(path.read_bytes())
+    data[8:10] = struct.pack("<H", 2)  # the major version
+    data[60:64] = struct.pack("<I", checksum(bytes(data[:60])))
+    path.write_bytes(bytes(data))
+    with pytest.raises(gdsckpt.NewerFormatError, match="version 2"):
+        gdsckpt.load(path)
+    data[60] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(gdsckpt.UnsupportedFormatError) as raised:
+        gdsckpt.load(path)
+    assert not isinstance(raised.value, gdsckpt.NewerFormatError)

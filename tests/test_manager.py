@@ -636,3 +636,31 @@ def test_a_rollback_to_a_lower_step_moves_latest_to_it(tmp_path: Path) -> None:
     manager.save_async(20, state(22.0)).wait(60)  # again, in the background
     manager.save(25, state(25.0))
     assert manager.latest_step() == 25
+
+
+def test_a_newer_gdsckpts_checkpoint_is_raised_never_passed_over_or_pruned(tmp_path: Path, config: gdsckpt.Config,
+                                                                            h: Any) -> None:
+    """A checkpoint naming a codec this version does not know (``zstd/2``: a newer writer's, read
+    after gdsckpt was rolled back) was taken for damage: ``restore_latest`` restored the older
+    step with a warning, throwing the newer one's progress away, and pruning would remove it."""
+    manager = CheckpointManager(tmp_path, keep_last=1, config=config.replace(codec="zstd"))
+    manager.save(1, _state(1))
+    manager.save(2, _state(2))
+    manager.save(3, _state(3))
+    assert [p.name for p in sorted(tmp_path.glob("*.gdsckpt"))] == [_ckpt(3)]
+
+    def newer_codec(doc: dict[str, Any]) -> None:
+        for chain in doc["chains"]:
+            for stage in chain:
+                if stage["name"] == "zstd/1":
+                    stage["name"] = "zstd/2"
+
+    h.rewrite_index(manager.path(3), newer_codec)
+    with pytest.raises(gdsckpt.NewerFormatError, match="zstd/2.*upgrade gdsckpt"):
+        manager.restore_latest(state={"w": torch.zeros(2000), "b": torch.zeros(10)})
+    with pytest.warns(RuntimeWarning, match="pruning .* was skipped: NewerFormatError"):
+        manager.save(4, _state(4))
+    with pytest.warns(RuntimeWarning, match="pruning .* was skipped"):
+        manager.save(5, _state(5))
+    assert manager.path(3).exists(), "a newer gdsckpt's file is never pruned"
+    _restore_and_check(manager, 5)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CodecUnavailableError, UnsupportedFormatError
+from ..errors import CodecUnavailableError, NewerFormatError
 
 PORTABLE_CODECS = ("zstd", "lz4", "deflate", "none")
 CONVERT_TO_PORTABLE = "gdsckpt convert FILE COPY.gdsckpt --codec zstd writes a copy any machine can read"
@@ -149,7 +149,7 @@ def codec_spec(name: str) -> CodecSpec:
     if spec is not None:
         return spec
     if "/" in name:
-        raise UnsupportedFormatError(
+        raise NewerFormatError(
             f"codec {name!r} is not known to this version of gdsckpt "
             f"(known: {', '.join(sorted(_SPECS))}); upgrade gdsckpt"
         )
@@ -178,6 +178,19 @@ def gpu_codec_by_versioned(name: str) -> CodecSpec | None:
 def register_transform(transform: Transform) -> None:
     """Register a transform under its versioned name."""
     _TRANSFORMS[transform.name] = transform
+
+
+def check_stage_names(chains: list[list[dict[str, Any]]], used: set[int]) -> None:
+    """``NewerFormatError`` naming the first stage of the chains numbered ``used`` that this
+    version knows as neither a codec nor a transform (a file a newer gdsckpt wrote). Reading
+    checks each name only when a chunk that uses it is decoded (docs/format.md §9.4); this checks
+    a whole file at once (``CheckpointManager`` deciding whether a checkpoint is this version's)."""
+    for number in sorted(used):
+        for stage in chains[number]:
+            name = stage["name"]
+            if name not in _SPECS and name not in _TRANSFORMS:
+                raise NewerFormatError(f"chain {number} names {name!r}, which this version of gdsckpt does not "
+                                       f"know; upgrade gdsckpt")
 
 
 def known_codec_names() -> list[str]:
@@ -215,7 +228,7 @@ def transform(name: str) -> Transform:
     try:
         return _TRANSFORMS[name]
     except KeyError:
-        raise UnsupportedFormatError(
+        raise NewerFormatError(
             f"transform {name!r} is not known to this version of gdsckpt "
             f"(known: {', '.join(sorted(_TRANSFORMS))}); upgrade gdsckpt"
         ) from None

@@ -29,7 +29,7 @@ import re
 import threading
 from typing import Any
 
-from ..errors import UnsupportedFormatError
+from ..errors import NewerFormatError
 from .base import codec_spec, gpu_codec_by_versioned
 
 BITCOMP_LOSSY = "nvcomp.bitcomp-lossy/1"
@@ -79,7 +79,7 @@ def device_decoder_name(versioned: str) -> str:
         return "bitcomp"
     spec = gpu_codec_by_versioned(versioned)
     if spec is None or spec.user_name is None:
-        raise UnsupportedFormatError(f"codec {versioned!r} is not known to this version of gdsckpt")
+        raise NewerFormatError(f"codec {versioned!r} is not known to this version of gdsckpt; upgrade gdsckpt")
     return spec.user_name
 
 

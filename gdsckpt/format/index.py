@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..errors import CorruptCheckpointError, NewerFormatError, UnsupportedFormatError
 from .checksum import CHECKSUM_ALGORITHM
 from .dtypes import DTYPES
 from .layout import ALIGNMENT, FORMAT_MAJOR, FORMAT_MINOR, HEADER_REGION
@@ -228,7 +228,8 @@ def parse_index(data: bytes, *, index_offset: int) -> Index:
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in version)):
         raise _fail(f"version must be [major, minor], got {version!r:.80}")
     if version[0] != FORMAT_MAJOR:
-        raise UnsupportedFormatError(
+        # the index's checksum held (the trailer's): a higher major is a newer gdsckpt's
+        raise (NewerFormatError if version[0] > FORMAT_MAJOR else UnsupportedFormatError)(
             f"index format version {version[0]}.{version[1]} is not supported (this reader reads "
             f"major version {FORMAT_MAJOR}); upgrade gdsckpt"
         )

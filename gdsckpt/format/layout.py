@@ -15,7 +15,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..errors import CorruptCheckpointError, NewerFormatError, UnsupportedFormatError
 from .checksum import checksum
 
 MAGIC = b"\x93GDSCKPT"
@@ -60,10 +60,11 @@ class Header:
     alignment: int
 
 
-def _check_major(major: int, minor: int) -> None:
-    """Refuse a file of another major version (docs/format.md, "Versioning")."""
+def _check_major(major: int, minor: int, intact: bool = False) -> None:
+    """Refuse a file of another major version (docs/format.md, "Versioning"): a higher one in a
+    header whose checksum holds (``intact``) is a newer gdsckpt's file (``NewerFormatError``)."""
     if major != FORMAT_MAJOR:
-        raise UnsupportedFormatError(
+        raise (NewerFormatError if intact and major > FORMAT_MAJOR else UnsupportedFormatError)(
             f"checkpoint format version {major}.{minor} is not supported by this reader "
             f"(it reads major version {FORMAT_MAJOR}); upgrade gdsckpt"
         )
@@ -78,8 +79,9 @@ def unpack_header(data: bytes) -> Header:
     if len(data) < HEADER_SIZE or data[:8] != MAGIC:
         raise UnsupportedFormatError("not a gdsckpt checkpoint (bad magic number at offset 0)")
     _magic, major, minor, region, alignment, _flags, _reserved, crc = _HEADER.unpack(data[:HEADER_SIZE])
-    _check_major(major, minor)
-    if checksum(data[:60]) != crc:
+    intact = checksum(data[:60]) == crc
+    _check_major(major, minor, intact)
+    if not intact:
         raise CorruptCheckpointError("header checksum mismatch")
     if region != HEADER_REGION or alignment != ALIGNMENT:
         raise CorruptCheckpointError(f"header declares region {region} / alignment {alignment}, expected 4096")

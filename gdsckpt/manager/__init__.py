@@ -117,7 +117,11 @@ A checkpoint is passed over only on proof that it is unusable: a checksum or str
 failed (``CorruptCheckpointError``, ``UnsupportedFormatError``), its delta base is missing,
 changed or damaged (``DeltaBaseError``), or its file vanished (``FileNotFoundError``: a
 concurrent prune). It is skipped with a warning and the next older one is restored; that one
-overwrites whatever the failed one wrote. Where none is usable after one failed while loading
+overwrites whatever the failed one wrote. A newer gdsckpt's checkpoint (``NewerFormatError``: a
+format version, codec or transform this version does not know, its checksums intact) is no such
+proof: it is raised (upgrade gdsckpt, or move the file away to restore an older step), never
+pruned (pruning is skipped with a warning while one is there), and never a delta's base. Where
+none is usable after one failed while loading
 (its checks passed, so part of it may be in the targets already), that error is raised rather
 than ``None`` returned: the targets are no longer the fresh start ``None`` stands for. Every
 other error is raised and nothing else is tried,
@@ -154,10 +158,12 @@ from ..api import saving as _saving
 from ..api.checkpoint import base_chain
 from ..api.resolve import open_reader, resolve_config
 from ..background.async_save import AsyncSaver, SaveHandle
+from ..codecs.base import check_stage_names
 from ..config import Config
 from ..errors import (
     CorruptCheckpointError,
     DeltaBaseError,
+    NewerFormatError,
     ObjectChangedError,
     RemoteUploadError,
     RemoteUploadWarning,
@@ -204,7 +210,7 @@ def _is_damage(err: BaseException) -> bool:
     """Whether ``err`` proves the checkpoint unusable (one of ``_DAMAGE``). An ``OSError`` other
     than ``FileNotFoundError``, and the ``CheckpointError`` the reader raises for one ("I/O error
     reading chunk N"), are not: the next read may well succeed."""
-    return isinstance(err, _DAMAGE)
+    return isinstance(err, _DAMAGE) and not isinstance(err, NewerFormatError)
 
 
 
@@ -387,7 +393,7 @@ class CheckpointManager:
                 # the whole chain below it must resolve: a base replaced by an earlier step saved
                 # again, or deleted, made every later delta on it fail until the next full save
                 usable = (self.delta_base == "previous" or self._is_full(path)) and \
-                    _problem(path, config=self.config, chain=True) is None
+                    _problem(path, config=self.config, chain=True, newer=True) is None
             except BaseException:
                 self._release_base(candidate)
                 raise
@@ -414,8 +420,12 @@ class CheckpointManager:
             return False, None
 
     def _is_full(self, path: Path) -> bool:
-        """Whether the checkpoint at ``path`` is a readable full one (no base)."""
-        readable, base = self._recorded_base(path)
+        """Whether the checkpoint at ``path`` is a readable full one (no base); a newer gdsckpt's
+        file is none (no base for this version's deltas)."""
+        try:
+            readable, base = self._recorded_base(path)
+        except NewerFormatError:
+            return False
         return readable and base is None
 
     def save(self, step: int, state: dict[Any, Any], *, codec: str = "auto") -> _api.SaveReport:
@@ -1035,24 +1045,27 @@ def _check_step(step: int) -> int:
 
 
 def _problem(path: str | Path, *, verify: bool = False, config: Config | None = None,
-             chain: bool = False) -> str | None:
+             chain: bool = False, newer: bool = False) -> str | None:
     """Why ``path`` is not a usable checkpoint, or None: ``gdsckpt.open``'s checks of header,
     trailer and index (or, with ``verify``, ``gdsckpt.verify`` of every chunk); with ``chain``,
     also each base of a delta opened in turn and checked to be the file it was written against
-    (``open_base``). Only damage (``_is_damage``) is a reason; any other error (an I/O error,
-    running out of memory) is raised."""
+    (``open_base``). Only damage (``_is_damage``) is a reason, and with ``newer`` a newer
+    gdsckpt's file (``NewerFormatError``); any other error (an I/O error, running out of memory,
+    without ``newer`` a newer gdsckpt's file) is raised."""
     try:
         if verify:
             _api.verify(path, config=config)
         else:
             with _api.open(path, config=config) as checkpoint:
+                index = checkpoint._opened.index  # a newer writer's names: NewerFormatError
+                check_stage_names(index.chains, {chunk.chain for chunk in index.chunks})
                 if chain:
                     with base_chain(checkpoint, resolve_config(config)):
                         pass
     except FileNotFoundError:
         return "file is missing"
     except Exception as err:
-        if not _is_damage(err):
+        if not _is_damage(err) and not (newer and isinstance(err, NewerFormatError)):
             raise
         return f"{type(err).__name__}: {err}"
     return None
