@@ -383,3 +383,40 @@ def test_an_optimizer_that_does_not_fit_is_refused_before_the_model_is_written(t
     with pytest.raises(gdsckpt.StateMismatchError, match="no optimizer state_dict"):
         gdsckpt.load_into({"model": other, "optimizer": torch.optim.AdamW(other.parameters())}, not_an_optimizer)
     assert all(torch.equal(before[key], value) for key, value in other.state_dict().items())
+
+
+def test_copies_for_non_contiguous_targets_stay_within_max_inflight_bytes(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          h: Any) -> None:
+    """Each non-contiguous target is filled through a contiguous copy; all of them were made
+    before the first read, twice a channels_last model's memory whatever ``max_inflight_bytes``
+    said. The copies alive at once are counted as the targets make and finish them."""
+    from gdsckpt.state.arrays import TorchTarget
+
+    live, peak = [0], [0]
+    made, finish = TorchTarget.__init__, TorchTarget.finish
+
+    def counting_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        if self.existing is not None and self.tensor is not self.existing:
+            live[0] += self.nbytes
+            peak[0] = max(peak[0], live[0])
+
+    def counting_finish(self: Any) -> Any:
+        if self.existing is not None and self.tensor is not self.existing:
+            live[0] -= self.nbytes
+        return finish(self)
+
+    monkeypatch.setattr(TorchTarget, "__init__", counting_init)
+    monkeypatch.setattr(TorchTarget, "finish", counting_finish)
+    source = {f"w{i}": torch.randn(256, 512) for i in range(10)}  # 512 KiB each
+    source["small"] = torch.randn(8)
+    path = tmp_path / "t.gdsckpt"
+    gdsckpt.save(source, path)
+    target = {f"w{i}": torch.zeros(512, 256).t() for i in range(10)}
+    target["small"] = torch.zeros(8)
+    assert not target["w0"].is_contiguous()
+    gdsckpt.load_into(target, path, config=gdsckpt.Config(max_inflight_bytes=1 << 20, chunk_bytes=1 << 20))
+    for key, value in source.items():
+        h.assert_same(value, target[key].contiguous())
+    assert live[0] == 0 and 0 < peak[0] <= 1 << 20, f"{peak[0]} bytes of copies at once"

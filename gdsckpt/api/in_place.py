@@ -191,7 +191,10 @@ def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: 
     key winning: a tensor overwritten whole by a later key's exact alias is not restored at all,
     and the others are restored in phases, one ``restore_arrays`` after another, each phase
     holding no two tensors that overlap (nor two destinations of one stored array). Without
-    shared memory, everything is one phase."""
+    shared memory, everything is one phase, but for non-contiguous tensors: each is filled
+    through a contiguous copy made before its phase reads anything, so they go in phases of their
+    own of at most ``max_inflight_bytes`` of copies each (or one tensor), which bounds that memory
+    by configuration, not by the model (a ``channels_last`` convnet is non-contiguous whole)."""
     index = opened.index
 
     shared = overlapping({i: span for i, tensor in wanted.items() if (span := _memory_span(tensor))})
@@ -224,6 +227,7 @@ def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: 
             phase_of[i] = phase
             phases[phase][stored_id(index, i)] = wanted[i]
             ids_of_phase[phase].append(i)
+    _separate_copied(phases, ids_of_phase, index, config.max_inflight_bytes)
 
     arrays: dict[int, Any] = {}
     finished_bytes = 0  # raw bytes of the phases done, so that ``progress`` keeps counting up
@@ -252,6 +256,34 @@ def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: 
     for i in shared:  # restored in place (or overwritten whole by a later key): nothing to copy
         arrays[i] = wanted[i]
     return arrays
+
+
+def _separate_copied(phases: list[dict[int, Any]], ids_of_phase: list[list[int]], index: Any,
+                     budget: int) -> None:
+    """Move the first phase's non-contiguous destinations (filled through a copy) into phases of
+    their own, each holding at most ``budget`` bytes of them (or one). Only those that are their
+    stored array's sole key: another key of that array copies from it at the end of phase 0."""
+    first, first_ids = phases[0], ids_of_phase[0]
+    keys_of: dict[int, int] = {}
+    for i in first_ids:
+        keys_of[stored_id(index, i)] = keys_of.get(stored_id(index, i), 0) + 1
+    copied = {i: tensor for i, tensor in first.items()
+              if tensor is not None and not tensor.is_contiguous() and keys_of.get(i) == 1}
+    if not copied:
+        return
+    ids_of_phase[0] = [i for i in first_ids if i not in copied]
+    for i in copied:
+        del first[i]
+    held = budget  # start a new phase at the first tensor
+    for i, tensor in copied.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if held + nbytes > budget:
+            phases.append({})
+            ids_of_phase.append([])
+            held = 0
+        phases[-1][i] = tensor
+        ids_of_phase[-1].append(i)
+        held += nbytes
 
 
 def _memory_span(tensor: Any) -> tuple[int, int, int] | None:
