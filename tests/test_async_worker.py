@@ -344,11 +344,14 @@ def test_enum_keys_and_values_defined_in_the_callers_code_save_as_gdsckpt_save_d
     class Split(str, enum.Enum):
         TRAIN = "train"
 
-    state = {Split.TRAIN: {"w": torch.ones(3)}, "phase": Phase.WARMUP, Phase.WARMUP: Split.TRAIN}
+    model = collections.OrderedDict(w=torch.ones(2))
+    model._metadata = {"": {"phase": Phase.WARMUP}}  # type: ignore[attr-defined]
+    state = {Split.TRAIN: {"w": torch.ones(3)}, "phase": Phase.WARMUP, Phase.WARMUP: Split.TRAIN, "model": model}
     gdsckpt.save(state, tmp_path / "sync.gdsckpt")
     saver.save(state, tmp_path / "worker.gdsckpt", config=PROCESS).wait(120)
     expected, loaded = gdsckpt.load(tmp_path / "sync.gdsckpt"), gdsckpt.load(tmp_path / "worker.gdsckpt")
-    assert loaded.keys() == expected.keys() == {"train", "phase", 1}
+    assert loaded.keys() == expected.keys() == {"train", "phase", 1, "model"}
+    assert loaded["model"]._metadata == expected["model"]._metadata == {"": {"phase": 1}}
     assert type(loaded["phase"]) is int and type(loaded[1]) is str and loaded[1] == expected[1]
     assert torch.equal(loaded["train"]["w"], torch.ones(3))
 

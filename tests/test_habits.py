@@ -347,3 +347,20 @@ def test_save_and_verify_reports_name_their_byte_counts_apart(ckpt_path: Path) -
         assert saved.stored_bytes == saved.file_bytes
     with pytest.warns(DeprecationWarning, match=r"VerifyReport.stored_bytes is deprecated: use chunk_bytes"):
         assert verified.stored_bytes == verified.chunk_bytes
+
+
+def test_two_keys_that_are_one_plain_key_are_refused_by_every_save(tmp_path: Path) -> None:
+    """A str subclass hashing its own way keeps two entries a checkpoint stores under one key:
+    ``gdsckpt.save`` wrote a file every load refused ("repeats a key"), and ``save_async``'s
+    snapshot kept the last entry only, without a word."""
+
+    class Key(str):
+        def __hash__(self) -> int:
+            return 12345
+
+    state = {"k": 1, Key("k"): 2, "t": torch.ones(2)}
+    with pytest.raises(ValueError, match="two keys that are both 'k'"):
+        gdsckpt.save(state, tmp_path / "a.gdsckpt")
+    with pytest.raises(ValueError, match="two keys that are both 'k'"):
+        gdsckpt.save_async(state, tmp_path / "b.gdsckpt")
+    assert not list(tmp_path.iterdir())

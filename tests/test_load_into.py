@@ -420,3 +420,36 @@ def test_copies_for_non_contiguous_targets_stay_within_max_inflight_bytes(tmp_pa
     for key, value in source.items():
         h.assert_same(value, target[key].contiguous())
     assert live[0] == 0 and 0 < peak[0] <= 1 << 20, f"{peak[0]} bytes of copies at once"
+
+
+def test_the_optimizer_check_leaves_hooks_and_tuples_to_torch(tmp_path: Path) -> None:
+    """The check made before anything is written is torch's own: a ``load_state_dict`` pre-hook
+    may reshape what it is given (two saved groups merged into one here), and tuples of groups or
+    parameters are what torch accepts too."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    two_groups = torch.optim.SGD([{"params": [a]}, {"params": [b]}], lr=0.1, momentum=0.9)
+    (a.sum() + b.sum()).backward()
+    two_groups.step()
+    path = tmp_path / "o.gdsckpt"
+    gdsckpt.save({"optimizer": two_groups.state_dict()}, path)
+
+    def merge(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        groups = state["param_groups"]
+        merged = dict(groups[0], params=list(groups[0]["params"]) + list(groups[1]["params"]))
+        return {"state": state["state"], "param_groups": [merged]}
+
+    one_group = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))],
+                                lr=0.5, momentum=0.9)
+    one_group.register_load_state_dict_pre_hook(merge)
+    gdsckpt.load_into({"optimizer": one_group}, path)
+    assert one_group.param_groups[0]["lr"] == 0.1
+    assert torch.equal(one_group.state_dict()["state"][1]["momentum_buffer"], torch.ones(3))
+
+    saved = two_groups.state_dict()
+    as_tuples = {"state": saved["state"],
+                 "param_groups": tuple(dict(g, params=tuple(g["params"])) for g in saved["param_groups"])}
+    gdsckpt.save({"optimizer": as_tuples}, path)
+    fresh = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(2))]},
+                             {"params": [torch.nn.Parameter(torch.zeros(3))]}], lr=0.5, momentum=0.9)
+    gdsckpt.load_into({"optimizer": fresh}, path)
+    assert fresh.param_groups[1]["lr"] == 0.1

@@ -664,3 +664,18 @@ def test_a_newer_gdsckpts_checkpoint_is_raised_never_passed_over_or_pruned(tmp_p
         manager.save(5, _state(5))
     assert manager.path(3).exists(), "a newer gdsckpt's file is never pruned"
     _restore_and_check(manager, 5)
+
+
+def test_a_delta_whose_base_is_missing_is_passed_over_before_anything_is_written(tmp_path: Path,
+                                                                               config: gdsckpt.Config) -> None:
+    """Its base is checked with the candidate's other checks: a missing base is not a load that
+    failed after writing part of itself (``None`` stays a fresh start, the targets untouched)."""
+    manager = CheckpointManager(tmp_path, config=config, delta_every=1, full_every=100)
+    manager.save(1, _state(1))
+    manager.save(2, _state(2))
+    assert gdsckpt.inspect(manager.path(2)).base is not None, "step 2 is a delta on step 1"
+    manager.path(1).unlink()
+    target = {"w": torch.zeros(2000), "b": torch.zeros(10)}
+    with pytest.warns(SkippedCheckpointWarning, match="missing"):
+        assert manager.restore_latest(state=target) is None
+    assert torch.equal(target["w"], torch.zeros(2000))

@@ -578,3 +578,38 @@ def test_restoring_objects_another_process_prunes_as_fast_as_it_saves(remote: st
     finally:
         writer.kill()
         writer.wait()
+
+
+def test_after_a_rollback_the_remote_latest_goes_below_the_abandoned_step(remote: str, tmp_path: Path) -> None:
+    """Steps 1-10 uploaded, a rollback to 5, then 5 and 6 saved: 5 goes up once the local latest
+    is 6, and the node dies before 6's upload. The remote latest stayed on the abandoned 10 (an
+    upload below the local latest moved it only above the remote one), which a replacement node
+    restored; it names 5 now."""
+    import threading
+
+    manager = gdsckpt.CheckpointManager(tmp_path / "node", remote=remote)
+    for step in range(1, 11):
+        manager.save(step, {"w": torch.full((4,), float(step)), "step": step})
+    manager.wait(timeout=60)
+    six_saved = threading.Event()
+    upload = manager.remote.upload
+
+    def node_dies_before_six(path: Any, name: str) -> None:
+        if name == manager.path(5).name:
+            six_saved.wait(30)
+        if name == manager.path(6).name:
+            raise OSError("the node died (injected) before this upload")
+        upload(path, name)
+
+    manager.remote.upload = node_dies_before_six
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RemoteUploadWarning)
+        manager.save(5, {"w": torch.full((4,), 50.0), "step": 5})
+        manager.save(6, {"w": torch.full((4,), 60.0), "step": 6})
+        six_saved.set()
+        with pytest.raises(RemoteUploadError):
+            manager.wait(timeout=60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedCheckpointWarning)
+        restored = gdsckpt.CheckpointManager(tmp_path / "replacement", remote=remote).restore_latest()
+    assert restored is not None and restored[0] == 5 and torch.equal(restored[1]["w"], torch.full((4,), 50.0))

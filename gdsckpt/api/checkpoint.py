@@ -177,7 +177,7 @@ def _read_against_base(opened: OpenedFile, config: Config, targets: dict[int, An
         if opened.base is None:  # kept for the next restore of this file: its cache with it
             checkpoint = open_base(opened, config, share)
             opened.base = (checkpoint, checkpoint._base_reader())
-    opened_base, base_reader = opened.base
+        opened_base, base_reader = opened.base  # under the lock: a close may clear it
     base = cast(Checkpoint, opened_base)  # this module put it there, just above
     for i in delta:
         record = index.tensors[i]

@@ -454,17 +454,24 @@ def _is_plain(value: Any) -> bool:
 
 def _optimizer_problem(optimizer: Any, saved: Any) -> str | None:
     """Why ``optimizer.load_state_dict`` would refuse ``saved`` (its arrays None): the checks it
-    makes before it changes anything, made here before the model is written."""
+    makes before it changes anything, made here before the model is written. Only for torch's own
+    ``load_state_dict`` without pre-hooks (a hook may reshape the state it is given, an override
+    may accept another layout): for others, None, and their own checks run when it is called."""
+    import torch
+
+    if (type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict
+            or getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", None)):
+        return None
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    if not isinstance(groups, list) or "state" not in saved:
+    if not isinstance(groups, (list, tuple)) or "state" not in saved:
         return "the checkpoint's entry is no optimizer state_dict (it needs 'state' and 'param_groups')"
     if len(groups) != len(optimizer.param_groups):
         return (f"the checkpoint's optimizer has {len(groups)} parameter group(s), the target's "
                 f"{len(optimizer.param_groups)}")
     for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, groups)):
         params = saved_group.get("params") if isinstance(saved_group, dict) else None
-        if not isinstance(params, list) or len(params) != len(group["params"]):
-            count = len(params) if isinstance(params, list) else "no"
+        if not isinstance(params, (list, tuple)) or len(params) != len(group["params"]):
+            count = len(params) if isinstance(params, (list, tuple)) else "no"
             return (f"parameter group {i} holds {count} parameter(s) in the checkpoint, "
                     f"{len(group['params'])} in the target's optimizer")
     return None

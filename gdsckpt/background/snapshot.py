@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
-import copy
 import os
 import sys
 import threading
@@ -185,8 +184,8 @@ class _Snapshotter:
             if isinstance(obj, collections.OrderedDict):
                 result: dict[Any, Any] = collections.OrderedDict(items)
                 metadata = getattr(obj, "_metadata", None)
-                if isinstance(metadata, dict):
-                    result._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+                if isinstance(metadata, dict):  # plain values as elsewhere (its enums included)
+                    result._metadata = self.copy(metadata)  # type: ignore[attr-defined]
                 return result
             return dict(items)
         if type(obj) is list:

@@ -568,9 +568,11 @@ class CheckpointManager:
                     # the highest below it. A higher step than the local latest is one a run
                     # rolled back from (completed saves move the local latest first), which a
                     # replacement node must not restore.
-                    pointer = self._pointer_step
+                    pointer, newest = self._pointer_step, self._remote_newest
+                    if pointer is not None and newest is not None and newest > pointer:
+                        newest = None  # a step rolled back from: any step up to the pointer beats it
                     if step == pointer or ((pointer is None or step < pointer)
-                                           and (self._remote_newest is None or step > self._remote_newest)):
+                                           and (newest is None or step > newest)):
                         self._remote_newest = step
                 # the object's content changed (a step saved again after a rollback): its cached
                 # base may no longer hold, even where the new object's size happens to match
@@ -895,11 +897,12 @@ class CheckpointManager:
         if state is not None and not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__qualname__}")
         failed_loads: list[tuple[int, str | Path, BaseException]] = []
-        restored = self._restore_listed(self._candidates, model, optimizer, state, verify, failed_loads,
+        tried: set[tuple[int, str]] = set()  # both tiers': a remote copy tried for a local file is not tried again
+        restored = self._restore_listed(self._candidates, model, optimizer, state, verify, failed_loads, tried,
                                         instead=self._remote_copy if self.remote is not None else None)
         if restored is None and self.remote is not None:
             restored = self._restore_listed(self._remote_candidates, model, optimizer, state, verify,
-                                            failed_loads)
+                                            failed_loads, tried)
         if restored is None and failed_loads and (model is not None or optimizer is not None or state):
             step, path, error = failed_loads[-1]
             raise CorruptCheckpointError(
@@ -910,15 +913,14 @@ class CheckpointManager:
 
     def _restore_listed(self, candidates: Callable[..., Any], model: Any, optimizer: Any,
                         state: dict[Any, Any] | None, verify: bool,
-                        failed_loads: list[tuple[int, str | Path, BaseException]],
+                        failed_loads: list[tuple[int, str | Path, BaseException]], tried: set[tuple[int, str]],
                         instead: Any = None) -> tuple[int, dict[Any, Any]] | None:
         """``_restore_first`` of the candidates ``candidates(warn=...)`` lists (a tier's). Every
         candidate gone (pruned by a process saving meanwhile) is no proof that none is left: the
         checkpoints that replaced them are listed again while new ones appear, never a fresh start
         returned. A saver that prunes each checkpoint faster than this reads one (an object store,
         ``keep_last=1``) keeps it going past ``RELISTS`` listings until ``Config.timeout``, then
-        a ``TimeoutError``."""
-        tried: set[tuple[int, str]] = set()
+        a ``TimeoutError``. ``tried``: (step, path) of the candidates tried so far, added to."""
         deadline = time.monotonic() + resolve_config(self.config).timeout
         listing = 0
         while True:
@@ -932,8 +934,8 @@ class CheckpointManager:
                                    f"before it could be read, for {resolve_config(self.config).timeout} s "
                                    f"(config timeout): another process prunes faster than this one reads")
             listing += 1
-            tried.update((step, str(path)) for step, path, _source in listed)
-            restored = self._restore_first(listed, model, optimizer, state, verify, failed_loads, instead=instead)
+            restored = self._restore_first(listed, model, optimizer, state, verify, failed_loads, tried,
+                                           instead=instead)
             if restored is not None:
                 return restored
 
@@ -951,7 +953,7 @@ class CheckpointManager:
 
     def _restore_first(self, candidates: Any, model: Any, optimizer: Any, state: dict[Any, Any] | None,
                        verify: bool, failed_loads: list[tuple[int, str | Path, BaseException]],
-                       instead: Any = None) -> tuple[int, dict[Any, Any]] | None:
+                       tried: set[tuple[int, str]], instead: Any = None) -> tuple[int, dict[Any, Any]] | None:
         """Restore the first usable of ``candidates`` ((step, path or URL, source)), passing over
         damaged ones with a warning (module docstring); those that failed while loading (after
         their checks, so part of them may be in the targets) are added to ``failed_loads``.
@@ -962,8 +964,12 @@ class CheckpointManager:
         replaced: set[str] = set()
         while pending:
             step, path, source = pending.pop(0)
+            if (step, str(path)) in tried and str(path) not in replaced:
+                continue  # a remote copy already tried for a local file
+            tried.add((step, str(path)))
             try:
-                problem = _problem(path, verify=verify, config=self.config)
+                # with its delta chain: a missing or changed base found before anything is written
+                problem = _problem(path, verify=verify, config=self.config, chain=True)
                 if problem is None:
                     writing: list[bool] = []
                     try:
@@ -971,7 +977,10 @@ class CheckpointManager:
                     except Exception as err:
                         if not _is_damage(err):
                             raise
-                        if writing:
+                        # A file vanishing (a concurrent prune) fails its open, before any write:
+                        # a local file cannot vanish under its reader, and a pruned object's
+                        # newer replacement is listed next.
+                        if writing and not isinstance(err, FileNotFoundError):
                             failed_loads.append((step, path, err))
                         problem = f"failed while loading: {err}"
             except ObjectChangedError:

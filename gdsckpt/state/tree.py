@@ -221,6 +221,7 @@ class _Flattener:
     def _dict(self, obj: dict[Any, Any], path: list[Any], depth: int) -> dict[str, Any]:
         items = []
         nan_key = False
+        plain_keys: set[tuple[type, Any]] = set()
         for key, value in obj.items():
             if isinstance(key, (dict, list, tuple)) or encode_scalar(key, path) is None:
                 raise TypeError(f"dict key {key!r} of type {type(key).__name__} at {join_key(path)!r} "
@@ -233,6 +234,13 @@ class _Flattener:
                     raise ValueError(f"the dict at {join_key(path)!r} has more than one NaN key; "
                                      f"a checkpoint keys every entry by its text, and these share 'nan'")
                 nan_key = True
+            elif (type(key), key) in plain_keys:
+                # two keys Python told apart (a str subclass hashing its own way) that are one
+                # plain key: every reader would refuse the file as repeating a key
+                raise ValueError(f"the dict at {join_key(path)!r} has two keys that are both {key!r} as "
+                                 f"plain {type(key).__name__}s, the only way a checkpoint stores keys")
+            else:
+                plain_keys.add((type(key), key))
             items.append([encode_scalar(key, path), self.visit(value, path + [key], depth + 1)])
         node: dict[str, Any] = {"t": "dict", "items": items}
         if isinstance(obj, collections.OrderedDict):
