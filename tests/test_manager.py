@@ -679,3 +679,15 @@ def test_a_delta_whose_base_is_missing_is_passed_over_before_anything_is_written
     with pytest.warns(SkippedCheckpointWarning, match="missing"):
         assert manager.restore_latest(state=target) is None
     assert torch.equal(target["w"], torch.zeros(2000))
+
+
+def test_latest_step_passes_over_a_delta_whose_base_is_missing_as_restore_does(tmp_path: Path,
+                                                                              config: gdsckpt.Config) -> None:
+    manager = CheckpointManager(tmp_path, config=config, delta_every=1, full_every=3)
+    for step in (1, 2, 3, 4):
+        manager.save(step, _state(step))
+    assert gdsckpt.inspect(manager.path(4)).base is not None and gdsckpt.inspect(manager.path(3)).base is None
+    manager.path(3).unlink()
+    with pytest.warns(SkippedCheckpointWarning):
+        restored = manager.restore_latest(state={"w": torch.zeros(2000), "b": torch.zeros(10)})
+    assert restored is not None and restored[0] == manager.latest_step() == 2

@@ -815,7 +815,7 @@ class CheckpointManager:
         """The step ``restore_latest`` would pick first (without warnings or a full verify)."""
         candidates = self._remote_candidates(warn=False) if self.objects_only else self._candidates(warn=False)
         for step, path, _source in candidates:
-            if _problem(path, config=self.config) is None:
+            if _problem(path, config=self.config, chain=True) is None:  # checked as restore_latest does
                 return step
         return None
 
