@@ -481,3 +481,13 @@ def test_a_delta_read_racing_close_does_not_open_its_base_for_good(tmp_path: Pat
     with pytest.raises(ValueError, match="is closed"):
         _read_against_base(ckpt._opened, gdsckpt.Config(), {}, set(), None)
     assert ckpt._opened.base is None and _open_fds() == before
+
+
+def test_get_many_of_a_string_and_prepare_of_no_slot_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"a": torch.ones(2), "b": torch.zeros(2)}, path)
+    with gdsckpt.open(path) as checkpoint, pytest.raises(TypeError, match="list of keys"):
+        checkpoint.get_many("ab")  # the keys "a" and "b" were read
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="max_inflight"):
+            gdsckpt.async_save.prepare({"a": torch.ones(2)}, max_inflight=bad)

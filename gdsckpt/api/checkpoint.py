@@ -334,6 +334,9 @@ class Checkpoint:
         """Read several arrays in one restore (their chunks read in parallel, each once);
         returns key -> array, as ``get`` would return each."""
         self._check_open()
+        if isinstance(keys, (str, bytes)):  # its characters are no keys
+            raise TypeError(f"get_many takes a list of keys, got the string {keys!r}: get_many([{keys!r}]) "
+                            f"or get({keys!r})")
         keys = list(dict.fromkeys(keys))
         ids = [self._id(key) for key in keys]
         location = resolve_location(device, map_location)

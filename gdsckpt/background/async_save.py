@@ -239,6 +239,11 @@ def _background_config(config: Config) -> Config:
     return config if config.async_engine == "auto" else config.replace(engine=config.async_engine)
 
 
+def _check_max_inflight(max_inflight: Any) -> None:
+    if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
+        raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+
+
 def _absolute(location: Any) -> Any:
     """A relative local path made absolute now; anything else (a URL, a writer) as it is."""
     if isinstance(location, (str, os.PathLike)) and not is_url(location) and not os.path.isabs(location):
@@ -295,8 +300,7 @@ class AsyncSaver:
               config: Config | None, max_inflight: int, after: Callable[[_api.SaveReport], None] | None,
               finally_: Callable[[BaseException | None], None] | None, delta: dict[str, Any],
               force: bool = False) -> SaveHandle:
-        if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
-            raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+        _check_max_inflight(max_inflight)
         _take_errors(orphans_only=True)
         cfg = config if config is not None else Config.from_env()
         if is_file_object(path):  # as gdsckpt.save writes to one
@@ -445,6 +449,7 @@ class AsyncSaver:
         docs/performance.md, against 0.18 s for the copy itself once the buffers exist). Copies ``state`` once,
         and keeps the buffers idle in this saver's pool; with ``Config(async_worker="process")``
         also starts the worker process. Returns the bytes the pool holds."""
+        _check_max_inflight(max_inflight)
         cfg = config if config is not None else Config.from_env()
         _devices, cuda_bytes = _survey(state)
         in_process = cfg.async_worker == "process"
