@@ -691,3 +691,22 @@ def test_latest_step_passes_over_a_delta_whose_base_is_missing_as_restore_does(t
     with pytest.warns(SkippedCheckpointWarning):
         restored = manager.restore_latest(state={"w": torch.zeros(2000), "b": torch.zeros(10)})
     assert restored is not None and restored[0] == manager.latest_step() == 2
+
+
+def test_saves_in_flight_after_a_rollback_leave_latest_on_the_later_begun(tmp_path: Path,
+                                                                           config: gdsckpt.Config) -> None:
+    """Steps 10, 20, 30, then the run goes back and saves 15 and 16 together (``max_inflight=2``),
+    16 finishing first: 15's completion moved ``latest`` back from 16 (each counted as a rollback
+    on its own), and a restart restored 15, throwing 16 away. Driven through the manager's own
+    begin / complete / end in that order, with real files."""
+    manager = CheckpointManager(tmp_path, keep_last=None, config=config)
+    for step in (10, 20, 30):
+        manager.save(step, _state(step))
+    paths = {step: manager._begin(step, _state(step)) for step in (15, 16)}
+    for step in (16, 15):
+        gdsckpt.save(_state(step), paths[step], config=config)
+        manager._completed(step)
+        manager._end(step)
+    _restore_and_check(CheckpointManager(tmp_path, config=config), 16)
+    manager.save(17, _state(17))  # the run goes on from 16
+    _restore_and_check(CheckpointManager(tmp_path, config=config), 17)

@@ -613,3 +613,32 @@ def test_after_a_rollback_the_remote_latest_goes_below_the_abandoned_step(remote
         warnings.simplefilter("ignore", SkippedCheckpointWarning)
         restored = gdsckpt.CheckpointManager(tmp_path / "replacement", remote=remote).restore_latest()
     assert restored is not None and restored[0] == 5 and torch.equal(restored[1]["w"], torch.full((4,), 50.0))
+
+
+def test_objects_only_deltas_after_a_rollback_keep_the_base_the_new_step_needs(remote: str, h: Any) -> None:
+    """Steps 10 (full) and 20 (a delta on 10), a rollback to 15 (a delta on 10), 20 again (a delta
+    on 15, the same size as the old 20) and 21: pruning trusted its cached "20 needs 10" and
+    removed 15, so the newest checkpoint no longer loaded and a restore fell back to 10."""
+    manager = gdsckpt.CheckpointManager(remote, keep_last=1, delta_every=1)
+
+    def state(value: int) -> dict[str, Any]:
+        return {"w": torch.full((1000,), float(value))}
+
+    for step, value in ((10, 10), (20, 20), (15, 15), (20, 21), (21, 22)):
+        manager.save(step, state(value), codec="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SkippedCheckpointWarning)
+        restored = gdsckpt.CheckpointManager(remote).restore_latest()
+    assert restored is not None and restored[0] == 21
+    h.assert_same(state(22), restored[1])
+
+
+def test_latest_step_on_a_replacement_node_names_the_remote_step_restore_takes(remote: str,
+                                                                                tmp_path: Path) -> None:
+    node = gdsckpt.CheckpointManager(tmp_path / "a", remote=remote)
+    node.save(7, _state(7))
+    node.wait(timeout=60)
+    replacement = gdsckpt.CheckpointManager(tmp_path / "b", remote=remote)
+    assert replacement.latest_step() == 7
+    restored = replacement.restore_latest()
+    assert restored is not None and restored[0] == 7

@@ -274,8 +274,13 @@ class CheckpointManager:
         self._writing: Counter[int] = Counter()
         self._begun_ns: dict[int, int] = {}
         """Step -> when its first save still running began (``time.time_ns``, as file times)."""
-        self._rollbacks: set[int] = set()
-        """Steps whose running saves began below a step this manager had completed."""
+        self._epoch = 0
+        """Rollbacks begun so far: a save that begins below the step ``latest`` names starts a new
+        epoch (a run gone back to an older step), and the saves after it belong to it."""
+        self._epoch_of: dict[int, int] = {}
+        """Step -> the epoch its running save began in."""
+        self._pointer_epoch = 0
+        """The epoch of the step ``latest`` names (as this manager last moved it)."""
         self._bases_in_use: Counter[int] = Counter()
         """Steps that saves still being written use as their base: never pruned under them."""
         self._unusable_bases: set[Any] = set()
@@ -544,10 +549,13 @@ class CheckpointManager:
                     with self._lock:
                         self._remote_newest = max(named[0], self._remote_newest or named[0])
             self._recovered = True
-        vanished = unsent - files.keys()
+        with self._lock:
+            # still pending now: a step this manager dropped since the copy (superseded under
+            # keep_last_remote, then pruned) did not vanish, and no warning blames another process
+            vanished = (unsent & self._unsent) - files.keys()
+            unsent &= self._unsent | vanished
+            self._unsent -= vanished
         if vanished:  # removed from the local tier by something other than this manager
-            with self._lock:
-                self._unsent -= vanished
             warnings.warn(f"checkpoint step(s) {sorted(vanished)} vanished from {str(self.directory)!r} "
                           f"before their upload to {self.remote.url}", RemoteUploadWarning, stacklevel=1)
         wanted = unsent & files.keys()
@@ -668,9 +676,11 @@ class CheckpointManager:
             latest = self._remote_pointer if self.objects_only else self._pointer_step
             if latest is not None and step < latest:
                 # begun after a higher step completed: a rollback (a run gone back to an older
-                # step in this process), whose save latest then names; a save in flight together
-                # with a higher one that finishes later is none, and latest stays
-                self._rollbacks.add(step)
+                # step in this process), whose saves latest then names, even below the abandoned
+                # steps; a save in flight together with a higher one that finishes later is none,
+                # and latest stays
+                self._epoch += 1
+            self._epoch_of[step] = self._epoch
             self._writing[step] += 1
             # less the file clock's coarseness: the kernel stamps files from a clock up to a tick behind
             self._begun_ns.setdefault(step, time.time_ns() - FILE_CLOCK_SLACK_NS)
@@ -687,7 +697,7 @@ class CheckpointManager:
             if self._writing[step] <= 0:
                 del self._writing[step]
                 self._begun_ns.pop(step, None)
-                self._rollbacks.discard(step)
+                self._epoch_of.pop(step, None)
         match = self._pattern.match(Path(str(base)).name) if base is not None else None
         if match:
             self._release_base(int(match.group(1)))
@@ -700,10 +710,11 @@ class CheckpointManager:
             self._completed_object(step)
             return
         with self._lock:
-            newest = max([step, *self._renamed_in_flight(step)])
-            if self._pointer_step is None or newest >= self._pointer_step or step in self._rollbacks:
+            epoch = self._epoch_of.get(step, self._epoch)
+            newest = max([step, *self._renamed_in_flight(step, epoch)])
+            if self._moves_latest(epoch, newest, self._pointer_step):
                 self._write_pointer(self._name(newest))
-                self._pointer_step = newest
+                self._pointer_step, self._pointer_epoch = newest, epoch
             if self.remote is not None:
                 self._unsent.add(step)
                 if self.keep_last_remote is not None:  # older ones would be pruned there at once
@@ -722,25 +733,41 @@ class CheckpointManager:
         """``_completed`` of a manager of objects only: the object is complete (an upload appears
         whole); move the ``latest`` object (only ever to a higher step of this manager), prune."""
         with self._lock:
-            if self._remote_pointer is None or step >= self._remote_pointer or step in self._rollbacks:
+            # the object's content is new (a step saved again after a rollback): the base its
+            # cached entry names may no longer be the one it needs, even at the same size
+            name = self._name(step)
+            for entry in [entry for entry in self._remote_bases if entry[0] == name]:
+                del self._remote_bases[entry]
+            epoch = self._epoch_of.get(step, self._epoch)
+            if self._moves_latest(epoch, step, self._remote_pointer):
                 self._write_remote_pointer(step)
                 self._remote_pointer = self._remote_newest = step
+                self._pointer_epoch = epoch
         try:
             self._prune_remote()
         except Exception as err:  # noqa: BLE001 - as in _completed: the save is complete and published
             warnings.warn(f"checkpoint step {step} is saved, but pruning {self.directory!r} was skipped: "
                           f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
 
-    def _renamed_in_flight(self, step: int) -> list[int]:
+    def _moves_latest(self, epoch: int, step: int, pointed: int | None) -> bool:
+        """Whether a save of ``epoch`` completing ``step`` moves ``latest`` (naming ``pointed``):
+        a later epoch's (a rollback) always, the same epoch's to a step at least as high, an
+        earlier epoch's (a step the run has gone back from) never."""
+        if pointed is None or epoch > self._pointer_epoch:
+            return True
+        return epoch == self._pointer_epoch and step >= pointed
+
+    def _renamed_in_flight(self, step: int, epoch: int) -> list[int]:
         """Higher steps than ``step`` whose saves are still running but whose files are already in
         place (renamed since their saves began): complete, their ``latest`` update to come. Why:
         with saves in flight together a later step can finish first; had ``latest`` then named
         ``step``, written after that file's rename, a process killed before the later step's own
         update would restore ``step`` (the later file no longer counts as completed after
-        ``latest``), throwing its progress away."""
+        ``latest``), throwing its progress away. Only steps of ``epoch``: a rollback's ``latest``
+        never names a step the run has gone back from."""
         renamed = []
         for later, begun in self._begun_ns.items():
-            if later > step and self._writing.get(later, 0) > 0:
+            if later > step and self._writing.get(later, 0) > 0 and self._epoch_of.get(later) == epoch:
                 try:
                     if self.path(later).stat().st_ctime_ns >= begun:
                         renamed.append(later)
@@ -813,10 +840,13 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The step ``restore_latest`` would pick first (without warnings or a full verify)."""
-        candidates = self._remote_candidates(warn=False) if self.objects_only else self._candidates(warn=False)
-        for step, path, _source in candidates:
-            if _problem(path, config=self.config, chain=True) is None:  # checked as restore_latest does
-                return step
+        tiers: list[Callable[..., Any]] = [self._remote_candidates] if self.objects_only else [self._candidates]
+        if self.remote is not None and not self.objects_only:
+            tiers.append(self._remote_candidates)  # a replacement node's: restore falls back to it
+        for candidates in tiers:
+            for step, path, _source in candidates(warn=False):
+                if _problem(path, config=self.config, chain=True) is None:  # checked as restore_latest does
+                    return step
         return None
 
     def _pointer(self, warn: bool) -> tuple[int, int] | None:
