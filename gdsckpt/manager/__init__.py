@@ -101,7 +101,10 @@ flight together its writes may have ended before) is newer, and is tried first; 
 wins over higher-numbered files of an abandoned run (a run restarted from an older step), and
 pruning never removes the checkpoint ``latest`` names, whichever process wrote it. Pruning keeps
 ``keep_last`` checkpoints in the order restore tries them (so a restarted run keeps its own) and
-the highest step besides.
+the highest step besides. Within one process, a save that begins below the step ``latest``
+names is a rollback (a run gone back to an older step): ``latest`` then follows it and the saves
+begun after it, never again a step the run went back from, whatever order saves in flight
+together finish in (``_moves_latest``); the remote tier's ``latest`` follows the local one.
 
 How: in place, with ``gdsckpt.load_into`` (``strict=False``): ``model`` into the checkpoint's
 top-level key ``"model"``, ``optimizer`` into ``"optimizer"``, and every key of ``state`` (a dict
@@ -703,8 +706,8 @@ class CheckpointManager:
             self._release_base(int(match.group(1)))
 
     def _completed(self, step: int) -> None:
-        """Checkpoint ``step`` is complete: point ``latest`` at it (unless a higher step of this
-        manager already is, and ``step`` is no rollback), then prune."""
+        """Checkpoint ``step`` is complete: point ``latest`` at it where ``_moves_latest`` says so
+        (a higher step of its epoch may be there already), then prune."""
         self._unusable_bases.discard(self.path(step))  # a new file: a base again
         if self.objects_only:
             self._completed_object(step)
