@@ -137,7 +137,7 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
             if node not in found:
                 problems.append(f"{join_key(delegate.path)!r}: {delegate.what} missing from checkpoint")
             elif delegate.check is not None:
-                problem = delegate.check(unflatten(_subtree(index.tree, delegate.path), _NO_ARRAYS))
+                problem = delegate.check(unflatten(found[node], _NO_ARRAYS))
                 if problem is not None:
                     problems.append(f"{join_key(delegate.path)!r}: {problem}")
         if problems:
@@ -488,31 +488,19 @@ class _NoArrays(dict[int, Any]):
 _NO_ARRAYS = _NoArrays()
 
 
-def _subtree(tree: dict[str, Any], path: list[Any]) -> dict[str, Any]:
-    """The node of ``tree`` (an index's) at ``path`` (dict keys as ``plain_key`` gives them, list
-    positions as ints); the caller knows it is there (``_plain_values`` found it)."""
-    node = tree
-    for part in path:
-        if node["t"] == "dict":
-            node = next(child for key, child in node["items"] if decode_scalar(key) == part)
-        else:
-            node = node["items"][part]
-    return node
-
-
-def _plain_values(tree: Any, paths: KeyPaths, skip: set[int]) -> tuple[dict[int, Any], set[int], set[int]]:
+def _plain_values(tree: Any, paths: KeyPaths, skip: set[int]) -> tuple[dict[int, Any], dict[int, Any], set[int]]:
     """``paths`` identity -> value of every plain (non-container, non-array) value in a tree,
-    leaving out the subtrees at the identities in ``skip`` (optimizer and extra state); which of
-    ``skip`` the tree holds; and the identities two entries of one dict share (keys ``1`` and
+    leaving out the subtrees at the identities in ``skip`` (optimizer and extra state); those of
+    ``skip`` the tree holds, identity -> their node; and the identities two entries of one dict share (keys ``1`` and
     ``"1"``, which a path spells alike), which no target slot can be matched to."""
     values: dict[int, Any] = {}
-    found: set[int] = set()
+    found: dict[int, Any] = {}
     ambiguous: set[int] = set()
     stack: list[tuple[dict[str, Any], int]] = [(tree, KeyPaths.ROOT)]
     while stack:
         node, identity = stack.pop()
         if identity in skip:
-            found.add(identity)
+            found[identity] = node
         elif node["t"] in ("list", "tuple"):
             stack.extend((child, paths.child(identity, i)) for i, child in enumerate(node["items"]))
         elif node["t"] == "dict":

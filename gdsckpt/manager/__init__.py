@@ -124,11 +124,10 @@ overwrites whatever the failed one wrote. A newer gdsckpt's checkpoint (``NewerF
 format version, codec or transform this version does not know, its checksums intact) is no such
 proof: it is raised (upgrade gdsckpt, or move the file away to restore an older step), never
 pruned (pruning is skipped with a warning while one is there), and never a delta's base. Where
-none is usable after one failed while loading
-(its checks passed, so part of it may be in the targets already), that error is raised rather
-than ``None`` returned: the targets are no longer the fresh start ``None`` stands for. Every
-other error is raised and nothing else is tried,
-since the newest checkpoint may well be intact and restarting from an older one loses progress:
+none is usable after one failed while loading (its checks passed, so part of it may be in the
+targets already), that error is raised rather than ``None`` returned: the targets are no longer
+the fresh start ``None`` stands for. Every other error is raised and nothing else is tried, since
+the newest checkpoint may well be intact and restarting from an older one loses progress:
 running out of memory (``MemoryError``; CuPy's and torch's out-of-memory errors on the GPU), I/O
 errors (``OSError``, and the ``CheckpointError`` "I/O error reading chunk N" the reader raises
 for one), device faults, ``KeyboardInterrupt``, a target that does not match
@@ -585,10 +584,7 @@ class CheckpointManager:
                     if step == pointer or ((pointer is None or step < pointer)
                                            and (newest is None or step > newest)):
                         self._remote_newest = step
-                # the object's content changed (a step saved again after a rollback): its cached
-                # base may no longer hold, even where the new object's size happens to match
-                for entry in [entry for entry in self._remote_bases if entry[0] == path.name]:
-                    del self._remote_bases[entry]
+                self._forget_remote_base(path.name)
         finally:
             # even after a failed upload: what did go up (its bases before it) is whole, and a
             # replacement node restores the newest of it
@@ -623,6 +619,12 @@ class CheckpointManager:
         for step, (name, _size) in objects.items():
             if step not in keep:
                 self.remote.remove(name)
+
+    def _forget_remote_base(self, name: str) -> None:
+        """Drop the cached base of object ``name``, whose content is new (a step saved again after a
+        rollback): the base it names may no longer be the one it needs, even at the same size."""
+        for entry in [entry for entry in self._remote_bases if entry[0] == name]:
+            del self._remote_bases[entry]
 
     def _remote_base(self, entry: tuple[str, int]) -> int | None:
         """The step of the base the remote object ``entry`` (name, size) needs, None for a full or
@@ -736,11 +738,7 @@ class CheckpointManager:
         """``_completed`` of a manager of objects only: the object is complete (an upload appears
         whole); move the ``latest`` object (only ever to a higher step of this manager), prune."""
         with self._lock:
-            # the object's content is new (a step saved again after a rollback): the base its
-            # cached entry names may no longer be the one it needs, even at the same size
-            name = self._name(step)
-            for entry in [entry for entry in self._remote_bases if entry[0] == name]:
-                del self._remote_bases[entry]
+            self._forget_remote_base(self._name(step))
             epoch = self._epoch_of.get(step, self._epoch)
             if self._moves_latest(epoch, step, self._remote_pointer):
                 self._write_remote_pointer(step)
@@ -954,7 +952,8 @@ class CheckpointManager:
         returned. A saver that prunes each checkpoint faster than this reads one (an object store,
         ``keep_last=1``) keeps it going past ``RELISTS`` listings until ``Config.timeout``, then
         a ``TimeoutError``. ``tried``: (step, path) of the candidates tried so far, added to."""
-        deadline = time.monotonic() + resolve_config(self.config).timeout
+        timeout = resolve_config(self.config).timeout
+        deadline = time.monotonic() + timeout
         listing = 0
         while True:
             listed: list[tuple[int, str | Path, str]] = [
@@ -964,7 +963,7 @@ class CheckpointManager:
                 return None
             if listing >= RELISTS and time.monotonic() > deadline:
                 raise TimeoutError(f"restore_latest: every checkpoint listed in {listing} listings was removed "
-                                   f"before it could be read, for {resolve_config(self.config).timeout} s "
+                                   f"before it could be read, for {timeout} s "
                                    f"(config timeout): another process prunes faster than this one reads")
             listing += 1
             restored = self._restore_first(listed, model, optimizer, state, verify, failed_loads, tried,
