@@ -482,6 +482,42 @@ def test_load_into_waits_for_work_queued_on_torchs_stream_before_it(tmp_path):
 
 
 
+def test_gpu_save_waits_for_work_queued_on_torchs_current_stream(tmp_path):
+    """A GPU save of a multi-chunk tensor while a side stream is torch's current one, with a long
+    sleep and then a fill queued there: the file holds the filled values in every chunk. The
+    encoder imports a contiguous tensor into CuPy once and reads each chunk as a slice of it,
+    so the ordering rests on the save's synchronization, not on an event per chunk."""
+    tensor = torch.zeros(12 << 20, device="cuda")  # 48 MiB: three 16 MiB chunks
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)
+        tensor.fill_(7.0)
+        gdsckpt.save({"t": tensor}, tmp_path / "t.gdsckpt", config=gdsckpt.Config(engine="gpu"))
+    back = gdsckpt.load(tmp_path / "t.gdsckpt", device="cpu")["t"]
+    assert bool((back == 7.0).all())
+
+
+def test_gpu_source_ranges_are_views_of_one_import_of_the_tensor():
+    """``TorchSource.device_bytes`` of a contiguous CUDA tensor: every range aliases the tensor's
+    memory at its offset (no copy) and holds its bytes; a non-contiguous tensor's range is a
+    copy with the right bytes."""
+    from gdsckpt.state.arrays import TorchSource
+
+    tensor = torch.randn(3, 1 << 20, device="cuda")
+    source = TorchSource(tensor, "float32")
+    expected = tensor.reshape(-1).view(torch.uint8).cpu().numpy()
+    for start, stop in ((0, 4096), (8 << 20, (8 << 20) + 12), (source.nbytes - 4, source.nbytes)):
+        part = source.device_bytes(start, stop)
+        assert int(part.data.ptr) == tensor.data_ptr() + start
+        assert np.array_equal(part.get(), expected[start:stop])
+    transposed = TorchSource(tensor.t(), "float32")
+    wanted = tensor.t().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    part = transposed.device_bytes(40, 4000)
+    assert int(part.data.ptr) != tensor.data_ptr() + 40
+    assert np.array_equal(part.get(), wanted[40:4000])
+
+
 _CUPY_ONLY_CHILD = """
 import sys
 import cupy, numpy as np, gdsckpt

@@ -158,9 +158,13 @@ class GpuEncoder(WorkerOwner, Encoder):
         self.chunk_bytes = chunk_bytes
         self.max_staging_bytes = max_staging_bytes
         self.timeout = timeout
+        self._rounded = [isinstance(source, RoundedArraySource) for source in sources]
+        """Which sources ``save(lossy=...)`` rounded: asked once per source here, since an
+        ``isinstance`` on a runtime-checkable protocol costs microseconds, and the worker would
+        otherwise ask it for every chunk group."""
         # Bitcomp lossy replaces only GPU-only codecs: a portable codec was chosen to be portable.
         self._lossy_bitcomp = codec not in PORTABLE_CODECS and any(
-            bitcomp_data_type(source) is not None for source in sources)
+            rounded and bitcomp_data_type(source) is not None for source, rounded in zip(sources, self._rounded))
         self.ring: StagingRing | None = None
         self.fit_chunk = fit_chunk
         """Whether ``chunk_bytes`` may shrink to fit the budget (``_fit``): for a caller that plans
@@ -182,7 +186,7 @@ class GpuEncoder(WorkerOwner, Encoder):
         """Fit the chunk size to the budget (``_fit``), then allocate the ring and the buffers of
         the byte-plane trial and the Bitcomp lossy check (on the device's stream)."""
         device, codec = self.device, self.codec
-        trials = codec not in ("none", "ans") or any(isinstance(s, RoundedArraySource) for s in self.sources)
+        trials = codec not in ("none", "ans") or any(self._rounded)
         with_trial = bool(self.sources) and codec != "none" and self.byte_planes == "auto" and trials
         slots = self._fit(with_trial)
         chunk_bytes = self.chunk_bytes
@@ -307,7 +311,7 @@ class GpuEncoder(WorkerOwner, Encoder):
         return data_type, source.rounding.step
 
     def _has_rounded(self, chunk: ChunkPlan) -> bool:
-        return any(isinstance(self.sources[p.array], RoundedArraySource) for p in chunk.parts)
+        return any(self._rounded[p.array] for p in chunk.parts)
 
     def _on_device(self, chunk: ChunkPlan) -> bool:
         return all(self.sources[p.array].on_device for p in chunk.parts)

@@ -127,6 +127,7 @@ class LeadRead:
         self.timeout = timeout
         self.reader = reader
         self.buffer: Any = device.empty(self.nbytes)
+        self._views: dict[int, tuple[Any, Any]] = {}
         self.futures: list[Any] = []
         self._hung = False
         """A ``close`` timed out: a read still runs, and later closes do not wait for it again."""
@@ -271,6 +272,7 @@ class StagingRing:
         self.nbytes = slots * self.slot_bytes
         self.timeout = timeout
         self.buffer: Any = device.empty(self.nbytes)
+        self._views: dict[int, tuple[Any, Any]] = {}
         self._free: queue.Queue[int] = queue.Queue()
         for slot in range(slots):
             self._free.put(slot)
@@ -293,8 +295,10 @@ class StagingRing:
 
     def first(self, slot: int, nbytes: int | None = None) -> Any:
         """The slot's first area (its first ``nbytes`` bytes when given)."""
+        if nbytes is None:
+            return self._areas(slot)[0]
         base = slot * self.slot_bytes
-        return self.buffer[base:base + (self.first_bytes if nbytes is None else nbytes)]
+        return self.buffer[base:base + nbytes]
 
     def second_offset(self, slot: int) -> int:
         """Where the slot's second area starts in ``buffer``."""
@@ -302,9 +306,20 @@ class StagingRing:
 
     def second(self, slot: int) -> Any:
         """The slot's second area."""
-        start = self.second_offset(slot)
-        return self.buffer[start:(slot + 1) * self.slot_bytes]
+        return self._areas(slot)[1]
+
+    def _areas(self, slot: int) -> tuple[Any, Any]:
+        """The slot's two areas as views of ``buffer``, made on first use and kept: a worker
+        asks for them several times per chunk, and each slice of a CuPy array costs
+        microseconds."""
+        areas = self._views.get(slot)
+        if areas is None:
+            base, start = slot * self.slot_bytes, self.second_offset(slot)
+            areas = self._views[slot] = (self.buffer[base:base + self.first_bytes],
+                                         self.buffer[start:(slot + 1) * self.slot_bytes])
+        return areas
 
     def close(self) -> None:
         """Drop the device buffer (views handed out keep it alive until they go)."""
         self.buffer = None
+        self._views = {}
