@@ -254,11 +254,23 @@ def _is_store_failure(err: BaseException) -> bool:
     return type(err).__name__ == "PanicException" and not isinstance(err, _STOPPING)
 
 
+_DENIED_TYPES = ("PermissionDeniedError", "UnauthenticatedError")
+_DENIED_STATUS = re.compile(r"\b40[13] (Forbidden|Unauthorized)\b")
+DENIED_HINT = ("access denied: check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or "
+               "AWS_PROFILE) and what the bucket's policy allows them")
+"""Said with every failure the server answered 401 or 403: obstore names the request that failed
+(a save's first request is a HEAD of its target), not that the credentials are the cause."""
+
+
 def _storage_error(err: BaseException, what: str, url: str) -> CheckpointError:
-    """An obstore failure as gdsckpt's error, naming the object and what was being done."""
-    lines = str(err).strip().splitlines()
+    """An obstore failure as gdsckpt's error, naming the object and what was being done, and
+    ``DENIED_HINT`` where the server refused the credentials."""
+    text = str(err)
+    lines = text.strip().splitlines()
     kind = "obstore panicked" if type(err).__name__ == "PanicException" else type(err).__name__
-    return CheckpointError(f"{what} {url}: {kind}: {lines[0][:300] if lines else '(no message)'}")
+    denied = type(err).__name__ in _DENIED_TYPES or _DENIED_STATUS.search(text) is not None
+    hint = f" ({DENIED_HINT})" if denied else ""
+    return CheckpointError(f"{what} {url}{hint}: {kind}: {lines[0][:300] if lines else '(no message)'}")
 
 
 class ObjectDirectory:
@@ -306,7 +318,7 @@ class ObjectDirectory:
         except BaseException as err:
             if not _is_store_failure(err):
                 raise
-            raise _storage_error(err, "cannot read", self.url_of(name)) from err
+            raise _storage_error(err, "cannot look up", self.url_of(name)) from err
 
     def upload(self, path: str | os.PathLike[str], name: str) -> None:
         """Upload the local file ``path`` as object ``name``: a multipart upload of ``part_bytes``
