@@ -314,8 +314,13 @@ class Config:
         the commented TOML files shipped inside the package (``preset_names()``: ``fast-nvme``,
         ``shared-filesystem``, ``portable``, ``async-training``; docs/configuration.md says what
         each sets and why). Works from any directory and in a wheel install. Raises ``ValueError``
-        listing the presets for an unknown name."""
+        listing the presets for an unknown name, ``TypeError`` for a name that is not a ``str``
+        (a TOML file's path goes to ``Config.from_toml``)."""
         names = preset_names()
+        if not isinstance(name, str):
+            also = " (a TOML file's path goes to Config.from_toml)" if isinstance(name, os.PathLike) else ""
+            raise TypeError(f"Config.preset takes a preset's name, one of: {', '.join(names)}; "
+                            f"got {type(name).__qualname__}{also}")
         if name not in names:
             guess = difflib.get_close_matches(name, names, n=1)
             hint = f"did you mean {guess[0]!r}? " if guess else ""

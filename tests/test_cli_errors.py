@@ -232,3 +232,27 @@ def test_a_config_that_is_not_a_small_regular_file_is_a_usage_error(kind: str, t
         fragment = "holds more than 1048576 bytes"
     result = gdsckpt_command("--config", str(config), "verify", "x.gdsckpt", h=h, timeout=60)
     assert_one_error_line(result, "verify", 2, "--config", str(config), fragment)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("args, command", [(["--version"], None), (["bench", "--help"], None),
+                                           (["plan", "--params", "7B"], "plan")])
+def test_output_lost_to_a_full_disk_is_a_failure(args: list[str], command: str | None, h: Any) -> None:
+    """stdout on a full disk (/dev/full): exit 1 with one line, also for ``--version`` and
+    ``--help``, whose output argparse wrote and whose failure it ignored (exit 0, nothing said)."""
+    run = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "gdsckpt"]
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([*run, *args], check=False, stdout=full, stderr=subprocess.PIPE, text=True,
+                                timeout=120, env=h.subprocess_env(), cwd=str(h.REPO_ROOT))
+    result.stdout = ""
+    assert_one_error_line(result, command, 1, "No space left")
+
+
+def test_stdout_closed_from_the_start_is_a_failure(h: Any) -> None:
+    """Started with stdout closed (``>&-``): one error line, exit 1, instead of the internal
+    ``AttributeError`` of flushing a stdout that is None."""
+    run = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "gdsckpt"]
+    result = subprocess.run([*run, "plan", "--params", "7B"], check=False, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, timeout=120, env=h.subprocess_env(),
+                            cwd=str(h.REPO_ROOT), preexec_fn=lambda: os.close(1))
+    assert_one_error_line(result, "plan", 1, "standard output is closed")

@@ -95,3 +95,34 @@ def test_a_gzip_file_object_saves_and_loads(tmp_path: Path) -> None:
     with gzip.open(path, "rb") as handle:
         loaded = gdsckpt.load(io.BytesIO(handle.read()))
     assert torch.equal(loaded["w"].view(torch.int32), state["w"].view(torch.int32))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "O_APPEND"), reason="needs O_APPEND")
+def test_a_save_into_a_descriptor_opened_to_append_is_refused(tmp_path: Path) -> None:
+    """``os.fdopen`` of an ``O_APPEND`` descriptor (mode "wb"), as stdout under a shell's ``>>``:
+    the writes went to the end and the commit truncated the file, destroying the old content
+    with success reported."""
+    import os
+
+    path = tmp_path / "a.bin"
+    old = b"precious existing content\n" * 400
+    path.write_bytes(old)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND), "wb") as handle, \
+            pytest.raises(ValueError, match="O_APPEND"):
+        gdsckpt.save({"w": torch.ones(3)}, handle)
+    assert path.read_bytes() == old
+
+
+def test_a_checkpoint_inside_a_zip_archive_loads_from_its_member() -> None:
+    """A zip member is a binary file object whose ``mode`` is ``"r"``: it was refused as text."""
+    import zipfile
+
+    state = {"w": torch.arange(1000.0)}
+    blob, archive = io.BytesIO(), io.BytesIO()
+    gdsckpt.save(state, blob)
+    with zipfile.ZipFile(archive, "w") as writer:
+        writer.writestr("ckpt.gdsckpt", blob.getvalue())
+    with zipfile.ZipFile(archive) as reader, reader.open("ckpt.gdsckpt") as member:
+        assert torch.equal(gdsckpt.load(member)["w"], state["w"])
+    with pytest.raises(TypeError, match="text mode"):  # a text-mode file object is still refused
+        gdsckpt.load(io.StringIO("not bytes"))

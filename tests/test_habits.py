@@ -364,3 +364,41 @@ def test_two_keys_that_are_one_plain_key_are_refused_by_every_save(tmp_path: Pat
     with pytest.raises(ValueError, match="two keys that are both 'k'"):
         gdsckpt.save_async(state, tmp_path / "b.gdsckpt")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_cpu_device_with_an_index_is_the_cpu(tmp_path: Path) -> None:
+    """torch takes ``"cpu:0"`` and ``torch.device("cpu", 0)``; gdsckpt refused both as invalid."""
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"w": torch.arange(4.0)}, path)
+    for location in ("cpu:0", torch.device("cpu", 0)):
+        assert torch.equal(gdsckpt.load(path, map_location=location)["w"], torch.arange(4.0))
+        assert gdsckpt.load(path, device=location)["w"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("write, says", [
+    (lambda p: torch.save({"a": torch.ones(2)}, p), "zip archive, as torch.save writes"),
+    (lambda p: torch.save({"a": torch.ones(2)}, p, _use_new_zipfile_serialization=False), "a pickle"),
+    (lambda p: __import__("safetensors.torch").torch.save_file({"a": torch.ones(2)}, str(p)), "safetensors file"),
+])
+def test_loading_another_format_says_which_and_how_to_convert(tmp_path: Path, write: Any, says: str) -> None:
+    """Only "not a gdsckpt checkpoint (bad magic number at offset 0)" before."""
+    path = tmp_path / "other.bin"
+    write(path)
+    with pytest.raises(gdsckpt.UnsupportedFormatError, match=f"{says}.*gdsckpt convert"):
+        gdsckpt.load(path)
+
+
+def test_bytes_that_name_a_file_say_a_path_was_meant(tmp_path: Path) -> None:
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"w": torch.ones(2)}, path)
+    with pytest.raises(gdsckpt.UnsupportedFormatError, match="pass the path as a str"):
+        gdsckpt.load(str(path).encode())
+    with pytest.raises(gdsckpt.UnsupportedFormatError, match=r"bad magic number at offset 0\)$"):
+        gdsckpt.load(b"no file of this name and no checkpoint")
+
+
+@pytest.mark.parametrize("name", [None, Path("portable"), 3])
+def test_a_preset_name_that_is_no_str_is_a_type_error_listing_the_presets(name: Any) -> None:
+    """``Config.preset(None)`` was difflib's bare "'NoneType' object is not iterable"."""
+    with pytest.raises(TypeError, match="Config.preset takes a preset's name, one of: .*portable"):
+        gdsckpt.Config.preset(name)

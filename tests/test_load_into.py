@@ -453,3 +453,73 @@ def test_the_optimizer_check_leaves_hooks_and_tuples_to_torch(tmp_path: Path) ->
                              {"params": [torch.nn.Parameter(torch.zeros(3))]}], lr=0.5, momentum=0.9)
     gdsckpt.load_into({"optimizer": fresh}, path)
     assert fresh.param_groups[1]["lr"] == 0.1
+
+
+def test_a_later_key_wins_over_an_earlier_non_contiguous_view_of_the_same_memory(tmp_path: Path) -> None:
+    """``{"first": base.t(), "second": base}``: filled key by key as ``load_state_dict`` does, the
+    later key wins. The non-contiguous earlier view was moved to a phase of its own after all the
+    others (to bound its copy's memory), and overwrote the later key's values."""
+    path = tmp_path / "c.gdsckpt"
+    saved = {"first": torch.full((3, 2), 1.0), "second": torch.full((2, 3), 2.0)}
+    gdsckpt.save(saved, path)
+    base = torch.zeros(2, 3)
+    gdsckpt.load_into({"first": base.t(), "second": base}, path)
+    assert torch.equal(base, saved["second"])
+    other = torch.zeros(2, 3)  # the other order: the view is the later key and wins
+    gdsckpt.load_into({"second": other, "first": other.t()}, path)
+    assert torch.equal(other.t(), saved["first"])
+
+
+@pytest.mark.parametrize("make", [lambda m: m.as_strided((3, 3), (1, 1)), lambda m: m.unfold(0, 3, 1)[:3]])
+def test_a_target_whose_elements_share_memory_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                                     make: Any) -> None:
+    """A view over 5 floats holding 9 elements cannot hold the checkpoint's values: it was filled
+    and reported restored, holding [[0, 3, 6], [3, 6, 7], [6, 7, 8]] for arange(9)."""
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"a": torch.ones(4), "x": torch.arange(9.0).reshape(3, 3)}, path)
+    memory, a = torch.zeros(5), torch.zeros(4)
+    with pytest.raises(TypeError, match="load_into cannot fill the tensor at 'x': a view whose elements share"):
+        gdsckpt.load_into({"a": a, "x": make(memory)}, path)
+    assert not a.any() and not memory.any()
+
+
+def test_views_that_overlap_nothing_pass_the_overlap_check() -> None:
+    """The check against brute force over small strided layouts (transposes, gaps, interleaving)."""
+    import itertools
+    import random
+
+    from gdsckpt.api.in_place import _overlaps_itself
+
+    chooser = random.Random(0)
+    for _ in range(2000):
+        rank = chooser.randint(1, 3)
+        shape = [chooser.randint(1, 4) for _ in range(rank)]
+        strides = [chooser.randint(0, 7) for _ in range(rank)]
+        offsets = [sum(i * s for i, s in zip(place, strides)) for place in itertools.product(*map(range, shape))]
+        assert _overlaps_itself(shape, strides) == (len(set(offsets)) < len(offsets)), (shape, strides)
+
+
+def test_a_module_whose_state_dict_makes_copies_is_refused_not_left_unrestored(tmp_path: Path) -> None:
+    """A layer that saves its bf16 weights as float32 (``_save_to_state_dict`` returning copies):
+    ``load_into`` filled the copies and returned, the module keeping its old weights."""
+
+    class SavesFloat32(torch.nn.Linear):
+        def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+            for name, param in self._parameters.items():
+                destination[prefix + name] = param.detach().float()
+
+    torch.manual_seed(0)
+    source = SavesFloat32(4, 4).to(torch.bfloat16)
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"model": source.state_dict(), "step": 1}, path)
+    target = SavesFloat32(4, 4).to(torch.bfloat16)
+    before = target.weight.detach().clone()
+    with pytest.raises(TypeError, match="makes a new one each time it is asked"):
+        gdsckpt.load_into({"model": target}, path)
+    assert torch.equal(target.weight, before)
+    # a module whose state_dict hands out its own tensors (or views of them) is filled in place
+    plain = torch.nn.Linear(4, 4)
+    gdsckpt.save({"model": plain.state_dict()}, path)
+    other = torch.nn.Linear(4, 4)
+    gdsckpt.load_into({"model": other}, path)
+    assert torch.equal(other.weight, plain.weight)

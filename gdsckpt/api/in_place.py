@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ..config import Config
 from ..errors import (
@@ -77,6 +80,12 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
     order), so wherever two keys' memory overlaps, the later key's array is what it holds, for
     every byte. A key whose tensor a later key's covers exactly (same memory, shape, dtype and
     strides) is checked for shape and dtype but its array is not read.
+
+    Refused with ``TypeError`` before anything is written: a tensor that cannot hold the
+    checkpoint's values in its own memory (lazy, meta, sparse, lazily conjugated or negated, a
+    view whose elements share memory such as ``expand`` / ``unfold`` views), and a module whose
+    ``state_dict`` makes a new tensor each time it is asked (a copy: filling it would leave the
+    module as it was; give the loaded state to its ``load_state_dict`` instead).
     """
     if strict not in (True, False, "exact"):
         raise ValueError(f"strict must be True, False or 'exact', got {strict!r}")
@@ -227,7 +236,7 @@ def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: 
             phase_of[i] = phase
             phases[phase][stored_id(index, i)] = wanted[i]
             ids_of_phase[phase].append(i)
-    _separate_copied(phases, ids_of_phase, index, config.max_inflight_bytes)
+    _separate_copied(phases, ids_of_phase, index, config.max_inflight_bytes, shared)
 
     arrays: dict[int, Any] = {}
     finished_bytes = 0  # raw bytes of the phases done, so that ``progress`` keeps counting up
@@ -259,16 +268,18 @@ def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: 
 
 
 def _separate_copied(phases: list[dict[int, Any]], ids_of_phase: list[list[int]], index: Any,
-                     budget: int) -> None:
+                     budget: int, shared: Any) -> None:
     """Move the first phase's non-contiguous destinations (filled through a copy) into phases of
     their own, each holding at most ``budget`` bytes of them (or one). Only those that are their
-    stored array's sole key: another key of that array copies from it at the end of phase 0."""
+    stored array's sole key (another key of that array copies from it at the end of phase 0)
+    and share no memory with another target (``shared``): those are ordered among the tensors
+    they overlap, and a later phase would let them overwrite a later key's values."""
     first, first_ids = phases[0], ids_of_phase[0]
     keys_of: dict[int, int] = {}
     for i in first_ids:
         keys_of[stored_id(index, i)] = keys_of.get(stored_id(index, i), 0) + 1
     copied = {i: tensor for i, tensor in first.items()
-              if tensor is not None and not tensor.is_contiguous() and keys_of.get(i) == 1}
+              if tensor is not None and not tensor.is_contiguous() and keys_of.get(i) == 1 and i not in shared}
     if not copied:
         return
     ids_of_phase[0] = [i for i in first_ids if i not in copied]
@@ -402,7 +413,12 @@ def _collect_module(module: Any, path: list[Any], existing: dict[str, Any], dele
 
     # torch's name for the entry (a private constant, so read with its documented value as fallback)
     extra_state = getattr(torch.nn.modules.module, "_EXTRA_STATE_KEY_SUFFIX", "_extra_state")
-    for name, value in module.state_dict(keep_vars=True).items():
+    entries = module.state_dict(keep_vars=True)
+    # Asked twice, while the first answer is held (its memory cannot be reused): a tensor that
+    # is new each time is a copy the module makes when asked (a ``_save_to_state_dict`` override
+    # or a state_dict hook that casts or clones), and filling it would leave the module unchanged.
+    again = module.state_dict(keep_vars=True)
+    for name, value in entries.items():
         key = join_key(path + [name])
         owner_name, _dot, leaf = name.rpartition(".")
         if leaf == extra_state:
@@ -414,7 +430,25 @@ def _collect_module(module: Any, path: list[Any], existing: dict[str, Any], dele
                             f"load_state_dict")
         else:
             _check_fillable(value, key)
+            if _made_anew(value, again.get(name)):
+                raise TypeError(f"load_into cannot fill the tensor the module's state_dict holds at {key!r}: "
+                                f"the module makes a new one each time it is asked (a _save_to_state_dict "
+                                f"override or a state_dict hook that returns copies), so filling it would "
+                                f"leave the module as it was; load the checkpoint with gdsckpt.load and pass "
+                                f"it to the module's load_state_dict")
             existing[key] = value
+
+
+def _made_anew(first: Any, second: Any) -> bool:
+    """Whether two answers of one state_dict entry are different memory (not one tensor, nor views
+    of one storage): the entry is a copy made per call. Empty tensors hold nothing to fill."""
+    if second is first or first.numel() == 0:
+        return False
+    try:
+        return bool(second is None or second.device != first.device
+                    or second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+        return False
 
 
 def _check_fillable(tensor: Any, key: str) -> None:
@@ -434,8 +468,38 @@ def _check_fillable(tensor: Any, key: str) -> None:
                f"(or one made with .resolve_conj() / .resolve_neg())")
     elif any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride())):
         why = "an expanded view whose elements share memory: pass a tensor with memory of its own"
+    elif not tensor.is_contiguous() and _overlaps_itself(tensor.shape, tensor.stride()):
+        why = ("a view whose elements share memory (as unfold() or as_strided() can make): it cannot hold "
+               "the checkpoint's values; pass a tensor with memory of its own")
     if why is not None:
         raise TypeError(f"load_into cannot fill the tensor at {key!r}: {why}")
+
+
+OVERLAP_CHECK_ELEMENTS = 1 << 20
+"""Up to this many elements, a view that fails the quick test of ``_overlaps_itself`` has its
+element offsets compared one by one; a larger one is taken as it is (torch's own ``copy_`` does not
+refuse such a target either)."""
+
+
+def _overlaps_itself(shape: Any, strides: Any) -> bool:
+    """Whether two elements of a strided view sit at one memory location. Quick test first: with
+    the dimensions sorted by stride, each stride at least the reach of the smaller ones means no
+    overlap (every ordinary and transposed layout); otherwise the offsets are compared."""
+    dims = sorted((stride, size) for size, stride in zip(shape, strides) if size > 1)
+    reach = 1
+    for stride, size in dims:
+        if stride < reach:
+            break
+        reach += stride * (size - 1)
+    else:
+        return False
+    count = math.prod(size for _stride, size in dims)
+    if count > OVERLAP_CHECK_ELEMENTS:
+        return False
+    offsets = np.zeros(1, dtype=np.int64)
+    for stride, size in dims:
+        offsets = (offsets[:, None] + np.arange(size, dtype=np.int64) * stride).ravel()
+    return bool(np.unique(offsets).size < offsets.size)
 
 
 def _same_value(first: Any, second: Any) -> bool:

@@ -24,8 +24,9 @@ from ..errors import (
     CodecUnavailableError,
     CorruptCheckpointError,
     ForeignExtensionWarning,
+    UnsupportedFormatError,
 )
-from ..format import Index
+from ..format import MAGIC, Index
 from ..io import PosixReader, PosixWriter, StorageReader, StorageWriter
 from ..io.fileobj import FileObjectReader, is_file_object
 from ..io.posix import refuse_special_target
@@ -188,6 +189,7 @@ def open_reader(path: Source, config: Config, gpu: bool = False) -> StorageReade
     if isinstance(path, StorageReader):
         return path
     if not isinstance(path, (str, os.PathLike)):
+        _check_not_a_path(path)
         return FileObjectReader(path)  # TypeError for anything but bytes or a binary file object
     if is_url(path):
         threads = max(config.io_threads, READ_THREADS)
@@ -199,6 +201,22 @@ def open_reader(path: Source, config: Config, gpu: bool = False) -> StorageReade
         return KvikioReader(path, threads=config.kvikio_threads, task_size=config.kvikio_task_size,
                             timeout=config.timeout)
     return PosixReader(path, threads=config.io_threads, timeout=config.timeout)
+
+
+def _check_not_a_path(source: Any) -> None:
+    """``UnsupportedFormatError`` for ``bytes`` that name an existing file (``b"/ckpt/x.gdsckpt"``):
+    bytes are read as a checkpoint's contents, and the magic-number error alone would not say
+    that a path was meant."""
+    if not isinstance(source, bytes) or not source or len(source) > 4096 or source.startswith(MAGIC):
+        return
+    try:
+        exists = b"\0" not in source and os.path.exists(os.fsdecode(source))
+    except (OSError, ValueError):
+        return
+    if exists:
+        raise UnsupportedFormatError(f"not a gdsckpt checkpoint: the bytes given are read as a checkpoint's "
+                                     f"contents, and these name a file ({os.fsdecode(source)!r}): pass the "
+                                     f"path as a str or a pathlib.Path")
 
 
 def restore_engine(config: Config, gpu_device: int | None, reserved_bytes: int = 0, lead: Any = None,
@@ -360,8 +378,8 @@ def parse_device(device: Any) -> str | None:
     if device is None:
         return None
     text = str(device)
-    if text == "cpu":
-        return text
+    if text == "cpu" or (text.startswith("cpu:") and text[4:].isdigit()):  # torch's "cpu:0" is the CPU
+        return "cpu"
     if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
         import torch
 

@@ -92,6 +92,13 @@ class Parser(argparse.ArgumentParser):
         # option of gdsckpt starts with a digit, so any "-<digit>..." is a value.
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
+    def _print_message(self, message: str, file: Any = None) -> None:
+        """Write ``--help`` / ``--version`` output, letting a failed write raise: argparse's own
+        method ignores ``OSError``, so that output lost to a full disk exited 0 (``main`` reports
+        it instead)."""
+        if message:
+            (file or sys.stderr).write(message)
+
     def error(self, message: str) -> NoReturn:
         """Print ``<prog>: error: <message> (see '<prog> --help')`` and exit with code 2."""
         print(f"{self.prog}: error: {message} (see '{self.prog} --help')", file=sys.stderr)

@@ -256,19 +256,55 @@ def _resolve_config(value: str | None) -> Config:
 def _stdout_closed() -> int:
     """The reader of stdout went away (``gdsckpt inspect f | head``): end quietly. stdout is
     pointed at /dev/null so that the interpreter's final flush does not fail a second time."""
+    _discard_stdout()
+    return EXIT_STDOUT_CLOSED
+
+
+def _flushed(command: str | None, code: int) -> int:
+    """``code`` once stdout is flushed (inside the caller's error handling: a closed pipe or a
+    full disk shows here rather than at the interpreter's exit, where it would be lost), or the
+    failure to write it: output that was lost is never a success."""
+    if sys.stdout is None:  # started with its descriptor closed (``>&-``): the output went nowhere
+        print_error(command, "cannot write the output: standard output is closed")
+        return EXIT_FAILED
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _stdout_closed()
+    except (OSError, ValueError) as err:  # ENOSPC (/dev/full), EIO, a closed file object
+        print_error(command, f"cannot write the output: {getattr(err, 'strerror', None) or err}")
+        _discard_stdout()
+        return EXIT_FAILED
+    return code
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush of what could not be
+    written does not fail a second time (with a traceback of its own)."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout is no file descriptor (a test's capture): nothing to flush
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's capture)
         pass
-    return EXIT_STDOUT_CLOSED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code (0, 1 failed, 2 bad arguments, 130 interrupted, 141
     stdout closed). Errors are one line, ``gdsckpt <command>: error: <message>``."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:
+        if done.code not in (0, None):
+            raise
+        # --help / --version printed and argparse ends here: their output must reach stdout too
+        return _flushed(None, 0)
+    except BrokenPipeError:
+        return _stdout_closed()
+    except OSError as err:  # --help / --version output that could not be written (``Parser``)
+        print_error(None, f"cannot write the output: {err.strerror or err}")
+        _discard_stdout()
+        return EXIT_FAILED
     # The library's records (and an error a subcommand logs) in the command's own line format,
     # for this call only: main() also runs inside other programs' processes (tests).
     logger = logging.getLogger("gdsckpt")
@@ -290,9 +326,7 @@ def _run(args: argparse.Namespace) -> int:
     """Run the parsed command; every failure becomes one error line and an exit code."""
     try:
         args.config = _resolve_config(args.config)
-        code = int(args.run(args))
-        sys.stdout.flush()  # inside the try: a closed pipe shows here rather than at exit
-        return code
+        return _flushed(args.command, int(args.run(args)))
     except BrokenPipeError:
         return _stdout_closed()
     except KeyboardInterrupt:

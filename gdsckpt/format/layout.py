@@ -70,6 +70,20 @@ def _check_major(major: int, minor: int, intact: bool = False) -> None:
         )
 
 
+def foreign_hint(data: bytes) -> str:
+    """What a file that is no gdsckpt checkpoint looks like, from its first bytes, and how to read
+    it (``""`` where it looks like nothing known): the formats a user most often hands a loader
+    by mistake."""
+    convert = "or convert it with 'gdsckpt convert IN OUT.gdsckpt'"
+    if data[:4] == b"PK\x03\x04":
+        return f": it is a zip archive, as torch.save writes: load it with torch.load, {convert}"
+    if data[:1] == b"\x80" and data[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return f": it is a pickle, as the legacy torch.save writes: load it with torch.load, {convert}"
+    if len(data) >= 9 and data[8:9] == b"{" and 1 < int.from_bytes(data[:8], "little") < 1 << 27:
+        return f": it is a safetensors file: load it with safetensors, {convert}"
+    return ""
+
+
 def unpack_header(data: bytes) -> Header:
     """Decode and validate the first 64 bytes of a file.
 
@@ -77,7 +91,7 @@ def unpack_header(data: bytes) -> Header:
     ``CorruptCheckpointError`` for a header that fails its checksum.
     """
     if len(data) < HEADER_SIZE or data[:8] != MAGIC:
-        raise UnsupportedFormatError("not a gdsckpt checkpoint (bad magic number at offset 0)")
+        raise UnsupportedFormatError(f"not a gdsckpt checkpoint (bad magic number at offset 0){foreign_hint(data)}")
     _magic, major, minor, region, alignment, _flags, _reserved, crc = _HEADER.unpack(data[:HEADER_SIZE])
     intact = checksum(data[:60]) == crc
     _check_major(major, minor, intact)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import io
+import os
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -43,10 +44,35 @@ def is_file_object(obj: Any) -> bool:
 
 
 def _check_binary(obj: Any, what: str) -> None:
+    """``TypeError`` for a text-mode file object. The standard library's binary classes are binary
+    whatever their ``mode`` says (a zip member's is ``"r"``); other objects are judged by a mode
+    string without ``"b"`` (gzip's mode is an int)."""
+    if isinstance(obj, (io.RawIOBase, io.BufferedIOBase)) and not isinstance(obj, io.TextIOBase):
+        return
     mode = getattr(obj, "mode", "b")
-    if isinstance(obj, io.TextIOBase) or (isinstance(mode, str) and "b" not in mode):  # gzip's mode is an int
+    if isinstance(obj, io.TextIOBase) or (isinstance(mode, str) and "b" not in mode):
         raise TypeError(f"{what} needs a binary file object (opened with 'b', or io.BytesIO), got "
                         f"{type(obj).__qualname__} in text mode")
+
+
+def _appends(fileobj: Any, mode: Any) -> bool:
+    """Whether every write of ``fileobj`` goes to the file's end: an ``"a"`` mode, or a descriptor
+    opened with ``O_APPEND`` whatever the mode string says (``os.fdopen`` of such a descriptor,
+    stdout under a shell's ``>>``)."""
+    if isinstance(mode, str) and "a" in mode:
+        return True
+    try:
+        descriptor = fileobj.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return False
+    try:
+        import fcntl
+    except ImportError:  # no fcntl (Windows): the mode string is all there is
+        return False
+    try:
+        return bool(fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_APPEND)
+    except OSError:
+        return False
 
 
 class FileObjectWriter(StorageWriter):
@@ -70,12 +96,13 @@ class FileObjectWriter(StorageWriter):
         self._seekable = bool(getattr(fileobj, "seekable", lambda: False)())
         self._start = fileobj.tell() if self._seekable else 0
         mode = getattr(fileobj, "mode", "")
-        if self._seekable and isinstance(mode, str) and "a" in mode and self._start != fileobj.seek(0, io.SEEK_END):
+        if self._seekable and _appends(fileobj, mode) and self._start != fileobj.seek(0, io.SEEK_END):
             # an append-mode file writes at its end whatever its position: the save would land
             # there, behind the old content, and its commit cut the file short of it
             fileobj.seek(self._start)
-            raise ValueError(f"save into a file object opened in append mode ({mode!r}) and positioned before "
-                             f"its end: its writes go to the end; open it with 'wb' or 'r+b', or seek to its end")
+            raise ValueError(f"save into a file object in append mode (mode {mode!r}, or a descriptor opened "
+                             f"with O_APPEND, as a shell's '>>' opens stdout) positioned before its end: its "
+                             f"writes go to the end; open it with 'wb' or 'r+b', or seek to its end")
         self._position = 0
         """Bytes written so far, relative to the start."""
         self._wrote = False
