@@ -256,3 +256,13 @@ def test_stdout_closed_from_the_start_is_a_failure(h: Any) -> None:
                             stderr=subprocess.PIPE, text=True, timeout=120, env=h.subprocess_env(),
                             cwd=str(h.REPO_ROOT), preexec_fn=lambda: os.close(1))
     assert_one_error_line(result, "plan", 1, "standard output is closed")
+
+
+def test_a_usage_error_with_stdout_closed_keeps_its_code(h: Any) -> None:
+    """``gdsckpt plan >&-`` (no model given): exit 2 with the usage error's one line, not 1 with a
+    second line about the closed stdout, which the command never wrote to."""
+    run = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "gdsckpt"]
+    result = subprocess.run([*run, "plan"], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, timeout=120, env=h.subprocess_env(), cwd=str(h.REPO_ROOT),
+                            preexec_fn=lambda: os.close(1))
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr

@@ -126,3 +126,22 @@ def test_a_checkpoint_inside_a_zip_archive_loads_from_its_member() -> None:
         assert torch.equal(gdsckpt.load(member)["w"], state["w"])
     with pytest.raises(TypeError, match="text mode"):  # a text-mode file object is still refused
         gdsckpt.load(io.StringIO("not bytes"))
+
+
+def test_append_checks_leave_gzip_and_spooled_files_as_they_were(tmp_path: Path) -> None:
+    """The O_APPEND check asked every file object for its descriptor and its end: a GzipFile
+    opened "ab" then failed with "Seek from end not supported", and a SpooledTemporaryFile was
+    moved to disk by the question."""
+    import tempfile
+
+    state = {"w": torch.arange(100.0)}
+    path = tmp_path / "c.gz"
+    with gzip.open(path, "ab") as handle:
+        gdsckpt.save(state, handle)
+    with gzip.open(path, "rb") as handle:
+        assert torch.equal(gdsckpt.load(handle.read())["w"], state["w"])
+    with tempfile.SpooledTemporaryFile(max_size=1 << 30) as spooled:
+        gdsckpt.save(state, spooled)
+        assert not spooled._rolled
+        spooled.seek(0)
+        assert torch.equal(gdsckpt.load(spooled.read())["w"], state["w"])

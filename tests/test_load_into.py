@@ -523,3 +523,18 @@ def test_a_module_whose_state_dict_makes_copies_is_refused_not_left_unrestored(t
     other = torch.nn.Linear(4, 4)
     gdsckpt.load_into({"model": other}, path)
     assert torch.equal(other.weight, plain.weight)
+
+
+def test_an_overlapping_view_whose_entry_is_an_alias_keeps_its_key_order(tmp_path: Path) -> None:
+    """``model/w`` stored as an alias of ``ema/w`` (one tensor under two keys), the target only
+    ``model`` with ``w`` a transposed view overlapping the later ``c``: the view was moved after
+    ``c`` (phases are keyed by stored array, the overlap set by key), so ``w`` won the overlap."""
+    weights, row = torch.arange(16.0).reshape(4, 4) + 100, torch.full((4,), -1.0)
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"ema": {"w": weights}, "model": {"w": weights, "c": row}}, path)
+    base = torch.zeros(4, 4)
+    gdsckpt.load_into({"model": {"w": base.t(), "c": base[0]}}, path)
+    expected = torch.zeros(4, 4)
+    expected.t().copy_(weights)
+    expected[0].copy_(row)
+    assert torch.equal(base, expected)

@@ -278,8 +278,12 @@ def _separate_copied(phases: list[dict[int, Any]], ids_of_phase: list[list[int]]
     keys_of: dict[int, int] = {}
     for i in first_ids:
         keys_of[stored_id(index, i)] = keys_of.get(stored_id(index, i), 0) + 1
+    # ``first`` is keyed by stored array: an entry moves only where that array is the key's own
+    # (the key ids of a phase and the stored ids of its destinations then agree) and the key is
+    # not ordered among tensors it overlaps
+    own = set(first_ids) - set(shared)
     copied = {i: tensor for i, tensor in first.items()
-              if tensor is not None and not tensor.is_contiguous() and keys_of.get(i) == 1 and i not in shared}
+              if tensor is not None and not tensor.is_contiguous() and keys_of.get(i) == 1 and i in own}
     if not copied:
         return
     ids_of_phase[0] = [i for i in first_ids if i not in copied]

@@ -265,6 +265,8 @@ def _flushed(command: str | None, code: int) -> int:
     full disk shows here rather than at the interpreter's exit, where it would be lost), or the
     failure to write it: output that was lost is never a success."""
     if sys.stdout is None:  # started with its descriptor closed (``>&-``): the output went nowhere
+        if code != 0:
+            return code  # the command failed and said so (stderr) already
         print_error(command, "cannot write the output: standard output is closed")
         return EXIT_FAILED
     try:

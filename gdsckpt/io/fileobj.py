@@ -61,6 +61,11 @@ def _appends(fileobj: Any, mode: Any) -> bool:
     stdout under a shell's ``>>``)."""
     if isinstance(mode, str) and "a" in mode:
         return True
+    if not isinstance(fileobj, (io.FileIO, io.BufferedWriter, io.BufferedRandom)):
+        # only the file objects that are a descriptor's own: asking another for its descriptor
+        # may change it (a SpooledTemporaryFile moves to disk), and a layer above a descriptor
+        # (a GzipFile) has a position of its own
+        return False
     try:
         descriptor = fileobj.fileno()
     except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
@@ -73,6 +78,15 @@ def _appends(fileobj: Any, mode: Any) -> bool:
         return bool(fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_APPEND)
     except OSError:
         return False
+
+
+def _end_of(fileobj: Any, start: int) -> int:
+    """The end of a seekable file object (left positioned there), or ``start`` where it cannot
+    seek from the end (a GzipFile being written)."""
+    try:
+        return int(fileobj.seek(0, io.SEEK_END))
+    except (OSError, ValueError):
+        return start
 
 
 class FileObjectWriter(StorageWriter):
@@ -96,7 +110,7 @@ class FileObjectWriter(StorageWriter):
         self._seekable = bool(getattr(fileobj, "seekable", lambda: False)())
         self._start = fileobj.tell() if self._seekable else 0
         mode = getattr(fileobj, "mode", "")
-        if self._seekable and _appends(fileobj, mode) and self._start != fileobj.seek(0, io.SEEK_END):
+        if self._seekable and _appends(fileobj, mode) and self._start != _end_of(fileobj, self._start):
             # an append-mode file writes at its end whatever its position: the save would land
             # there, behind the old content, and its commit cut the file short of it
             fileobj.seek(self._start)
