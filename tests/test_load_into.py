@@ -538,3 +538,26 @@ def test_an_overlapping_view_whose_entry_is_an_alias_keeps_its_key_order(tmp_pat
     expected.t().copy_(weights)
     expected[0].copy_(row)
     assert torch.equal(base, expected)
+
+
+def test_a_module_that_saves_a_live_attribute_tensor_is_filled(tmp_path: Path) -> None:
+    """A ``_save_to_state_dict`` that adds a tensor the module keeps as a plain attribute (not a
+    registered buffer): the same memory on every call, so it is filled in place, not refused as
+    a copy."""
+
+    class KeepsTable(torch.nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(3, 3)
+            self.table = torch.zeros(5)
+
+        def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            destination[prefix + "table"] = self.table
+
+    source = KeepsTable()
+    source.table += torch.arange(5.0)
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"m": source.state_dict()}, path)
+    target = KeepsTable()
+    gdsckpt.load_into({"m": target}, path)
+    assert torch.equal(target.table, torch.arange(5.0)) and torch.equal(target.weight, source.weight)

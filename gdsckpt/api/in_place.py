@@ -418,10 +418,16 @@ def _collect_module(module: Any, path: list[Any], existing: dict[str, Any], dele
     # torch's name for the entry (a private constant, so read with its documented value as fallback)
     extra_state = getattr(torch.nn.modules.module, "_EXTRA_STATE_KEY_SUFFIX", "_extra_state")
     entries = module.state_dict(keep_vars=True)
-    # Asked twice, while the first answer is held (its memory cannot be reused): a tensor that
-    # is new each time is a copy the module makes when asked (a ``_save_to_state_dict`` override
-    # or a state_dict hook that casts or clones), and filling it would leave the module unchanged.
-    again = module.state_dict(keep_vars=True)
+    # An entry in the memory of one of the module's parameters or buffers is theirs. For any
+    # other, the state_dict is asked again while the first answer is held (its memory cannot be
+    # reused): a tensor that is new each time is a copy the module makes when asked (a
+    # ``_save_to_state_dict`` override or a state_dict hook that casts or clones), and filling it
+    # would leave the module unchanged; one that is not (a tensor the module keeps as a plain
+    # attribute) is filled. Only such modules pay for a second state_dict.
+    registered = {_storage_of(tensor) for tensor in (*module.parameters(), *module.buffers())}
+    unknown = [name for name, value in entries.items() if isinstance(value, torch.Tensor)
+               and _storage_of(value) not in registered]
+    again = module.state_dict(keep_vars=True) if unknown else {}
     for name, value in entries.items():
         key = join_key(path + [name])
         owner_name, _dot, leaf = name.rpartition(".")
@@ -434,13 +440,24 @@ def _collect_module(module: Any, path: list[Any], existing: dict[str, Any], dele
                             f"load_state_dict")
         else:
             _check_fillable(value, key)
-            if _made_anew(value, again.get(name)):
+            if name in unknown and _made_anew(value, again.get(name)):
                 raise TypeError(f"load_into cannot fill the tensor the module's state_dict holds at {key!r}: "
                                 f"the module makes a new one each time it is asked (a _save_to_state_dict "
                                 f"override or a state_dict hook that returns copies), so filling it would "
                                 f"leave the module as it was; load the checkpoint with gdsckpt.load and pass "
                                 f"it to the module's load_state_dict")
             existing[key] = value
+
+
+def _storage_of(tensor: Any) -> tuple[str, int] | None:
+    """(device, storage address) of a tensor's memory; None where it has none to compare (no
+    elements, or a tensor subclass without a storage of its own)."""
+    if tensor.numel() == 0:
+        return None
+    try:
+        return str(tensor.device), int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _made_anew(first: Any, second: Any) -> bool:
