@@ -438,3 +438,24 @@ def test_rank_local_metadata_without_collectives(tmp_path: Path) -> None:
         dcp.load(target, storage_reader=GdsStorageReader(tmp_path))
     assert bits(target["model"]["w"]) == bits(state["model"]["w"])
     assert target["step"] == 5
+
+
+def test_a_load_of_many_tensors_describes_the_rank_file_once(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader asks ``Checkpoint.info`` about every key (about three times each), and each call
+    described every array of the file again: quadratic (2,000 tensors loaded in 23 s on 2 cores,
+    20,000 not within 300 s, against 0.46 s for torch's reader)."""
+    from gdsckpt.api import checkpoint as checkpoint_module
+
+    calls = []
+    original = checkpoint_module.tensor_infos
+    monkeypatch.setattr(checkpoint_module, "tensor_infos", lambda index: calls.append(1) or original(index))
+    state = {"model": {f"p{i}": torch.full((3,), float(i)) for i in range(300)}}
+    with pytest.warns(UserWarning, match=DISABLED):
+        dcp.save(state, storage_writer=GdsStorageWriter(tmp_path, **small_options()))
+    target = {"model": {key: torch.zeros(3) for key in state["model"]}}
+    calls.clear()
+    with pytest.warns(UserWarning, match=DISABLED):
+        dcp.load(target, storage_reader=GdsStorageReader(tmp_path))
+    assert all(torch.equal(target["model"][key], value) for key, value in state["model"].items())
+    assert len(calls) <= 1, len(calls)

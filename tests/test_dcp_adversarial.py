@@ -414,10 +414,14 @@ def test_a_save_failing_to_write_metadata_keeps_the_previous_checkpoint(tmp_path
 def test_a_save_without_collectives_over_a_collective_checkpoint_loads(tmp_path: Path) -> None:
     # dcp.load reads .metadata before any rank-local __<rank>.metadata: the collective
     # checkpoint's, which names the rank files this save replaced, goes once the save is written.
+    # The writer warns that it will retire the collective checkpoint (a rank whose save failed
+    # could not load it any more).
     save({"w": torch.arange(10.0)}, tmp_path)
-    with pytest.warns(UserWarning, match=DISABLED):
+    with pytest.warns(UserWarning) as caught:
         dcp.save({"w": torch.arange(10.0) + 1}, storage_writer=GdsStorageWriter(tmp_path, **OPTIONS),
                  use_collectives=False)
+    said = [str(warning.message) for warning in caught]
+    assert any("holds a collective checkpoint" in text for text in said), said
     assert not (tmp_path / ".metadata").exists() and not (tmp_path / ".metadata.json").exists()
     target = {"w": torch.zeros(10)}
     load(target, tmp_path)

@@ -345,3 +345,34 @@ def test_a_checkpoint_that_holds_itself_is_refused_not_walked_for_ever(tmp_path:
     for branch in "abaaba":
         node = node[branch]
     assert bit_equal(node["v"], torch.ones(2))
+
+
+def test_a_checkpoint_superseded_by_a_failed_background_save_is_kept(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ModelCheckpoint(save_top_k=1)`` with ``async_save``: Lightning removes the previous
+    checkpoint right after asking for the new one. The removal ran at once; the new save then
+    failed in the background, and the run was left with no checkpoint at all."""
+    from gdsckpt.background import async_save as background
+
+    original = background.api_saving.save_flat
+
+    def failing(flat: Any, target: Any, **kwargs: Any) -> Any:
+        if "b.ckpt" in str(target):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return original(flat, target, **kwargs)
+
+    monkeypatch.setattr(background.api_saving, "save_flat", failing)
+    plugin = GdsCheckpointIO(async_save=True)
+    state = {"state_dict": {"w": torch.arange(6.0)}, "global_step": 1}
+    plugin.save_checkpoint(state, tmp_path / "a.ckpt")
+    plugin.teardown()  # a.ckpt is complete
+    plugin.save_checkpoint(state, tmp_path / "b.ckpt")  # fails in the background
+    plugin.remove_checkpoint(tmp_path / "a.ckpt")  # as ModelCheckpoint does, at once
+    with pytest.raises(OSError, match="No space left"):
+        plugin.teardown()
+    assert plugin.load_checkpoint(tmp_path / "a.ckpt")["global_step"] == 1
+    # with the new save succeeding, the superseded one goes once it has
+    plugin.save_checkpoint(state, tmp_path / "c.ckpt")
+    plugin.remove_checkpoint(tmp_path / "a.ckpt")
+    plugin.teardown()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt"]

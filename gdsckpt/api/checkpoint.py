@@ -290,6 +290,9 @@ class Checkpoint:
             self._reader.close()
             raise
         self._by_key = {record.key: i for i, record in enumerate(self._opened.index.tensors)}
+        self._infos: list[TensorInfo] | None = None
+        """``tensor_infos`` of the index, made on the first ``info``: they cost a pass over every
+        array, and a caller asks per key (DCP's reader asks each key of a rank's file)."""
         self._window_lock = threading.Lock()
         self._window_restorers: dict[int | None, tuple[Any, StorageReader, contextlib.ExitStack]] = {}
         """GPU device (None: the CPU engine) -> the engine, data reader and their exit stack that
@@ -323,7 +326,10 @@ class Checkpoint:
 
     def info(self, key: str) -> TensorInfo:
         """Dtype, shape, sizes and codecs of one array, from the index alone."""
-        return tensor_infos(self._opened.index)[self._id(key)]
+        position = self._id(key)
+        if self._infos is None:
+            self._infos = tensor_infos(self._opened.index)
+        return self._infos[position]
 
     def get(self, key: str, device: Any = None, *, map_location: Any = None) -> Any:
         """Read one array (only its chunks), as the type it was saved as. ``device`` or

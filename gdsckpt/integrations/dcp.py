@@ -35,7 +35,12 @@ for both checkpoints until a save has succeeded). Once the new metadata is
 written, the coordinator removes the rank files it does not name (the previous checkpoint's and
 any failed save's) and stale rank-local ``__<rank>.metadata`` files of an earlier save with
 ``use_collectives=False``, which ``dcp.load`` would otherwise fall back to; a save without
-collectives removes only its own rank's. A process killed between the two metadata renames
+collectives removes only its own rank's. Such a save (torch's experimental
+``use_collectives=False``) has no moment when every rank is known to have succeeded: the first
+rank to finish removes a collective checkpoint's ``.metadata`` (``dcp.load`` reads it before any
+rank-local one, and it names files this save replaces), so a rank whose own save then fails can
+no longer load the collective checkpoint with ``dcp.load`` (its rank files stay); the writer warns
+when such a save starts over a collective checkpoint. A process killed between the two metadata renames
 leaves a ``.metadata.json`` that does not describe ``.metadata``, which the reader refuses,
 naming both (nothing is removed before both are written). The JSON form's encoder and strict
 decoder live in ``dcp_metadata``; it carries a digest of its own content, and its chunks and
@@ -417,6 +422,16 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
+        if not save.use_collectives:
+            try:
+                collective = _Files(path, self.config).size(METADATA_NAME) is not None
+            except (OSError, CheckpointError):
+                collective = False
+            if collective:
+                warnings.warn(f"a DCP save without collectives into {str(path)!r}, which holds a collective "
+                              f"checkpoint: the first rank to finish removes its {METADATA_NAME}, and a rank "
+                              f"whose save fails then cannot load it with dcp.load any more; save into a new "
+                              f"directory to keep it", UserWarning, stacklevel=2)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # An item gdsckpt cannot store fails the save here, before any rank writes.

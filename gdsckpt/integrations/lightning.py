@@ -135,6 +135,9 @@ class GdsCheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         self._saver: AsyncSaver | None = None
         self._pending: list[tuple[str, SaveHandle]] = []
         """Background saves not yet reported, with the path each writes, oldest first."""
+        self._removals: list[tuple[Path, list[SaveHandle]]] = []
+        """Checkpoints Lightning asked to remove while background saves were in flight, each with
+        those saves: removed once all of them have succeeded, kept if any failed."""
 
     # -----------------------------------------------------------------------------------------
     # CheckpointIO
@@ -151,6 +154,9 @@ class GdsCheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         codec, config = self._options(storage_options)
         state = self._storable(checkpoint)
         target.parent.mkdir(parents=True, exist_ok=True)
+        # a removal still waiting for saves in flight must not remove what this save writes
+        self._removals = [(removed, handles) for removed, handles in self._removals
+                          if _path_key(removed) != _path_key(target)]
         if not self.async_save:
             _api.save(state, target, codec=codec, config=config)
             return
@@ -192,13 +198,36 @@ class GdsCheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (after its save in flight, if any); a directory is
         removed with its contents, as Lightning's ``TorchCheckpointIO`` does; a missing path is
-        not an error."""
+        not an error.
+
+        With background saves in flight (Lightning removes the checkpoint a new one supersedes
+        right after asking for the new one), the removal waits for them without blocking: it
+        happens once they have all succeeded (seen by a later ``save_checkpoint``, a
+        ``remove_checkpoint`` or ``teardown``), and never if one failed, so that a failed save
+        never leaves the run without its previous checkpoint."""
         target = _local_path(path)
         self._wait_for(target)
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        elif target.exists() or target.is_symlink():
-            target.unlink()
+        in_flight = [handle for _key, handle in self._pending]
+        if in_flight:
+            self._removals.append((target, in_flight))
+            self._run_removals()
+        else:
+            _remove(target)
+
+    def _run_removals(self) -> None:
+        """Carry out the waiting removals whose saves have all ended: each if they all succeeded;
+        one that failed keeps the checkpoint (logged; the failure itself is raised by the
+        plugin's next report)."""
+        waiting = []
+        for target, handles in self._removals:
+            if not all(handle.done() for handle in handles):
+                waiting.append((target, handles))
+            elif any(handle.exception() is not None for handle in handles):
+                logger.warning("gdsckpt: kept %s, which Lightning asked to remove, because a background "
+                               "save in flight at the time failed", str(target))
+            else:
+                _remove(target)
+        self._removals = waiting
 
     def teardown(self) -> None:
         """Wait for every background save of this plugin, free its snapshot buffers, and raise
@@ -206,6 +235,7 @@ class GdsCheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         try:
             self._report_where(lambda _key, _handle: True)
         finally:
+            self._run_removals()
             if not self._pending:  # else a wait was interrupted: the saves are still this saver's
                 self._saver = None
 
@@ -267,6 +297,7 @@ class GdsCheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         errors = [error for error in (handle.exception() for handle in handles) if error is not None]
         taken = {id(handle) for handle in handles}
         self._pending = [(key, handle) for key, handle in self._pending if id(handle) not in taken]
+        self._run_removals()
         if not errors:
             return
         for error in errors[1:]:
@@ -281,6 +312,14 @@ class GdsCheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         """Wait for the background save to ``target``, if one is pending, raising its error."""
         key = _path_key(target)
         self._report_where(lambda pending_key, _handle: pending_key == key)
+
+
+def _remove(target: Path) -> None:
+    """Remove a checkpoint file, or a directory with its contents; a missing one is no error."""
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+    elif target.exists() or target.is_symlink():
+        target.unlink()
 
 
 def _check_codec(codec: Any) -> None:
