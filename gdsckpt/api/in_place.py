@@ -268,7 +268,7 @@ def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: 
 
 
 def _separate_copied(phases: list[dict[int, Any]], ids_of_phase: list[list[int]], index: Any,
-                     budget: int, shared: Any) -> None:
+                     budget: int, shared: set[Any]) -> None:
     """Move the first phase's non-contiguous destinations (filled through a copy) into phases of
     their own, each holding at most ``budget`` bytes of them (or one). Only those that are their
     stored array's sole key (another key of that array copies from it at the end of phase 0)
@@ -465,11 +465,7 @@ def _made_anew(first: Any, second: Any) -> bool:
     of one storage): the entry is a copy made per call. Empty tensors hold nothing to fill."""
     if second is first or first.numel() == 0:
         return False
-    try:
-        return bool(second is None or second.device != first.device
-                    or second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
-        return False
+    return second is None or _storage_of(second) != _storage_of(first)
 
 
 def _check_fillable(tensor: Any, key: str) -> None:
