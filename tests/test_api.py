@@ -231,6 +231,31 @@ def test_reading_a_closed_checkpoint_says_it_is_closed(saved: Any) -> None:
     assert key in names_after and ckpt.info(key).nbytes > 0
 
 
+@pytest.mark.parametrize("read", ["get", "get_many", "get_rows"])
+def test_a_read_that_meets_a_close_from_another_thread_says_it_was_closed(tmp_path: Path, read: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``close()`` while another thread's read runs (made deterministic: the close comes just as
+    the read starts its restore): the reader gave ``RuntimeError('submit to a closed io lane')``
+    or ``CancelledError``; it is the "closed" ``ValueError``, the cause chained."""
+    from gdsckpt.api import checkpoint as checkpoint_module
+
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"w": torch.randn(1 << 18)}, path, chunk_bytes=1 << 16)
+    ckpt = gdsckpt.open(path)
+    original = checkpoint_module.restore_arrays
+
+    def closed_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        ckpt.close()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "restore_arrays", closed_meanwhile)
+    calls = {"get": lambda: ckpt.get("w"), "get_many": lambda: ckpt.get_many(["w"]),
+             "get_rows": lambda: ckpt.get_rows("w", 0, 5)}
+    with pytest.raises(ValueError, match=r"was closed while this read ran") as caught:
+        calls[read]()
+    assert caught.value.__cause__ is not None
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
 def test_load_inspect_verify_leave_no_file_open(saved: Any) -> None:
     path, _ = saved

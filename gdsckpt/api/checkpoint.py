@@ -305,6 +305,23 @@ class Checkpoint:
         if self._closed:
             raise ValueError(f"checkpoint {self.path!r} is closed: open it again to read its arrays")
 
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Around a read: a failure that meets the checkpoint closed meanwhile (another thread's
+        ``close``: a closed I/O lane, a cancelled read) is the same "closed" ``ValueError`` as a
+        read after ``close``, the failure chained to it. A ``CheckpointError`` (damage found)
+        stays what it is."""
+        self._check_open()
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as err:
+            if not self._closed:
+                raise
+            raise ValueError(f"checkpoint {self.path!r} was closed while this read ran: open it again to "
+                             f"read its arrays") from err
+
     def keys(self) -> list[str]:
         """Key strings of every array, in file order."""
         return list(self._by_key)
@@ -339,7 +356,10 @@ class Checkpoint:
     def get_many(self, keys: Iterable[str], device: Any = None, *, map_location: Any = None) -> dict[str, Any]:
         """Read several arrays in one restore (their chunks read in parallel, each once);
         returns key -> array, as ``get`` would return each."""
-        self._check_open()
+        with self._reading():
+            return self._get_many(keys, device, map_location)
+
+    def _get_many(self, keys: Iterable[str], device: Any, map_location: Any) -> dict[str, Any]:
         if isinstance(keys, (str, bytes)):  # its characters are no keys
             raise TypeError(f"get_many takes a list of keys, got the string {keys!r}: get_many([{keys!r}]) "
                             f"or get({keys!r})")
@@ -360,7 +380,10 @@ class Checkpoint:
         """Rows ``[start, stop)`` of an array of at least one dimension (``array[start:stop]``),
         reading only the chunks that hold them: how a rank of a resharded DCP load reads its
         slice of a larger tensor. ``TypeError`` for row numbers that are not integers."""
-        self._check_open()
+        with self._reading():
+            return self._get_rows(key, start, stop, device, map_location)
+
+    def _get_rows(self, key: str, start: int, stop: int, device: Any, map_location: Any) -> Any:
         try:
             start, stop = operator.index(start), operator.index(stop)
         except TypeError:
@@ -410,7 +433,10 @@ class Checkpoint:
     def _read_many(self, requests: list[tuple[str, int, int]], device: Any = None) -> list[Any]:
         """Bytes ``[start, stop)`` of each named array (distinct, not aliases) as flat uint8 arrays
         (NumPy, or CuPy on ``device`` ``"cuda:N"``), deltas resolved, in one restore."""
-        self._check_open()
+        with self._reading():
+            return self._read_windows(requests, device)
+
+    def _read_windows(self, requests: list[tuple[str, int, int]], device: Any) -> list[Any]:
         index = self._opened.index
         target_device = parse_device(device)
         ids, windows, records = [], {}, {}
