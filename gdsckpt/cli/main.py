@@ -274,10 +274,15 @@ def _flushed(command: str | None, code: int) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     except (OSError, ValueError) as err:  # ENOSPC (/dev/full), EIO, a closed file object
-        print_error(command, f"cannot write the output: {getattr(err, 'strerror', None) or err}")
-        _discard_stdout()
-        return EXIT_FAILED
+        return _output_lost(command, err)
     return code
+
+
+def _output_lost(command: str | None, err: Exception) -> int:
+    """Say that the output could not be written (one error line) and return ``EXIT_FAILED``."""
+    print_error(command, f"cannot write the output: {getattr(err, 'strerror', None) or err}")
+    _discard_stdout()
+    return EXIT_FAILED
 
 
 def _discard_stdout() -> None:
@@ -304,9 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     except OSError as err:  # --help / --version output that could not be written (``Parser``)
-        print_error(None, f"cannot write the output: {err.strerror or err}")
-        _discard_stdout()
-        return EXIT_FAILED
+        return _output_lost(None, err)
     # The library's records (and an error a subcommand logs) in the command's own line format,
     # for this call only: main() also runs inside other programs' processes (tests).
     logger = logging.getLogger("gdsckpt")

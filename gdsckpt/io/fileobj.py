@@ -67,16 +67,10 @@ def _appends(fileobj: Any, mode: Any) -> bool:
         # (a GzipFile) has a position of its own
         return False
     try:
-        descriptor = fileobj.fileno()
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
-        return False
-    try:
-        import fcntl
-    except ImportError:  # no fcntl (Windows): the mode string is all there is
-        return False
-    try:
-        return bool(fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_APPEND)
-    except OSError:
+        import fcntl  # none on Windows: the mode string is all there is
+
+        return bool(fcntl.fcntl(fileobj.fileno(), fcntl.F_GETFL) & os.O_APPEND)
+    except (ImportError, AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
         return False
 
 
