@@ -10,7 +10,8 @@ rounds, on the GPU (``--device cuda``, the GPU engine):
 
 - ``page_cache``: the file on ``--dir``, read once untimed, then timed warm: ``gdsckpt.load(...,
   device=)`` against a raw kvikio read of the same file into device memory (``--kvikio-threads``
-  threads, kvikio's default task size and 16 MiB tasks: the faster is the limit);
+  threads, kvikio's default task size, 16 MiB tasks and each of ``--task-sizes``: the fastest is
+  the limit);
 - ``tmpfs``: the same with the file in ``--shm-dir`` (/dev/shm);
 - ``null_source``: the file held in pinned host memory (``gdsckpt.io.PreloadedReader``): the
   restore pipeline alone, against one host-to-device copy of the file's bytes;
@@ -18,7 +19,7 @@ rounds, on the GPU (``--device cuda``, the GPU engine):
 - ``save_tmpfs``: ``gdsckpt.save`` to ``--shm-dir`` against a raw kvikio write of the state's bytes
   (each side writing a new file);
 - ``--task-sizes``: the restores and the tmpfs save again with each kvikio task size given, and
-  the raw write too (the faster raw side is the limit);
+  the raw reads and the raw write too (the fastest raw side is the limit);
 - ``to_host``: ``load(device="cpu")`` and ``load_into`` a CPU copy of the state from the tmpfs
   file, against ``torch.load(map_location="cpu")`` of a ``torch.save`` file in the same tmpfs (warm)
   and a raw read of the gdsckpt file into newly allocated host memory;
@@ -410,6 +411,8 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
         files = {"page_cache": disk_file, "tmpfs": shm_file}
         before = config.replace(restore_staging_bytes=config.max_staging_bytes)  # the fixed ring of before
         tasks = [(f"gdsckpt_task{size >> 20}MiB", config.replace(kvikio_task_size=size)) for size in args.task_sizes]
+        raw_read_tasks = [("raw_default_task", None), *((f"raw_{size >> 20}MiB_task", size)
+                                                        for size in sorted({16 << 20, *args.task_sizes}))]
 
         def check(name: str, got: Any) -> None:
             report.check(name, benchlib.differences(state, got, tensors_only=True))
@@ -419,7 +422,7 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
             print(f"round {round_number + 1}", flush=True)
             for tier, path in files.items():
                 if gpu:
-                    for label, task in (("raw_default_task", None), ("raw_16MiB_task", 16 << 20)):
+                    for label, task in raw_read_tasks:
                         seconds, out = timed(raw_device_read(path, args.kvikio_threads, task), device)
                         record(f"{tier}/{label}", seconds, path.stat().st_size)
                         del out
@@ -508,7 +511,7 @@ def run(report: benchlib.Report, directory: Path, args: argparse.Namespace) -> N
                         "fraction": value / (scale * raw), "target_fraction": target,
                         "met": value >= target * scale * raw}
 
-    raw_reads = (lambda tier: [f"{tier}/raw_default_task", f"{tier}/raw_16MiB_task"]) if gpu else (
+    raw_reads = (lambda tier: [f"{tier}/{label}" for label, _task in raw_read_tasks]) if gpu else (
         lambda tier: [f"{tier}/raw"])
     for tier in ("page_cache", "tmpfs"):
         limit(f"{tier}/gdsckpt", f"{tier}/gdsckpt", raw_reads(tier), ratio, 0.9)
@@ -566,8 +569,8 @@ def main() -> int:
     parser.add_argument("--cprofile", action="store_true", help="with --profile: a cProfile of the GPU workers' "
                         "batches (it slows every thread)")
     parser.add_argument("--task-sizes", type=lambda text: [benchlib.parse_size(n) for n in text.split(",") if n],
-                        default=[], help="GPU: also restore and save with these kvikio task sizes (e.g. 16MiB); "
-                        "labels gdsckpt_task<N>MiB")
+                        default=[], help="GPU: also restore, save and read raw with these kvikio task sizes "
+                        "(e.g. 8MiB,16MiB); labels gdsckpt_task<N>MiB, raw_<N>MiB_task")
     parser.add_argument("--shm-dir", default="/dev/shm")
     parser.add_argument("--dir", default="/tmp/gdsckpt-tier")
     parser.add_argument("--out", default="tier-bench.json")
