@@ -266,3 +266,34 @@ def test_a_usage_error_with_stdout_closed_keeps_its_code(h: Any) -> None:
                             text=True, timeout=120, env=h.subprocess_env(), cwd=str(h.REPO_ROOT),
                             preexec_fn=lambda: os.close(1))
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+
+
+def test_convert_failures_show_a_traceback_only_when_verbose(tmp_path: Path, h: Any) -> None:
+    """``convert`` printed its error line itself, so ``--verbose`` never showed the traceback the
+    other commands show."""
+    foreign = tmp_path / "foreign.gdsckpt"
+    foreign.write_bytes(b"\x00" * 9000)
+    out = str(tmp_path / "out.safetensors")
+    assert_one_error_line(gdsckpt_command("convert", str(foreign), out, h=h), "convert", 1, "foreign.gdsckpt")
+    verbose = gdsckpt_command("--verbose", "convert", str(foreign), out, h=h)
+    assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
+    assert verbose.stderr.splitlines()[-1].startswith("gdsckpt convert: error: ")
+
+
+def test_a_quiet_command_with_stdout_closed_succeeds(tmp_path: Path, h: Any) -> None:
+    """``gdsckpt -q convert a b >&-`` wrote b and exited 1 ("standard output is closed") though a
+    quiet conversion prints nothing; a command whose output is lost still fails."""
+    torch = pytest.importorskip("torch")
+    src, dst = tmp_path / "a.pt", tmp_path / "b.gdsckpt"
+    torch.save({"w": torch.randn(100)}, src)
+    run = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "gdsckpt"]
+
+    def closed_stdout(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*run, *args], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, timeout=120, env=h.subprocess_env(), cwd=str(h.REPO_ROOT),
+                              preexec_fn=lambda: os.close(1))
+
+    quiet = closed_stdout("--quiet", "convert", str(src), str(dst))
+    assert quiet.returncode == 0 and quiet.stderr == "" and dst.exists(), quiet.stderr
+    loud = closed_stdout("convert", str(src), str(tmp_path / "c.gdsckpt"))
+    assert_one_error_line(loud, "convert", 1, "standard output is closed")

@@ -4,12 +4,13 @@ pickles and of content a format cannot hold; atomic, non-clobbering destinations
 
 from __future__ import annotations
 
-import argparse
 import collections
 import itertools
 import os
 import pickle
 import shlex
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import gdsckpt
-from gdsckpt.cli.convert import register
+from gdsckpt.cli.main import main
 from gdsckpt.integrations.convert import (
     STRUCTURE_KEY,
     ConvertError,
@@ -491,12 +492,8 @@ def test_formats_from_extensions_and_overrides(tmp_path: Path, h: Any) -> None:
 
 
 def cli(*argv: str) -> int:
-    """``gdsckpt [--quiet] convert ...`` through a parser built as the main one is."""
-    parser = argparse.ArgumentParser(prog="gdsckpt")
-    parser.add_argument("--quiet", action="store_true")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(list(argv))
-    return int(args.run(args))
+    """``gdsckpt [--quiet] convert ...`` through the command's entry point, in this process."""
+    return main(list(argv))
 
 
 def test_cli_converts_and_reports(tmp_path: Path, h: Any, capsys: pytest.CaptureFixture[str]) -> None:
@@ -539,3 +536,107 @@ def test_cli_refuses_a_malicious_pickle(tmp_path: Path, capsys: pytest.CaptureFi
     err = capsys.readouterr().err
     assert "refused" in err and "weights_only=True" in err and "Traceback" not in err
     assert not marker.exists() and not (tmp_path / "out.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# review of the conversions (2026-12-06): each failed before its fix
+
+
+def test_a_truncated_torch_file_is_named_as_damaged(tmp_path: Path, h: Any) -> None:
+    """torch's zip reader says EINVAL for a file cut short at many points; that came out as a bare
+    ``[Errno 22] Invalid argument`` naming no file."""
+    whole = tmp_path / "whole.pt"
+    torch.save({"a": torch.randn(1000), "b": {"c": torch.arange(10)}}, whole)
+    data = whole.read_bytes()
+    damaged = tmp_path / "cut.pt"
+    refused = 0
+    for fraction in range(50, 100, 3):
+        damaged.write_bytes(data[:len(data) * fraction // 100])
+        with pytest.raises(ConvertError, match="cut.pt") as caught:
+            convert(damaged, tmp_path / "out.gdsckpt", config=h.small_config())
+        refused += "truncated" in str(caught.value)
+        assert not (tmp_path / "out.gdsckpt").exists()
+    assert refused  # the EINVAL case was among the cuts
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".bin"])
+def test_from_pt_reads_the_file_as_a_torch_pickle_whatever_its_name(tmp_path: Path, h: Any, suffix: str) -> None:
+    """torch.load hands a path ending in ".safetensors" to safetensors: ``--from pt`` on a
+    safetensors file returned its tensors flattened (the structure and plain values gone, exit 0),
+    and a real torch.save file so named could not be read at all."""
+    state = {"model": {"w": torch.randn(4)}, "step": 5, "opt": [torch.ones(2)]}
+    named = tmp_path / f"state{suffix}"
+    torch.save(state, named)
+    convert(named, tmp_path / "out.gdsckpt", src_format="pt", config=h.small_config())
+    back = gdsckpt.load(tmp_path / "out.gdsckpt")
+    assert back["step"] == 5
+    h.assert_same(state["model"]["w"], back["model"]["w"], "model/w")
+    flat = tmp_path / "real.safetensors"
+    safetensors_torch.save_file({"model.w": torch.randn(4)}, str(flat))
+    with pytest.raises(ConvertError, match="real.safetensors"):
+        convert(flat, tmp_path / "other.gdsckpt", src_format="pt", config=h.small_config())
+    assert not (tmp_path / "other.gdsckpt").exists()
+
+
+def test_expanded_tensors_are_bounded_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bound on bytes beyond storage held per tensor: N entries of just under it made N times
+    the limit (4 GiB from a 2.3 KB pickle). Here four of 768 KiB against a 1 MiB limit."""
+    from gdsckpt.integrations import convert as convert_module
+
+    monkeypatch.setattr(convert_module, "EXPANSION_LIMIT", 1 << 20)
+    source = tmp_path / "bombs.pt"
+    torch.save({f"k{i}": torch.zeros(1).expand(3 << 16) for i in range(4)}, source)
+    with pytest.raises(ConvertError, match=r"3 more such tensors, 3145712 bytes beyond their storage in all"):
+        gdsckpt.convert(source, tmp_path / "out.gdsckpt")
+    assert sorted(os.listdir(tmp_path)) == ["bombs.pt"]
+    torch.save({"k0": torch.zeros(1).expand(3 << 16)}, source)
+    gdsckpt.convert(source, tmp_path / "out.gdsckpt")  # one alone stays within the limit
+
+
+def test_a_write_side_failure_does_not_blame_the_source(tmp_path: Path, h: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """gdsckpt to gdsckpt said "cannot read 'a.gdsckpt' as gdsckpt" for a codec this host cannot
+    write (or any write-side ``CheckpointError``); a damaged source is still named as such."""
+    from gdsckpt.api import saving
+    from gdsckpt.errors import CodecUnavailableError
+
+    src = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"w": torch.randn(1000)}, src, config=h.small_config())
+
+    def no_codec(*_args: Any, **_kwargs: Any) -> None:
+        raise CodecUnavailableError("codec 'ans' needs an NVIDIA GPU (injected)")
+
+    monkeypatch.setattr(saving, "save_flat", no_codec)
+    with pytest.raises(ConvertError, match="injected") as caught:
+        convert(src, tmp_path / "b.gdsckpt", config=h.small_config())
+    assert not str(caught.value).startswith("cannot read") and "b.gdsckpt" in str(caught.value)
+    monkeypatch.undo()
+    data = bytearray(src.read_bytes())
+    data[4096 + 10] ^= 0xFF  # inside the first chunk
+    src.write_bytes(bytes(data))
+    with pytest.raises(ConvertError, match=r"^cannot read .*a\.gdsckpt"):
+        convert(src, tmp_path / "c.gdsckpt", config=h.small_config())
+
+
+@pytest.mark.parametrize("dst_name", ["out.pt", "out.safetensors"])
+def test_a_destination_over_its_size_limit_says_so(tmp_path: Path, h: Any, dst_name: str) -> None:
+    """A full disk or a file-size limit while writing a .pt destination came out as torch's
+    "[enforce fail at inline_container.cc] unexpected pos" and, for safetensors, as "safetensors
+    refused the content of" the source. Run in a child under ``RLIMIT_FSIZE`` (EFBIG)."""
+    src = tmp_path / "src.gdsckpt"
+    gdsckpt.save({"a": torch.randn(30000)}, src, config=h.small_config())
+    child = (
+        "import resource, signal, sys, gdsckpt\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (50000, resource.RLIM_INFINITY))\n"
+        "try:\n"
+        f"    gdsckpt.convert({str(src)!r}, {str(tmp_path / dst_name)!r})\n"
+        "except OSError as err:\n"
+        "    print(err.errno, err); sys.exit(0)\n"
+        "sys.exit(3)\n")
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                            env=h.subprocess_env(), check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("27 ") and "File too large" in result.stdout, result.stdout
+    assert "enforce fail" not in result.stdout
+    assert sorted(os.listdir(tmp_path)) == ["src.gdsckpt"]

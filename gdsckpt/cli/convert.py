@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..integrations.convert import FORMATS, ConvertReport, check_codec, convert, detect_format
-from .common import nonempty_path, print_error
+from .common import CommandError, nonempty_path, print_error
 
 
 def register(subparsers: Any) -> None:
@@ -57,8 +57,8 @@ def run_convert(args: argparse.Namespace) -> int:
                              src_format=args.src_format, dst_format=args.dst_format,
                              overwrite=args.overwrite, progress=progress, force=args.force)
         except (CheckpointError, OSError, ValueError, TypeError) as err:
-            _error(str(err))
-            return 1
+            # one line from ``main``, after the traceback under --verbose
+            raise CommandError(str(err)) from err
     if not quiet:
         print(_summary(report))
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import json
 import logging
 import os
@@ -260,13 +261,30 @@ def _stdout_closed() -> int:
     return EXIT_STDOUT_CLOSED
 
 
+class _ClosedStdout(io.TextIOBase):
+    """Stands for stdout where the process started with its descriptor closed (``>&-``, where
+    ``sys.stdout`` is None): it keeps nothing and remembers whether anything was written, so
+    that only a command whose output went nowhere fails (a ``--quiet`` one writes nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.lost = self.lost or bool(text)
+        return len(text)
+
+
 def _flushed(command: str | None, code: int) -> int:
     """``code`` once stdout is flushed (inside the caller's error handling: a closed pipe or a
     full disk shows here rather than at the interpreter's exit, where it would be lost), or the
     failure to write it: output that was lost is never a success."""
-    if sys.stdout is None:  # started with its descriptor closed (``>&-``): the output went nowhere
-        if code != 0:
-            return code  # the command failed and said so (stderr) already
+    if sys.stdout is None or isinstance(sys.stdout, _ClosedStdout):  # started with stdout closed
+        if code != 0 or not getattr(sys.stdout, "lost", True):
+            return code  # it failed and said so (stderr) already, or it wrote nothing
         print_error(command, "cannot write the output: standard output is closed")
         return EXIT_FAILED
     try:
@@ -299,6 +317,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code (0, 1 failed, 2 bad arguments, 130 interrupted, 141
     stdout closed). Errors are one line, ``gdsckpt <command>: error: <message>``."""
     parser = build_parser()
+    closed = sys.stdout is None
+    if closed:
+        sys.stdout = _ClosedStdout()
+    try:
+        return _main(parser, argv)
+    finally:
+        if closed:
+            sys.stdout = None
+
+
+def _main(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    """``main`` once stdout is a stream."""
     try:
         args = parser.parse_args(argv)
     except SystemExit as done:

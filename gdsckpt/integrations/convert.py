@@ -45,10 +45,12 @@ state in host memory.
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -65,7 +67,15 @@ from ..api.resolve import open_reader, resolve_config
 from ..api.saving import refuse_replacing_base, rewrite
 from ..codecs import known_codec_names
 from ..config import Config
-from ..errors import CheckpointError, ConvertError, UnsafePickleError
+from ..errors import (
+    CheckpointError,
+    ConvertError,
+    CorruptCheckpointError,
+    DeltaBaseError,
+    ObjectChangedError,
+    UnsafePickleError,
+    UnsupportedFormatError,
+)
 from ..io.posix import fsync_path, publish, refuse_special_target, remove_stale_temporaries, temporary_path
 from ..io.s3 import ObjectDirectory, is_url
 from ..state import numpy_dtype_name, torch_dtype
@@ -251,6 +261,12 @@ def _temporary_beside(dst: Path) -> Iterator[Path]:
             pass
 
 
+_READ_FAILURES = (CorruptCheckpointError, UnsupportedFormatError, DeltaBaseError, ObjectChangedError)
+"""What only the source's reading raises: a gdsckpt-to-gdsckpt conversion says the source cannot
+be read. Other failures (a codec this host cannot run, which may be the destination's, a failed
+upload) are not blamed on the source."""
+
+
 def _recompress(src: Any, dst: Any, codec: str, config: Config, overwrite: bool, progress: Progress | None,
                 started: float) -> ConvertReport:
     """gdsckpt to gdsckpt: the arrays streamed from ``src`` into a new file in windows
@@ -262,8 +278,10 @@ def _recompress(src: Any, dst: Any, codec: str, config: Config, overwrite: bool,
             report = rewrite(src, target, codec=codec, config=config, progress=progress)
         except (TypeError, ValueError) as err:  # a codec the configuration refuses (portable=True)
             raise ConvertError(f"{str(src)!r} cannot be written as gdsckpt: {err}") from err
-        except CheckpointError as err:  # e.g. corrupt: say which file (the original is the cause)
+        except _READ_FAILURES as err:  # say which file (the original is the cause)
             raise ConvertError(f"cannot read {str(src)!r} as gdsckpt: {err}") from err
+        except CheckpointError as err:  # a codec this host lacks (either side's), a failed upload, ...
+            raise ConvertError(f"cannot convert {str(src)!r} to {str(dst)!r}: {err}") from err
     return ConvertReport(
         src=str(src), dst=str(dst), src_format="gdsckpt", dst_format="gdsckpt", tensors=report.tensors,
         logical_bytes=report.logical_bytes, src_bytes=_stored_size(src, config),
@@ -370,44 +388,56 @@ def _read_pt(path: Path, config: Config, progress: Progress) -> tuple[Any, dict[
     import pickle
 
     torch = _import_torch(f"reading the torch pickle {str(path)!r}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        text = str(err)
-        if "Unsupported operand" in text:  # no pickle opcode: random bytes or a damaged file
+    # An open file, not the path: torch.load hands a path ending in ".safetensors" to safetensors
+    # (``--from pt`` then read a safetensors file flattened, without a word).
+    with open(path, "rb") as handle:
+        try:
+            state = torch.load(handle, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            text = str(err)
+            if "Unsupported operand" in text:  # no pickle opcode: random bytes or a damaged file
+                raise ConvertError(f"cannot read {str(path)!r} as a torch pickle: it is no torch.save file, or "
+                                   f"a damaged one (an invalid pickle opcode)") from None
+            if "weights only" in text.lower() or "WeightsUnpickler" in text:
+                raise UnsafePickleError(
+                    f"refused {str(path)!r}: it holds objects other than tensors and plain containers "
+                    f"({_weights_only_reason(text)}); convert reads torch pickles only with "
+                    f"torch.load(weights_only=True) and never runs code from a checkpoint") from None
+            raise ConvertError(f"cannot read {str(path)!r} as a torch pickle: {text}") from err
+        except OSError as err:
+            if err.errno != errno.EINVAL:  # the file's own read failed (EIO): as it is
+                raise
+            # torch's zip reader says EINVAL for a file cut short (a seek past its end)
             raise ConvertError(f"cannot read {str(path)!r} as a torch pickle: it is no torch.save file, or "
-                               f"a damaged one (an invalid pickle opcode)") from None
-        if "weights only" in text.lower() or "WeightsUnpickler" in text:
-            raise UnsafePickleError(
-                f"refused {str(path)!r}: it holds objects other than tensors and plain containers "
-                f"({_weights_only_reason(text)}); convert reads torch pickles only with "
-                f"torch.load(weights_only=True) and never runs code from a checkpoint") from None
-        raise ConvertError(f"cannot read {str(path)!r} as a torch pickle: {text}") from err
-    except (OSError, MemoryError):
-        raise
-    except Exception as err:  # torch reports a malformed file as any of many exception types
-        text = str(err)
-        if "legacy .tar format" in text:  # torch's message goes on to advise weights_only=False
-            raise UnsafePickleError(f"refused {str(path)!r}: a torch pickle in the legacy .tar format, which "
-                                    f"torch reads only without its weights-only safeguard (running any code the "
-                                    f"file names); convert never does. Re-save it with a current torch.save in a "
-                                    f"process you trust") from None
-        raise ConvertError(f"cannot read {str(path)!r} as a torch pickle "
-                           f"({type(err).__name__}: {text})") from err
+                               f"a damaged (truncated?) one ({err})") from err
+        except MemoryError:
+            raise
+        except Exception as err:  # torch reports a malformed file as any of many exception types
+            text = str(err)
+            if "legacy .tar format" in text:  # torch's message goes on to advise weights_only=False
+                raise UnsafePickleError(f"refused {str(path)!r}: a torch pickle in the legacy .tar format, "
+                                        f"which torch reads only without its weights-only safeguard (running any "
+                                        f"code the file names); convert never does. Re-save it with a current "
+                                        f"torch.save in a process you trust") from None
+            raise ConvertError(f"cannot read {str(path)!r} as a torch pickle "
+                               f"({type(err).__name__}: {text})") from err
     _refuse_expanded(state, torch, path)
     return state, {}
 
 
 EXPANSION_LIMIT = 1 << 30
-"""Bytes by which a tensor of a torch pickle may outgrow its storage before convert refuses it."""
+"""Bytes by which the tensors of a torch pickle may together outgrow their storages before convert
+refuses them."""
 
 
 def _refuse_expanded(state: Any, torch: Any, path: Path) -> None:
-    """Refuse a tensor whose elements overlap in its storage (``expand``, stride 0) and stand for
-    more than ``EXPANSION_LIMIT`` bytes beyond it: a checkpoint stores every element, so a 1.5 KB
-    pickle of ``torch.zeros(1).expand(2**40)`` became a 4 TiB write that filled the disk. A
-    ``ConvertError`` naming the key, before anything is written."""
+    """Refuse tensors whose elements overlap in their storage (``expand``, stride 0) and stand, all
+    together, for more than ``EXPANSION_LIMIT`` bytes beyond it: a checkpoint stores every element,
+    so a 1.5 KB pickle of ``torch.zeros(1).expand(2**40)`` became a 4 TiB write that filled the
+    disk, and four entries of ``expand(2**28 - 1)`` (each under the limit) a 4 GiB one. A
+    ``ConvertError`` naming the largest, before anything is written."""
     pending: list[tuple[str, Any]] = [("", state)]
+    excess: list[tuple[int, str, Any, int]] = []  # bytes beyond the storage, key, tensor, storage bytes
     while pending:
         name, obj = pending.pop()
         if isinstance(obj, dict):
@@ -417,12 +447,19 @@ def _refuse_expanded(state: Any, torch: Any, path: Path) -> None:
         elif isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
             logical = obj.numel() * obj.element_size()
             stored = obj.untyped_storage().nbytes()
-            if logical > stored + EXPANSION_LIMIT:
-                raise ConvertError(
-                    f"{str(path)!r}: tensor {name.lstrip('/') or '(the root)'!r} (shape {list(obj.shape)}) is a "
-                    f"view whose {logical} bytes of elements overlap in {stored} bytes of storage (expand, "
-                    f"stride 0); a checkpoint stores every element, so converting would write {logical} "
-                    f"bytes: make it contiguous yourself first if that is meant")
+            if logical > stored:
+                excess.append((logical - stored, name.lstrip("/") or "(the root)", obj, stored))
+    total = sum(beyond for beyond, *_rest in excess)
+    if total > EXPANSION_LIMIT:
+        beyond, key, tensor, stored = max(excess, key=lambda entry: entry[0])
+        logical = beyond + stored
+        others = f" ({len(excess) - 1} more such tensors, {total} bytes beyond their storage in all)" \
+            if len(excess) > 1 else ""
+        raise ConvertError(
+            f"{str(path)!r}: tensor {key!r} (shape {list(tensor.shape)}) is a view whose {logical} bytes of "
+            f"elements overlap in {stored} bytes of storage (expand, stride 0){others}; a checkpoint stores "
+            f"every element, so converting would write {total} bytes more than the file holds: make them "
+            f"contiguous yourself first if that is meant")
 
 
 def _weights_only_reason(message: str) -> str:
@@ -478,10 +515,40 @@ _READERS: dict[str, Callable[[Path, Config, Progress], tuple[Any, dict[str, str]
 # ---------------------------------------------------------------------------------------------
 # writers
 
+class _WriteErrorKept:
+    """A binary file's ``write`` and ``flush`` that keep the first ``OSError`` they raise: torch's
+    zip writer swallows it and fails later with a position mismatch of its own
+    ("unexpected pos ..."), which would hide a full disk (ENOSPC) or a size limit (EFBIG)."""
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self._handle.write(data))
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._handle.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+
 def _write_pt(state: Any, temp: Path, config: Config) -> None:
     torch = _import_torch("writing a torch pickle")
     with open(temp, "xb") as handle:
-        torch.save(state, handle)
+        kept = _WriteErrorKept(handle)
+        try:
+            torch.save(state, kept)
+        except Exception as err:
+            if kept.error is not None:  # the disk's own error, not torch's account of it
+                raise kept.error from err
+            raise
     if config.fsync:
         fsync_path(temp, timeout=config.timeout)
 
@@ -492,6 +559,11 @@ def _write_gdsckpt(state: Any, temp: Path, codec: str, config: Config, src: Path
         return _call_with_progress(_save_gdsckpt, state, temp, codec=codec, config=config, progress=progress)
     except (TypeError, ValueError) as err:  # content gdsckpt cannot hold, named by key path
         raise ConvertError(f"{str(src)!r} cannot be written as gdsckpt: {err}") from err
+
+
+_SAFETENSORS_OS_ERROR = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
+"""How safetensors' Rust writer names the errno of a failed write ("I/O error: File too large (os
+error 27)"; ``IoError(Os { code: 28, ...`` in other versions)."""
 
 
 def _write_safetensors(state: Any, temp: Path, metadata: dict[str, str], config: Config, src: Path) -> int:
@@ -510,6 +582,10 @@ def _write_safetensors(state: Any, temp: Path, metadata: dict[str, str], config:
     except (OSError, MemoryError):
         raise
     except Exception as err:
+        written = _SAFETENSORS_OS_ERROR.search(str(err))
+        if written:  # safetensors reports its write's failure (ENOSPC, EFBIG) as its own error
+            code = int(written.group(1) or written.group(2))
+            raise OSError(code, f"{os.strerror(code)} (writing {str(temp)!r}: {err})") from err
         raise ConvertError(f"safetensors refused the content of {str(src)!r} "
                            f"({type(err).__name__}: {err})") from err
     if config.fsync:

@@ -141,8 +141,7 @@ class TorchSource(_SourceBase):
 
         if self._device_whole is not None:
             return self._device_whole[start:stop]
-        part = self._part(start, stop)
-        if part.device.type == "cuda" and self.nbytes and self.tensor.is_contiguous():
+        if self.tensor.device.type == "cuda" and self.nbytes and self.tensor.is_contiguous():
             whole = _byte_view(self.tensor.reshape(-1))
             read_on_cupy_stream(whole, made=False)
             view = cupy.asarray(whole)
@@ -150,6 +149,7 @@ class TorchSource(_SourceBase):
                 raise RuntimeError("CuPy view of the source tensor does not alias its memory")
             self._device_whole = view
             return view[start:stop]
+        part = self._part(start, stop)
         if part.device.type != "cuda":
             return cupy.asarray(part.numpy())
         # a non-contiguous range is a new tensor torch copied on its current stream
