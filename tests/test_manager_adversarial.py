@@ -237,6 +237,99 @@ def test_a_round_that_fails_midway_still_moves_the_remote_latest_to_what_it_uplo
     assert restored[0] == 6, f"restored step {restored[0]} from the remote tier; step 6 there is intact and newer"
 
 
+def _remote_value(remote: str, config: gdsckpt.Config, tmp_path: Path) -> tuple[int, float]:
+    """(step, ``w[0]``) a replacement node (an empty local tier) restores from ``remote``."""
+    restored = CheckpointManager(tmp_path / "replacement", config=config, remote=remote).restore_latest()
+    assert restored is not None
+    return restored[0], float(restored[1]["w"][0])
+
+
+def _valued(step: int, value: float) -> dict[str, Any]:
+    state = _state(step)
+    state["w"][0] = value
+    return state
+
+
+def test_a_step_saved_again_during_its_upload_goes_up_again(tmp_path: Path, config: gdsckpt.Config,
+                                                             remote: str, quiet: None) -> None:
+    """Step 2 is saved again while its first file is going up (a slow link). ``wait()`` returned,
+    ``pending_uploads()`` was empty and the remote step 2 held the first file: the upload's end
+    dropped the second save's pending entry with its own."""
+    manager = CheckpointManager(tmp_path / "node", config=config, remote=remote)
+    manager.save(1, _valued(1, 1.0))
+    manager.wait()
+    upload = manager.remote.upload
+    uploading, saved_again = threading.Event(), threading.Event()
+
+    def slow(path: Any, name: str) -> None:
+        upload(path, name)  # the first file's bytes are up; the answer comes late
+        if name == _ckpt(2) and not uploading.is_set():
+            uploading.set()
+            saved_again.wait(30)
+
+    manager.remote.upload = slow  # type: ignore[method-assign]
+    manager.save(2, _valued(2, 2.0))
+    assert uploading.wait(30)
+    manager.save(2, _valued(2, 22.0))
+    saved_again.set()
+    manager.wait()
+    assert manager.pending_uploads() == []
+    assert _remote_value(remote, config, tmp_path) == (2, 22.0)
+
+
+def test_a_delta_on_a_step_saved_again_while_the_remote_was_down_uploads_that_base(
+        tmp_path: Path, config: gdsckpt.Config, remote: str, quiet: None) -> None:
+    """Steps 10 and 20 are up; during an outage the run goes back to 10 (saved again, full) and
+    saves 15, a delta on the new 10. Once the remote was back, ``wait()`` succeeded with the old
+    step-10 object still there: 15's base had "changed", and a replacement node restored the
+    abandoned step 20."""
+    manager = CheckpointManager(tmp_path / "node", config=config, remote=remote, keep_last_remote=1,
+                                delta_every=5)
+    manager.save(10, _valued(10, 10.0))
+    manager.save(20, _valued(20, 20.0))
+    manager.wait()
+    _fail_uploads_of(manager, None)
+    manager.save(10, _valued(10, 110.0))
+    manager.save(15, _valued(15, 15.0))
+    assert gdsckpt.inspect(tmp_path / "node" / _ckpt(15)).base is not None  # a delta on the new 10
+    assert manager._uploader.wait_idle(30) and manager.pending_uploads() == [15]
+    manager.remote.upload = ObjectDirectory.upload.__get__(manager.remote)  # type: ignore[method-assign]
+    manager.wait()
+    assert _remote_value(remote, config, tmp_path) == (15, 15.0)
+
+
+def test_the_remote_tier_keeps_and_uploads_a_rolled_back_runs_own_checkpoints(
+        tmp_path: Path, config: gdsckpt.Config, remote: str, quiet: None) -> None:
+    """keep_last_remote=1: step 10 is up, the remote goes down, steps 20 and 30 are saved, then the
+    run goes back to 15. What was pending was [30] (the highest step), so ``wait()`` uploaded the
+    abandoned 30, and a replacement node restored 10 instead of 15."""
+    manager = CheckpointManager(tmp_path / "node", config=config, remote=remote, keep_last_remote=1)
+    manager.save(10, _valued(10, 10.0))
+    manager.wait()
+    _fail_uploads_of(manager, None)
+    for step in (20, 30, 15):
+        manager.save(step, _valued(step, float(step)))
+    assert manager._uploader.wait_idle(30) and manager.pending_uploads() == [15]
+    manager.remote.upload = ObjectDirectory.upload.__get__(manager.remote)  # type: ignore[method-assign]
+    manager.wait()
+    assert _remote_value(remote, config, tmp_path) == (15, 15.0)
+
+
+def test_objects_only_pruning_after_a_rollback_keeps_the_runs_own_checkpoints(
+        config: gdsckpt.Config, remote: str, quiet: None) -> None:
+    """keep_last=2 on objects only: steps 10, 20, 30, then back to 15 and 16. Pruning kept the
+    highest steps [16, 20, 30] and removed 15, so with 16 damaged ``restore_latest`` returned the
+    abandoned 30 (the local tier keeps in restore order already)."""
+    manager = CheckpointManager(remote, keep_last=2, config=config)
+    for step in (10, 20, 30, 15, 16):
+        manager.save(step, _valued(step, float(step)))
+    assert manager.remote_steps() == [15, 16, 30]
+    directory = ObjectDirectory(remote, endpoint=config.s3_endpoint)
+    directory.write_small(_ckpt(16), b"damaged")
+    restored = manager.restore_latest()
+    assert restored is not None and restored[0] == 15
+
+
 def test_a_damaged_local_newest_restores_the_remote_copy_of_that_step(
         tmp_path: Path, config: gdsckpt.Config, remote: str, quiet: None) -> None:
     """Steps 1..3 are saved and uploaded. Step 3's local file is then damaged (truncated by a disk

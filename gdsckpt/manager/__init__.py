@@ -66,13 +66,19 @@ names the newest one uploaded. Guarantees on that tier:
   ``keep_last_remote`` newer ones already supersede (the remote tier would prune them at once),
   so the local tier holds at most ``keep_last + keep_last_remote`` checkpoints and their bases
   while the remote is down;
-- remote pruning keeps the ``keep_last_remote`` highest steps there, the one its ``latest``
-  names and every base a kept delta needs, and removes only objects named like this manager's
-  checkpoints.
+- a step saved again while (or after) an older file of it went up is uploaded again: a version
+  of a step counts as sent only once that version went up, and a delta's base goes up before it
+  wherever the remote tier lacks the base or holds an older file of its step;
+- remote pruning keeps ``keep_last_remote`` checkpoints there in the order restore tries them
+  (below), the highest step besides, the one its ``latest`` names and every base a kept delta
+  needs, and removes only objects named like this manager's checkpoints. While the remote tier is
+  down, the checkpoints still to upload are the ``keep_last_remote`` first in that order (a run
+  that went back to an older step uploads its own, not the steps it abandoned).
 
 ``restore_latest`` restores from the local tier when it holds a usable checkpoint, else from the
-remote tier (a replacement node after a failure): the one its ``latest`` names, then the others by
-step, descending, read straight from the objects (ranged GETs, nothing copied to local disk). A
+remote tier (a replacement node after a failure): the one its ``latest`` names, then the lower
+steps, descending, then the higher ones (a run that went back to an older step abandoned them),
+read straight from the objects (ranged GETs, nothing copied to local disk). A
 local checkpoint found damaged is followed by the remote tier's copy of the same step, where
 there is one, before any older local one: a disk fault does not cost the progress the remote
 copy kept.
@@ -291,8 +297,18 @@ class CheckpointManager:
         self._pointer_step: int | None = None
         self.keep_last_remote = keep_last_remote
         self.remote = self._open_remote(remote)
-        self._unsent: set[int] = set()
-        """Steps complete on the local tier that the remote tier still lacks."""
+        self._unsent: dict[int, int] = {}
+        """Step -> the version (``_versions``) of a checkpoint complete on the local tier that the
+        remote tier still lacks, the ``keep_last_remote`` newest in restore order
+        (``_tier_order``): older ones would be pruned there at once."""
+        self._version_count = 0
+        self._versions: dict[int, int] = {}
+        """Step -> which of this manager's completed saves (a count) its local file is: a step saved
+        again (after a rollback) is a new version."""
+        self._sent: dict[int, int] = {}
+        """Step -> the version of it this manager last uploaded. A step whose local version differs
+        is one the remote tier holds an older file of, whatever its listing says (a delta's base
+        saved again while the remote was down goes up before the delta)."""
         self._recovered = False
         """Whether an upload round has looked for what an earlier process left unsent
         (``_upload_round``)."""
@@ -532,7 +548,7 @@ class CheckpointManager:
         """Upload what the remote tier lacks (oldest first: bases before their deltas), then move
         its ``latest``, then prune it. Raises on the first failure (the rest stays pending)."""
         with self._lock:  # before the listing: a step joins ``_unsent`` once its file is in place
-            unsent = set(self._unsent)
+            unsent = dict(self._unsent)
         files = self._files()
         remote = self._remote_objects()
         if not self._recovered:
@@ -540,9 +556,8 @@ class CheckpointManager:
             # it): the checkpoint the local ``latest`` names goes up if the remote tier lacks it.
             named = self._pointer(warn=False) if files else None  # no local tier: nothing to resend
             if named is not None and named[0] in files and named[0] not in remote:
-                unsent.add(named[0])
                 with self._lock:
-                    self._unsent.add(named[0])
+                    unsent[named[0]] = self._unsent.setdefault(named[0], self._versions.get(named[0], 0))
             elif named is not None and named[0] in files:
                 # Uploaded, but the process may have died before the remote ``latest`` moved to
                 # it: moved now (below), never back past a newer step another node pointed it at.
@@ -554,14 +569,18 @@ class CheckpointManager:
         with self._lock:
             # still pending now: a step this manager dropped since the copy (superseded under
             # keep_last_remote, then pruned) did not vanish, and no warning blames another process
-            vanished = (unsent & self._unsent) - files.keys()
-            unsent &= self._unsent | vanished
-            self._unsent -= vanished
+            vanished = {step for step in unsent if step in self._unsent and step not in files}
+            unsent = {step: version for step, version in unsent.items() if step in self._unsent or step in vanished}
+            for step in vanished:
+                del self._unsent[step]
         if vanished:  # removed from the local tier by something other than this manager
             warnings.warn(f"checkpoint step(s) {sorted(vanished)} vanished from {str(self.directory)!r} "
                           f"before their upload to {self.remote.url}", RemoteUploadWarning, stacklevel=1)
-        wanted = unsent & files.keys()
-        wanted |= {step for step in self._bases_of(wanted, files) if step not in remote}
+        wanted = unsent.keys() & files.keys()
+        with self._lock:  # a base goes up where the remote lacks it, or holds an older version of it
+            wanted |= {step for step in self._bases_of(set(wanted), files)
+                       if step not in remote or self._sent.get(step) != self._versions.get(step, self._sent.get(step))}
+            versions = {step: self._versions.get(step, unsent.get(step, 0)) for step in wanted}
         try:
             for step in sorted(wanted):
                 path = files[step]
@@ -570,10 +589,13 @@ class CheckpointManager:
                 except FileNotFoundError:
                     # pruned locally since the listing: superseded, or a base no kept delta needs now
                     with self._lock:
-                        self._unsent.discard(step)
+                        self._sent_or_gone(step, versions[step])
                     continue
                 with self._lock:
-                    self._unsent.discard(step)
+                    # A save of the step that completed during the upload is a newer version: it
+                    # stays pending (the upload may have read the file it replaced).
+                    self._sent_or_gone(step, versions[step])
+                    self._sent[step] = versions[step]
                     # The remote latest follows the local one: to the step it names, else to
                     # the highest below it. A higher step than the local latest is one a run
                     # rolled back from (completed saves move the local latest first), which a
@@ -598,6 +620,22 @@ class CheckpointManager:
         with self._lock:  # what was kept only because it was not uploaded yet may go now
             self._prune(completed=-1)
 
+    def _sent_or_gone(self, step: int, version: int) -> None:
+        """Under ``_lock``: ``version`` of ``step`` is on the remote tier now (or its file is gone):
+        no longer pending, unless a newer version of the step completed meanwhile."""
+        if self._unsent.get(step) == version:
+            del self._unsent[step]
+
+    def _tier_order(self, steps: Any, pointed: int | None) -> list[int]:
+        """``steps`` in the order restore tries them on the remote tier: the one its ``latest``
+        names (``pointed``), the lower steps descending, then the higher ones descending (a run
+        that went back to an older step abandoned those; they count last, as on the local tier)."""
+        ordered = sorted(steps, reverse=True)
+        if pointed is None:
+            return ordered
+        return ([pointed] if pointed in steps else []) + [step for step in ordered if step < pointed] + \
+            [step for step in ordered if step > pointed]
+
     def _prune_remote(self) -> None:
         if self.keep_last_remote is None:
             return
@@ -609,7 +647,11 @@ class CheckpointManager:
         pointed = self._remote_pointer_step()
         if pointed is not None:
             keep.add(pointed)
-        keep.update(sorted(objects)[-self.keep_last_remote:])
+        # keep_last_remote in restore order (a run that went back to an older step keeps its own)
+        # and the highest step besides (an abandoned run keeps its last), as ``_prune`` locally
+        keep.update(self._tier_order(objects, pointed)[:self.keep_last_remote])
+        if objects:
+            keep.add(max(objects))
         pending = [step for step in keep if step in objects]
         while pending:  # the bases kept deltas need, transitively
             base = self._remote_base(objects[pending.pop()])
@@ -652,15 +694,17 @@ class CheckpointManager:
         self.remote.write_small(POINTER, (self._name(step) + "\n").encode("utf-8"))
 
     def _remote_candidates(self, warn: bool = True) -> list[tuple[int, str, str]]:
-        """(step, URL, source) of the remote tier in the order restore tries them: the one its
-        ``latest`` names, then every other by step, descending."""
-        order: list[tuple[int, str, str]] = []
+        """(step, URL, source) of the remote tier in the order restore tries them
+        (``_tier_order``): the one its ``latest`` names (listed or not), the lower steps
+        descending, then the higher ones (an abandoned run's) descending."""
         pointed = self._remote_pointer_step(warn=warn)
+        objects = self._remote_objects()
+        order: list[tuple[int, str, str]] = []
         if pointed is not None:
             order.append((pointed, self.remote.url_of(self._name(pointed)), "named by the remote latest"))
-        order.extend((step, self.remote.url_of(name), "remote")
-                     for step, (name, _size) in sorted(self._remote_objects().items(), reverse=True)
-                     if step != pointed)
+        order.extend((step, self.remote.url_of(objects[step][0]),
+                      "remote" if pointed is None or step < pointed else "a higher step than the remote latest: "
+                      "an abandoned run's") for step in self._tier_order(objects, pointed) if step != pointed)
         return order
 
     def pool_stats(self) -> Any:
@@ -720,10 +764,13 @@ class CheckpointManager:
             if self._moves_latest(epoch, newest, self._pointer_step):
                 self._write_pointer(self._name(newest))
                 self._pointer_step, self._pointer_epoch = newest, epoch
+            self._version_count += 1
+            self._versions[step] = self._version_count
             if self.remote is not None:
-                self._unsent.add(step)
+                self._unsent[step] = self._version_count
                 if self.keep_last_remote is not None:  # older ones would be pruned there at once
-                    self._unsent = set(sorted(self._unsent)[-self.keep_last_remote:])
+                    kept = self._tier_order(self._unsent, self._pointer_step)[:self.keep_last_remote]
+                    self._unsent = {s: self._unsent[s] for s in kept}
             try:
                 self._prune(completed=step)
             except Exception as err:  # noqa: BLE001 - the save itself is complete and published
@@ -809,6 +856,8 @@ class CheckpointManager:
                     remove_releasing(path)  # a large file's storage is freed off the save's path
                 except FileNotFoundError:
                     pass
+                self._versions.pop(step, None)  # its next save is a new file, whatever was sent
+                self._sent.pop(step, None)
 
     def _bases_of(self, steps: set[int], files: dict[int, Path]) -> set[int]:
         """Steps of the checkpoints that the delta checkpoints among ``steps`` need, transitively."""
