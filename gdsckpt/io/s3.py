@@ -256,10 +256,12 @@ def _is_store_failure(err: BaseException) -> bool:
 
 _DENIED_TYPES = ("PermissionDeniedError", "UnauthenticatedError")
 _DENIED_STATUS = re.compile(r"\b40[13] (Forbidden|Unauthorized)\b")
-DENIED_HINT = ("access denied: check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or "
-               "AWS_PROFILE) and what the bucket's policy allows them")
+DENIED_HINT = ("access denied: check that the bucket exists, the credentials (AWS_ACCESS_KEY_ID / "
+               "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) and what the bucket's policy allows them")
 """Said with every failure the server answered 401 or 403: obstore names the request that failed
-(a save's first request is a HEAD of its target), not that the credentials are the cause."""
+(a save's first request is a HEAD of its target), not that the credentials are the cause. A
+missing bucket is among the causes: servers answer 403 for a bucket the caller cannot list (AWS
+for one another account owns, SeaweedFS for one that does not exist)."""
 
 
 def _storage_error(err: BaseException, what: str, url: str) -> CheckpointError:
