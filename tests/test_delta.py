@@ -470,3 +470,37 @@ def test_a_delta_source_offers_no_device_range_to_copy() -> None:
 
     assert Spanned().device_span(0, 16) == 1234
     assert XorSource(Spanned(), object()).device_span(0, 16) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("window", [None, 8192])
+def test_a_damaged_chunk_of_the_base_fails_only_the_arrays_that_use_it(tmp_path, monkeypatch, window, h):
+    """A delta's base is read in windows (small arrays fetched with the ones after them, a large
+    one 64 MiB at a time): one damaged chunk of the base, holding only ``w5``, failed the reads of
+    ``w0``..``w4`` (and named ``w5`` to them), as a full checkpoint never does. With a window of
+    8 KiB, each 16 KiB array is a large one read in two windows: the intact chunk in the damaged
+one's window reads too."""
+    from gdsckpt.state import delta as delta_module
+
+    if window is not None:
+        monkeypatch.setattr(delta_module, "HOST_WINDOW_BYTES", window)
+    base_path, delta_path = tmp_path / "base.gdsckpt", tmp_path / "delta.gdsckpt"
+    g = torch.Generator().manual_seed(0)
+    base = {f"w{i}": torch.randn(4096, generator=g) for i in range(8)}
+    config = gdsckpt.Config(chunk_bytes=4096, pack_below=0, fsync=False)
+    gdsckpt.save(base, base_path, codec="zstd", config=config)
+    new = {key: value.clone() for key, value in base.items()}
+    for value in new.values():
+        value[:10] += 1
+    assert gdsckpt.save(new, delta_path, codec="zstd", config=config, base=base_path).delta_tensors == 8
+    chunk = [c for c in gdsckpt.inspect(base_path).chunks if [k for k, _ in c.arrays] == ["w5"]][-1]
+    data = bytearray(base_path.read_bytes())
+    data[chunk.offset + chunk.stored_bytes // 2] ^= 0xFF
+    base_path.write_bytes(bytes(data))
+    with gdsckpt.open(delta_path, config=config) as ckpt:
+        for key in ("w0", "w3", "w4", "w6"):
+            h.assert_same(new[key], ckpt.get(key), key)
+        # rows 2048-3071 of w5 lie in its third chunk, beside the damaged fourth (one 8 KiB window)
+        h.assert_same(new["w5"][2048:3072], ckpt.get_rows("w5", 2048, 3072), "w5 rows in an intact chunk")
+        with pytest.raises(gdsckpt.CorruptCheckpointError):
+            ckpt.get("w5")
+    h.assert_same(new["w0"], gdsckpt.load(delta_path, keys=["w0"], config=config)["w0"], "w0")

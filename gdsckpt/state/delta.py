@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import CheckpointError, DeltaBaseError
+from ..errors import CheckpointError, CorruptCheckpointError, DeltaBaseError
 
 DEFAULT_MAX_CHAIN = 8
 """Deltas a load may have to resolve behind one checkpoint before a full one is written."""
@@ -210,7 +210,16 @@ class BaseReader:
                 batch = self._batch_for(key, start, stop, device)
                 future, owner = self._claim(batch, device)
             if owner:
-                fetched = self._fetch(batch, device, future)
+                try:
+                    fetched = self._fetch(batch, device, future)
+                except CorruptCheckpointError:
+                    narrow = [(key, start, stop)]
+                    if batch == narrow:
+                        raise
+                    # A damaged chunk elsewhere in the batch (another small array, another part
+                    # of a large one's window) says nothing of this range: read it alone, and
+                    # raise only if its own chunks are damaged.
+                    return self._source.read_many(narrow, device)[0]
             else:
                 try:
                     fetched = future.result(timeout=self._timeout)
