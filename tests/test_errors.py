@@ -125,7 +125,8 @@ def test_file_missing_its_last_bytes_is_corrupt(cut: int, ckpt_path: Path, h: An
 def test_appended_bytes_are_corrupt(ckpt_path: Path, h: Any) -> None:
     gdsckpt.save(_state(), ckpt_path, config=h.small_config())
     ckpt_path.write_bytes(ckpt_path.read_bytes() + b"\x00" * 100)
-    with pytest.raises(gdsckpt.CorruptCheckpointError):
+    # the message names appended bytes as a cause, not only truncation
+    with pytest.raises(gdsckpt.CorruptCheckpointError, match="followed by other bytes"):
         gdsckpt.load(ckpt_path)
 
 

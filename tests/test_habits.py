@@ -75,6 +75,11 @@ def test_map_location_misuse_is_a_clear_error(ckpt_path: Path) -> None:
         gdsckpt.load(ckpt_path, map_location={"gpu1": "cpu"})
     with pytest.raises(ValueError, match="device 'tpu' is invalid"):
         gdsckpt.load(ckpt_path, map_location="tpu")
+    # "cuda" is "cuda:0": one dict naming both, to different places, was resolved by key order
+    with pytest.raises(ValueError, match="maps 'cuda:0' twice"):
+        gdsckpt.load(ckpt_path, map_location={"cuda": "cpu", "cuda:0": "cuda:1"})
+    h_loaded = gdsckpt.load(ckpt_path, map_location={"cuda": "cpu", "cuda:0": "cpu"})  # the same place: fine
+    assert h_loaded["model"]["w"].device.type == "cpu"
     with gdsckpt.open(ckpt_path) as checkpoint, pytest.raises(TypeError, match="not both"):
         checkpoint.get("model/w", device="cpu", map_location="cpu")
 

@@ -411,11 +411,17 @@ def resolve_location(device: Any, map_location: Any) -> str | DeviceMap | None:
                         f"map_location={map_location!r})")
     if isinstance(map_location, dict):
         mapped: DeviceMap = {}
+        named: dict[str, str] = {}
         for saved, wanted in map_location.items():
             key = str(saved)
             if not re.fullmatch(r"cpu|cuda(:\d+)?", key):
                 raise ValueError(f"map_location key {saved!r} is not a device ('cpu', 'cuda' or 'cuda:N')")
-            mapped["cuda:0" if key == "cuda" else key] = parse_device(wanted)
+            device = "cuda:0" if key == "cuda" else key
+            if device in named and named[device] != str(wanted):  # {"cuda": ..., "cuda:0": ...}
+                raise ValueError(f"map_location maps {device!r} twice, to {named[device]!r} and "
+                                 f"{str(wanted)!r} ('cuda' is 'cuda:0')")
+            named[device] = str(wanted)
+            mapped[device] = parse_device(wanted)
         return mapped
     if callable(map_location):
         raise TypeError("map_location as a function is not supported (torch passes it storages, which a gdsckpt "

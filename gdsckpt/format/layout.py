@@ -137,7 +137,8 @@ def unpack_trailer(data: bytes, file_size: int) -> Trailer:
             f"({HEADER_REGION + TRAILER_SIZE}): truncated"
         )
     if len(data) != TRAILER_SIZE or data[:8] != TRAILER_MAGIC:
-        raise CorruptCheckpointError("no trailer at the end of the file: truncated or not fully written")
+        raise CorruptCheckpointError("no trailer at the end of the file: truncated, not fully written, or followed by "
+                                     "other bytes (a checkpoint ends with its trailer)")
     (_magic, major, minor, _flags, index_offset, index_length, index_crc, _r, file_length, _r2,
      crc) = _TRAILER.unpack(data)
     _check_major(major, minor)
