@@ -504,3 +504,26 @@ one's window reads too."""
         with pytest.raises(gdsckpt.CorruptCheckpointError):
             ckpt.get("w5")
     h.assert_same(new["w0"], gdsckpt.load(delta_path, keys=["w0"], config=config)["w0"], "w0")
+
+
+def test_a_delta_whose_first_chunk_base_is_damaged_fails_at_once(tmp_path, monkeypatch):
+    """The first chunk of an array decides byte planes for the array's other chunks, which wait
+    for it. Its base bytes damaged (the array's later windows intact): it raised before deciding,
+    and the other chunks waited out ``Config.timeout``, then the save failed with a
+    ``TimeoutError`` instead of the damage."""
+    from gdsckpt.state import delta as delta_module
+
+    monkeypatch.setattr(delta_module, "HOST_WINDOW_BYTES", 8192)
+    base_path = tmp_path / "base.gdsckpt"
+    w = torch.randn(16384, generator=torch.Generator().manual_seed(1))
+    config = gdsckpt.Config(chunk_bytes=4096, pack_below=0, fsync=False, timeout=30)
+    gdsckpt.save({"w": w}, base_path, codec="zstd", config=config)
+    first = gdsckpt.inspect(base_path).chunks[0]
+    data = bytearray(base_path.read_bytes())
+    data[first.offset + first.stored_bytes // 2] ^= 0xFF
+    base_path.write_bytes(bytes(data))
+    changed = w.clone()
+    changed[::7] += 1
+    with pytest.raises(gdsckpt.CorruptCheckpointError):
+        gdsckpt.save({"w": changed}, tmp_path / "delta.gdsckpt", codec="zstd", config=config, base=base_path)
+    assert not (tmp_path / "delta.gdsckpt").exists()

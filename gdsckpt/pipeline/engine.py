@@ -288,7 +288,15 @@ class HostEngine(Engine):
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def _encode(self, chunk: ChunkPlan, decision: Future[bool], owner: bool) -> EncodedChunk:
-        raw = self._gather(chunk)
+        try:
+            raw = self._gather(chunk)
+        except BaseException as err:
+            # The group's other chunks wait for its owner's decision: an owner whose bytes cannot
+            # be read (a delta's damaged base chunk) must fail them too, not leave them waiting
+            # out the timeout while their own reads succeeded.
+            if owner and not decision.done():
+                decision.set_exception(err)
+            raise
         params = {"width": chunk.plane_width}
         if owner and not decision.done():
             try:

@@ -202,30 +202,34 @@ class BaseReader:
 
             return cupy.empty(0, dtype=cupy.uint8)
         waited_failures = 0
+        alone = False
         while True:
             with self._lock:
                 hit = self._cached(key, start, stop, device)
                 if hit is not None:
                     return hit
-                batch = self._batch_for(key, start, stop, device)
+                batch = [(key, start, stop)] if alone else self._batch_for(key, start, stop, device)
                 future, owner = self._claim(batch, device)
             if owner:
                 try:
                     fetched = self._fetch(batch, device, future)
                 except CorruptCheckpointError:
-                    narrow = [(key, start, stop)]
-                    if batch == narrow:
+                    if batch == [(key, start, stop)]:
                         raise
                     # A damaged chunk elsewhere in the batch (another small array, another part
-                    # of a large one's window) says nothing of this range: read it alone, and
-                    # raise only if its own chunks are damaged.
-                    return self._source.read_many(narrow, device)[0]
+                    # of a large one's window) says nothing of this range: fetched again alone
+                    # (one fetch at a time, as ever), it fails only if its own chunks are damaged.
+                    alone = True
+                    continue
             else:
                 try:
                     fetched = future.result(timeout=self._timeout)
                 except FutureTimeout:
                     raise CheckpointError(f"reading {key!r} of the base waited more than {self._timeout} s for "
                                           f"another thread's read") from None
+                except CorruptCheckpointError:
+                    alone = True  # damage in another thread's batch: this range is fetched alone
+                    continue
                 except Exception:
                     # Another thread's fetch failed: fetch it here, and raise its error if that
                     # fails too.
