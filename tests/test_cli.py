@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -59,6 +60,37 @@ def test_demo_measures_both_sides_every_round(tmp_path: Path) -> None:
         "save": 3, "torch_save": 3, "load": 3, "torch_load": 3}
     assert figures["cold_loads"] is hasattr(os, "posix_fadvise")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_saves_are_durable_whatever_the_environment_says(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo says both sides' saves are durable (fsync inside the timing) and always fsyncs
+    torch.save's file; gdsckpt's save followed ``GDSCKPT_FSYNC``, so with it off the comparison
+    timed a save without fsync against one with."""
+    from gdsckpt import api
+    from gdsckpt.demo import run_demo
+
+    monkeypatch.setenv("GDSCKPT_FSYNC", "false")
+    saving, synced = [False], []
+    real_fsync, real_save = os.fsync, api.save
+
+    def recording(fd: int) -> None:
+        with contextlib.suppress(OSError):
+            synced.append((saving[0], os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def save(*args: Any, **kwargs: Any) -> Any:
+        saving[0] = True
+        try:
+            return real_save(*args, **kwargs)
+        finally:
+            saving[0] = False
+
+    monkeypatch.setattr(os, "fsync", recording)
+    monkeypatch.setattr(api, "save", save)
+    assert run_demo(width=32, depth=1, directory=str(tmp_path), device="cpu", rounds=1)["bit_exact"]
+    # inside the save (the cold load's eviction fsyncs the file too, outside any timing)
+    assert any(during and "demo.gdsckpt" in path for during, path in synced), synced
 
 
 def test_inspect_prints_every_array(saved: Path, h: Any) -> None:

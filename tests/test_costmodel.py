@@ -368,6 +368,9 @@ def test_cli_storage_speed_from_the_config(capsys: pytest.CaptureFixture[str]) -
     ("plan", "--params", "7B", "--gpus", "0"), ("plan", "--params", "7B", "--snapshot", "disk"),
     ("plan", "--params", "7B", "--ratio", "exp_avg"), ("plan", "--params", "7B", "--storage-gbps", "inf"),
     ("plan", "--params", "7B", "--gpu-hour-price", "-1"), ("plan", "--params", "7B", "--optimizer", "adam"),
+    # tiny positive figures made the plan's times inf and its savings nan
+    ("plan", "--params", "7B", "--ratio", "weights=1e-300"), ("plan", "--params", "1e18", "--storage-gbps", "1e-300"),
+    ("plan", "--params", "1e18", "--pipeline-gbps", "1e-300"),
 ])
 def test_cli_unparsable_arguments_exit_2(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:

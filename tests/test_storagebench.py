@@ -223,6 +223,17 @@ def test_limit_fractions_put_each_figure_over_ratio_times_raw() -> None:
     fractions = sb.limit_fractions(sb.TargetResult("/t", {}, 1, [raw, mine]), mine)
     assert fractions == pytest.approx({"save": 1 / 1.25, "load": 2 / 2.5, "warm_load": 5 / 12.5})
     assert sb.limit_fractions(sb.TargetResult("/t", {}, 1, [mine]), mine) is None  # no raw I/O ran
+    # Raw I/O moves its file, padded to whole pages: a 100-byte state is a 4 KiB raw file, and the
+    # storage's speed is the file's bytes per second (the logical bytes' made the fractions 40x)
+    padded = sb.Measurement("raw-posix", "raw", "cpu", chunk_bytes=4 << 20, threads=8, status="ok",
+                            logical_bytes=100, file_bytes=4096, save_seconds=[1e-3], load_seconds=[1e-3],
+                            warm_load_seconds=[1e-3], bit_exact=True)
+    small = sb.Measurement("gdsckpt", "gdsckpt", "cpu", chunk_bytes=4 << 20, threads=8, status="ok",
+                           logical_bytes=100, file_bytes=8192, save_seconds=[1e-3], load_seconds=[1e-3],
+                           warm_load_seconds=[1e-3], bit_exact=True)
+    fractions = sb.limit_fractions(sb.TargetResult("/t", {}, 1, [padded, small]), small)
+    # gdsckpt moved its 8 KiB file in the time raw I/O moved 4 KiB: twice the storage's pace
+    assert fractions == pytest.approx(dict.fromkeys(("save", "load", "warm_load"), 2.0))
 
 
 def test_recommendation_says_plainly_when_a_baseline_was_faster() -> None:
@@ -280,6 +291,8 @@ def test_target_without_room_exits_2_before_writing(tmp_path: Path, caplog: pyte
     ("--baselines", "pickle"),
     ("--size", "lots"),
     ("--max-seconds", "0"),
+    ("--max-seconds", "inf"),  # bench.json held "Infinity", which is no JSON
+    ("--max-seconds", "1e400"),
 ])
 def test_bad_arguments_exit_2(tmp_path: Path, argv: tuple[str, ...],
                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -418,3 +431,43 @@ def test_bench_skips_a_gpu_auto_case_whose_save_would_be_refused() -> None:
         case = runner._gdsckpt_case(side, codec, 4 << 20, 4, 4, Config(), 1 << 20)
         assert case.measurement.status == "skipped", (codec, case.measurement.reason)
         assert "nvCOMP's ans holds 32MiB" in case.measurement.reason
+
+
+def test_an_interrupt_a_library_turns_into_its_own_error_still_ends_the_run(tmp_path: Path) -> None:
+    """torch.save's zip writer turns a Ctrl-C inside its write into ``RuntimeError: ... unexpected
+    pos``: the configuration was recorded as failed and the run went on (exit 1, not 130). With
+    the command's handler having seen the interrupt, the error is the interrupt again."""
+    from gdsckpt.tools.storagebench import runner
+
+    measurement = sb.Measurement("torch", "baseline", "cpu")
+
+    def save(_path: Path) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    case = runner._Case(measurement, ".pt", save=save, load=lambda _p: None, check=lambda _x: True)
+    runner._run_once(case, tmp_path / "x", lambda: None)
+    assert measurement.status == "failed"  # no interrupt seen: one configuration failed
+    sb.INTERRUPTED.set()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner._run_once(case, tmp_path / "x", lambda: None)
+    finally:
+        sb.INTERRUPTED.clear()
+
+
+def test_results_that_cannot_be_written_still_print_the_table(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """--out that cannot take bench.json (a full disk; here a directory where the file goes):
+    the run's table was lost, an empty bench.json left and the error named no path."""
+    out = tmp_path / "out"
+    (out / "bench.json").mkdir(parents=True)
+    target = tmp_path / "target"
+    target.mkdir()
+    code, stdout = run_bench("--target", str(target), "--size", "256KiB", "--codecs", "none", "--chunk-sizes",
+                             "64KiB", "--threads", "1", "--repeats", "1", "--baselines", "none", "--device", "cpu",
+                             "--out", str(out))
+    assert code == 1
+    assert "x limit" in stdout or "GB/s" in stdout, stdout
+    assert any(str(out) in record.getMessage() and "cannot write the results" in record.getMessage()
+               for record in caplog.records)
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json"] and (out / "bench.json").is_dir()

@@ -12,6 +12,7 @@ import argparse
 import datetime as _dt
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 
 from ..codecs import known_codec_names
 from ..config import MAX_THREADS, Config, parse_size
+from ..io.posix import write_atomically
 from ..tools import storagebench as sb
 from .common import nonempty_path, require_module
 from .progress import progress_bar
@@ -117,8 +119,8 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    if not 0 < value < math.inf:  # inf would be written to bench.json as Infinity, which is no JSON
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
     return value
 
 
@@ -185,19 +187,25 @@ def _writable_destination(path: Path) -> bool:
 @contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM raises KeyboardInterrupt while the benchmark runs, so the ``finally`` blocks that
-    remove its files run for ``kill`` as they do for Ctrl-C."""
+    remove its files run for ``kill`` as they do for Ctrl-C; both first set
+    ``storagebench.INTERRUPTED``, so that an interrupt a library turned into an error of its own
+    still ends the run."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(_signum: int, _frame: Any) -> None:
+        sb.INTERRUPTED.set()
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    sb.INTERRUPTED.clear()
+    previous = {number: signal.signal(number, interrupt) for number in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        sb.INTERRUPTED.clear()  # this run's: a later run in the process starts without it
 
 
 def _progress(total: int, quiet: bool) -> Any:
@@ -253,13 +261,19 @@ def run(args: argparse.Namespace) -> int:
     recommendations = [sb.recommend(target) for target in report.targets] if args.recommend else []
     for target, recommendation in zip(report.targets, recommendations):
         target.recommendation = recommendation
-    out.mkdir(parents=True, exist_ok=True)
+    # The table first: what the run measured is printed even where --out cannot take the files.
+    print(format_report(report), flush=True)
     json_path = out / "bench.json"
-    # default=str: a figure of a library (a NumPy scalar in a report) must not lose the whole run
-    json_path.write_text(json.dumps(report.to_json(), indent=1, default=str) + "\n")
-    plots = sb.write_plots(report, out)
-
-    print(format_report(report))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        # default=str: a figure of a library (a NumPy scalar in a report) must not lose the whole
+        # run; written whole or not at all (a full disk left an empty bench.json)
+        write_atomically(json_path, (json.dumps(report.to_json(), indent=1, default=str) + "\n").encode(),
+                         fsync=False)
+        plots = sb.write_plots(report, out)
+    except OSError as err:
+        logger.error("cannot write the results to %s: %s", out, getattr(err, "strerror", None) or err)
+        return 1
     print(f"wrote {json_path}" + "".join(f"\nwrote {plot}" for plot in plots))
     status = 0 if report.all_ok else 1
     for number, (target, recommendation) in enumerate(zip(report.targets, recommendations), 1):

@@ -60,7 +60,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from err
     figures = run_demo(width=args.width, depth=args.depth, directory=args.dir, device=device,
-                       rounds=args.rounds)
+                       rounds=args.rounds, config=args.config)
     return 0 if figures["bit_exact"] else EXIT_FAILED
 
 

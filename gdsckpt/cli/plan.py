@@ -36,9 +36,12 @@ _SECONDS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 
 
 MAX_COUNT = 10**18
+"""The largest parameter count ``plan`` takes (a million times today's largest models)."""
 MAX_FIGURE = 1e12
 """The largest price, speed or count the plan takes: its products stay far from overflowing."""
-"""The largest parameter count ``plan`` takes (a million times today's largest models)."""
+MIN_FIGURE = 1e-6
+"""The smallest speed or ratio the plan takes: a speed of 1e-300 GB/s made its times ``inf`` and
+its savings ``nan`` (and ``Infinity`` in ``--json``, which is no JSON)."""
 
 
 def parse_count(text: str) -> int:
@@ -104,6 +107,8 @@ def _positive_float(text: str) -> float:
     value = _number(text, float, "a number")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    if value < MIN_FIGURE:
+        raise argparse.ArgumentTypeError(f"a figure of at least {MIN_FIGURE:.0e} is planned, got {text!r}")
     return value
 
 
@@ -232,6 +237,9 @@ def _parts(args: argparse.Namespace) -> tuple[list[costmodel.Part], str]:
 
 def _job(args: argparse.Namespace, config: Config) -> costmodel.Job:
     storage = args.storage_gbps or config.storage_gbps or DEFAULT_STORAGE_GBPS
+    if storage < MIN_FIGURE:  # from the configuration (GDSCKPT_STORAGE_GBPS), not checked by argparse
+        raise _BadArguments(f"storage_gbps of the configuration: a figure of at least {MIN_FIGURE:.0e} is "
+                            f"planned, got {storage!r}")
     try:
         return costmodel.Job(
             interval_s=args.interval, gpus=args.gpus, storage_gbps=storage, gpu_hour_price=args.gpu_hour_price,

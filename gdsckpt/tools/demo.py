@@ -161,15 +161,20 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None,
-             device: str | None = None, rounds: int = 3) -> dict[str, Any]:
+             device: str | None = None, rounds: int = 3, config: Any = None) -> dict[str, Any]:
     """Run the demo and return its figures (also printed).
 
     Both sides are measured the same way over ``rounds`` rounds, taking turns at going first:
     durable saves (fsync of the file and its directory inside the timing), then cold loads (the
     file dropped from the page cache first) into a fresh model and optimizer (torch: ``torch.load``
     + ``load_state_dict``). The medians are printed with the conditions and which side won.
+    gdsckpt runs with ``config`` (else the environment's) and ``fsync`` on whatever it says: the
+    torch side is always made durable, so a save without it would not be measured alike.
     """
     from .. import api
+    from ..api.resolve import resolve_config
+
+    config = resolve_config(config).replace(fsync=True)
 
     device = check_demo_options(width=width, depth=depth, device=device)
     if rounds < 1:
@@ -191,9 +196,9 @@ def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None,
             fresh_optimizer.load_state_dict(loaded["optimizer"])
 
         sides = {
-            "save": lambda: reports.append(api.save(state, ours)),
+            "save": lambda: reports.append(api.save(state, ours, config=config)),
             "torch_save": lambda: _durable_torch_save(state, theirs),
-            "load": lambda: api.load_into(target, ours),
+            "load": lambda: api.load_into(target, ours, config=config),
             "torch_load": torch_restore,
         }
         for number in range(rounds):
@@ -208,7 +213,7 @@ def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None,
             target["step"] = 0
         # torch's restore may have been the last to fill the model: restore from gdsckpt once more so
         # that the comparison below checks gdsckpt's restore.
-        api.load_into(target, ours)
+        api.load_into(target, ours, config=config)
         report = reports[-1]
         torch_bytes = theirs.stat().st_size
         filesystem = _filesystem_of(Path(tmp))

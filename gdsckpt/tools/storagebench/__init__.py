@@ -82,6 +82,7 @@ from .results import (
     human_size,
 )
 from .runner import (
+    INTERRUPTED,
     bench_directory,
     fsync_file,
     progress_total,
@@ -97,6 +98,7 @@ __all__ = [
     "GB",
     "GIB",
     "GPU_MAX_CHUNK_BYTES",
+    "INTERRUPTED",
     "MIB",
     "RATIO_TIE",
     "SAVE_TIE",

@@ -94,7 +94,9 @@ def limit_fractions(result: TargetResult, m: Measurement) -> dict[str, float] | 
     fractions = {}
     for what in ("save", "load", "warm_load"):
         mine = getattr(m, f"{what}_gbps")
-        raw = max((getattr(r, f"{what}_gbps") or 0.0) for r in (same or raws))
+        # the storage's speed: the bytes raw I/O moved (its file, padded to whole pages) per second,
+        # not its logical bytes (a state of 100 bytes is a 4 KiB raw file)
+        raw = max((getattr(r, f"{what}_gbps") or 0.0) / (r.ratio or 1.0) for r in (same or raws))
         if mine and raw:
             fractions[what] = mine / (m.ratio * raw)
     return fractions

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,8 +83,8 @@ class BenchSettings:
             raise ValueError("threads and depths must be >= 1")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-        if self.max_seconds is not None and not self.max_seconds > 0:
-            raise ValueError(f"max_seconds must be > 0, got {self.max_seconds}")
+        if self.max_seconds is not None and not 0 < self.max_seconds < math.inf:
+            raise ValueError(f"max_seconds must be a finite number > 0, got {self.max_seconds}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device!r} is invalid (expected one of: cpu, cuda)")
         bad = [b for b in self.baselines if b not in BASELINES]

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -68,6 +69,13 @@ class _Case:
     """Untimed, between the save and the loads (the null case writes the file its loads need)."""
 
 
+INTERRUPTED = threading.Event()
+"""Set by the ``bench`` command's SIGINT / SIGTERM handler before it raises ``KeyboardInterrupt``:
+a library that turns the interrupt into an error of its own (torch.save's zip writer raised
+``RuntimeError: ... unexpected pos`` for a Ctrl-C inside its write) would otherwise fail that one
+configuration, and the run go on for seconds and exit 1 instead of 130."""
+
+
 def _run_once(case: _Case, path: Path, sync: Callable[[], None]) -> None:
     """One durable save, one cold load and one warm load (the file in the page cache) of ``case``
     at ``path``; the file is removed after."""
@@ -104,7 +112,9 @@ def _run_once(case: _Case, path: Path, sync: Callable[[], None]) -> None:
         warm_seconds = time.perf_counter() - started
         exact = exact and case.check(loaded)
     # one configuration failing (a codec, memory, a baseline) ends only that configuration
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
+        if INTERRUPTED.is_set():  # the interrupt, whatever the library made of it
+            raise KeyboardInterrupt from err
         m.status, m.reason = "failed", f"{type(err).__name__}: {err}"
         logger.warning("%s failed: %s", m.label, m.reason)
         return
