@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 from typing import Any
 
@@ -297,3 +299,26 @@ def test_a_quiet_command_with_stdout_closed_succeeds(tmp_path: Path, h: Any) -> 
     assert quiet.returncode == 0 and quiet.stderr == "" and dst.exists(), quiet.stderr
     loud = closed_stdout("convert", str(src), str(tmp_path / "c.gdsckpt"))
     assert_one_error_line(loud, "convert", 1, "standard output is closed")
+
+
+def test_demo_killed_removes_its_temporary_directory(tmp_path: Path, h: Any) -> None:
+    """``kill`` (SIGTERM) of a running demo left its temporary directory (the checkpoint and the
+    torch.save file, tens of MB) behind; now it ends as Ctrl-C does: exit 130, nothing left."""
+    pytest.importorskip("torch")
+    run = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "gdsckpt"]
+    process = subprocess.Popen([*run, "demo", "--width", "256", "--depth", "4", "--rounds", "50",
+                                "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env=h.subprocess_env(), cwd=str(h.REPO_ROOT))
+    try:
+        deadline = time.monotonic() + 120
+        while not any(tmp_path.rglob("demo.*")) and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert process.poll() is None, "the demo ended before it wrote a file"
+        process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, err
+    assert list(tmp_path.iterdir()) == []
+    assert err.strip().splitlines()[-1] == "gdsckpt demo: error: interrupted", err

@@ -471,3 +471,25 @@ def test_results_that_cannot_be_written_still_print_the_table(tmp_path: Path,
     assert any(str(out) in record.getMessage() and "cannot write the results" in record.getMessage()
                for record in caplog.records)
     assert sorted(p.name for p in out.iterdir()) == ["bench.json"] and (out / "bench.json").is_dir()
+
+
+def test_a_run_that_measured_nothing_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """``--max-seconds`` spent before the first configuration: every one skipped, and the command
+    exited 0, which its docstring keeps for runs whose configurations loaded bit-exact."""
+    from gdsckpt.tools.storagebench import runner
+
+    calls = {"n": 0}
+
+    def clock() -> float:  # the budget is spent right after the run starts
+        calls["n"] += 1
+        return 0.0 if calls["n"] == 1 else 1e9
+
+    monkeypatch.setattr(runner.time, "perf_counter", clock)
+    target = tmp_path / "target"
+    target.mkdir()
+    code, stdout = run_bench("--target", str(target), "--size", "256KiB", "--codecs", "none", "--chunk-sizes",
+                             "64KiB", "--threads", "1", "--repeats", "1", "--baselines", "none", "--device", "cpu",
+                             "--max-seconds", "1", "--out", str(tmp_path / "out"))
+    assert "skipped" in stdout
+    assert code == 1 and any("no configuration was measured" in r.getMessage() for r in caplog.records)

@@ -1,9 +1,10 @@
 """``gdsckpt bench``: the storage-throughput benchmark, for the storage a checkpoint will live on.
 
-Argument parsing and printing over ``gdsckpt.tools.storagebench`` (which measures). Exit codes: 0 every
-configuration ran and loaded bit-exact; 1 a configuration failed or a target is missing or not
-writable; 2 bad arguments (a target without room for ``--size`` included); 130 interrupted (every
-file the benchmark wrote is removed first).
+Argument parsing and printing over ``gdsckpt.tools.storagebench`` (which measures). Exit codes: 0
+every configuration that ran loaded bit-exact (skipped ones are listed with why); 1 a
+configuration failed, none ran at all, or a target is missing or not writable; 2 bad arguments (a
+target without room for ``--size`` included); 130 interrupted (every file the benchmark wrote is
+removed first).
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ import json
 import logging
 import math
 import os
-import signal
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ from ..codecs import known_codec_names
 from ..config import MAX_THREADS, Config, parse_size
 from ..io.posix import write_atomically
 from ..tools import storagebench as sb
-from .common import nonempty_path, require_module
+from .common import nonempty_path, require_module, signals_interrupt
 from .progress import progress_bar
 
 logger = logging.getLogger("gdsckpt")
@@ -184,28 +182,10 @@ def _writable_destination(path: Path) -> bool:
     return probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
 
 
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt while the benchmark runs, so the ``finally`` blocks that
-    remove its files run for ``kill`` as they do for Ctrl-C; both first set
-    ``storagebench.INTERRUPTED``, so that an interrupt a library turned into an error of its own
-    still ends the run."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(_signum: int, _frame: Any) -> None:
-        sb.INTERRUPTED.set()
-        raise KeyboardInterrupt
-
-    sb.INTERRUPTED.clear()
-    previous = {number: signal.signal(number, interrupt) for number in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-        sb.INTERRUPTED.clear()  # this run's: a later run in the process starts without it
+def _sigterm_as_interrupt() -> Any:
+    """``signals_interrupt`` marking ``storagebench.INTERRUPTED``, which the runner reads when a
+    configuration fails (an interrupt a library turned into its own error ends the run)."""
+    return signals_interrupt(sb.INTERRUPTED)
 
 
 def _progress(total: int, quiet: bool) -> Any:
@@ -276,6 +256,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"wrote {json_path}" + "".join(f"\nwrote {plot}" for plot in plots))
     status = 0 if report.all_ok else 1
+    if not any(m.status == "ok" for target in report.targets for m in target.measurements):
+        # every configuration skipped (the time budget, codecs this machine lacks): no figure to read
+        logger.error("no configuration was measured (each skipped: see the table's reasons)")
+        status = 1
     for number, (target, recommendation) in enumerate(zip(report.targets, recommendations), 1):
         if recommendation is None:
             logger.error("no lossless gdsckpt configuration ran on %s: nothing to recommend",

@@ -15,8 +15,11 @@ import argparse
 import importlib
 import logging
 import re
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 EXIT_FAILED = 1
@@ -134,3 +137,30 @@ def require_module(name: str, *, extra: str, needed_by: str) -> Any:
         raise CommandError(f"{needed_by} needs {name}, which is not installed here: "
                            f"python3 -m pip install 'gdsckpt[{extra}]'") from err
 
+
+
+@contextmanager
+def signals_interrupt(seen: threading.Event | None = None) -> Iterator[threading.Event]:
+    """While the block runs (in the main thread), SIGTERM raises ``KeyboardInterrupt`` as SIGINT
+    does, so that the ``finally`` blocks that remove a command's files run for ``kill`` as they do
+    for Ctrl-C. Either first sets ``seen`` (a new event by default; yielded): a library that turns
+    the interrupt into an error of its own (torch.save's zip writer raises ``RuntimeError ...
+    unexpected pos`` for one inside its write) can still be told from a failure. The handlers
+    before are restored and ``seen`` cleared on exit."""
+    seen = threading.Event() if seen is None else seen
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        seen.set()
+        raise KeyboardInterrupt
+
+    seen.clear()
+    previous = {number: signal.signal(number, interrupt) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield seen
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        seen.clear()  # this block's: a later one in the process starts without it

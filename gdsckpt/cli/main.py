@@ -39,6 +39,7 @@ from .common import (
     print_error,
     require_module,
     show_warning,
+    signals_interrupt,
 )
 from .progress import byte_progress, progress_bar
 
@@ -59,8 +60,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         device = check_demo_options(width=args.width, depth=args.depth, device=args.device)
     except ValueError as err:
         raise UsageError(str(err)) from err
-    figures = run_demo(width=args.width, depth=args.depth, directory=args.dir, device=device,
-                       rounds=args.rounds, config=args.config)
+    # kill as Ctrl-C: the demo's temporary directory is removed either way
+    with signals_interrupt() as interrupted:
+        try:
+            figures = run_demo(width=args.width, depth=args.depth, directory=args.dir, device=device,
+                               rounds=args.rounds, config=args.config)
+        except Exception as err:
+            if interrupted.is_set():  # torch.save turns an interrupt inside its write into RuntimeError
+                raise KeyboardInterrupt from err
+            raise
     return 0 if figures["bit_exact"] else EXIT_FAILED
 
 
