@@ -493,3 +493,13 @@ def test_a_run_that_measured_nothing_exits_1(tmp_path: Path, monkeypatch: pytest
                              "--max-seconds", "1", "--out", str(tmp_path / "out"))
     assert "skipped" in stdout
     assert code == 1 and any("no configuration was measured" in r.getMessage() for r in caplog.records)
+
+
+def test_a_value_given_twice_is_one_configuration() -> None:
+    """``--threads 2,2`` (or ``--chunk-sizes 1MiB,1024KiB``) ran the same configuration twice,
+    each a row of its own in the table and the JSON."""
+    parser = argparse.ArgumentParser(prog="gdsckpt")
+    bench.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", "--target", "/tmp", "--threads", "2,2,4", "--chunk-sizes", "1MiB,1024KiB,64KiB",
+                              "--depth", "default,2,default", "--repeats", "1"])
+    assert args.threads == (2, 4) and args.chunk_sizes == (1 << 20, 64 << 10) and args.depth == (None, 2)

@@ -63,7 +63,7 @@ def _items(text: str) -> list[str]:
 
 
 def _chunk_sizes(text: str) -> tuple[int, ...]:
-    sizes = tuple(_size(item) for item in _items(text))
+    sizes = tuple(dict.fromkeys(_size(item) for item in _items(text)))  # "1MiB,1024KiB" is one size
     for size in sizes:
         if size % 4096 or size > 1 << 30:
             raise argparse.ArgumentTypeError(f"chunk size {sb.format_size(size)} is invalid (expected a "
@@ -78,7 +78,7 @@ def _counts(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
     if any(value < 1 for value in values):
         raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
-    return values
+    return tuple(dict.fromkeys(values))  # a value given twice is one configuration, measured once
 
 
 def _thread_counts(text: str) -> tuple[int, ...]:
@@ -89,7 +89,7 @@ def _thread_counts(text: str) -> tuple[int, ...]:
 
 
 def _depths(text: str) -> tuple[int | None, ...]:
-    return tuple(None if item == "default" else _counts(item)[0] for item in _items(text))
+    return tuple(dict.fromkeys(None if item == "default" else _counts(item)[0] for item in _items(text)))
 
 
 def _codecs(text: str) -> tuple[str, ...]:
