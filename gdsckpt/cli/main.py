@@ -290,8 +290,8 @@ def _flushed(command: str | None, code: int) -> int:
     """``code`` once stdout is flushed (inside the caller's error handling: a closed pipe or a
     full disk shows here rather than at the interpreter's exit, where it would be lost), or the
     failure to write it: output that was lost is never a success."""
-    if sys.stdout is None or isinstance(sys.stdout, _ClosedStdout):  # started with stdout closed
-        if code != 0 or not getattr(sys.stdout, "lost", True):
+    if isinstance(sys.stdout, _ClosedStdout):  # started with stdout closed (``main`` put it there)
+        if code != 0 or not sys.stdout.lost:
             return code  # it failed and said so (stderr) already, or it wrote nothing
         print_error(command, "cannot write the output: standard output is closed")
         return EXIT_FAILED
