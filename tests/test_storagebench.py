@@ -503,3 +503,29 @@ def test_a_value_given_twice_is_one_configuration() -> None:
     args = parser.parse_args(["bench", "--target", "/tmp", "--threads", "2,2,4", "--chunk-sizes", "1MiB,1024KiB,64KiB",
                               "--depth", "default,2,default", "--repeats", "1"])
     assert args.threads == (2, 4) and args.chunk_sizes == (1 << 20, 64 << 10) and args.depth == (None, 2)
+
+
+def test_a_configuration_failing_in_a_later_repeat_shows_no_figures(tmp_path: Path) -> None:
+    """A configuration whose second repeat failed was shown with the first repeat's GB/s beside
+    "failed" (the median of the repeats that finished); its figures are now None ("-" in the
+    table) while the JSON keeps the finished repeats' seconds as measured."""
+    from gdsckpt.tools.storagebench import runner
+
+    measurement = sb.Measurement("torch", "baseline", "cpu", logical_bytes=10**6)
+    calls = []
+
+    def save(path: Path) -> dict[str, Any]:
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        path.write_bytes(b"x" * 1000)
+        return {}
+
+    case = runner._Case(measurement, ".pt", save=save, load=lambda _p: None, check=lambda _x: True)
+    runner._run_once(case, tmp_path / "x", lambda: None)
+    assert measurement.save_gbps is not None  # one good repeat: a figure
+    runner._run_once(case, tmp_path / "x", lambda: None)
+    assert measurement.status == "failed"
+    assert (measurement.save_gbps, measurement.load_gbps, measurement.warm_load_gbps) == (None, None, None)
+    doc = measurement.to_json()
+    assert len(doc["save_seconds"]) == 1 and doc["save_gbps"] is None

@@ -139,18 +139,25 @@ class Measurement:
 
     @property
     def save_gbps(self) -> float | None:
-        """Logical GB over the median save time (durable)."""
-        return _gbps(self.logical_bytes, self.save_seconds)
+        """Logical GB over the median save time (durable); None for a failed configuration."""
+        return self._median_gbps(self.save_seconds)
 
     @property
     def load_gbps(self) -> float | None:
-        """Logical GB over the median load time (cold)."""
-        return _gbps(self.logical_bytes, self.load_seconds)
+        """Logical GB over the median load time (cold); None for a failed configuration."""
+        return self._median_gbps(self.load_seconds)
 
     @property
     def warm_load_gbps(self) -> float | None:
-        """Logical GB over the median warm load time (the file in the page cache)."""
-        return _gbps(self.logical_bytes, self.warm_load_seconds)
+        """Logical GB over the median warm load time (the file in the page cache); None for a
+        failed configuration."""
+        return self._median_gbps(self.warm_load_seconds)
+
+    def _median_gbps(self, seconds: list[float]) -> float | None:
+        # A configuration that failed in a later repeat keeps its earlier repeats' seconds (in the
+        # JSON, as measured) but has no figure: a median of the repeats that happened to finish
+        # would stand in the table beside "failed" as if the configuration delivered it.
+        return None if self.status == "failed" else _gbps(self.logical_bytes, seconds)
 
     @property
     def ratio(self) -> float | None:
