@@ -124,6 +124,42 @@ def test_windows_smaller_than_the_arrays(tmp_path, monkeypatch):
         assert bit_equal(checkpoint.get_rows("x", 1_000, 45_000), new["x"][1_000:45_000])
 
 
+def test_rows_of_a_delta_fetch_only_those_rows_of_the_base(tmp_path, monkeypatch):
+    """``get_rows`` of a delta read a whole window of the base (64 MiB by default) for a few rows,
+    and for a small array the small arrays after it as well; the base's fetches are now bounded by
+    the rows asked for, through a chain of two bases too."""
+    from gdsckpt.api import checkpoint as checkpoint_module
+
+    monkeypatch.setattr(delta_module, "HOST_WINDOW_BYTES", 256 << 10)
+    g = torch.Generator().manual_seed(3)
+    base = {"big": torch.randn(4096, 64, generator=g), "small": torch.randn(64, 64, generator=g),
+            "after": torch.randn(64, 64, generator=g)}
+    config = gdsckpt.Config(chunk_bytes=16384)
+    gdsckpt.save(base, tmp_path / "a.gdsckpt", config=config)
+    middle = {key: value + 1e-3 for key, value in base.items()}
+    gdsckpt.save(middle, tmp_path / "b.gdsckpt", base=tmp_path / "a.gdsckpt", config=config)
+    new = {key: value * 2 for key, value in middle.items()}
+    gdsckpt.save(new, tmp_path / "c.gdsckpt", base=tmp_path / "b.gdsckpt", config=config)
+    fetched: list[tuple[str, int, int]] = []
+    original = checkpoint_module.Checkpoint._read_many
+
+    def recording(self, requests, device=None):
+        fetched.extend(requests)
+        return original(self, requests, device)
+
+    monkeypatch.setattr(checkpoint_module.Checkpoint, "_read_many", recording)
+    row_bytes = 64 * 4
+    with gdsckpt.open(tmp_path / "c.gdsckpt", config=config) as checkpoint:
+        for key, start, stop in (("big", 2000, 2003), ("small", 10, 12)):
+            fetched.clear()
+            assert bit_equal(checkpoint.get_rows(key, start, stop), new[key][start:stop])
+            assert fetched and all(got == key and (low, high) == (start * row_bytes, stop * row_bytes)
+                                   for got, low, high in fetched), (key, fetched)
+        fetched.clear()
+        assert bit_equal(checkpoint.get("big"), new["big"])  # a whole array still reads in windows
+        assert max(high - low for _key, low, high in fetched) == 256 << 10
+
+
 def test_only_matching_arrays_are_deltas(tmp_path):
     base = {"same": torch.ones(1000), "reshaped": torch.ones(10, 100), "retyped": torch.ones(1000),
             "gone": torch.ones(5)}

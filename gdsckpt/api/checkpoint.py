@@ -185,8 +185,9 @@ def _read_against_base(opened: OpenedFile, config: Config, targets: dict[int, An
         if base_record is None or (base_record.dtype, base_record.shape) != (record.dtype, record.shape):
             raise DeltaBaseError(f"base checkpoint {base.path!r} holds no {record.dtype}"
                                  f"{list(record.shape)} array {record.key!r}, which the delta needs")
-        start = (windows or {}).get(i, (0, 0))[0]
-        targets[i] = XorTarget(targets[i], base_reader.view(base_record.key), start)
+        window = (windows or {}).get(i)
+        targets[i] = XorTarget(targets[i], base_reader.view(base_record.key, window),
+                               window[0] if window is not None else 0)
 
 
 def _finished(index: Index, ids: list[int], targets: dict[int, Any]) -> dict[int, Any]:

@@ -145,7 +145,9 @@ class BaseReader:
     A request for an array smaller than a quarter window fetches it together with the small
     arrays that follow it in ``sizes``' order (the order their bytes lie in the base file), up
     to one window, in a single restore; a larger
-    array is read in windows at multiples of the window size. Without batching, a state of many
+    array is read in windows at multiples of the window size. A read through a ``view`` with an
+    ``extent`` (a window restore: ``get_rows``, a resharded DCP load) fetches no more than that
+    extent of the array. Without batching, a state of many
     small arrays cost one restore (engine, reads, decode) per array and per link of a chain of
     deltas: 7.6 s for the tenth delta of a 62 MiB state on the CPU host, against 0.1 s for a full
     save. The cache keeps about two windows; thread-safe (the CPU engine asks from several
@@ -183,18 +185,21 @@ class BaseReader:
             return self._window_bytes or HOST_WINDOW_BYTES
         return DEVICE_WINDOW_BYTES
 
-    def view(self, key: str) -> BaseBytes:
-        """The bytes of one array (``key`` an array of the base)."""
-        return BaseBytes(self, key, self._sizes[key])
+    def view(self, key: str, extent: tuple[int, int] | None = None) -> BaseBytes:
+        """The bytes of one array (``key`` an array of the base). ``extent``: the only bytes of it
+        the reads through this view ask for (a window restore's range), which bounds what is
+        fetched for them."""
+        return BaseBytes(self, key, self._sizes[key], extent)
 
-    def read(self, key: str, start: int, stop: int, device: Any) -> Any:
-        """Bytes ``[start, stop)`` of array ``key`` (host for ``device`` None, else ``"cuda:N"``)."""
-        data = self._read(key, start, stop, device)
+    def read(self, key: str, start: int, stop: int, device: Any, extent: tuple[int, int] | None = None) -> Any:
+        """Bytes ``[start, stop)`` of array ``key`` (host for ``device`` None, else ``"cuda:N"``).
+        ``extent``: the range of the array the caller's reads stay in (``view``); None: any."""
+        data = self._read(key, start, stop, device, extent)
         if self._read_ahead and stop > start:
             self._read_next(key, start, device)
         return data
 
-    def _read(self, key: str, start: int, stop: int, device: Any) -> Any:
+    def _read(self, key: str, start: int, stop: int, device: Any, extent: tuple[int, int] | None) -> Any:
         if stop <= start:  # nothing to fetch (a zero-size array)
             if device is None:
                 return np.empty(0, dtype=np.uint8)
@@ -208,7 +213,7 @@ class BaseReader:
                 hit = self._cached(key, start, stop, device)
                 if hit is not None:
                     return hit
-                batch = [(key, start, stop)] if alone else self._batch_for(key, start, stop, device)
+                batch = [(key, start, stop)] if alone else self._batch_for(key, start, stop, device, extent)
                 future, owner = self._claim(batch, device)
             if owner:
                 try:
@@ -306,10 +311,19 @@ class BaseReader:
                 return data[start - low:stop - low]
         return None
 
-    def _batch_for(self, key: str, start: int, stop: int, device: Any) -> list[tuple[str, int, int]]:
-        """The ranges one restore fetches for a request (class docstring); caller holds the lock."""
+    def _batch_for(self, key: str, start: int, stop: int, device: Any,
+                   extent: tuple[int, int] | None = None) -> list[tuple[str, int, int]]:
+        """The ranges one restore fetches for a request (class docstring), within ``extent`` where
+        the caller reads no other part of the array; caller holds the lock."""
         size = self._window(device)
         nbytes = self._sizes[key]
+        lowest, highest = extent if extent is not None else (0, nbytes)
+        if (lowest, highest) != (0, nbytes):
+            # A window restore (``get_rows``, a resharded DCP read) asks for part of the array:
+            # what it fetches of the base is bounded by that part, not by a window (a few rows
+            # of a delta fetched 64 MiB of its base), nor joined by the small arrays after it.
+            aligned = start // size * size
+            return [(key, max(aligned, lowest), min(highest, max(stop, aligned + size)))]
         if nbytes <= size // 4:
             batch, total = [(key, 0, nbytes)], nbytes
             for other in self._order[self._position[key] + 1:]:
@@ -368,20 +382,21 @@ class BaseReader:
 class BaseBytes:
     """The resolved element bytes of one array of a base checkpoint (through a ``BaseReader``)."""
 
-    def __init__(self, reader: BaseReader, key: str, nbytes: int):
+    def __init__(self, reader: BaseReader, key: str, nbytes: int, extent: tuple[int, int] | None = None):
         self.reader = reader
         self.key = key
         self.nbytes = nbytes
+        self.extent = extent
 
     def host(self, start: int, stop: int) -> np.ndarray:
         """Bytes ``[start, stop)`` in host memory."""
-        return self.reader.read(self.key, start, stop, None)
+        return self.reader.read(self.key, start, stop, None, self.extent)
 
     def device(self, start: int, stop: int) -> Any:
         """Bytes ``[start, stop)`` as a CuPy array on the current CUDA device."""
         import cupy
 
-        return self.reader.read(self.key, start, stop, f"cuda:{cupy.cuda.runtime.getDevice()}")
+        return self.reader.read(self.key, start, stop, f"cuda:{cupy.cuda.runtime.getDevice()}", self.extent)
 
 
 class XorSource:
