@@ -156,7 +156,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -300,7 +300,7 @@ class CheckpointManager:
         self._unsent: dict[int, int] = {}
         """Step -> the version (``_versions``) of a checkpoint complete on the local tier that the
         remote tier still lacks, the ``keep_last_remote`` newest in restore order
-        (``_tier_order``): older ones would be pruned there at once."""
+        (``steps_in_restore_order``): older ones would be pruned there at once."""
         self._version_count = 0
         self._versions: dict[int, int] = {}
         """Step -> which of this manager's completed saves (a count) its local file is: a step saved
@@ -626,16 +626,6 @@ class CheckpointManager:
         if self._unsent.get(step) == version:
             del self._unsent[step]
 
-    def _tier_order(self, steps: Any, pointed: int | None) -> list[int]:
-        """``steps`` in the order restore tries them on the remote tier: the one its ``latest``
-        names (``pointed``), the lower steps descending, then the higher ones descending (a run
-        that went back to an older step abandoned those; they count last, as on the local tier)."""
-        ordered = sorted(steps, reverse=True)
-        if pointed is None:
-            return ordered
-        return ([pointed] if pointed in steps else []) + [step for step in ordered if step < pointed] + \
-            [step for step in ordered if step > pointed]
-
     def _prune_remote(self) -> None:
         if self.keep_last_remote is None:
             return
@@ -649,7 +639,7 @@ class CheckpointManager:
             keep.add(pointed)
         # keep_last_remote in restore order (a run that went back to an older step keeps its own)
         # and the highest step besides (an abandoned run keeps its last), as ``_prune`` locally
-        keep.update(self._tier_order(objects, pointed)[:self.keep_last_remote])
+        keep.update(steps_in_restore_order(objects, pointed)[:self.keep_last_remote])
         if objects:
             keep.add(max(objects))
         pending = [step for step in keep if step in objects]
@@ -695,7 +685,7 @@ class CheckpointManager:
 
     def _remote_candidates(self, warn: bool = True) -> list[tuple[int, str, str]]:
         """(step, URL, source) of the remote tier in the order restore tries them
-        (``_tier_order``): the one its ``latest`` names (listed or not), the lower steps
+        (``steps_in_restore_order``): the one its ``latest`` names (listed or not), the lower steps
         descending, then the higher ones (an abandoned run's) descending."""
         pointed = self._remote_pointer_step(warn=warn)
         objects = self._remote_objects()
@@ -704,7 +694,7 @@ class CheckpointManager:
             order.append((pointed, self.remote.url_of(self._name(pointed)), "named by the remote latest"))
         order.extend((step, self.remote.url_of(objects[step][0]),
                       "remote" if pointed is None or step < pointed else "a higher step than the remote latest: "
-                      "an abandoned run's") for step in self._tier_order(objects, pointed) if step != pointed)
+                      "an abandoned run's") for step in steps_in_restore_order(objects, pointed) if step != pointed)
         return order
 
     def pool_stats(self) -> Any:
@@ -769,7 +759,7 @@ class CheckpointManager:
             if self.remote is not None:
                 self._unsent[step] = self._version_count
                 if self.keep_last_remote is not None:  # older ones would be pruned there at once
-                    kept = self._tier_order(self._unsent, self._pointer_step)[:self.keep_last_remote]
+                    kept = steps_in_restore_order(self._unsent, self._pointer_step)[:self.keep_last_remote]
                     self._unsent = {s: self._unsent[s] for s in kept}
             try:
                 self._prune(completed=step)
@@ -953,17 +943,18 @@ class CheckpointManager:
     def _restore_order(self, files: dict[int, Path], pointer: tuple[int, int] | None) -> list[tuple[int, Path, str]]:
         """``_candidates`` of a listing (``_files``) and a pointer (``_pointer``) already read."""
         order: list[tuple[int, Path, str]] = []
+        pointed = None
         if pointer is not None:
             pointed, pointer_mtime = pointer
+            # a save that completed while its pointer was not yet written: newer than ``latest``
             for step in sorted(files, reverse=True):
                 if step > pointed and _changed_ns(files[step]) >= pointer_mtime:
                     order.append((step, files[step], "completed after latest was written"))
             order.append((pointed, self.path(pointed), "named by latest"))
         listed = {step for step, _path, _source in order}
-        rest = [step for step in sorted(files, reverse=True) if step not in listed]
-        order.extend((step, files[step], "scan") for step in rest if pointer is None or step < pointer[0])
-        order.extend((step, files[step], "a higher step written before latest: an abandoned run's")
-                     for step in rest if pointer is not None and step > pointer[0])
+        order.extend((step, files[step], "scan" if pointed is None or step < pointed
+                      else "a higher step written before latest: an abandoned run's")
+                     for step in steps_in_restore_order(files, pointed) if step not in listed)
         return order
 
     def restore_latest(self, model: Any = None, optimizer: Any = None, state: dict[Any, Any] | None = None, *,
@@ -1107,6 +1098,18 @@ class CheckpointManager:
         if not target:
             return _api.load(path, config=self.config)
         return _api.load(path, keys=[escape_key(key) for key in rest], config=self.config)
+
+
+def steps_in_restore_order(steps: Iterable[int], pointed: int | None) -> list[int]:
+    """``steps`` in the order a restore tries them on either tier: the one its ``latest`` names
+    (``pointed``), the lower steps descending, then the higher ones descending (a run that went
+    back to an older step abandoned those: they count last). Pending uploads and pruning follow
+    it too, so that what a tier keeps is what a restore from it would take."""
+    ordered = sorted(steps, reverse=True)
+    if pointed is None:
+        return ordered
+    return ([pointed] if pointed in ordered else []) + [step for step in ordered if step < pointed] + \
+        [step for step in ordered if step > pointed]
 
 
 def _is_regular(entry: os.DirEntry[str]) -> bool:
