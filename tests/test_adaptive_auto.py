@@ -7,6 +7,7 @@ storage); the real writers' reports are checked separately."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +64,27 @@ def _save(backlog: int | None, adaptive: bool, pace: WritePace | None = None) ->
     return labels, engine, store
 
 
-def test_storage_waiting_stores_every_chunk_as_it_is() -> None:
-    labels, engine, store = _save(backlog=0, adaptive=True)
+def test_storage_whose_writes_cost_nothing_gets_every_chunk_as_it_is() -> None:
+    labels, engine, store = _save(backlog=0, adaptive=True, pace=WritePace(0, math.inf))
     assert set(labels) == {"none/1"} and engine.stored_raw == len(labels) > 10
     index = open_file(MemoryReader(store, "ckpt")).index
     assert all(chunk.stored == chunk.raw for chunk in index.chunks)
+
+
+def test_storage_waiting_for_an_unmeasured_codec_gets_chunks_compressed() -> None:
+    """An idle writer (nothing pending) stored every chunk as it is, before anything was measured
+    and whatever the bytes saved: 4 MiB of zeros saved with ``auto`` made a 4.2 MB file (zstd: 8.6
+    KB) while the report said "compressed". Nothing measured: compressed, as the docs say."""
+    labels, engine, _store = _save(backlog=0, adaptive=True)
+    assert set(labels) == {"zstd/1"} and engine.stored_raw == 0
+
+
+def test_waiting_storage_still_gets_chunks_compressed_whose_bytes_saved_pay_for_it(tmp_path: Path) -> None:
+    """A real save of zeros to a file with ``auto`` (under the size that is weighed): its writer is
+    idle at every chunk, and zeros compress far faster than any disk writes them."""
+    report = gdsckpt.save({"zeros": torch.zeros(1 << 20)}, tmp_path / "z.gdsckpt", chunk_bytes=256 << 10)
+    assert report.auto["adaptive"] and report.auto["stored_as_is"] == 0, report.auto
+    assert (tmp_path / "z.gdsckpt").stat().st_size < (4 << 20) // 16  # stored whole: 4 MiB
 
 
 @pytest.mark.parametrize("backlog, adaptive", [(3, True), (None, True), (0, False)])

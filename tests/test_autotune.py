@@ -101,3 +101,58 @@ def test_a_storage_probe_whose_fsync_hangs_fails_within_the_timeout(tmp_path, mo
         release.set()
     assert not (tmp_path / "cache" / "gdsckpt" / "storage.json").exists()
     assert list(directory.iterdir()) == []
+
+
+def test_a_storage_probe_that_cannot_write_never_fails_the_save(tmp_path):
+    """``codec="auto"`` (a host save of 16 MiB or more, its codec's pace known) probed the storage
+    with a 256 MiB write: on a disk with less room, or under a file size limit, the save failed
+    with the probe's bare ``OSError`` though its checkpoint fitted (and so did every later one).
+    The probe's failure now leaves ``auto`` compressing, and the save succeeds."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, resource, signal
+        os.environ["XDG_CACHE_HOME"] = {str(tmp_path / "cache")!r}
+        import torch, gdsckpt
+        from gdsckpt.pipeline import host_auto
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
+        state = {{"w": torch.randn(5 << 20, generator=torch.Generator().manual_seed(0))}}
+        path = {str(tmp_path / "ckpt.gdsckpt")!r}
+        host_auto.HISTORY.record(f"dev:{{os.stat({str(tmp_path)!r}).st_dev}}", 32 << 20, 0.3)
+        report = gdsckpt.save(state, path)
+        assert report.auto["stored"] == "compressed", report.auto
+        assert "could not be measured" in report.auto["stored_reason"], report.auto
+        assert gdsckpt.load(path)["w"].view(torch.int32).equal(state["w"].view(torch.int32))
+        assert not [p for p in os.listdir({str(tmp_path)!r}) if p.startswith(".gdsckpt-storage-probe")]
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_storage_too_full_for_a_probe_is_not_measured_and_a_failed_probe_runs_once(tmp_path, monkeypatch):
+    """The probe takes at most a quarter of the free space (nothing where that is under
+    ``MIN_PROBE_BYTES``); a probe that failed is not run again in the same process."""
+    import errno
+    import os
+
+    class Free:
+        f_bavail, f_frsize = 40, 1 << 20  # 40 MiB free: a quarter is under the 16 MiB minimum
+
+    monkeypatch.setattr(os, "statvfs", lambda _d: Free())
+    monkeypatch.setattr(autotune, "measure_storage_gbps", lambda *a, **k: pytest.fail("probed a full disk"))
+    assert autotune.storage_gbps(tmp_path) is None
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other-cache"))  # a fresh process's view
+    Free.f_bavail = 1 << 20  # 1 TiB free
+    calls = []
+
+    def failing(directory, nbytes=None, timeout=600.0):
+        calls.append(nbytes)
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    monkeypatch.setattr(autotune, "measure_storage_gbps", failing)
+    assert autotune.storage_gbps(tmp_path) is None and autotune.storage_gbps(tmp_path) is None
+    assert calls == [autotune.PROBE_BYTES]

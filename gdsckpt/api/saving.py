@@ -657,11 +657,13 @@ def _gpu_auto(config: Config, flat: FlatState, path: PathLike | StorageWriter, d
 
 def _storage_speed(config: Config, path: PathLike | StorageWriter) -> float:
     """The write speed ``auto`` weighs for ``path``: ``config.storage_gbps``, else the cached probe
-    of its filesystem; unbounded for a storage writer object or an object URL."""
+    of its filesystem; unbounded for a storage writer object or an object URL, and where the probe
+    could not run (a disk too full for it): the GPU's fastest codec then, as on a fast tier."""
     if isinstance(path, StorageWriter) or is_url(path):
         return config.storage_gbps if config.storage_gbps is not None else math.inf
     check_path(path)
-    return storage_gbps(Path(path).parent, config.storage_gbps, config.timeout)
+    speed = storage_gbps(Path(path).parent, config.storage_gbps, config.timeout)
+    return math.inf if speed is None else speed
 
 
 def index_template(flat: FlatState, base: dict[str, Any] | None = None) -> Index:

@@ -66,7 +66,8 @@ class StorageWriter(ABC):
     def backlog(self) -> int | None:
         """Writes submitted and not finished yet, where the backend can tell (None: it cannot).
         0 while chunks are still coming means the storage waits for the encoder: ``codec="auto"``
-        on the CPU then stores chunks uncompressed (``HostEngine``)."""
+        on the CPU then compresses a chunk only where that saves more write time than it takes
+        (``HostEngine``)."""
         return None
 
     def pace(self) -> WritePace | None:
@@ -83,7 +84,8 @@ class WritePace:
     pending_bytes: int
     """Bytes submitted and not on storage yet."""
     bytes_per_second: float | None
-    """Bytes written per second while writes were running (None before any finished)."""
+    """Bytes written per second while writes were running (None before any finished; ``inf``
+    for a writer whose writes cost nothing, the null sink)."""
 
 
 class StorageReader(ABC):

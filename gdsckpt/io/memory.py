@@ -12,6 +12,7 @@ device copies a GPU restore needs anyway), with the storage taken out.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import Future
@@ -120,8 +121,8 @@ class NullWriter(StorageWriter):
         return 0
 
     def pace(self) -> WritePace | None:
-        """Nothing pending, at no measurable cost."""
-        return WritePace(0, None)
+        """Nothing pending, at no cost (an infinite speed: compressing saves no time)."""
+        return WritePace(0, math.inf)
 
 
 class MemoryReader(StorageReader):

@@ -41,8 +41,10 @@ background save (``save_async``: the CPU engine's threads would compete with tra
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +57,8 @@ from ..format import align_up
 from ..io import posix
 from ..io.pools import DRAIN_TIMEOUT
 
+logger = logging.getLogger(__name__)
+
 CODEC_GBPS = {"ans": 160.0, "zstd": 8.0}
 """nvCOMP compression throughput (GB/s of input), lower end of the ranges measured on a
 data-centre GPU (docs/performance.md)."""
@@ -62,6 +66,11 @@ CANDIDATES = ("ans", "zstd")
 MIN_BATCH_SLOTS = 8
 """Ring slots a candidate's compression batches need for its ``CODEC_GBPS`` to hold."""
 PROBE_BYTES = 256 << 20
+PROBE_FREE_SHARE = 4
+"""A probe takes at most 1/this of the filesystem's free space (a nearly full disk is measured
+with a smaller probe instead of being filled)."""
+MIN_PROBE_BYTES = 16 << 20
+"""The smallest probe worth timing: where the free space allows less, the speed is not measured."""
 SAMPLE_BYTES_PER_ARRAY = 2 << 20
 SAMPLE_ARRAYS = 4
 
@@ -268,17 +277,45 @@ def update_cache(key: str, entry: dict[str, Any]) -> None:
         pass
 
 
-def storage_gbps(directory: Path, override: float | None = None, timeout: float = DRAIN_TIMEOUT) -> float:
-    """The storage speed of ``directory``: ``override``, else the cached or a new measurement
-    (``measure_storage_gbps``, its fsync waited for at most ``timeout`` seconds)."""
+_MEASURED: dict[tuple[str, str], float | None] = {}
+"""(cache file, device number) -> this process's measurement, None where the probe could not run:
+a cache that cannot be written (a read-only home) must not cost a 256 MiB probe per save, nor a
+disk too full for the probe one failed probe per save."""
+_MEASURED_LOCK = threading.Lock()
+
+
+def storage_gbps(directory: Path, override: float | None = None, timeout: float = DRAIN_TIMEOUT) -> float | None:
+    """The storage speed of ``directory``: ``override``, else this process's, the cached or a new
+    measurement (``measure_storage_gbps``, its fsync waited for at most ``timeout`` seconds).
+
+    None where it cannot be measured: the free space holds no probe of ``MIN_PROBE_BYTES`` within
+    ``1 / PROBE_FREE_SHARE`` of it, or the probe's write failed (a full disk, a file size limit, a
+    quota). A save never fails for its probe: ``auto`` then decides without the storage's speed
+    (callers). The failure is remembered for this process only: a later one measures again."""
     if override is not None:
         return float(override)
     key = str(os.stat(directory).st_dev)
+    memo = (str(_cache_file()), key)
+    with _MEASURED_LOCK:
+        if memo in _MEASURED:
+            return _MEASURED[memo]
     entry = read_cache().get(key)
     if isinstance(entry, dict) and isinstance(entry.get("gbps"), (int, float)) and entry["gbps"] > 0:
         return float(entry["gbps"])
-    speed = measure_storage_gbps(directory, timeout=timeout)
-    update_cache(key, {"gbps": speed, "path": str(directory)})
+    speed: float | None = None
+    try:
+        free = os.statvfs(directory)
+        size = min(PROBE_BYTES, free.f_bavail * free.f_frsize // PROBE_FREE_SHARE)
+        if size >= min(MIN_PROBE_BYTES, PROBE_BYTES):
+            speed = measure_storage_gbps(directory, size, timeout=timeout)
+    except TimeoutError:
+        raise  # a storage that does not complete an fsync will not complete the save's either
+    except OSError as err:
+        logger.info("the storage probe in %s failed (%s): codec='auto' goes on without its speed", directory, err)
+    with _MEASURED_LOCK:
+        _MEASURED[memo] = speed
+    if speed is not None:
+        update_cache(key, {"gbps": speed, "path": str(directory)})
     return speed
 
 

@@ -8,13 +8,15 @@ the two directions are separate classes over one staging-ring type (``gdsckpt.pi
 arrays for POSIX, device arrays for kvikio).
 
 Adaptive compression (``HostEngine(adaptive=True)``, what ``codec="auto"`` runs on the CPU): each
-chunk looks at the writer when its codec thread takes it up. No write queued means the storage is
-waiting for the codec threads, and the chunk is stored as it is (``none/1``). Writes queued: the
-writer's ``pace`` (pending bytes, measured write speed) against the engine's measured codec speed
-and ratio decides. Stored as it is, the chunk is on storage after the pending writes (``drain``)
-plus its own write (``write``); compressed, after ``max(drain, encode) + write / ratio``. So it is
-compressed exactly when ``encode < drain + write * (1 - 1 / ratio)``: whenever the storage stays
-busy meanwhile, and beyond that while the bytes saved pay for the wait. (Chunks are placed in
+chunk looks at the writer when its codec thread takes it up: the writer's ``pace`` (pending bytes,
+measured write speed) against the engine's measured codec speed and ratio decides. Stored as it
+is (``none/1``), the chunk is on storage after the pending writes (``drain``) plus its own write
+(``write``); compressed, after ``max(drain, encode) + write / ratio``. So it is compressed exactly
+when ``encode < drain + write * (1 - 1 / ratio)``: whenever the storage stays busy meanwhile, and
+beyond that while the bytes saved pay for the wait, a storage waiting for the codec threads
+(nothing pending) included: zeros compress faster than a disk writes them, and were stored whole
+when an idle writer alone meant "as it is". A writer whose writes cost nothing (the null sink)
+gets every chunk as it is. (Chunks are placed in
 plan order, so a chunk still compressing holds back the writes of the chunks after it: waiting
 for it is real idle storage.) The share of compressed chunks so settles where the codec threads
 and the storage keep pace: all of them on a slow disk, few or none on tmpfs or a null sink.
@@ -25,6 +27,7 @@ are always compressed.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -229,18 +232,15 @@ class HostEngine(Engine):
 
     def _store_as_is(self, raw_bytes: int) -> bool:
         """Whether a chunk of ``raw_bytes`` starting now is better stored as it is (``adaptive``
-        only; module docstring): yes when the writer has nothing left to write, or when its
-        measured pace says the chunk stored as it is would be on storage before its compressed
-        form: compressing takes ``encode`` seconds (this engine's measured speed), while the
-        pending writes take ``drain`` and the chunk's own write shrinks by ``saved``."""
-        if not self.adaptive or self._backlog is None:
+        only; module docstring): yes when the writer's writes cost nothing, or when its measured
+        pace says the chunk stored as it is would be on storage before its compressed form:
+        compressing takes ``encode`` seconds (this engine's measured speed), while the pending
+        writes take ``drain`` and the chunk's own write shrinks by ``saved``."""
+        if not self.adaptive or self._backlog is None or self._backlog() is None:
             return False
-        count = self._backlog()
-        if count is None:
-            return False
-        if count == 0:
-            return True
         pace = self._pace() if self._pace is not None else None
+        if pace is not None and pace.bytes_per_second == math.inf:
+            return True  # storage that costs nothing: compressing saves no time
         with self._decisions_lock:
             seconds_per_byte, ratio = self._encode_seconds_per_byte, self._ratio
         if pace is None or not pace.bytes_per_second or seconds_per_byte is None:

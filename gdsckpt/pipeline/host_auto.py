@@ -89,10 +89,10 @@ class HostAutoHistory:
         self._outcomes: dict[str, StorageOutcomes] = {}
 
     def choose(self, key: str, logical_bytes: int, threads: int,
-               storage_gbps: Callable[[], float]) -> HostAutoChoice:
+               storage_gbps: Callable[[], float | None]) -> HostAutoChoice:
         """Whether a save of ``logical_bytes`` to storage ``key`` on ``threads`` codec threads
         stores its chunks as they are; ``storage_gbps()`` (called only when needed) gives the
-        storage's write speed."""
+        storage's write speed, None where it could not be measured (then: compressed)."""
         if logical_bytes < MEASURED_MIN_BYTES:
             return HostAutoChoice(False, f"compressed: a save under {MEASURED_MIN_BYTES >> 20} MiB is not weighed")
         with self._lock:
@@ -109,6 +109,9 @@ class HostAutoHistory:
             return HostAutoChoice(False, "compressed: the codec's pace on this state is not measured yet")
         codec = threads * pace * CPU_PARALLEL_EFFICIENCY
         storage = storage_gbps()
+        if storage is None:
+            return HostAutoChoice(False, "compressed: the storage's write speed could not be measured (too little "
+                                  "free space for its probe, or the probe's write failed)", codec)
         if codec >= storage:
             return HostAutoChoice(False, f"compressed: the codec threads ({codec:.2f} GB/s) keep up with the "
                                   f"storage ({storage:.2f} GB/s)", codec, storage)
