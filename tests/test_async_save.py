@@ -714,3 +714,23 @@ def test_an_interrupt_as_the_latest_pointer_is_published_leaves_no_temporary(
     with pytest.raises(KeyboardInterrupt):
         posix.write_atomically(target, b"step-2", fsync=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"] and target.read_bytes() == b"step-1"
+
+
+@pytest.mark.parametrize("arguments", [{"lossy": {"*.exp_avg": 2}}, {"lossy": "abc"}, {"codec": "bogus"},
+                                       {"chunk_bytes": 5}, {"config": "fast"}])
+def test_arguments_a_save_refuses_are_refused_by_save_async_at_the_call(tmp_path: Path,
+                                                                      arguments: dict[str, Any]) -> None:
+    """``save_async`` copied the snapshot and returned a handle for arguments ``save`` refuses at
+    once; the error came from ``wait()`` or a later call, and the first steps' checkpoints were
+    missing. Now they raise at the call, and nothing is written or left in flight."""
+    state = {"optimizer": {"exp_avg": torch.randn(1000)}}
+    with pytest.raises((ValueError, TypeError)):
+        gdsckpt.save_async(state, tmp_path / "a.gdsckpt", **arguments)
+    async_save.wait_all(timeout=30)  # nothing in flight, nothing failed in the background
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("lossy", [{"*.exp_avg": 2}, "abc", 5])
+def test_a_manager_refuses_a_lossy_policy_every_save_would_refuse(tmp_path: Path, lossy: Any) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        gdsckpt.CheckpointManager(tmp_path / "run", lossy=lossy)

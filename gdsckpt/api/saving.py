@@ -148,6 +148,17 @@ def save(state: Any, path: PathLike | StorageWriter | BinaryIO, *, codec: str = 
                          progress=progress, base=base, max_chain=max_chain, lossy=lossy)
 
 
+def check_save_arguments(codec: str, chunk_bytes: int | str | None, config: Config | None, lossy: Any) -> None:
+    """What a save refuses of its arguments before it reads the state (an unknown codec, a bad
+    chunk size or setting, a lossy policy out of range: ``ValueError`` / ``TypeError``), for the
+    callers that save later: ``save_async`` and ``CheckpointManager`` raised it only from the
+    background, a save or two later, while the checkpoints of the first steps went missing."""
+    resolve_config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=_gpu_chunk_bytes(chunk_bytes),
+                   codec=None if codec == "auto" else codec)
+    if lossy is not None:
+        LossyPolicy.of(lossy)
+
+
 def _gpu_chunk_bytes(chunk_bytes: int | str | None) -> int | None:
     """The GPU engine's share of a save's ``chunk_bytes=``: the same size, at most nvCOMP's largest
     chunk, so that a size only the CPU engine can take (``chunk_bytes="32MiB"``) is no error."""

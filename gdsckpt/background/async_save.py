@@ -301,6 +301,7 @@ class AsyncSaver:
               finally_: Callable[[BaseException | None], None] | None, delta: dict[str, Any],
               force: bool = False) -> SaveHandle:
         _check_max_inflight(max_inflight)
+        api_saving.check_save_arguments(codec, chunk_bytes, config, delta.get("lossy"))
         _take_errors(orphans_only=True)
         cfg = config if config is not None else Config.from_env()
         if is_file_object(path):  # as gdsckpt.save writes to one

@@ -251,6 +251,7 @@ class CheckpointManager:
                 raise ValueError(f"{name} must be an int >= 1 (steps) or None, got {value!r}")
         if isinstance(max_chain, bool) or not isinstance(max_chain, int) or max_chain < 0:
             raise ValueError(f"max_chain must be an int >= 0, got {max_chain!r}")
+        _saving.check_save_arguments("auto", None, config, lossy)  # raised by every save otherwise
         if delta_base not in DELTA_BASES:
             raise ValueError(f"delta_base must be one of {DELTA_BASES}, got {delta_base!r}")
         if not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or prefix == POINTER:
