@@ -145,3 +145,53 @@ def test_append_checks_leave_gzip_and_spooled_files_as_they_were(tmp_path: Path)
         assert not spooled._rolled
         spooled.seek(0)
         assert torch.equal(gdsckpt.load(spooled.read())["w"], state["w"])
+
+
+class _NoTruncate(io.RawIOBase):
+    """A seekable binary file object with no ``truncate`` (a wrapper many libraries hand out),
+    over a ``BytesIO``; ``fail_after`` writes it raises EIO."""
+
+    def __init__(self, initial: bytes = b"", fail_after: int | None = None):
+        self._inner = io.BytesIO(initial)
+        self._fail_after = fail_after
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        if self._fail_after is not None:
+            if self._fail_after == 0:
+                raise OSError(5, "injected EIO")
+            self._fail_after -= 1
+        return self._inner.write(data)
+
+    def readinto(self, buffer: bytearray) -> int:  # type: ignore[override]
+        return self._inner.readinto(buffer)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._inner.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._inner.tell()
+
+    def __getattribute__(self, name: str):  # type: ignore[no-untyped-def]
+        if name == "truncate":
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute 'truncate'")
+        return super().__getattribute__(name)
+
+
+def test_a_failed_save_into_a_file_object_without_truncate_raises_its_own_error() -> None:
+    """Without ``truncate``, a failed write came out as ``AttributeError: ... 'truncate'`` (the
+    EIO only its context), and a save over longer content as the same ``AttributeError`` instead
+    of the documented ``OSError``."""
+    state = {"w": torch.arange(100_000.0)}
+    with pytest.raises(OSError, match="injected EIO"):
+        gdsckpt.save(state, _NoTruncate(fail_after=1), chunk_bytes=64 << 10)
+    with pytest.raises(OSError, match="cannot truncate"):
+        gdsckpt.save({"w": torch.ones(3)}, _NoTruncate(initial=b"x" * (1 << 20)))

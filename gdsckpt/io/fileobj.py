@@ -174,9 +174,9 @@ class FileObjectWriter(StorageWriter):
                 file_end = end
             if file_end > end:  # older bytes after the checkpoint
                 self._file.seek(end)
-                try:
+                try:  # older bytes left there would load as its index
                     self._file.truncate()
-                except (OSError, ValueError) as err:  # left there, they would load as its index
+                except (OSError, ValueError, AttributeError, BufferError) as err:
                     raise OSError(errno.EIO, f"the file object holds older bytes after the checkpoint, "
                                              f"which it cannot truncate ({err}): a load would read "
                                              f"their index") from err
@@ -191,8 +191,10 @@ class FileObjectWriter(StorageWriter):
             try:
                 self._file.seek(self._start)
                 self._file.truncate()
-            except (OSError, ValueError):
-                pass  # a file object that cannot truncate (or is closed) keeps the partial bytes
+            except (OSError, ValueError, AttributeError, BufferError):
+                # a file object that cannot truncate (none, closed, a BytesIO whose buffer is
+                # exported) keeps the partial bytes; the save's own error is what the caller sees
+                pass
 
 
 class FileObjectReader(StorageReader):

@@ -219,18 +219,48 @@ def _process_alive(pid: int) -> bool:
 
 
 def refuse_special_target(target: Path) -> None:
-    """``FileExistsError`` where ``target`` is a FIFO, a device or a socket: a save or conversion
-    would replace it with a regular file (``/dev/null`` written over by a conversion run as root).
-    A directory is left to the rename (``IsADirectoryError``); a symlink is replaced as it is."""
+    """``FileExistsError`` where ``target`` is a FIFO, a device or a socket, or a symlink to one:
+    a save or conversion would replace it with a regular file (``/dev/null`` written over by a
+    conversion run as root; ``/dev/stdout``, a symlink to the terminal, likewise). A directory is
+    left to the rename (``IsADirectoryError``); a symlink to a regular file, or a dangling one, is
+    replaced as it is."""
     try:
         mode = os.lstat(target).st_mode
     except (FileNotFoundError, NotADirectoryError):
         return
-    if stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode):
+    shown = ""
+    if stat.S_ISLNK(mode):
+        if _links_to_a_descriptor(target):
+            raise FileExistsError(errno.EEXIST, f"{str(target)!r} is a symlink to an open file descriptor "
+                                                f"(/proc/.../fd, /dev/fd): a checkpoint does not replace it",
+                                  str(target))
+        shown = " (through a symlink)"
+        try:
+            mode = os.stat(target).st_mode  # what the link points at
+        except OSError:
+            return  # dangling, a loop, an unreadable target: the rename decides, as for any path
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return
     kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
-    raise FileExistsError(errno.EEXIST, f"{str(target)!r} is {kind}, not a regular file: a checkpoint does not "
-                                        f"replace it", str(target))
+    raise FileExistsError(errno.EEXIST, f"{str(target)!r} is{shown} {kind}, not a regular file: a checkpoint "
+                                        f"does not replace it", str(target))
+
+
+def _links_to_a_descriptor(link: Path) -> bool:
+    """Whether a chain of symlinks from ``link`` passes through ``/proc/<pid>/fd`` or ``/dev/fd``
+    (``/dev/stdout``): such a link stands for whatever a process has open, a regular file
+    included, and a save renamed over it would replace the system's link."""
+    current = str(link)
+    for _hop in range(40):  # the kernel's own limit on nested links
+        try:
+            pointed = os.readlink(current)
+        except OSError:
+            return False
+        current = os.path.join(os.path.dirname(current), pointed)
+        normal = os.path.normpath(current)
+        if normal.startswith(("/proc/", "/dev/fd/")) and "/fd/" in normal + "/":
+            return True
+    return False
 
 
 def publish(temp: Path, target: Path, *, fsync: bool, replace: bool = True,

@@ -242,3 +242,36 @@ def test_a_save_or_conversion_never_replaces_what_is_not_a_regular_file(tmp_path
     finally:
         if held is not None:
             held.close()
+
+
+def test_a_save_or_conversion_to_a_symlink_to_a_device_fifo_or_descriptor_is_refused(tmp_path: Path) -> None:
+    """A save to a symlink replaces the link as it is; one to ``/dev/null`` or to a FIFO replaced
+    the link with a regular file, and ``convert x.pt /dev/stdout`` (a link through /proc/self/fd)
+    replaced the system's ``/dev/stdout`` when run as root. Refused now, the links left as they
+    were; a link to a regular file is still replaced by the new checkpoint."""
+    state = _state(1)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    descriptor = tmp_path / "stdout"
+    descriptor.symlink_to("/proc/self/fd/1")
+    for target in (os.devnull, fifo, descriptor):
+        link = tmp_path / f"link-to-{Path(target).name}.gdsckpt"
+        if target is descriptor:
+            link = descriptor
+        else:
+            link.symlink_to(target)
+        with pytest.raises(FileExistsError, match="does not replace it"):
+            gdsckpt.save(state, link)
+        assert link.is_symlink(), link
+    source = tmp_path / "a.gdsckpt"
+    gdsckpt.save(state, source)
+    assert cli_main(["convert", str(source), str(tmp_path / "link-to-null.gdsckpt"), "--to", "safetensors",
+                     "--overwrite"]) == 1
+    assert (tmp_path / "link-to-null.gdsckpt").is_symlink()
+    regular = tmp_path / "regular.gdsckpt"
+    regular.write_bytes(b"old")
+    replaced = tmp_path / "link-to-regular.gdsckpt"
+    replaced.symlink_to(regular)
+    gdsckpt.save(state, replaced)
+    assert not replaced.is_symlink() and regular.read_bytes() == b"old"
+    assert np.array_equal(gdsckpt.load(replaced)["w"], state["w"])
