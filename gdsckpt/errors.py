@@ -18,10 +18,15 @@ class CheckpointError(Exception):
 class CorruptCheckpointError(CheckpointError):
     """The file is damaged: bad checksum, truncated, inconsistent index, undecodable chunk.
 
-    ``key`` and ``chunk`` name the tensor and chunk where the damage was found, when known.
+    ``key`` and ``chunk`` name the tensor and chunk where the damage was found, when known;
+    ``base`` the file it is in where that is a delta's base, not the file the caller named (a
+    delta's own chunk numbers are not the base's: the message names the file to replace).
     """
 
-    def __init__(self, message: str, *, key: str | None = None, chunk: int | None = None):
+    def __init__(self, message: str, *, key: str | None = None, chunk: int | None = None,
+                 base: str | None = None):
+        if base is not None:
+            message = f"{message} in base checkpoint {base!r}"
         parts = [message]
         if key is not None:
             parts.append(f"tensor {key!r}")
@@ -31,6 +36,7 @@ class CorruptCheckpointError(CheckpointError):
         self.reason = message
         self.key = key
         self.chunk = chunk
+        self.base = base
 
 
 class UnsupportedFormatError(CheckpointError):

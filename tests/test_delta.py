@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -479,15 +480,25 @@ def test_verify_checks_the_chain_of_bases(tmp_path):
     index = gdsckpt.inspect(a)
     with gdsckpt.open(a) as checkpoint:
         first = checkpoint._opened.index.chunks[0]
+        first_key = next(record.key for record in checkpoint._opened.index.tensors
+                         if any(segment.chunk == 0 for segment in record.segments))
     raw[first.offset] ^= 0xFF
     a.write_bytes(bytes(raw))
     assert index.file_bytes == len(raw)
     gdsckpt.verify(c)  # present and unchanged index: the chunk is not read
-    with pytest.raises(gdsckpt.CorruptCheckpointError):
+    # The damage names the base it is in: it read as damage of the delta (whose own chunk 0 is
+    # intact), pointing the user at the wrong file.
+    named = f"in base checkpoint {str(a)!r}"
+    with pytest.raises(gdsckpt.CorruptCheckpointError, match=re.escape(named)) as caught:
         gdsckpt.verify(c, chain=True)
+    assert caught.value.base == str(a) and caught.value.chunk == 0
+    with pytest.raises(gdsckpt.CorruptCheckpointError, match=re.escape(named)):
+        gdsckpt.load(c)
+    with gdsckpt.open(c) as checkpoint, pytest.raises(gdsckpt.CorruptCheckpointError, match=re.escape(named)):
+        checkpoint.get(first_key)
     cli = subprocess.run([sys.executable, "-m", "gdsckpt", "verify", "--chain", str(c)], capture_output=True,
                          text=True, timeout=120)
-    assert cli.returncode == 1 and "chunk 0" in cli.stderr
+    assert cli.returncode == 1 and "chunk 0" in cli.stderr and named in cli.stderr
     b.unlink()
     with pytest.raises(gdsckpt.BaseCheckpointError, match="missing"):
         gdsckpt.verify(c)

@@ -528,7 +528,21 @@ class _CheckpointArrays:
 
     def read_many(self, requests: list[tuple[str, int, int]], device: Any) -> list[Any]:
         """See ``gdsckpt.state.delta.BaseArrays``."""
-        return self._checkpoint._read_many(requests, device)
+        with damage_named_as_base(self._checkpoint.path):
+            return self._checkpoint._read_many(requests, device)
+
+
+@contextlib.contextmanager
+def damage_named_as_base(path: str) -> Iterator[None]:
+    """Damage found in a delta's base names the base file (``CorruptCheckpointError.base``): it
+    read as damage of the delta, whose own chunk of the same number was intact, and pointed the
+    user at the wrong file. The innermost base of a chain that holds the damage is the one named."""
+    try:
+        yield
+    except CorruptCheckpointError as err:
+        if err.base is not None:
+            raise
+        raise CorruptCheckpointError(err.reason, key=err.key, chunk=err.chunk, base=str(path)) from err
 
 
 def opened_file(checkpoint: Checkpoint) -> OpenedFile:

@@ -21,6 +21,7 @@ from ..state import (
 from .checkpoint import (
     Checkpoint,
     chunk_infos,
+    damage_named_as_base,
     new_target,
     open_base,
     opened_file,
@@ -164,7 +165,8 @@ def verify(path: Source, *, config: Config | None = None, progress: Progress | N
             checkpoints.append(base)
             bases.append(base.path)
             if chain:
-                _verify_chunks(base.path, cfg, None)
+                with damage_named_as_base(base.path):
+                    _verify_chunks(base.path, cfg, None)
             current = opened_file(base)
     finally:
         for checkpoint in checkpoints:
