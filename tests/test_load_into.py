@@ -3,6 +3,7 @@ having stopped; mismatches are reported in full before anything is written."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -561,3 +562,77 @@ def test_a_module_that_saves_a_live_attribute_tensor_is_filled(tmp_path: Path) -
     target = KeepsTable()
     gdsckpt.load_into({"m": target}, path)
     assert torch.equal(target.table, torch.arange(5.0)) and torch.equal(target.weight, source.weight)
+
+
+def test_a_lazy_module_or_a_nested_tensor_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """``load_into(nn.LazyLinear(3), p)`` raised torch's "uninitialized parameter" error (the
+    module's storage was asked for before the fillability check), and a nested tensor target an
+    internal torch error; both are the documented ``TypeError`` naming the key, nothing written."""
+    path = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"weight": torch.ones(3, 2), "bias": torch.ones(3)}, path)
+    with pytest.raises(TypeError, match=r"at 'weight': an uninitialized \(lazy\) parameter"):
+        gdsckpt.load_into(torch.nn.LazyLinear(3), path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the strided nested layout is a prototype
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    with pytest.raises(TypeError, match="at 'bias': a nested tensor"):
+        gdsckpt.load_into({"weight": torch.zeros(3, 2), "bias": nested}, path, strict=False)
+
+
+def test_a_filled_tensor_advances_its_autograd_version(tmp_path: Path) -> None:
+    """Contiguous targets are written through views of their memory that autograd does not see:
+    a graph that saved the old values ran backward() on the new ones, silently wrong. Their
+    version now advances as with ``copy_``, and autograd raises."""
+    path = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"w": torch.full((4,), 2.0)}, path)
+    weight = torch.nn.Parameter(torch.ones(4))
+    loss = (weight * weight).sum()  # saves weight for backward
+    version = weight._version
+    gdsckpt.load_into({"w": weight}, path)
+    assert weight._version > version and torch.equal(weight.detach(), torch.full((4,), 2.0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_an_aliased_numpy_bfloat16_entry_fills_a_torch_target(tmp_path: Path) -> None:
+    """``{"emb": a, "head": a}`` of a NumPy bfloat16 array, loaded into a torch ``head`` only: its
+    bytes are in the alias's array, which ``torch.as_tensor`` refused (ml_dtypes) after the other
+    targets had been written."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import numpy as np
+
+    array = (np.arange(6, dtype=np.float32) - 2.5).astype(ml_dtypes.bfloat16)
+    path = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"emb": array, "head": array, "w": np.ones(3, np.float32)}, path)
+    head, w = torch.zeros(6, dtype=torch.bfloat16), torch.zeros(3)
+    gdsckpt.load_into({"head": head, "w": w}, path, strict=False)
+    assert head.view(torch.int16).numpy().tobytes() == array.view(np.int16).tobytes()
+    assert torch.equal(w, torch.ones(3))
+
+
+def test_numpy_scalars_in_a_target_take_the_checkpoints_values(tmp_path: Path) -> None:
+    """A NumPy float64 (a float subclass) was matched as a plain value while the save stored it as
+    an array: "in target, missing from checkpoint" and "in checkpoint, missing from target" for
+    one key. Its slot now takes the checkpoint's value; in a tuple it is refused clearly."""
+    import numpy as np
+
+    path = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"w": torch.ones(2), "best": np.float64(0.25), "history": [np.int64(3), 1.5]}, path)
+    target = {"w": torch.zeros(2), "best": np.float64(9.0), "history": [np.int64(0), 0.0]}
+    gdsckpt.load_into(target, path)
+    assert type(target["best"]) is np.float64 and target["best"] == 0.25
+    assert type(target["history"][0]) is np.int64 and target["history"] == [3, 1.5]
+    with pytest.raises(TypeError, match="in a tuple"):
+        gdsckpt.load_into({"w": torch.zeros(2), "best": 0.0, "history": (np.int64(0), 0.0)}, path)
+
+
+def test_a_module_with_load_state_dict_hooks_is_warned_about(tmp_path: Path) -> None:
+    """A module whose load_state_dict post-hook rebuilds a derived buffer was left stale without a
+    word (``load_into`` fills tensors in place and runs no hooks): it now warns, naming it."""
+    module = torch.nn.Linear(2, 2)
+    module.register_load_state_dict_post_hook(lambda _module, _keys: None)
+    path = tmp_path / "a.gdsckpt"
+    gdsckpt.save(torch.nn.Linear(2, 2).state_dict(), path)
+    with pytest.warns(UserWarning, match="does not run the load_state_dict hooks of Linear") as caught:
+        gdsckpt.load_into(module, path)
+    assert caught[0].filename == __file__

@@ -219,3 +219,20 @@ def test_alias_of_a_lossy_array_is_reported(ckpt_path: Path, h: Any) -> None:
     report = gdsckpt.save({"a": weight, "b": weight}, ckpt_path, lossy={"b": 1e-2}, config=h.small_config())
     assert report.lossy == ()
     assert bit_equal(gdsckpt.load(ckpt_path)["b"], weight)
+
+
+def test_a_state_whose_index_would_pass_the_cap_is_refused_and_the_old_file_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state of more than 1 GiB of plain values (a vocabulary as one string) saved and replaced
+    the previous checkpoint with a file every load refuses ("index ... exceeds the cap"). The cap
+    is lowered here so that a small state reaches it: the save is refused, the old file kept."""
+    from gdsckpt.format import layout
+
+    path = tmp_path / "a.gdsckpt"
+    gdsckpt.save({"w": torch.ones(4), "vocab": "short"}, path)
+    before = path.read_bytes()
+    monkeypatch.setattr(layout, "MAX_INDEX_BYTES", 64 << 10)
+    with pytest.raises(ValueError, match="over the format's 65536-byte cap"):
+        gdsckpt.save({"w": torch.ones(4), "vocab": "x" * (100 << 10)}, path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["a.gdsckpt"]
+    assert gdsckpt.load(path)["vocab"] == "short"

@@ -11,6 +11,7 @@ import functools
 import math
 import struct
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,10 +36,12 @@ from ..state import (
     unflatten,
     writable,
 )
+from ..state.dtypes import numpy_dtype_name, torch_dtype
 from .checkpoint import new_target, restore_arrays, stored_id, warn_lossy
 from .reports import Progress
 from .resolve import (
     Source,
+    caller_level,
     lead_read,
     open_checked,
     open_data_reader,
@@ -56,14 +59,18 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
     ``Optimizer`` (restored with ``optimizer.load_state_dict``, which also works on a fresh
     optimizer that has no state yet), a tensor-holding state dict, or a dict / list nesting any
     of these (``{"model": model, "optimizer": optimizer, "step": 0}``): key paths in ``target``
-    correspond to key paths in the checkpoint. Plain values (ints, floats, ...) in a target dict
-    are replaced by the checkpoint's. Any missing key, a shape or dtype that differs, or an
-    optimizer whose parameter groups differ, raises ``StateMismatchError`` listing every
-    difference before anything is written. Damage found while reading (a chunk that fails its
-    checksum) raises ``CorruptCheckpointError`` with the targets partly written: tensors are filled
-    in their own memory as chunks arrive, and the one being read may then hold neither its old
-    values nor the checkpoint's. ``gdsckpt.verify`` first, where that matters (the
-    ``CheckpointManager`` falls back to an older checkpoint, which overwrites them all).
+    correspond to key paths in the checkpoint. Plain values (ints, floats, ..., NumPy scalars) in a
+    target dict or list are replaced by the checkpoint's. Tensors are filled in place (autograd's
+    version counter advances, as with ``copy_``); a module's ``load_state_dict`` hooks and
+    ``_load_from_state_dict`` overrides do not run (a ``UserWarning`` names the modules with hooks):
+    give ``gdsckpt.load(...)`` to its ``load_state_dict`` where they matter. Any missing key, a
+    shape or dtype that differs, or an optimizer whose parameter groups differ, raises
+    ``StateMismatchError`` listing every difference before anything is written. Damage found while
+    reading (a chunk that fails its checksum) raises ``CorruptCheckpointError`` with the targets
+    partly written: tensors are filled in their own memory as chunks arrive, and the one being read
+    may then hold neither its old values nor the checkpoint's. ``gdsckpt.verify`` first, where that
+    matters (the ``CheckpointManager`` falls back to an older checkpoint, which overwrites them
+    all).
 
     ``strict`` says which checkpoint entries ``target`` must hold too. ``True`` (the default):
     those that ``target`` asks for, the entries under the top-level keys a dict or list ``target``
@@ -167,12 +174,11 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
             opened.close_base()
         warn_lossy(index, arrays)
 
-    import torch
 
     for i, tensor in wanted.items():
         if arrays[i] is not tensor:  # an alias whose data landed in another tensor
             with writable(tensor):
-                tensor.copy_(torch.as_tensor(arrays[i]))  # or in a NumPy array: a numpy entry's alias
+                tensor.copy_(_as_torch(arrays[i]))  # or in a NumPy array: a numpy entry's alias
     for delegate in delegates:
         selection = Selection([join_key(delegate.path)] if delegate.path else None)
         subtree = unflatten(index.tree, arrays, selection)
@@ -396,7 +402,15 @@ def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any], delega
                 raise ValueError(f"two entries of the load_into target map to the key "
                                  f"{join_key(path + [component])!r}")
             seen.add(identity)
-            if not _is_plain(value):
+            if isinstance(value, np.generic):
+                # A NumPy scalar (np.float64 is a float too) is saved as an array, and cannot be
+                # filled in place: its slot takes the checkpoint's value, after the tensors.
+                if isinstance(obj, tuple):
+                    raise TypeError(f"load_into cannot fill the NumPy scalar at {join_key(path + [component])!r} "
+                                    f"in a tuple (a tuple cannot be assigned into): give a list")
+                delegates.append(_Delegate(path + [component], functools.partial(obj.__setitem__, key),
+                                           "NumPy scalar"))
+            elif not _is_plain(value):
                 _collect_targets(value, path + [component], existing, delegates, plain_slots, paths, identity, held)
             elif isinstance(obj, tuple):
                 held[identity] = value
@@ -447,13 +461,38 @@ def _collect_module(module: Any, path: list[Any], existing: dict[str, Any], dele
                                 f"leave the module as it was; load the checkpoint with gdsckpt.load and pass "
                                 f"it to the module's load_state_dict")
             existing[key] = value
+    hooked = sorted({type(sub).__qualname__ for sub in module.modules()
+                     if getattr(sub, "_load_state_dict_pre_hooks", None)
+                     or getattr(sub, "_load_state_dict_post_hooks", None)})
+    if hooked:
+        # Filled in place, a module's load_state_dict hooks do not run: one that rebuilds a
+        # derived buffer after a load would be left stale, silently.
+        warnings.warn(f"load_into fills the tensors at {join_key(path) or 'the root'!r} in place, and does not run the "
+                      f"load_state_dict hooks of {', '.join(hooked)}: where they matter, pass "
+                      f"gdsckpt.load(...) to the module's load_state_dict instead", UserWarning,
+                      stacklevel=caller_level()[0])
+
+
+def _as_torch(array: Any) -> Any:
+    """A torch view of a restored array, for copying into a target tensor: a NumPy array of an
+    ml_dtypes type (bfloat16, float8), which ``torch.as_tensor`` refuses, through its bits."""
+    import torch
+
+    if isinstance(array, np.ndarray):
+        name = numpy_dtype_name(array.dtype)
+        if name is not None and array.dtype.kind not in "biufc":
+            bits = np.ascontiguousarray(array).view(f"u{array.dtype.itemsize}")
+            return torch.from_numpy(bits).view(torch_dtype(name))
+    return torch.as_tensor(array)
 
 
 def _storage_of(tensor: Any) -> tuple[str, int] | None:
     """(device, storage address) of a tensor's memory; None where it has none to compare (no
     elements, or a tensor subclass without a storage of its own)."""
-    if tensor.numel() == 0:
-        return None
+    import torch
+
+    if torch.nn.parameter.is_lazy(tensor) or tensor.is_nested or tensor.numel() == 0:
+        return None  # nothing to compare; ``_check_fillable`` says why it cannot be filled
     try:
         return str(tensor.device), int(tensor.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
@@ -474,7 +513,9 @@ def _check_fillable(tensor: Any, key: str) -> None:
     import torch
 
     why = None
-    if torch.nn.parameter.is_lazy(tensor):
+    if tensor.is_nested:  # asked first: a nested tensor's layout may read "strided", its shape fails
+        why = "a nested tensor: only dense (strided) tensors are filled in place"
+    elif torch.nn.parameter.is_lazy(tensor):
         why = "an uninitialized (lazy) parameter: run a forward pass first, or load the checkpoint"
     elif tensor.is_meta:
         why = "a meta tensor, which holds no memory: materialize it first (e.g. module.to_empty())"

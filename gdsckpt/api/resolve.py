@@ -124,7 +124,7 @@ def warn_foreign_extension(path: Any) -> None:
     suffix = os.path.splitext(os.fspath(path))[1].lower()
     if suffix not in FOREIGN_EXTENSIONS:
         return
-    level, modules = _caller_level()
+    level, modules = caller_level()
     if any(module.startswith("gdsckpt.integrations.") for module in modules):
         return  # an integration writes the names its framework gives (Lightning's are all .ckpt)
     warnings.warn(f"saving a gdsckpt checkpoint to {os.fspath(path)!r}, whose extension {suffix!r} names "
@@ -133,7 +133,7 @@ def warn_foreign_extension(path: Any) -> None:
                   stacklevel=level)
 
 
-def _caller_level() -> tuple[int, list[str]]:
+def caller_level() -> tuple[int, list[str]]:
     """The ``stacklevel`` of the first frame outside this package (a warning points at the user's
     line whichever public call, ``save`` or ``save_async``, led to it), and the modules of the
     package's frames on the way there."""

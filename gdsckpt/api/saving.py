@@ -88,7 +88,10 @@ def save(state: Any, path: PathLike | StorageWriter | BinaryIO, *, codec: str = 
     ``chunk_bytes`` overrides ``config.chunk_bytes`` and ``config.gpu_chunk_bytes`` (at most
     nvCOMP's 16 MiB there: a larger size still applies to the CPU engine). Raises
     ``TypeError`` naming the key path of
-    any value that cannot be saved. ``progress``: see ``Progress``.
+    any value that cannot be saved. A tensor is saved as its dtype, shape and values (and a
+    ``Parameter``'s ``requires_grad``): Python attributes set on it (``p.sequence_parallel =
+    True``), which ``torch.save`` pickles, are not kept, nor its memory layout (strides).
+    ``progress``: see ``Progress``.
 
     ``base``: a checkpoint to write a *delta* against: arrays with the same key, dtype and shape as
     in ``base`` are stored as the XOR of their bytes with it (lossless; small where little

@@ -26,6 +26,7 @@ from ..format import (
     Index,
     align_up,
     checksum,
+    layout,
     pack_header,
     pack_trailer,
 )
@@ -145,6 +146,11 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
         index = dataclasses.replace(index, chains=[chain.to_json() for chain in result.chains],
                                     chunks=result.chunks)
         index_bytes = index.to_json_bytes()
+        if len(index_bytes) > layout.MAX_INDEX_BYTES:  # every reader refuses such a file as corrupt
+            raise ValueError(f"the checkpoint's index would be {len(index_bytes)} bytes, over the format's "
+                             f"{layout.MAX_INDEX_BYTES}-byte cap: the state's plain values (strings, ints, "
+                             f"keys) are too large; store large text or lists of numbers as arrays, or outside "
+                             f"the checkpoint")
         index_offset = align_up(offset, ALIGNMENT)
         writer.write_tail(index_offset, index_bytes + pack_trailer(index_offset, len(index_bytes),
                                                                    checksum(index_bytes), index.minor))

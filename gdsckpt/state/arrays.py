@@ -338,6 +338,11 @@ class TorchTarget(_Target):
             if self.tensor is not self.existing and not self.existing.is_contiguous():
                 with writable(self.existing):
                     self.existing.copy_(self.tensor)
+            else:
+                # Written through NumPy / CuPy views of its memory, which autograd does not see: a
+                # graph that saved the old values would run backward() on the new ones without the
+                # "modified by an inplace operation" error that load_state_dict's copy_ raises.
+                torch.autograd.graph.increment_version(self.existing)
             return self.existing
         if self.parameter is not None:
             return torch.nn.Parameter(self.tensor, requires_grad=self.parameter)
