@@ -322,3 +322,14 @@ def test_demo_killed_removes_its_temporary_directory(tmp_path: Path, h: Any) -> 
     assert process.returncode == 130, err
     assert list(tmp_path.iterdir()) == []
     assert err.strip().splitlines()[-1] == "gdsckpt demo: error: interrupted", err
+
+
+def test_a_bad_environment_variable_is_not_blamed_on_config(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad ``GDSCKPT_*`` variable was reported as "--config: ..." with no --config given."""
+    from gdsckpt.cli.main import main
+
+    monkeypatch.setenv("GDSCKPT_CHUNK_BYTES", "abc")
+    assert main(["inspect", "missing.gdsckpt"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "GDSCKPT_CHUNK_BYTES" in line and "--config" not in line and "\n" not in line, line

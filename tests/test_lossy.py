@@ -180,9 +180,12 @@ def test_policy_matching_and_validation() -> None:
     assert policy.bound_for("model/blocks.0.qkv.weight") == 0.5
     assert policy.bound_for("optimizer/state/0/step") is None
     assert gdsckpt.LossyPolicy([("*", 0.1), ("a", 0.2)]).bound_for("a") == 0.1  # first match wins
-    for bad in (0, 1, -0.1, float("nan"), True, "0.1"):
+    for bad in (0, 1, -0.1, float("nan"), True, "0.1", np.bool_(True), np.float32("nan")):
         with pytest.raises(ValueError, match="relative error bound"):
             gdsckpt.LossyPolicy({"*": bad})
+    # a NumPy number is a number (np.float32 was refused while np.float64, a float, was taken)
+    assert gdsckpt.LossyPolicy({"*": np.float32(0.25)}).bound_for("x") == 0.25
+    assert gdsckpt.LossyPolicy({"*": np.float64(0.25)}).bound_for("x") == 0.25
     with pytest.raises(ValueError, match="mode"):
         gdsckpt.LossyPolicy({"*": 0.1}, mode="q8")
     with pytest.raises(TypeError):

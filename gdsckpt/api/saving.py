@@ -355,8 +355,8 @@ def rebase(path: PathLike, output: PathLike | None = None, *, codec: str = "auto
     ``path`` changes its content identity, so deltas written against it would no longer load:
     when other checkpoints in its directory name it as their base, an in-place rebase raises
     ``DeltaBaseError`` listing them, unless ``force=True``; so does an existing ``output``
-    that deltas use as their base. A full checkpoint is copied as
-    it is (re-encoded with ``codec``).
+    that deltas use as their base. A full checkpoint is rewritten all the same: its arrays and
+    structure are kept, its chunks re-encoded with ``codec`` (its size may change).
     """
     cfg = resolve_config(config)
     output = path if output is None else output

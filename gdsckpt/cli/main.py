@@ -259,7 +259,8 @@ def _resolve_config(value: str | None) -> Config:
     try:
         return resolve_config(value)
     except (OSError, ValueError) as err:
-        raise UsageError(f"--config: {err}") from err
+        # without --config the error is the environment's (a GDSCKPT_* variable names itself)
+        raise UsageError(f"--config: {err}" if value is not None else str(err)) from err
 
 
 def _stdout_closed() -> int:

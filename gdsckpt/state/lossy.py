@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import numbers
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -105,7 +106,8 @@ def key_matches(pattern: str, key: str) -> bool:
 
 def checked_rel(rel: Any, pattern: str) -> float:
     """``rel`` as a float, or ``ValueError`` unless it is a relative bound in (0, 1)."""
-    if isinstance(rel, bool) or not isinstance(rel, (int, float)) or not 0 < rel < 1:
+    # any real number (a NumPy float32 too), not a bool
+    if isinstance(rel, bool) or not isinstance(rel, numbers.Real) or not 0 < float(rel) < 1:
         raise ValueError(f"relative error bound of {pattern!r} must be a number in (0, 1), got {rel!r}")
     return float(rel)
 
