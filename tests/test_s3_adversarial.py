@@ -385,3 +385,18 @@ def test_a_save_to_a_server_that_stops_reading_fails_within_about_the_timeout(s3
         gdsckpt.save({"w": np.ones(6 << 20, dtype=np.float32)}, url, config=config)
     assert time.monotonic() - started < 8
     assert gdsckpt.load(url)["w"].size == old["w"].size
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/pre\x01fix", "s3://bucket/run\t7/", "s3://bucket/a\x7fb"])
+def test_control_characters_in_a_key_are_refused_where_it_is_given(url: str, tmp_path: Path) -> None:
+    """The client cannot address a key with a control character: a manager took such a
+    ``remote=`` (or a prefix that puts one in every object name) and its uploads failed at
+    ``wait()``; a save or load failed at the first request. All are refused where given."""
+    with pytest.raises(ValueError, match="control character"):
+        gdsckpt.CheckpointManager(tmp_path / "run", remote=url)
+    with pytest.raises(ValueError, match="control character"):
+        gdsckpt.save(_state(0), url.rstrip("/") + "/x.gdsckpt")
+    with pytest.raises(ValueError, match="control character"):
+        gdsckpt.load(url.rstrip("/") + "/x.gdsckpt")
+    with pytest.raises(ValueError, match="control character"):
+        gdsckpt.CheckpointManager(tmp_path / "run", remote="s3://bucket/run", prefix="st\tep")

@@ -183,7 +183,18 @@ def split_url(url: str) -> tuple[str, str]:
         # obstore drops an empty segment: s3://b//k would be written to s3://b/k, another key
         raise ValueError(f"{url!r} has an empty path segment in its key ({key!r}): the client would address "
                          f"another key; write s3://bucket/key without '//'")
+    _refuse_control_characters(url, key)
     return check_bucket(bucket, url), key
+
+
+def _refuse_control_characters(url: str, key: str) -> None:
+    """``ValueError`` for a key or prefix holding an ASCII control character (a tab, a newline,
+    DEL): the client cannot address such a key, and refused it only at the first request (a
+    manager's uploads failed at ``wait()``, its ``remote=`` taken)."""
+    bad = next((char for char in key if ord(char) < 32 or ord(char) == 127), None)
+    if bad is not None:
+        raise ValueError(f"{url!r} holds the control character {bad!r} in its key, which the S3 client "
+                         f"cannot address: name objects without control characters")
 
 
 def split_prefix(url: str) -> tuple[str, str]:
@@ -196,6 +207,7 @@ def split_prefix(url: str) -> tuple[str, str]:
         raise ValueError(f"{url!r} names no bucket: expected s3://bucket/prefix")
     check_bucket(bucket, url)
     prefix = prefix.strip("/")
+    _refuse_control_characters(url, prefix)
     bad = [segment for segment in prefix.split("/") if segment in ("", ".", "..")] if prefix else []
     if bad:
         # the client drops an empty segment and refuses "." / "..": every object under the

@@ -331,6 +331,9 @@ class CheckpointManager:
 
         if not is_url(remote):
             raise ValueError(f"remote must be an s3://bucket/prefix URL, got {remote!r}")
+        if any(ord(char) < 32 or ord(char) == 127 for char in self.prefix):  # in every object's name
+            raise ValueError(f"prefix {self.prefix!r} holds a control character, which object names on "
+                             f"{remote!r} cannot hold")
         config = resolve_config(self.config)
         return ObjectDirectory(remote, endpoint=config.s3_endpoint,
                                concurrency=upload_concurrency(config.max_inflight_bytes), timeout=config.timeout)
