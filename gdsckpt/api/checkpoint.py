@@ -173,7 +173,7 @@ def _read_against_base(opened: OpenedFile, config: Config, targets: dict[int, An
     index = opened.index
     with _BASE_LOCK:  # restores of one open Checkpoint may run in several threads
         if opened.closed:  # closed by another thread: its base would stay open for good
-            raise ValueError(f"checkpoint {opened.path!r} is closed: open it again to read its arrays")
+            raise closed_error(opened.path)
         if opened.base is None:  # kept for the next restore of this file: its cache with it
             checkpoint = open_base(opened, config, share)
             opened.base = (checkpoint, checkpoint._base_reader())
@@ -234,6 +234,13 @@ def open_base(opened: OpenedFile, config: Config, share: float = 1.0) -> Checkpo
         base.close()
         raise
     return base
+
+
+def closed_error(path: Any, during: bool = False) -> ValueError:
+    """The error of a read of a closed checkpoint (as a closed Python file raises ``ValueError``),
+    or of one that a ``close`` from another thread met (``during``)."""
+    what = "was closed while this read ran" if during else "is closed"
+    return ValueError(f"checkpoint {path!r} {what}: open it again to read its arrays")
 
 
 def stored_id(index: Index, i: int) -> int:
@@ -304,7 +311,7 @@ class Checkpoint:
         """``ValueError`` for a read after ``close`` (as a closed Python file raises), rather than
         whatever the closed reader's machinery meets. The index stays readable: ``keys``, ``info``."""
         if self._closed:
-            raise ValueError(f"checkpoint {self.path!r} is closed: open it again to read its arrays")
+            raise closed_error(self.path)
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:
@@ -320,8 +327,7 @@ class Checkpoint:
         except Exception as err:
             if not self._closed:
                 raise
-            raise ValueError(f"checkpoint {self.path!r} was closed while this read ran: open it again to "
-                             f"read its arrays") from err
+            raise closed_error(self.path, during=True) from err
 
     def keys(self) -> list[str]:
         """Key strings of every array, in file order."""
