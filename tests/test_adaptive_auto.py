@@ -205,3 +205,29 @@ def test_a_delta_is_compressed_even_while_the_storage_waits(tmp_path: Path) -> N
     report = gdsckpt.save(state, path, base=base, chunk_bytes=64 << 10)
     assert report.delta_tensors == len(state)
     assert report.auto["stored_as_is"] == 0 and report.ratio > 5  # each chunk a few aligned KiB
+
+
+def test_a_later_array_that_compresses_is_compressed_after_incompressible_ones() -> None:
+    """Only compressed chunks measured the codec: after incompressible bytes every chunk was
+    stored as it is for the rest of the save, zeros included, on storage slow enough that
+    compressing them saves far more write time than it takes. Every ``RESAMPLE_EVERY``-th chunk
+    in a row stored as it is now has a sample compressed, and the zeros are compressed."""
+    from gdsckpt.pipeline.engine import RESAMPLE_EVERY
+
+    rng = np.random.default_rng(0)
+    flat = flatten({"a_random": rng.integers(0, 256, 1 << 20, dtype=np.uint8),
+                    "b_zeros": np.zeros(8 << 20, np.uint8)})
+    plans = plan_chunks([(a.source.nbytes, a.source.itemsize, a.source.plane_width) for a in flat.arrays],
+                        chunk_bytes=64 << 10, pack_below=16 << 10)
+    engine = HostEngine([a.source for a in flat.arrays], codec="zstd", byte_planes="auto", threads=1,
+                        adaptive=True)
+    try:  # storage waiting at 100 MB/s: 10 ns a byte, zstd on zeros well under that
+        result = run_save(plans, engine, ReportingWriter(MemoryStore(), 0, WritePace(0, 1e8)),
+                          max_inflight_bytes=1 << 20, index=index_template(flat))
+    finally:
+        engine.close()
+    random_chunks = {segment.chunk for segment in result.segments[0]}
+    zero_chunks = sorted(segment.chunk for segment in result.segments[1])
+    assert all(result.chunks[c].stored >= result.chunks[c].raw for c in random_chunks)
+    whole = [c for c in zero_chunks if result.chunks[c].stored == result.chunks[c].raw]
+    assert len(whole) <= 2 * RESAMPLE_EVERY < len(zero_chunks) // 4, (len(whole), len(zero_chunks))

@@ -499,6 +499,10 @@ def test_verify_checks_the_chain_of_bases(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "gdsckpt", "verify", "--chain", str(c)], capture_output=True,
                          text=True, timeout=120)
     assert cli.returncode == 1 and "chunk 0" in cli.stderr and named in cli.stderr
+    # a file read for itself (a rebase of the damaged full checkpoint) is not named as a base
+    with pytest.raises(gdsckpt.CorruptCheckpointError) as caught:
+        gdsckpt.rebase(a, tmp_path / "a-full.gdsckpt")
+    assert caught.value.base is None and "base checkpoint" not in str(caught.value)
     b.unlink()
     with pytest.raises(gdsckpt.BaseCheckpointError, match="missing"):
         gdsckpt.verify(c)

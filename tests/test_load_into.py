@@ -608,6 +608,11 @@ def test_an_aliased_numpy_bfloat16_entry_fills_a_torch_target(tmp_path: Path) ->
     gdsckpt.load_into({"head": head, "w": w}, path, strict=False)
     assert head.view(torch.int16).numpy().tobytes() == array.view(np.int16).tobytes()
     assert torch.equal(w, torch.ones(3))
+    scalar = np.asarray(1.5, dtype=ml_dtypes.bfloat16)  # 0-d: its bits must keep the shape ()
+    gdsckpt.save({"emb": scalar, "head": scalar}, path)
+    head = torch.zeros((), dtype=torch.bfloat16)
+    gdsckpt.load_into({"head": head}, path, strict=False)
+    assert head.item() == 1.5
 
 
 def test_numpy_scalars_in_a_target_take_the_checkpoints_values(tmp_path: Path) -> None:
@@ -624,6 +629,13 @@ def test_numpy_scalars_in_a_target_take_the_checkpoints_values(tmp_path: Path) -
     assert type(target["history"][0]) is np.int64 and target["history"] == [3, 1.5]
     with pytest.raises(TypeError, match="in a tuple"):
         gdsckpt.load_into({"w": torch.zeros(2), "best": 0.0, "history": (np.int64(0), 0.0)}, path)
+    # only a single value fills such a slot, as for a plain one: an array or a dict is a mismatch
+    gdsckpt.save({"x": {"a": torch.ones(2)}, "y": np.arange(1000.0)}, path)
+    target = {"x": np.float64(0), "y": np.float64(0)}
+    with pytest.raises(gdsckpt.StateMismatchError, match=r"'x': target NumPy scalar != checkpoint dict"
+                                                         r"(.|\n)*'y': target NumPy scalar != checkpoint float64\[1000\]"):
+        gdsckpt.load_into(target, path)
+    assert target == {"x": 0.0, "y": 0.0}
 
 
 def test_a_module_with_load_state_dict_hooks_is_warned_about(tmp_path: Path) -> None:

@@ -420,7 +420,8 @@ class Checkpoint:
         """The record holding ``key``'s bytes (an alias's target)."""
         return data_of(self._opened.index, self._id(key))
 
-    def _base_reader(self, *, read_ahead: bool = False, window_bytes: int | None = None) -> BaseReader:
+    def _base_reader(self, *, read_ahead: bool = False, window_bytes: int | None = None,
+                     as_base: bool = True) -> BaseReader:
         """A ``BaseReader`` of this checkpoint's arrays (deltas resolved): what a delta built on it
         XORs with, and what ``rebase`` writes out.
 
@@ -434,7 +435,7 @@ class Checkpoint:
                     for record in records}
         records.sort(key=lambda record: position[id(record)])  # stable: record order among equals
         sizes = {record.key: record.nbytes for record in records}
-        return BaseReader(_CheckpointArrays(self), sizes, timeout=self._config.timeout, read_ahead=read_ahead,
+        return BaseReader(_CheckpointArrays(self, as_base), sizes, timeout=self._config.timeout, read_ahead=read_ahead,
                           window_bytes=window_bytes)
 
     def _read_many(self, requests: list[tuple[str, int, int]], device: Any = None) -> list[Any]:
@@ -529,11 +530,15 @@ class _CheckpointArrays:
     """The ``BaseArrays`` source a delta's base is read through: byte windows of this checkpoint's
     arrays, deltas resolved, one restore per batch of windows (``Checkpoint._read_many``)."""
 
-    def __init__(self, checkpoint: Checkpoint):
+    def __init__(self, checkpoint: Checkpoint, as_base: bool = True):
         self._checkpoint = checkpoint
+        self._as_base = as_base
+        """Read as a delta's base (its damage names it); not for a rewrite of the file itself."""
 
     def read_many(self, requests: list[tuple[str, int, int]], device: Any) -> list[Any]:
         """See ``gdsckpt.state.delta.BaseArrays``."""
+        if not self._as_base:
+            return self._checkpoint._read_many(requests, device)
         with damage_named_as_base(self._checkpoint.path):
             return self._checkpoint._read_many(requests, device)
 
@@ -572,11 +577,13 @@ def base_chain(checkpoint: Checkpoint, config: Config) -> Iterator[list[OpenedFi
             link.close()
 
 
-def base_arrays(checkpoint: Checkpoint, *, read_ahead: bool = False, window_bytes: int | None = None) -> BaseReader:
+def base_arrays(checkpoint: Checkpoint, *, read_ahead: bool = False, window_bytes: int | None = None,
+                as_base: bool = True) -> BaseReader:
     """A cached reader of ``checkpoint``'s arrays, deltas resolved: what a delta written against it
     XORs with, and what ``rebase`` writes out (``BaseReader`` says what ``read_ahead`` and
-    ``window_bytes`` do)."""
-    return checkpoint._base_reader(read_ahead=read_ahead, window_bytes=window_bytes)
+    ``window_bytes`` do). ``as_base=False``: the file is read for itself (``rewrite``), so damage
+    found in it is not named as a base's (``CorruptCheckpointError.base``)."""
+    return checkpoint._base_reader(read_ahead=read_ahead, window_bytes=window_bytes, as_base=as_base)
 
 
 def data_record(checkpoint: Checkpoint, key: str) -> TensorRecord:

@@ -152,6 +152,10 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
         for node, delegate in delegate_nodes.items():
             if node not in found:
                 problems.append(f"{join_key(delegate.path)!r}: {delegate.what} missing from checkpoint")
+            elif delegate.check_node is not None:
+                problem = delegate.check_node(found[node], index)
+                if problem is not None:
+                    problems.append(f"{join_key(delegate.path)!r}: {problem}")
             elif delegate.check is not None:
                 problem = delegate.check(unflatten(found[node], _NO_ARRAYS))
                 if problem is not None:
@@ -368,6 +372,8 @@ class _Delegate:
     check: Callable[[Any], str | None] | None = None
     """Given the checkpoint's subtree with its arrays left out (None), why ``apply`` would refuse
     it, or None: run with the other checks, before anything is written."""
+    check_node: Callable[[Any, Any], str | None] | None = None
+    """Like ``check``, given the subtree's index node and the index (what its arrays are)."""
 
 
 def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any], delegates: list[_Delegate],
@@ -409,7 +415,7 @@ def _collect_targets(obj: Any, path: list[Any], existing: dict[str, Any], delega
                     raise TypeError(f"load_into cannot fill the NumPy scalar at {join_key(path + [component])!r} "
                                     f"in a tuple (a tuple cannot be assigned into): give a list")
                 delegates.append(_Delegate(path + [component], functools.partial(obj.__setitem__, key),
-                                           "NumPy scalar"))
+                                           "NumPy scalar", check_node=_numpy_scalar_problem))
             elif not _is_plain(value):
                 _collect_targets(value, path + [component], existing, delegates, plain_slots, paths, identity, held)
             elif isinstance(obj, tuple):
@@ -473,6 +479,19 @@ def _collect_module(module: Any, path: list[Any], existing: dict[str, Any], dele
                       stacklevel=caller_level()[0])
 
 
+def _numpy_scalar_problem(node: Any, index: Any) -> str | None:
+    """Why the checkpoint's entry ``node`` cannot fill a NumPy scalar slot: only a single value
+    can (a 0-d array, as a save stores NumPy scalars, or a number), as for a plain slot."""
+    if node["t"] == "tensor":
+        record = index.tensors[node["id"]]
+        if record.shape == ():
+            return None
+        return f"target NumPy scalar != checkpoint {record.dtype}{list(record.shape)} array"
+    if node["t"] in ("int", "float", "bool"):
+        return None
+    return f"target NumPy scalar != checkpoint {node['t']}"
+
+
 def _as_torch(array: Any) -> Any:
     """A torch view of a restored array, for copying into a target tensor: a NumPy array of an
     ml_dtypes type (bfloat16, float8), which ``torch.as_tensor`` refuses, through its bits."""
@@ -481,7 +500,8 @@ def _as_torch(array: Any) -> Any:
     if isinstance(array, np.ndarray):
         name = numpy_dtype_name(array.dtype)
         if name is not None and array.dtype.kind not in "biufc":
-            bits = np.ascontiguousarray(array).view(f"u{array.dtype.itemsize}")
+            # reshaped back: ascontiguousarray makes a 0-d array one of shape (1,)
+            bits = np.ascontiguousarray(array).view(f"u{array.dtype.itemsize}").reshape(array.shape)
             return torch.from_numpy(bits).view(torch_dtype(name))
     return torch.as_tensor(array)
 

@@ -407,7 +407,7 @@ def rewrite(path: PathLike, output: PathLike, *, codec: str = "auto", config: Co
     cfg = resolve_config(config)
     with Checkpoint(path, cfg) as checkpoint:
         index = opened_file(checkpoint).index
-        reader = base_arrays(checkpoint, read_ahead=REWRITE_READ_AHEAD,
+        reader = base_arrays(checkpoint, as_base=False, read_ahead=REWRITE_READ_AHEAD,
                              window_bytes=REWRITE_WINDOW_BYTES or cfg.max_inflight_bytes)
         arrays = []
         for record in index.tensors:

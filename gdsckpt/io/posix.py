@@ -250,7 +250,7 @@ def _links_to_a_descriptor(link: Path) -> bool:
     """Whether a chain of symlinks from ``link`` passes through ``/proc/<pid>/fd`` or ``/dev/fd``
     (``/dev/stdout``): such a link stands for whatever a process has open, a regular file
     included, and a save renamed over it would replace the system's link."""
-    current = str(link)
+    current = os.path.abspath(link)  # a relative link resolves from the link's own directory
     for _hop in range(40):  # the kernel's own limit on nested links
         try:
             pointed = os.readlink(current)

@@ -67,6 +67,12 @@ PACE_WEIGHT = 0.25
 """Weight of the newest compressed chunk in the codec's measured speed and ratio."""
 TRIAL_BYTES = 128 * 1024
 """Bytes of an array compressed both ways to decide whether byte planes help it."""
+RESAMPLE_EVERY = 8
+"""After this many chunks in a row stored as they are, the next one's first ``TRIAL_BYTES`` are
+compressed to measure the codec again (``HostEngine(adaptive=True)``): only compressed chunks
+measure it, so a save whose first arrays did not compress stored every later one whole (zeros
+after random bytes) however well it would have compressed. A sample, not the chunk: compressing
+every eighth chunk whole would hold back the storage the decision kept waiting for nothing."""
 
 
 @dataclass
@@ -210,6 +216,8 @@ class HostEngine(Engine):
         """Seconds one codec thread took per raw byte of a compressed chunk (moving average)."""
         self._ratio = 1.0
         """Raw over stored bytes of the compressed chunks (moving average)."""
+        self._as_is_run = 0
+        """Chunks stored as they are since the codec was last measured (``RESAMPLE_EVERY``)."""
         self.codec = host_encoder(codec, level)
         # byte-planed chunks at the default zstd level get the compressor tuned for them
         self._planes_codec = host_planes_encoder(codec, level)
@@ -248,6 +256,31 @@ class HostEngine(Engine):
         drain = pace.pending_bytes / pace.bytes_per_second
         saved = raw_bytes / pace.bytes_per_second * (1 - 1 / max(ratio, 1.0))
         return raw_bytes * seconds_per_byte > drain + saved
+
+    def _resample_due(self) -> bool:
+        """Count one more chunk stored as it is; True every ``RESAMPLE_EVERY``-th in a row."""
+        with self._decisions_lock:
+            self._as_is_run += 1
+            if self._as_is_run < RESAMPLE_EVERY:
+                return False
+            self._as_is_run = 0
+            return True
+
+    def _sample_codec(self, raw: np.ndarray, width: int, use_planes: bool) -> None:
+        """Measure the codec on the first ``TRIAL_BYTES`` of ``raw`` as the chunk would be encoded
+        (its byte planes each on their own, as the planes decision samples them)."""
+        width = max(width, 1)  # 0: an array not split into planes
+        sample = raw[: min(raw.nbytes, TRIAL_BYTES) // width * width]
+        if not sample.nbytes:
+            return
+        started = time.perf_counter()
+        if use_planes:
+            planes = BYTE_PLANES.forward(sample, {"width": width})
+            size = planes.size // width
+            stored = sum(len(self._planes_codec.encode(planes[k * size:(k + 1) * size])) for k in range(width))
+        else:
+            stored = len(self.codec.encode(sample))
+        self._measured(sample.nbytes, stored, time.perf_counter() - started)
 
     def codec_pace(self) -> tuple[float, float] | None:
         """(raw bytes per second of one codec thread, ratio) measured on the chunks this engine
@@ -321,6 +354,9 @@ class HostEngine(Engine):
         # Compressing would only delay a waiting writer; a delta's chunks are compressed anyway
         # (storing little is what a delta is for, and the XOR of close weights compresses fast).
         as_is = not chunk.delta and self._store_as_is(raw.nbytes)
+        if as_is and self._resample_due():
+            self._sample_codec(raw, chunk.plane_width, use_planes)
+            as_is = self._store_as_is(raw.nbytes)
         started = time.perf_counter()
         if as_is:
             with self._decisions_lock:
@@ -332,6 +368,8 @@ class HostEngine(Engine):
             encoded = self.codec.encode(raw)
         if not as_is and self.adaptive:
             self._measured(raw.nbytes, len(memoryview(encoded).cast("B")), time.perf_counter() - started)
+            with self._decisions_lock:
+                self._as_is_run = 0
         stored_view = memoryview(encoded).cast("B")
         if as_is or (len(stored_view) >= raw.nbytes and self.codec.name != "none/1"):
             stored_view, chain = raw.data.cast("B"), NONE_CHAIN

@@ -263,6 +263,16 @@ def test_a_save_or_conversion_to_a_symlink_to_a_device_fifo_or_descriptor_is_ref
         with pytest.raises(FileExistsError, match="does not replace it"):
             gdsckpt.save(state, link)
         assert link.is_symlink(), link
+    relative = tmp_path / "relative.gdsckpt"  # a relative link, saved to by a relative path
+    relative.symlink_to(os.path.relpath("/proc/self/fd/1", tmp_path))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(FileExistsError, match="open file descriptor"):
+            gdsckpt.save(state, "relative.gdsckpt")
+    finally:
+        os.chdir(cwd)
+    assert relative.is_symlink()
     source = tmp_path / "a.gdsckpt"
     gdsckpt.save(state, source)
     assert cli_main(["convert", str(source), str(tmp_path / "link-to-null.gdsckpt"), "--to", "safetensors",
