@@ -195,3 +195,23 @@ def test_a_failed_save_into_a_file_object_without_truncate_raises_its_own_error(
         gdsckpt.save(state, _NoTruncate(fail_after=1), chunk_bytes=64 << 10)
     with pytest.raises(OSError, match="cannot truncate"):
         gdsckpt.save({"w": torch.ones(3)}, _NoTruncate(initial=b"x" * (1 << 20)))
+
+
+def test_a_bytearray_or_memoryview_source_is_read_in_place() -> None:
+    """``io.BytesIO`` shares the memory of ``bytes`` only: a ``bytearray`` or ``memoryview``
+    source was copied whole (a second copy of the file in memory, for ``inspect`` too). Read in
+    place now: a change to the buffer's bytes is seen by the next read (the checksum catches
+    it), which a copy would hide; the buffer can be resized again once the load is over."""
+    state = {"w": torch.arange(4096.0)}
+    blob = io.BytesIO()
+    gdsckpt.save(state, blob, codec="none")
+    data = bytearray(blob.getvalue())
+    for source in (data, memoryview(data), memoryview(bytes(data))):
+        assert torch.equal(gdsckpt.load(source)["w"], state["w"])
+    data.extend(b"\0")  # no export of it left open
+    del data[-1]
+    with gdsckpt.open(data) as checkpoint:
+        start = bytes(data).find(state["w"].numpy().tobytes()[:64])
+        data[start] ^= 0xFF  # the open reader reads this buffer, not a copy of it
+        with pytest.raises(gdsckpt.CorruptCheckpointError, match="checksum"):
+            checkpoint.get("w")

@@ -198,13 +198,24 @@ class FileObjectWriter(StorageWriter):
 
 
 class FileObjectReader(StorageReader):
-    """Reads a checkpoint from a seekable binary file object (or from ``bytes``), a range at a time."""
+    """Reads a checkpoint from a seekable binary file object, a range at a time, or from a buffer
+    (``bytes``, ``bytearray``, ``memoryview``, an mmap's view) in place: ``io.BytesIO`` shares the
+    memory of ``bytes`` only, and copied any other buffer whole (a second copy of the file)."""
 
     name = "fileobj"
 
     def __init__(self, source: Any):
+        self._buffer: memoryview | None = None
         if isinstance(source, (bytes, bytearray, memoryview)):
-            source = io.BytesIO(source)
+            view = memoryview(source)
+            if not view.c_contiguous:  # a strided view: only a copy is one run of bytes
+                view = memoryview(view.tobytes())
+            self._buffer = view.cast("B") if (view.format, view.ndim) != ("B", 1) else view
+            self._file = None
+            self._lock = threading.Lock()
+            self._start = 0
+            self.size = len(self._buffer)
+            return
         if not callable(getattr(source, "read", None)):
             raise TypeError(f"load needs a path, bytes or a readable binary file object, got "
                             f"{type(source).__qualname__}")
@@ -226,15 +237,20 @@ class FileObjectReader(StorageReader):
     def _read_into(self, offset: int, view: memoryview) -> None:
         if offset < 0 or offset + len(view) > self.size:
             raise CorruptCheckpointError(f"range [{offset}, +{len(view)}) runs past the end of the file")
+        if self._buffer is not None:
+            view[:] = self._buffer[offset:offset + len(view)]
+            return
+        file = self._file
+        assert file is not None  # no buffer: a file object
         with self._lock:  # one position per file object: each read seeks and reads under the lock
-            self._file.seek(self._start + offset)
+            file.seek(self._start + offset)
             done = 0
             while done < len(view):
-                readinto = getattr(self._file, "readinto", None)
+                readinto = getattr(file, "readinto", None)
                 if readinto is not None:
                     got = readinto(view[done:])
                 else:
-                    chunk = self._file.read(len(view) - done)
+                    chunk = file.read(len(view) - done)
                     got = len(chunk)
                     view[done:done + got] = chunk
                 if not got:
@@ -254,6 +270,9 @@ class FileObjectReader(StorageReader):
     def close(self) -> None:
         """Leave the file object open (the caller's to close), positioned after the checkpoint,
         as ``torch.load`` leaves it after what it read."""
+        if self._buffer is not None:
+            self._buffer.release()  # a bytearray source can be resized again
+            return
         with self._lock:
-            if not getattr(self._file, "closed", False):
+            if self._file is not None and not getattr(self._file, "closed", False):
                 self._file.seek(self._start + self.size)
