@@ -734,3 +734,25 @@ def test_arguments_a_save_refuses_are_refused_by_save_async_at_the_call(tmp_path
 def test_a_manager_refuses_a_lossy_policy_every_save_would_refuse(tmp_path: Path, lossy: Any) -> None:
     with pytest.raises((ValueError, TypeError)):
         gdsckpt.CheckpointManager(tmp_path / "run", lossy=lossy)
+
+
+def test_a_snapshot_of_arrays_of_new_sizes_keeps_the_pool_within_its_bound() -> None:
+    """The pool dropped the idle buffers of a previous state's sizes only when the next snapshot
+    was released: while a save of a state whose arrays changed size ran, the pool held both
+    states (128 MiB for a 64 MiB state at ``max_inflight=1``). It now drops them as it allocates."""
+    from gdsckpt.background.snapshot import SnapshotPool, take_snapshot
+
+    pool = SnapshotPool()
+    first = {f"w{i}": torch.zeros(1000 + i) for i in range(8)}
+    second = {f"w{i}": torch.zeros(2000 + i) for i in range(4)}  # the same bytes in other sizes
+    total = sum(t.numel() * 4 for t in second.values())
+    assert sum(t.numel() * 4 for t in first.values()) > total - 64
+    _copy, lent, _nbytes = take_snapshot(first, pool)
+    pool.release(lent, copies=1)
+    copy, lent, nbytes = take_snapshot(second, pool)
+    assert pool.stats().held_bytes <= max(nbytes, sum(t.numel() * 4 for t in first.values()))
+    assert all(torch.equal(copy[key], second[key]) for key in second)
+    pool.release(lent, copies=1)
+    _again, lent, _nbytes = take_snapshot(second, pool)  # the same sizes: every buffer reused
+    assert pool.stats().allocations == 8 + 4 and pool.stats().held_bytes == total
+    pool.release(lent, copies=1)

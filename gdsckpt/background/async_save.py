@@ -34,7 +34,8 @@ training loop at 0.96-0.97 of its speed (docs/performance.md).
 Memory: at most ``max_inflight`` snapshots exist at once, so the pool holds at most
 ``max_inflight`` times the state's bytes (on the GPU only when the state fits
 ``snapshot_gpu_bytes``) (buffers of sizes a newer snapshot no longer uses are
-dropped once the pool would exceed that bound). ``pool_stats()`` reports it;
+dropped once the pool would exceed that bound, also while that snapshot is being taken: the
+bound holds while a state whose arrays changed size is copied). ``pool_stats()`` reports it;
 ``clear_pool()`` frees the idle buffers.
 
 Errors are never lost: ``SaveHandle.wait()`` raises the background error (the same exception

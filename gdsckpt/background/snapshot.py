@@ -65,6 +65,8 @@ class SnapshotPool:
         self._allocated_bytes = 0
         self._reuses = 0
         self._dropped = 0
+        self._budget: int | None = None
+        """The bound the last ``release`` kept the pool within (``copies`` x its snapshot's bytes)."""
 
     def acquire(self, kind: str, nbytes: int) -> Any:
         """A buffer of ``nbytes`` bytes (1-D uint8) of ``kind``: an idle one, or a new one."""
@@ -75,6 +77,20 @@ class SnapshotPool:
                 self._reuses += 1
                 self._lent[key] += 1
                 return idle.pop()
+            # A size no idle buffer has: a state whose arrays changed size. Idle buffers of the
+            # old sizes were dropped only when this snapshot was released, so while it ran the
+            # pool held the old state's buffers beside the new (twice the bound): those beyond
+            # the bound go first, whichever this snapshot might still have reused.
+            if self._budget is not None:
+                excess = self._held_bytes() + nbytes - self._budget
+                for idle_key in list(self._idle):
+                    idle = self._idle[idle_key]
+                    while idle and excess > 0:
+                        idle.pop()
+                        excess -= idle_key[1]
+                        self._dropped += 1
+                    if not idle:
+                        del self._idle[idle_key]
         buffer = _allocate(kind, nbytes)
         with self._lock:
             self._allocations += 1
@@ -82,13 +98,16 @@ class SnapshotPool:
             self._lent[key] += 1
         return buffer
 
-    def release(self, lent: list[tuple[tuple[str, int], Any]], *, copies: int = 1) -> None:
+    def release(self, lent: list[tuple[tuple[str, int], Any]], *, copies: int = 1, failed: bool = False) -> None:
         """Take back the buffers of one snapshot. The pool then holds at most ``copies`` times the
         bytes of that snapshot: idle buffers beyond that are dropped, sizes the snapshot did not
-        use first."""
+        use first. That bound is kept while the next snapshot allocates too (``acquire``), unless
+        this one ``failed`` part-way (its bytes are not the state's)."""
         wanted: collections.Counter[tuple[str, int]] = collections.Counter(key for key, _ in lent)
         budget = copies * sum(key[1] for key, _ in lent)
         with self._lock:
+            if not failed:
+                self._budget = budget
             for key, buffer in lent:
                 self._lent[key] -= 1
                 self._idle[key].append(buffer)
@@ -272,7 +291,7 @@ def take_snapshot(state: Any, pool: SnapshotPool, *, validate: bool = True, cuda
         snapshot = snapshotter.copy(state)
         snapshotter.finish()
     except BaseException:
-        pool.release(snapshotter.lent, copies=1 << 30)
+        pool.release(snapshotter.lent, copies=1 << 30, failed=True)
         raise
     return snapshot, snapshotter.lent, snapshotter.nbytes
 
