@@ -50,8 +50,12 @@ def _special_values(dtype, n, seed):
     return values
 
 
-@pytest.mark.parametrize("codec", ["ans", "zstd"])
-def test_cuda_lossy_save_matches_cpu_rounding(tmp_path, codec):
+@pytest.mark.parametrize("codec, step", [("ans", None), ("zstd", None), ("zstd", 100_000)])
+def test_cuda_lossy_save_matches_cpu_rounding(tmp_path, codec, step, monkeypatch):
+    if step is not None:  # each 1 MiB chunk rounded on the device in steps of this many elements
+        from gdsckpt.state import lossy as lossy_module
+
+        monkeypatch.setattr(lossy_module, "CHUNK_ELEMENTS", step)
     g = torch.Generator().manual_seed(11)
     moments = {"exp_avg": torch.randn(3 << 20, generator=g) * 1e-3,
                "exp_avg_sq": torch.rand(3 << 20, generator=g) ** 8 * 1e-4,
