@@ -205,11 +205,11 @@ class HostEngine(Engine):
         write-back at once, which measured faster on a virtual disk (``io.posix``) and skips a
         memcpy into fresh pages. The save API turns it off only for ``Config.o_direct=True``."""
         self.adaptive = adaptive and codec != "none"
-        """``codec="auto"``: a chunk that starts while the writer has nothing to write is stored
-        uncompressed, so compression never holds back storage faster than the codec threads
-        (module docstring)."""
+        """``codec="auto"``: a chunk is stored uncompressed where the writer's measured pace says
+        it reaches storage sooner that way, so compression never holds back storage faster than
+        the codec threads (module docstring)."""
         self.stored_raw = 0
-        """Chunks ``adaptive`` stored uncompressed because the storage was waiting."""
+        """Chunks ``adaptive`` stored uncompressed because that was the faster way."""
         self._backlog: Callable[[], int | None] | None = None
         self._pace: Callable[[], WritePace | None] | None = None
         self._encode_seconds_per_byte: float | None = None
