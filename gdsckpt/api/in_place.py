@@ -178,7 +178,6 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
             opened.close_base()
         warn_lossy(index, arrays)
 
-
     for i, tensor in wanted.items():
         if arrays[i] is not tensor:  # an alias whose data landed in another tensor
             with writable(tensor):
