@@ -475,7 +475,8 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
                     free_pieces.append(piece)
 
     def named(chunk: int, err: BaseException) -> BaseException:
-        if isinstance(err, CorruptCheckpointError) and err.chunk is None:
+        # (damage found in a delta's base names that file and its own place, not this chunk)
+        if isinstance(err, CorruptCheckpointError) and err.chunk is None and err.base is None:
             return CorruptCheckpointError(err.reason, key=chunk_owner(index, chunk), chunk=chunk)
         if isinstance(err, (TimeoutError, FutureTimeout)):
             # a hung read stays a TimeoutError (docs/troubleshooting.md), on Python 3.10 too, where
