@@ -10,6 +10,8 @@ The warnings the package issues are here too. Every class is importable from ``g
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Base class of every gdsckpt error about a checkpoint file or its contents."""
@@ -25,9 +27,7 @@ class CorruptCheckpointError(CheckpointError):
 
     def __init__(self, message: str, *, key: str | None = None, chunk: int | None = None,
                  base: str | None = None):
-        if base is not None:
-            message = f"{message} in base checkpoint {base!r}"
-        parts = [message]
+        parts = [message if base is None else f"{message} in base checkpoint {base!r}"]
         if key is not None:
             parts.append(f"tensor {key!r}")
         if chunk is not None:
@@ -37,6 +37,16 @@ class CorruptCheckpointError(CheckpointError):
         self.key = key
         self.chunk = chunk
         self.base = base
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled by its parts (a save worker process hands its errors back pickled): the default
+        # rebuilt it from the whole message, with key, chunk and base lost.
+        return _corrupt_error, (type(self), self.reason, self.key, self.chunk, self.base)
+
+
+def _corrupt_error(cls: type[CorruptCheckpointError], reason: str, key: str | None, chunk: int | None,
+                   base: str | None) -> CorruptCheckpointError:
+    return cls(reason, key=key, chunk=chunk, base=base)
 
 
 class UnsupportedFormatError(CheckpointError):

@@ -349,3 +349,14 @@ def test_a_newer_major_version_is_told_apart_from_a_damaged_header(tmp_path: Pat
     with pytest.raises(gdsckpt.UnsupportedFormatError) as raised:
         gdsckpt.load(path)
     assert not isinstance(raised.value, gdsckpt.NewerFormatError)
+
+
+def test_a_corrupt_checkpoint_error_keeps_its_parts_through_pickle() -> None:
+    """A save worker process hands its errors back pickled: the default pickling rebuilt a
+    ``CorruptCheckpointError`` from its whole message, its ``key``, ``chunk`` and ``base`` lost."""
+    import pickle
+
+    error = gdsckpt.CorruptCheckpointError("chunk checksum mismatch", key="w", chunk=3, base="/ckpt/a.gdsckpt")
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error) and str(copy) == str(error)
+    assert (copy.reason, copy.key, copy.chunk, copy.base) == ("chunk checksum mismatch", "w", 3, "/ckpt/a.gdsckpt")
