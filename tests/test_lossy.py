@@ -554,3 +554,16 @@ def test_a_chunk_is_rounded_in_bounded_steps_with_the_same_bits(tmp_path: Any, m
     with pytest.warns(gdsckpt.LossyWarning):
         a, b = gdsckpt.load(whole), gdsckpt.load(stepped)
     assert a["m"]["exp_avg"].view(torch.int32).equal(b["m"]["exp_avg"].view(torch.int32))
+
+
+def test_a_rebase_reports_the_rounded_arrays_it_carries(tmp_path: Any) -> None:
+    """The file a ``rebase`` writes keeps its source's lossy records, but its report said
+    ``lossy == ()``, as if every array were bit-exact."""
+    g = torch.Generator().manual_seed(2)
+    moment = torch.randn(50_000, generator=g)
+    state = {"exp_avg": moment, "tied": moment, "w": torch.randn(100, generator=g)}
+    source = tmp_path / "a.gdsckpt"
+    report = gdsckpt.save(state, source, lossy={"exp_avg": 1e-2})
+    assert report.lossy == ("exp_avg", "tied")
+    assert gdsckpt.rebase(source, tmp_path / "b.gdsckpt").lossy == report.lossy
+    assert gdsckpt.save({"w": state["w"]}, tmp_path / "d.gdsckpt").lossy == ()

@@ -201,8 +201,9 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
         for array, device in zip(flat.arrays, devices):
             array.device = device
         gpu_device = next((device_index(d) for d in devices if d.startswith("cuda")), None)
-    # Rounded before anything reads the sources (a delta then XORs the rounded values).
-    lossy_keys = apply_policy(flat, lossy) if lossy is not None else []
+    # Rounded before anything reads the sources (a delta then XORs the rounded values); a rewrite
+    # (``rebase``, ``convert``) carries its source's rounded arrays over and reports them too.
+    lossy_keys = apply_policy(flat, lossy) if lossy is not None else _carried_lossy_keys(flat)
     with contextlib.ExitStack() as stack:
         link: dict[str, Any] | None = None
         delta: set[int] = set()
@@ -612,6 +613,13 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
     views = config.o_direct is not True
     return (host_engine(config, [a.source for a in flat.arrays], codec, adaptive=adaptive, as_is_views=views),
             posix_writer, codec, auto)
+
+
+def _carried_lossy_keys(flat: FlatState) -> list[str]:
+    """Keys of the arrays ``flat`` holds as already rounded (a rewrite's source's lossy records)
+    and of the entries that alias them, in state order, as ``apply_policy`` reports them."""
+    rounded = {i for i, a in enumerate(flat.arrays) if a.alias is None and a.lossy is not None}
+    return [a.key for i, a in enumerate(flat.arrays) if i in rounded or a.alias in rounded]
 
 
 def _logical_bytes(flat: FlatState) -> int:
