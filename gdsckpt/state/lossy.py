@@ -443,15 +443,20 @@ class RoundedSource:
         step = CHUNK_ELEMENTS * self.itemsize
         return [(low, min(stop, low + step)) for low in range(start, stop, step)] or [(start, stop)]
 
-    def host_bytes(self, start: int, stop: int) -> np.ndarray:
-        """Rounded bytes ``[start, stop)`` in host memory (little-endian)."""
+    def _stepped(self, start: int, stop: int, step: Callable[[int, int], Any], empty: Callable[[int], Any]) -> Any:
+        """``step(low, high)`` over ``_steps``, joined into ``empty(stop - start)``."""
         steps = self._steps(start, stop)
         if len(steps) == 1:
-            return self._host_step(start, stop)
-        out = np.empty(stop - start, dtype=np.uint8)
+            return step(start, stop)
+        out = empty(stop - start)
         for low, high in steps:
-            out[low - start:high - start] = self._host_step(low, high)
+            out[low - start:high - start] = step(low, high)
         return out
+
+    def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        """Rounded bytes ``[start, stop)`` in host memory (little-endian)."""
+        return cast(np.ndarray, self._stepped(start, stop, self._host_step,
+                                              lambda n: np.empty(n, dtype=np.uint8)))
 
     def _host_step(self, start: int, stop: int) -> np.ndarray:
         rounded = self._rounded(start, stop)
@@ -461,15 +466,13 @@ class RoundedSource:
 
     def device_bytes(self, start: int, stop: int) -> Any:
         """Rounded bytes ``[start, stop)`` on the array's device (CuPy)."""
-        steps = self._steps(start, stop)
-        if len(steps) == 1:
-            return self._device_step(start, stop)
-        import cupy
 
-        out = cupy.empty(stop - start, dtype=cupy.uint8)
-        for low, high in steps:
-            out[low - start:high - start] = self._device_step(low, high)
-        return out
+        def empty(n: int) -> Any:
+            import cupy
+
+            return cupy.empty(n, dtype=cupy.uint8)
+
+        return self._stepped(start, stop, self._device_step, empty)
 
     def _device_step(self, start: int, stop: int) -> Any:
         rounded = self._rounded(start, stop)
