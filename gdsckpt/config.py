@@ -411,8 +411,8 @@ def _file_value(where: str, key: str, value: Any) -> Any:
     else:
         raise ValueError(f"{where}: {key} = {value!r} has the wrong type (expected {_expected(key)})")
     if key == "codec":
-        # Config leaves codec names to the save (the set depends on what is installed); a file
-        # checks them on reading, so a typo fails here rather than at the first save.
+        # Config checks codec names when it is built too; here a typo in a file is reported
+        # with the file's name and line, as the other values are.
         from .codecs import known_codec_names
 
         if coerced not in known_codec_names():
