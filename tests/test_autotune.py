@@ -156,3 +156,39 @@ def test_a_storage_too_full_for_a_probe_is_not_measured_and_a_failed_probe_runs_
     monkeypatch.setattr(autotune, "measure_storage_gbps", failing)
     assert autotune.storage_gbps(tmp_path) is None and autotune.storage_gbps(tmp_path) is None
     assert calls == [autotune.PROBE_BYTES]
+
+
+def test_two_first_saves_in_one_process_probe_the_storage_once(tmp_path, monkeypatch):
+    """Two threads' first ``auto`` saves to one filesystem probed it at once, through one probe
+    file (its name is the process's), each timing the other's writes too: one probe now, the
+    other thread takes its figure."""
+    import threading
+    import time
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "PROBE_BYTES", 4 << 20)
+    real = autotune.measure_storage_gbps
+    running, most, calls = [0], [0], []
+    lock = threading.Lock()
+
+    def measuring(directory, nbytes=None, timeout=600.0):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            calls.append(nbytes)
+        try:
+            time.sleep(0.2)  # long enough for the other thread to arrive meanwhile
+            return real(directory, nbytes, timeout)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(autotune, "measure_storage_gbps", measuring)
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(autotune.storage_gbps(tmp_path))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert most[0] == 1 and len(calls) == 1
+    assert len(results) == 2 and results[0] == results[1] and results[0] > 0

@@ -282,6 +282,7 @@ _MEASURED: dict[tuple[str, str], float | None] = {}
 a cache that cannot be written (a read-only home) must not cost a 256 MiB probe per save, nor a
 disk too full for the probe one failed probe per save."""
 _MEASURED_LOCK = threading.Lock()
+_PROBING: dict[tuple[str, str], threading.Lock] = {}
 
 
 def storage_gbps(directory: Path, override: float | None = None, timeout: float = DRAIN_TIMEOUT) -> float | None:
@@ -299,6 +300,18 @@ def storage_gbps(directory: Path, override: float | None = None, timeout: float 
     with _MEASURED_LOCK:
         if memo in _MEASURED:
             return _MEASURED[memo]
+        probing = _PROBING.setdefault(memo, threading.Lock())
+    # One probe per storage at a time: two first saves in one process wrote one probe file (its
+    # name is the process's) at once, and each timed the other's writes too.
+    with probing:
+        with _MEASURED_LOCK:
+            if memo in _MEASURED:
+                return _MEASURED[memo]
+        return _measure_once(directory, key, memo, timeout)
+
+
+def _measure_once(directory: Path, key: str, memo: tuple[str, str], timeout: float) -> float | None:
+    """``storage_gbps``'s cached figure or new probe, under the storage's probe lock."""
     entry = read_cache().get(key)
     if isinstance(entry, dict) and isinstance(entry.get("gbps"), (int, float)) and entry["gbps"] > 0:
         return float(entry["gbps"])
