@@ -215,3 +215,53 @@ def test_a_bytearray_or_memoryview_source_is_read_in_place() -> None:
         data[start] ^= 0xFF  # the open reader reads this buffer, not a copy of it
         with pytest.raises(gdsckpt.CorruptCheckpointError, match="checksum"):
             checkpoint.get("w")
+
+
+def test_a_closed_file_object_reader_leaves_the_file_where_close_put_it() -> None:
+    """``Checkpoint.close()`` while another thread's read was queued: the read ran after the
+    close, and left the caller's file object mid-file instead of after the checkpoint."""
+    import numpy as np
+
+    from gdsckpt.io.fileobj import FileObjectReader
+
+    blob = io.BytesIO()
+    gdsckpt.save({"w": torch.arange(1000.0)}, blob)
+    blob.seek(0)
+    reader = FileObjectReader(blob)
+    reader.close()
+    with pytest.raises(ValueError, match="closed"):
+        reader.submit_read(0, np.empty(16, dtype=np.uint8))
+    assert blob.tell() == len(blob.getvalue())
+
+
+def test_a_non_blocking_stream_with_no_data_is_named_as_such() -> None:
+    """A raw stream whose ``readinto`` answers None (no data ready) was reported as a file that
+    shrank while being read."""
+
+    class NonBlocking(io.RawIOBase):
+        def __init__(self, data: bytes):
+            self._inner = io.BytesIO(data)
+            self._starved = False
+
+        def readable(self) -> bool:
+            return True
+
+        def seekable(self) -> bool:
+            return True
+
+        def seek(self, offset: int, whence: int = 0) -> int:
+            return self._inner.seek(offset, whence)
+
+        def tell(self) -> int:
+            return self._inner.tell()
+
+        def readinto(self, buffer: bytearray) -> int | None:  # type: ignore[override]
+            if self._inner.tell() > 0 and not self._starved:  # the index read works, a chunk's not
+                self._starved = True
+                return None
+            return self._inner.readinto(buffer)
+
+    blob = io.BytesIO()
+    gdsckpt.save({"w": torch.arange(100_000.0)}, blob, codec="none")
+    with pytest.raises((gdsckpt.CheckpointError, BlockingIOError), match="non-blocking"):
+        gdsckpt.load(NonBlocking(blob.getvalue()))

@@ -213,6 +213,7 @@ class FileObjectReader(StorageReader):
             self._buffer = view.cast("B") if (view.format, view.ndim) != ("B", 1) else view
             self._file = None
             self._lock = threading.Lock()
+            self._closed = False
             self._start = 0
             self.size = len(self._buffer)
             return
@@ -225,6 +226,9 @@ class FileObjectReader(StorageReader):
                              f"checkpoint is read from its end first; load its bytes instead, load(f.read())")
         self._file = source
         self._lock = threading.Lock()
+        self._closed = False
+        """Set by ``close`` under the lock: a read still queued must not move the file object
+        from where ``close`` left it."""
         self._start = source.tell()
         self.size = max(0, source.seek(0, io.SEEK_END) - self._start)  # positioned past its end: empty
 
@@ -243,12 +247,17 @@ class FileObjectReader(StorageReader):
         file = self._file
         assert file is not None  # no buffer: a file object
         with self._lock:  # one position per file object: each read seeks and reads under the lock
+            if self._closed:
+                raise ValueError("the checkpoint's reader of this file object is closed")
             file.seek(self._start + offset)
             done = 0
             while done < len(view):
                 readinto = getattr(file, "readinto", None)
                 if readinto is not None:
                     got = readinto(view[done:])
+                    if got is None:  # a non-blocking stream with no data ready
+                        raise BlockingIOError(f"the file object has no data ready at byte {offset + done} "
+                                              f"(a non-blocking stream): load from a blocking one")
                 else:
                     chunk = file.read(len(view) - done)
                     got = len(chunk)
@@ -274,5 +283,6 @@ class FileObjectReader(StorageReader):
             self._buffer.release()  # a bytearray source can be resized again
             return
         with self._lock:
+            self._closed = True
             if self._file is not None and not getattr(self._file, "closed", False):
                 self._file.seek(self._start + self.size)
