@@ -147,21 +147,34 @@ def test_append_checks_leave_gzip_and_spooled_files_as_they_were(tmp_path: Path)
         assert torch.equal(gdsckpt.load(spooled.read())["w"], state["w"])
 
 
-class _NoTruncate(io.RawIOBase):
-    """A seekable binary file object with no ``truncate`` (a wrapper many libraries hand out),
-    over a ``BytesIO``; ``fail_after`` writes it raises EIO."""
+class _RawOverBytes(io.RawIOBase):
+    """A seekable, readable raw stream over a ``BytesIO``: the base of the file objects below."""
 
-    def __init__(self, initial: bytes = b"", fail_after: int | None = None):
+    def __init__(self, initial: bytes = b""):
         self._inner = io.BytesIO(initial)
-        self._fail_after = fail_after
 
-    def writable(self) -> bool:
+    def readable(self) -> bool:
         return True
 
     def seekable(self) -> bool:
         return True
 
-    def readable(self) -> bool:
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._inner.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._inner.tell()
+
+
+class _NoTruncate(_RawOverBytes):
+    """A seekable binary file object with no ``truncate`` (a wrapper many libraries hand out),
+    over a ``BytesIO``; ``fail_after`` writes it raises EIO."""
+
+    def __init__(self, initial: bytes = b"", fail_after: int | None = None):
+        super().__init__(initial)
+        self._fail_after = fail_after
+
+    def writable(self) -> bool:
         return True
 
     def write(self, data: bytes) -> int:  # type: ignore[override]
@@ -173,12 +186,6 @@ class _NoTruncate(io.RawIOBase):
 
     def readinto(self, buffer: bytearray) -> int:  # type: ignore[override]
         return self._inner.readinto(buffer)
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self._inner.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self._inner.tell()
 
     def __getattribute__(self, name: str):  # type: ignore[no-untyped-def]
         if name == "truncate":
@@ -238,22 +245,8 @@ def test_a_non_blocking_stream_with_no_data_is_named_as_such() -> None:
     """A raw stream whose ``readinto`` answers None (no data ready) was reported as a file that
     shrank while being read."""
 
-    class NonBlocking(io.RawIOBase):
-        def __init__(self, data: bytes):
-            self._inner = io.BytesIO(data)
-            self._starved = False
-
-        def readable(self) -> bool:
-            return True
-
-        def seekable(self) -> bool:
-            return True
-
-        def seek(self, offset: int, whence: int = 0) -> int:
-            return self._inner.seek(offset, whence)
-
-        def tell(self) -> int:
-            return self._inner.tell()
+    class NonBlocking(_RawOverBytes):
+        _starved = False
 
         def readinto(self, buffer: bytearray) -> int | None:  # type: ignore[override]
             if self._inner.tell() > 0 and not self._starved:  # the index read works, a chunk's not

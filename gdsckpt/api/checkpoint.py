@@ -537,9 +537,7 @@ class _CheckpointArrays:
 
     def read_many(self, requests: list[tuple[str, int, int]], device: Any) -> list[Any]:
         """See ``gdsckpt.state.delta.BaseArrays``."""
-        if not self._as_base:
-            return self._checkpoint._read_many(requests, device)
-        with damage_named_as_base(self._checkpoint.path):
+        with damage_named_as_base(self._checkpoint.path) if self._as_base else contextlib.nullcontext():
             return self._checkpoint._read_many(requests, device)
 
 

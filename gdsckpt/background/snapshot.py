@@ -14,6 +14,7 @@ import concurrent.futures.thread  # noqa: F401 - its exit hook must be registere
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,15 +83,7 @@ class SnapshotPool:
             # pool held the old state's buffers beside the new (twice the bound): those beyond
             # the bound go first, whichever this snapshot might still have reused.
             if self._budget is not None:
-                excess = self._held_bytes() + nbytes - self._budget
-                for idle_key in list(self._idle):
-                    idle = self._idle[idle_key]
-                    while idle and excess > 0:
-                        idle.pop()
-                        excess -= idle_key[1]
-                        self._dropped += 1
-                    if not idle:
-                        del self._idle[idle_key]
+                self._drop_idle(self._held_bytes() + nbytes, self._budget)
         buffer = _allocate(kind, nbytes)
         with self._lock:
             self._allocations += 1
@@ -115,18 +108,22 @@ class SnapshotPool:
             if held <= budget:
                 return
             # First idle buffers of sizes this snapshot did not use (or used fewer of), then any.
-            for strict in (True, False):
-                for key in list(self._idle):
-                    idle = self._idle[key]
-                    while idle and held > budget and (
-                            not strict or len(idle) + self._lent[key] > copies * wanted[key]):
-                        idle.pop()
-                        held -= key[1]
-                        self._dropped += 1
-                    if not idle:
-                        del self._idle[key]
-                if held <= budget:
-                    return
+            held = self._drop_idle(held, budget, lambda key, count: count + self._lent[key] <= copies * wanted[key])
+            self._drop_idle(held, budget)
+
+    def _drop_idle(self, held: int, budget: int,
+                   keep: Callable[[tuple[str, int], int], bool] | None = None) -> int:
+        """Drop idle buffers while ``held`` bytes exceed ``budget`` (caller holds the lock), but
+        none of a size for which ``keep(key, idle count)`` says so; returns the bytes then held."""
+        for key in list(self._idle):
+            idle = self._idle[key]
+            while idle and held > budget and (keep is None or not keep(key, len(idle))):
+                idle.pop()
+                held -= key[1]
+                self._dropped += 1
+            if not idle:
+                del self._idle[key]
+        return held
 
     def clear(self) -> int:
         """Drop every idle buffer; returns the bytes freed. Buffers lent to saves in flight stay

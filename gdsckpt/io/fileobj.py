@@ -206,14 +206,16 @@ class FileObjectReader(StorageReader):
 
     def __init__(self, source: Any):
         self._buffer: memoryview | None = None
+        self._file: Any = None
+        self._lock = threading.Lock()
+        self._closed = False
+        """Set by ``close`` under the lock: a read still queued must not move the file object
+        from where ``close`` left it."""
         if isinstance(source, (bytes, bytearray, memoryview)):
             view = memoryview(source)
             if not view.c_contiguous:  # a strided view: only a copy is one run of bytes
                 view = memoryview(view.tobytes())
             self._buffer = view.cast("B") if (view.format, view.ndim) != ("B", 1) else view
-            self._file = None
-            self._lock = threading.Lock()
-            self._closed = False
             self._start = 0
             self.size = len(self._buffer)
             return
@@ -225,10 +227,6 @@ class FileObjectReader(StorageReader):
             raise ValueError(f"load needs a seekable file object ({type(source).__qualname__} is not): a "
                              f"checkpoint is read from its end first; load its bytes instead, load(f.read())")
         self._file = source
-        self._lock = threading.Lock()
-        self._closed = False
-        """Set by ``close`` under the lock: a read still queued must not move the file object
-        from where ``close`` left it."""
         self._start = source.tell()
         self.size = max(0, source.seek(0, io.SEEK_END) - self._start)  # positioned past its end: empty
 

@@ -274,13 +274,15 @@ class HostEngine(Engine):
         if not sample.nbytes:
             return
         started = time.perf_counter()
-        if use_planes:
-            planes = BYTE_PLANES.forward(sample, {"width": width})
-            size = planes.size // width
-            stored = sum(len(self._planes_codec.encode(planes[k * size:(k + 1) * size])) for k in range(width))
-        else:
-            stored = len(self.codec.encode(sample))
+        stored = self._planes_size(sample, width) if use_planes else len(self.codec.encode(sample))
         self._measured(sample.nbytes, stored, time.perf_counter() - started)
+
+    def _planes_size(self, sample: np.ndarray, width: int) -> int:
+        """Bytes ``sample`` compresses to as byte planes, each plane on its own (the measure both
+        the planes decision and the codec's re-measure take)."""
+        planes = BYTE_PLANES.forward(sample, {"width": width})
+        size = planes.size // width
+        return sum(len(self._planes_codec.encode(planes[k * size:(k + 1) * size])) for k in range(width))
 
     def codec_pace(self) -> tuple[float, float] | None:
         """(raw bytes per second of one codec thread, ratio) measured on the chunks this engine
@@ -340,11 +342,7 @@ class HostEngine(Engine):
                 # does not show (measured on fp32 weights: per plane predicts a 4 MiB chunk's 1.20
                 # within 0.1%; the 128 KiB of planes as one frame said 1.11 at level 1 and 1.08,
                 # no better than plain zstd, with the planes compressor's small match table).
-                planes = BYTE_PLANES.forward(sample, params)
-                size = planes.size // chunk.plane_width
-                planed = sum(len(self._planes_codec.encode(planes[k * size:(k + 1) * size]))
-                             for k in range(chunk.plane_width))
-                decision.set_result(planed < plain)
+                decision.set_result(self._planes_size(sample, chunk.plane_width) < plain)
             except BaseException as err:
                 decision.set_exception(err)
                 raise
