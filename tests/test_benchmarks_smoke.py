@@ -140,8 +140,9 @@ def test_tier_bench_cpu(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()
     report = run(tmp_path, "tier_bench.py", "--device", "cpu", "--size", "4MiB", "--steps", "1", "--repeat", "1",
-                 "--small", "50", "--profile", "--shm-dir", str(shm))
+                 "--restores", "2", "--small", "50", "--profile", "--shm-dir", str(shm))
     measured(report)
+    assert report["results"]["page_cache/gdsckpt"]["runs"] == 2  # --restores passes in the one round
     for name in ("page_cache/raw", "page_cache/gdsckpt", "tmpfs/raw", "tmpfs/gdsckpt", "null_source/gdsckpt",
                  "null_sink/gdsckpt", "save_tmpfs/gdsckpt", "small_50/gdsckpt_save", "small_50/torch_load"):
         assert positive(report["results"][name]["gbps"]), name
