@@ -173,11 +173,20 @@ class Config:
     portable: bool = False
 
     def __post_init__(self) -> None:
-        for name in _SIZE_FIELDS:
-            object.__setattr__(self, name, parse_size(getattr(self, name)))
-        for name in _OPTIONAL:
-            if _KINDS[name] == "size" and getattr(self, name) is not None:
-                object.__setattr__(self, name, parse_size(getattr(self, name)))
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            # No setting means anything past int64 (and the messages below would fail to print a
+            # number past Python's 4,300-digit limit, not naming the field)
+            if isinstance(value, int) and value.bit_length() > 63:
+                raise ValueError(f"{field.name} is out of range: an integer of {value.bit_length()} bits")
+        for name in (*_SIZE_FIELDS, *(n for n in _OPTIONAL if _KINDS[n] == "size")):
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            try:
+                object.__setattr__(self, name, parse_size(value))
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
         if self.chunk_bytes <= 0 or self.chunk_bytes % ALIGNMENT or self.chunk_bytes > 1 << 30:
             raise ValueError(f"chunk_bytes must be a multiple of 4096 between 4 KiB and 1 GiB, "
                              f"got {self.chunk_bytes}")
@@ -369,7 +378,9 @@ def resolve_config(path: str | os.PathLike[str] | None) -> Config:
         return Config.from_env()
     text = os.fspath(path)
     looks_like_path = os.sep in text or "/" in text or text.endswith(PRESET_SUFFIX)
-    if os.path.exists(text) or looks_like_path:
+    # a directory of the preset's name (a project's "portable/") does not hide the preset
+    shadowing_directory = os.path.isdir(text) and text in preset_names()
+    if looks_like_path or (os.path.exists(text) and not shadowing_directory):
         return Config.from_toml(text)
     if text in preset_names():
         return Config.preset(text)

@@ -78,6 +78,37 @@ def test_resolve_config_takes_a_file_or_a_preset_name(tmp_path: Path, monkeypatc
         resolve_config("settings.toml")  # looks like a path: read as one
 
 
+def test_a_directory_named_like_a_preset_does_not_hide_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A project folder called ``portable/`` in the working directory made ``--config portable``
+    fail with "not a regular file (a directory)": only a file of that name is read as one."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "portable").mkdir()
+    assert resolve_config("portable") == Config.preset("portable")
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ValueError, match="not a regular file"):
+        resolve_config("mine")  # no preset of that name: the directory is named as the problem
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("chunk_bytes", "1.5GB", "chunk_bytes: not a byte size"),
+    ("max_staging_bytes", "lots", "max_staging_bytes: not a byte size"),
+    ("kvikio_task_size", True, "kvikio_task_size: not a byte size"),
+    ("restore_staging_bytes", 1.0, "restore_staging_bytes: not a byte size"),
+    ("snapshot_gpu_bytes", "-1MiB", "snapshot_gpu_bytes: not a byte size"),
+    pytest.param("chunk_bytes", 10**5000, "chunk_bytes is out of range", id="chunk_bytes-5001-digits"),
+    pytest.param("io_threads", 10**5000, "io_threads is out of range", id="io_threads-5001-digits"),
+    ("max_inflight_bytes", 1 << 63, "max_inflight_bytes is out of range"),
+])
+def test_a_bad_size_names_its_field(field: str, value: Any, message: str) -> None:
+    """``Config(chunk_bytes="1.5GB")`` said "not a byte size: '1.5GB'" without the field (the
+    environment and config files named it); an integer past Python's 4,300 digits failed inside
+    the error message's own formatting."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Config(**{field: value})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Config().replace(**{field: value})
+
+
 def test_from_toml_of_the_old_preset_path_points_to_the_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A relative path is relative to the current directory; where it named a preset's old file,
     the error says how to get the preset from anywhere."""

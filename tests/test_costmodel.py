@@ -293,7 +293,7 @@ def test_parse_count(text: str, count: int) -> None:
     assert plan_cli.parse_count(text) == count
 
 
-@pytest.mark.parametrize("text", ["abc", "0", "-5", "1.5", "7X", "", "B", "1e-3"])
+@pytest.mark.parametrize("text", ["abc", "0", "-5", "1.5", "7X", "", "B", "1e-3", "1e1000000"])
 def test_parse_count_rejects(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         plan_cli.parse_count(text)
@@ -438,3 +438,31 @@ def test_cli_from_checkpoint_without_known_groups_warns_and_keeps_defaults(
     parts = json.loads(capsys.readouterr().out)["parts"]
     assert [p["ratio"] for p in parts] == [1.546, 1.215, 1.192, 1.230]
     assert "no group of" in caplog.text and "its groups: net" in caplog.text
+
+
+def test_cli_from_reads_the_checkpoint_with_the_commands_config(training_checkpoint: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gdsckpt --config FILE plan --from CKPT`` read the checkpoint with the environment's
+    configuration: a config file's ``s3_endpoint`` or ``timeout`` was dropped for ``--from s3://``."""
+    import gdsckpt.api
+
+    seen: list[Any] = []
+    real_inspect = gdsckpt.api.inspect
+
+    def spy(path: Any, *, config: Any = None) -> Any:
+        seen.append(config)
+        return real_inspect(path, config=config)
+
+    monkeypatch.setattr(gdsckpt.api, "inspect", spy)
+    config = gdsckpt.Config(timeout=123, s3_endpoint="http://127.0.0.1:9")
+    assert run("plan", "--from", str(training_checkpoint), "--json", config=config) == 0
+    assert seen == [config]
+
+
+def test_cli_from_a_delta_is_a_usage_error(training_checkpoint: Path, tmp_path: Path, h: Any,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    state = gdsckpt.load(training_checkpoint)
+    delta = tmp_path / "delta.gdsckpt"
+    gdsckpt.save(state, delta, base=training_checkpoint)
+    assert run("plan", "--from", str(delta)) == 2
+    assert "delta checkpoint" in caplog.text and "rebase" in caplog.text

@@ -529,3 +529,141 @@ def test_a_configuration_failing_in_a_later_repeat_shows_no_figures(tmp_path: Pa
     assert (measurement.save_gbps, measurement.load_gbps, measurement.warm_load_gbps) == (None, None, None)
     doc = measurement.to_json()
     assert len(doc["save_seconds"]) == 1 and doc["save_gbps"] is None
+
+
+def test_auto_learns_its_storage_and_pace_in_the_warm_up_not_in_a_timed_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU engine the warm-up saved 1 MiB, under the size codec auto weighs: the first timed
+    auto save learned the codec's pace, the second then probed the storage (a durable write of up
+    to 256 MiB) inside its timing (2.1 s against 0.03 s for the same save). The probe and the
+    pace's first measurement belong to the warm-up."""
+    from gdsckpt.pipeline import autotune
+    from gdsckpt.tools.storagebench import runner
+
+    timing: list[str] = []
+    probed_in: list[str | None] = []
+
+    def probe(directory: Path, nbytes: int | None = None, timeout: float | None = None) -> float:
+        probed_in.append(timing[-1] if timing else None)
+        return 2.0
+
+    monkeypatch.setattr(autotune, "measure_storage_gbps", probe)
+    real_run_once = runner._run_once
+
+    def run_once(case: Any, path: Path, sync: Any) -> None:
+        timing.append(case.measurement.label)
+        try:
+            real_run_once(case, path, sync)
+        finally:
+            timing.append("")
+
+    monkeypatch.setattr(runner, "_run_once", run_once)
+    target = tmp_path / "target"
+    target.mkdir()
+    settings = sb.BenchSettings(size_bytes=24 << 20, codecs=("auto",), chunk_sizes=(4 << 20,), threads=(2,),
+                                repeats=2, baselines=(), device="cpu")
+    report = sb.run_benchmark(settings, [target])
+    assert all(m.status == "ok" for m in report.targets[0].measurements)
+    assert probed_in == [None]  # once, before any timed save
+
+
+def test_the_warm_up_saves_with_the_codec_asked_for_whatever_the_config_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """save's codec="auto" argument defers to a configuration's codec: the warm-up of "auto" under
+    a config naming lz4 (or, with --config fast-nvme on a CPU host, ans: the warm-up failed) ran
+    the config's codec, and the first timed save paid auto's first-use costs."""
+    from gdsckpt.tools.storagebench import runner
+
+    warmed: list[str] = []
+    real_save = gdsckpt.api.save
+
+    def spy(state: Any, path: Any, **kwargs: Any) -> Any:
+        report = real_save(state, path, **kwargs)
+        if str(path).endswith("warm-up.gdsckpt"):
+            warmed.append(report.codec)
+        return report
+
+    monkeypatch.setattr(gdsckpt.api, "save", spy)
+    settings = sb.BenchSettings(size_bytes=1 << 20, codecs=("auto",), chunk_sizes=(1 << 20,), threads=(1,),
+                                repeats=1, baselines=(), device="cpu", config=gdsckpt.Config(codec="lz4"))
+    side = runner._Side.__new__(runner._Side)
+    side.engine, side.device, side.tensors = "cpu", "cpu", {"w": torch_zeros(1 << 18)}
+    runner._warm_up(side, tmp_path, settings)
+    auto_codec = real_save(side.tensors, tmp_path / "direct.gdsckpt", codec="auto", config=gdsckpt.Config()).codec
+    assert auto_codec != "lz4" and warmed == [auto_codec]
+
+
+def torch_zeros(n: int) -> Any:
+    import torch
+
+    return torch.zeros(n)
+
+
+def test_recommend_weighs_only_configurations_of_every_round_that_ran() -> None:
+    """--max-seconds ended the rounds after one configuration's first repeat: its single sample
+    (status ok, "1 of 3 repeats") beat medians of three and was recommended."""
+    from gdsckpt.tools.storagebench.runner import _out_of_time
+
+    full = _measurement("zstd", 1.0, 8 * 10**8, save_seconds=[1.0, 1.0, 1.0], load_seconds=[1.0] * 3)
+    partial = _measurement("lz4", 0.5, 8 * 10**8)
+    _out_of_time(partial, 3)
+    assert partial.status == "ok" and "1 of 3" in (partial.reason or "")
+    chosen = sb.recommend(sb.TargetResult("/t", {}, 1, [full, partial]))
+    assert chosen is not None and chosen.measurement is full
+    # every configuration cut short alike: the rounds that ran are compared
+    full.save_seconds = [1.0]
+    assert sb.recommend(sb.TargetResult("/t", {}, 1, [full, partial])).measurement is partial
+
+
+def test_a_recommended_storage_speed_never_rounds_to_zero() -> None:
+    """A raw write of 3.9 kB/s (a tiny or slow run) was written as storage_gbps = 0.0, which the
+    preset's own Config.from_toml refused."""
+    raw = sb.Measurement("raw-posix", "raw", "cpu", chunk_bytes=4 << 20, threads=8, status="ok",
+                         logical_bytes=14, file_bytes=14, save_seconds=[14 / 3909], load_seconds=[0.001],
+                         bit_exact=True)
+    result = sb.TargetResult("/t", {}, 1, [raw, _measurement("zstd", 1.0, 8 * 10**8)])
+    chosen = sb.recommend(result)
+    assert chosen is not None and chosen.fields["storage_gbps"] == pytest.approx(3.909e-6)
+    assert gdsckpt.Config(**chosen.fields).storage_gbps == pytest.approx(3.909e-6)  # what the preset holds
+
+
+def test_out_through_a_dangling_symlink_is_refused_before_measuring(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The up-front check walked past a dangling link (it does not "exist"), the whole run went
+    by, then mkdir failed ("File exists") and the results were lost."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "missing" / "x")
+    code, stdout = run_bench("--target", str(target), "--size", "256KiB", "--codecs", "none", "--chunk-sizes",
+                             "64KiB", "--threads", "1", "--repeats", "1", "--baselines", "none", "--device", "cpu",
+                             "--out", str(tmp_path / "out"))
+    assert code == 2 and "GB/s" not in stdout
+    assert "cannot be created" in caplog.text
+
+
+def test_a_preset_that_cannot_be_written_leaves_nothing_and_names_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A full disk (injected) while writing the --recommend preset left an empty file, which
+    Config.from_toml reads as no settings, and the error named no path."""
+    from gdsckpt.io import posix
+
+    target = tmp_path / "target"
+    target.mkdir()
+    preset = tmp_path / "presets" / "p.toml"
+    real_write = posix.write_atomically
+
+    def full_disk(path: Any, data: bytes, **kwargs: Any) -> None:
+        if str(path).endswith(".toml"):
+            with open(path, "wb") as file:  # what a plain write leaves: the file, cut short
+                file.write(data[:0])
+            os.unlink(path)
+            raise OSError(28, "No space left on device")
+        real_write(path, data, **kwargs)
+
+    monkeypatch.setattr(bench, "write_atomically", full_disk)
+    code, _stdout = run_bench("--target", str(target), "--size", "256KiB", "--codecs", "none", "--chunk-sizes",
+                              "64KiB", "--threads", "1", "--repeats", "1", "--baselines", "none", "--device",
+                              "cpu", "--out", str(tmp_path / "out"), "--recommend", "--preset-out", str(preset))
+    assert code == 1
+    assert not preset.exists()
+    assert any(str(preset) in r.getMessage() and "No space left" in r.getMessage() for r in caplog.records)

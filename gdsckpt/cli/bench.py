@@ -173,9 +173,10 @@ def register(subparsers: Any) -> None:
 # running
 
 def _writable_destination(path: Path) -> bool:
-    """``path`` can be created (its nearest existing ancestor is a writable directory) or written."""
+    """``path`` can be created (its nearest existing ancestor is a writable directory) or written.
+    A dangling symlink on the way counts as existing (lexists): ``mkdir`` cannot create it."""
     probe = path
-    while not probe.exists():
+    while not os.path.lexists(probe):
         if probe.parent == probe:
             return False
         probe = probe.parent
@@ -267,8 +268,15 @@ def run(args: argparse.Namespace) -> int:
             status = 1
             continue
         preset = Path(preset_pattern.replace("{target}", sb.target_slug(number, target.path)))
-        preset.parent.mkdir(parents=True, exist_ok=True)
-        preset.write_text(sb.preset_toml(recommendation, report))
+        try:
+            preset.parent.mkdir(parents=True, exist_ok=True)
+            # whole or not at all, like bench.json: a full disk left an empty preset, which
+            # Config.from_toml reads as no settings
+            write_atomically(preset, sb.preset_toml(recommendation, report).encode(), fsync=False)
+        except OSError as err:
+            logger.error("cannot write the preset %s: %s", preset, getattr(err, "strerror", None) or err)
+            status = 1
+            continue
         print(format_recommendation(recommendation, preset))
     return status
 

@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
 from ..config import Config
@@ -52,8 +52,8 @@ def parse_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a count: {text!r} (examples: 7e9, 7B, 70M, 125k)")
     try:
         value = Decimal(match.group(1) + (match.group(2) or "")) * _COUNT_UNITS[match.group(3).lower()]
-    except InvalidOperation as err:  # pragma: no cover - the pattern admits only valid decimals
-        raise argparse.ArgumentTypeError(f"not a count: {text!r}") from err
+    except ArithmeticError as err:  # decimal.Overflow: an exponent past the context's (1e1000000)
+        raise argparse.ArgumentTypeError(f"a count of at most {MAX_COUNT:.0e} is planned, got {text!r}") from err
     if value <= 0 or value != value.to_integral_value():
         raise argparse.ArgumentTypeError(f"not a positive whole count: {text!r}")
     if value > MAX_COUNT:  # the plan's arithmetic is in floats: 1e400 would overflow it
@@ -191,7 +191,7 @@ class _BadArguments(ValueError):
     """Arguments that parse but do not make a plan (exit code 2)."""
 
 
-def _parts(args: argparse.Namespace) -> tuple[list[costmodel.Part], str]:
+def _parts(args: argparse.Namespace, config: Config) -> tuple[list[costmodel.Part], str]:
     """The checkpoint's parts and a line describing where they come from."""
     model_flags = [flag for flag, value in (("--weights", args.weights), ("--master", args.master),
                                             ("--optimizer", args.optimizer), ("--grads", args.grads))
@@ -201,7 +201,10 @@ def _parts(args: argparse.Namespace) -> tuple[list[costmodel.Part], str]:
     if args.params is None and model_flags:
         raise _BadArguments(f"{', '.join(model_flags)} describe a model given by --params; with --from alone "
                             f"the checkpoint's own parts are used")
-    groups = costmodel.group_sizes(args.from_path) if args.from_path is not None else None
+    try:
+        groups = costmodel.group_sizes(args.from_path, config=config) if args.from_path is not None else None
+    except ValueError as err:  # a delta checkpoint: plan from a full one
+        raise _BadArguments(str(err)) from None
     if groups is not None and not any(group.nbytes for group in groups.values()):
         raise _BadArguments(f"checkpoint {args.from_path!r} holds no array bytes to plan with")
     if args.params is None:
@@ -256,7 +259,7 @@ def run_plan(args: argparse.Namespace) -> int:
     ``--from`` could not be read, 2 arguments that make no plan."""
     config = getattr(args, "config", None) or Config.from_env()
     try:
-        parts, described = _parts(args)
+        parts, described = _parts(args, config)
         result = costmodel.plan(parts, _job(args, config))
     except _BadArguments as err:
         log.error("%s", err)

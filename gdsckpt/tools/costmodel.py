@@ -36,6 +36,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 # ---------------------------------------------------------------------------------------------
 # measured defaults (docs/performance.md; the raw results named below)
@@ -244,15 +248,16 @@ def group_of(key: str) -> str:
     return parts[0]
 
 
-def group_sizes(path: str | os.PathLike[str]) -> dict[str, GroupSize]:
+def group_sizes(path: str | os.PathLike[str], config: Config | None = None) -> dict[str, GroupSize]:
     """Logical and stored bytes per group (``group_of``) of a gdsckpt checkpoint, from its index
     alone (``CheckpointInfo.groups``). Aliases (tied weights, stored once) are not counted again.
     A group's stored bytes are exact unless it shares chunks with another group (arrays smaller
     than ``Config.pack_below`` are packed together): those chunks are split by raw bytes, so the
-    groups of a checkpoint of tiny arrays mix each other's ratios."""
+    groups of a checkpoint of tiny arrays mix each other's ratios. ``config``: how to read it (an
+    ``s3://`` address's endpoint, the timeout), else the environment's."""
     from ..api import inspect
 
-    info = inspect(path)
+    info = inspect(path, config=config)
     if info.base is not None:
         # its chunks hold XORs with the base: their ratio says how little changed, not how well
         # the state compresses (an unchanged state showed "ratio 15420")

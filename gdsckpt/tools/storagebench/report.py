@@ -37,7 +37,9 @@ def recommend(result: TargetResult, engine: str | None = None) -> Recommendation
     Saves within ``SAVE_TIE`` of the fastest count as a tie (run-to-run noise); among those the
     best ratio wins (fewer bytes stored), and among ratios within ``RATIO_TIE`` the fastest cold
     load. ``engine``: ``gpu`` or ``cpu`` (default: ``gpu`` when it ran, else ``cpu``). Only
-    configurations whose every repeat ran and loaded bit-exact qualify; None when none did."""
+    configurations that ran in every round and loaded bit-exact qualify (where the time budget
+    ended the rounds early, every round any configuration ran: one measured once is not weighed
+    against medians of several); None when none did."""
     ok = [m for m in result.measurements
           if m.kind == "gdsckpt" and m.status == "ok" and m.bit_exact and m.lossless and m.save_seconds]
     if engine is None:
@@ -45,6 +47,8 @@ def recommend(result: TargetResult, engine: str | None = None) -> Recommendation
     candidates = [m for m in ok if m.engine == engine]
     if not candidates:
         return None
+    rounds = max(len(m.save_seconds) for m in candidates)
+    candidates = [m for m in candidates if len(m.save_seconds) == rounds]
     fastest = max(m.save_gbps or 0.0 for m in candidates)
     tied = [m for m in candidates if (m.save_gbps or 0.0) >= fastest * (1 - SAVE_TIE)]
     best_ratio = max(m.ratio or 0.0 for m in tied)
@@ -78,7 +82,9 @@ def recommend(result: TargetResult, engine: str | None = None) -> Recommendation
     if raw is not None and raw.save_gbps:
         # what codec="auto" weighs compression against: the storage's durable write speed, as
         # measured here at the chosen block size and thread count
-        fields["storage_gbps"] = round(raw.save_gbps, 3)
+        # four significant figures: a slow or tiny run's speed rounded to places was 0.0, which
+        # the preset's own Config then refused (storage_gbps must be > 0)
+        fields["storage_gbps"] = float(f"{raw.save_gbps:.4g}")
     return Recommendation(result.path, engine, fields, chosen, raw.save_gbps if raw else None,
                           raw.load_gbps if raw else None, reason, baselines_beating(result, chosen))
 

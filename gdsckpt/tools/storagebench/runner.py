@@ -402,27 +402,34 @@ def bench_directory(target: str | os.PathLike[str]) -> Iterator[Path]:
 
 def _warm_up(side: _Side, directory: Path, settings: BenchSettings) -> None:
     """One small save and load first (untimed), as any process that has checkpointed once has
-    done: codec libraries, nvCOMP kernels and thread pools start on first use; on the GPU, the
-    storage probe of codec auto runs here (it is cached per filesystem), not inside a timed save."""
+    done: codec libraries, nvCOMP kernels and thread pools start on first use. For codec auto,
+    the storage probe runs here (it is cached per filesystem), not inside a timed save, and on the
+    CPU engine the warm-up save is large enough (``MEASURED_MIN_BYTES``, where the state is) for
+    auto to learn its codec's pace, as an earlier save of the process would have."""
     import torch
 
     from ...api import load as gdsckpt_load
     from ...api import save as gdsckpt_save
+    from ...pipeline.host_auto import MEASURED_MIN_BYTES
 
     runnable = [c for c in settings.codecs if side.engine == "gpu" or c == "auto" or c in PORTABLE_CODECS]
     if not runnable:
         return
     first = next(iter(side.tensors.values()))
-    sample = {"w": first.reshape(-1)[: 1 << 20].clone()}
+    small = {"w": first.reshape(-1)[: 1 << 20].clone()}
     config = settings.config.replace(engine=side.engine, fsync=True)
-    if side.engine == "gpu" and "auto" in settings.codecs:
+    if "auto" in settings.codecs:
         from ...pipeline.autotune import storage_gbps
 
         storage_gbps(directory, config.storage_gbps)
     path = directory / "warm-up.gdsckpt"
     for codec in runnable:
+        sample = _leading_bytes(side.tensors, MEASURED_MIN_BYTES) if (
+            codec == "auto" and side.engine == "cpu") else small
         try:
-            gdsckpt_save(sample, path, codec=codec, config=config)
+            # the codec asked for, whatever the configuration names (save's codec="auto" argument
+            # defers to a configuration's codec)
+            gdsckpt_save(sample, path, codec=codec, config=config.replace(codec=codec))
             gdsckpt_load(path, device=side.device, config=config)
         except Exception as err:  # noqa: BLE001 - the measurement of this codec records the failure
             logger.warning("warm-up of codec %r on the %s engine failed: %s", codec, side.engine, err)
@@ -430,6 +437,19 @@ def _warm_up(side: _Side, directory: Path, settings: BenchSettings) -> None:
             path.unlink(missing_ok=True)
     if side.device == "cuda":
         torch.cuda.synchronize()
+
+
+def _leading_bytes(tensors: dict[str, Any], nbytes: int) -> dict[str, Any]:
+    """Copies of the first ``nbytes`` of the state's tensors, in order (all of them where the state
+    is smaller), as one sample state."""
+    sample: dict[str, Any] = {}
+    for key, tensor in tensors.items():
+        if nbytes <= 0:
+            break
+        flat = tensor.reshape(-1)[: max(nbytes // tensor.element_size(), 1)]
+        sample[key] = flat.clone()
+        nbytes -= flat.numel() * flat.element_size()
+    return sample
 
 
 def run_benchmark(settings: BenchSettings, targets: list[str | os.PathLike[str]], *,
