@@ -11,6 +11,7 @@ import os
 import re
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -53,6 +54,16 @@ from .resolve import (
 _BASE_LOCK = threading.RLock()
 """Guards opening a delta's base (``OpenedFile.base``) against other restores and ``close``.
 Reentrant: a base found changed is closed (``Checkpoint.close``, which takes it) while held."""
+
+
+def _new_base_lock_after_fork() -> None:
+    """A forked child's lock starts free: held by another thread at the fork (a delta's base
+    being opened), it was never released there and the child's delta reads waited for good."""
+    global _BASE_LOCK
+    _BASE_LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_base_lock_after_fork)
 
 
 MAX_RESOLVE_DEPTH = 64
@@ -306,6 +317,13 @@ class Checkpoint:
         """GPU device (None: the CPU engine) -> the engine, data reader and their exit stack that
         ``_read_many`` keeps across its restores (closed by ``close``)."""
         self._closed = False
+        # A checkpoint dropped without close() (``gdsckpt.open(p).get(k)``) kept its descriptors,
+        # its base's and the disk space of files deleted since, for the life of the process:
+        # closed when collected, with a ResourceWarning as for an unclosed Python file. Not at
+        # exit: the process's end closes them, and a read still running must not be waited for.
+        self._finalizer = weakref.finalize(self, _close_dropped, self.path, self._reader, self._opened,
+                                           self._window_restorers, self._window_lock)
+        self._finalizer.atexit = False
 
     def _check_open(self) -> None:
         """``ValueError`` for a read after ``close`` (as a closed Python file raises), rather than
@@ -498,23 +516,44 @@ class Checkpoint:
         """Close the file (and the base a delta's reads opened); reading an array afterwards is a
         ``ValueError``."""
         self._closed = True
-        with self._window_lock:
-            restorers, self._window_restorers = list(self._window_restorers.values()), {}
-        try:
-            for _engine, _reader, stack in restorers:
-                stack.close()
-        finally:
-            with _BASE_LOCK:  # a restore about to open the base waits, then finds the file closed
-                base, self._opened.base, self._opened.closed = self._opened.base, None, True
-            if base is not None:  # a chain's bases close outside it: their reads may be slow to end
-                base[0].close()
-            self._reader.close()
+        self._finalizer.detach()
+        _release(self._reader, self._opened, self._window_restorers, self._window_lock)
 
     def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release(reader: StorageReader, opened: OpenedFile,
+             restorers: dict[int | None, tuple[Any, StorageReader, contextlib.ExitStack]],
+             lock: threading.Lock) -> None:
+    """What ``Checkpoint.close`` closes: the restorers ``_read_many`` kept, the base a delta's
+    reads opened, the file."""
+    with lock:
+        kept = list(restorers.values())
+        restorers.clear()
+    try:
+        for _engine, _reader, stack in kept:
+            stack.close()
+    finally:
+        with _BASE_LOCK:  # a restore about to open the base waits, then finds the file closed
+            base, opened.base, opened.closed = opened.base, None, True
+        if base is not None:  # a chain's bases close outside it: their reads may be slow to end
+            base[0].close()
+        reader.close()
+
+
+def _close_dropped(path: str, *parts: Any) -> None:
+    """The finalizer of a ``Checkpoint`` collected without ``close``: ``_release`` its parts, then
+    a ``ResourceWarning`` (after: where warnings are errors, one raised in a finalizer would
+    otherwise stop the release)."""
+    try:
+        _release(*parts)
+    finally:
+        warnings.warn(f"checkpoint {path!r} was never closed: use 'with gdsckpt.open(...) as ckpt' or call "
+                      f"close()", ResourceWarning, stacklevel=2)
 
 
 def open(path: Source, *, config: Config | None = None) -> Checkpoint:

@@ -311,16 +311,20 @@ def write_atomically(target: Path, data: bytes, *, fsync: bool, timeout: float =
     directory's), then ``publish``ed. Readers see the old content or the new, never a part; a
     failure leaves ``target`` as it was and no temporary file."""
     temp = temporary_path(target)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = -1
     try:
+        # in the try: a ^C the instant os.open returns loses the descriptor, not the temporary
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         pwrite_all(fd, data, 0)
         if fsync:
             fsync_within(fd, timeout, repr(str(temp)))
     except TimeoutError:
         temp.unlink(missing_ok=True)  # the descriptor is the running fsync's (``fsync_within``)
         raise
+    except FileExistsError:
+        raise  # the name was taken before us: not ours to remove
     except BaseException:
-        os.close(fd)
+        _close_quietly(fd)
         temp.unlink(missing_ok=True)
         raise
     os.close(fd)
@@ -497,10 +501,39 @@ class PosixWriter(StorageWriter):
         self._backlog_lock = threading.Lock()
         self._open: _Group | None = None
         """O_DIRECT writes held back to be joined with the next ones (``submit_write``)."""
-        remove_stale_temporaries(self.target)
-        self.temp = temporary_path(self.target)
-        self._fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._fd = -1
         self._direct_fd: int | None = None
+        try:
+            remove_stale_temporaries(self.target)
+            self.temp = temporary_path(self.target)
+            self._fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            self._open_direct(o_direct, fsync)
+        except BaseException as err:
+            # An error or a ^C before the writer exists: the caller has nothing to abort, and
+            # later saves never remove a live process's temporary. By name, as a ^C the instant
+            # os.open returns loses the descriptor (the temporary is ours: O_EXCL, a unique name,
+            # unless the name was taken before us).
+            self._close_fds()
+            if hasattr(self, "temp") and not isinstance(err, FileExistsError):
+                self.temp.unlink(missing_ok=True)
+            self._lane.close(0.0)
+            raise
+        self._backlog = 0
+        self._running = 0
+        """Writes (groups) started and not finished."""
+        self._pending_bytes = 0
+        self._written_bytes = 0
+        self._busy_seconds = 0.0
+        self._busy_since = 0.0
+        """When ``_running`` last went from 0 to more (``time.monotonic``)."""
+        self.keep_temporary = False
+        """When True, ``commit`` makes the temporary file durable and leaves the rename over the
+        target to the caller (``gdsckpt.background.worker``: the process that owns the snapshot commits)."""
+
+    def _open_direct(self, o_direct: bool | str, fsync: bool) -> None:
+        """The O_DIRECT descriptor beside the buffered one (``o_direct`` True: required), and
+        what follows from having it or not: whether a write's end shows the storage took it, and
+        the writer's ``name``."""
         self._writes_show_storage = False
         """Whether a write's completion says the storage took it: with O_DIRECT, or where the
         filesystem refuses O_DIRECT because its pages are the storage (tmpfs). A buffered write
@@ -515,24 +548,12 @@ class PosixWriter(StorageWriter):
                 self._writes_show_storage = True
             except OSError:
                 if o_direct is True:
-                    self.abort()
                     raise
                 self._writes_show_storage = True  # refused O_DIRECT: memory-backed
         # Both ways can be in one save (aligned chunks through O_DIRECT, chunks stored as they
         # are buffered with their write-back started): the name lists each one this writer has.
         self.name = ("posix" + ("+odirect" if self._direct_fd is not None else "")
                      + ("+writeback" if self._write_back else ""))
-        self._backlog = 0
-        self._running = 0
-        """Writes (groups) started and not finished."""
-        self._pending_bytes = 0
-        self._written_bytes = 0
-        self._busy_seconds = 0.0
-        self._busy_since = 0.0
-        """When ``_running`` last went from 0 to more (``time.monotonic``)."""
-        self.keep_temporary = False
-        """When True, ``commit`` makes the temporary file durable and leaves the rename over the
-        target to the caller (``gdsckpt.background.worker``: the process that owns the snapshot commits)."""
 
     def submit_write(self, offset: int, data: Any) -> Future[None]:
         """Write ``data`` at ``offset``. An aligned host array goes through the O_DIRECT
@@ -759,22 +780,30 @@ class PosixReader(StorageReader):
                  timeout: float = DRAIN_TIMEOUT):
         self.path = Path(path)
         self.timeout = timeout
+        self._direct_fd: int | None = None
         self._fd = open_regular(self.path)
         try:
             self.size = os.fstat(self._fd).st_size
             # a lane starts no thread until its first read, so making it after the open costs nothing
             one_reader = self.size <= ONE_READER_BYTES and not o_direct and in_page_cache(self._fd, self.size) is False
-        except BaseException:  # nothing owns the descriptor yet: a failed constructor must not leak it
+            self._lane = Lane("io", 1 if one_reader else threads)
+        except BaseException:  # a ^C or error before the reader exists: nothing else closes the file
             os.close(self._fd)
             raise
-        self._lane = Lane("io", 1 if one_reader else threads)
-        self._direct_fd: int | None = None
+        try:
+            self._open_direct(o_direct)
+        except BaseException:
+            _close_quietly(self._direct_fd, self._fd)
+            self._direct_fd, self._fd = None, -1
+            raise
+
+    def _open_direct(self, o_direct: bool | str) -> None:
+        """The O_DIRECT descriptor beside the buffered one (``o_direct`` True: required)."""
         if o_direct and hasattr(os, "O_DIRECT"):
             try:
                 self._direct_fd = open_regular(self.path, os.O_RDONLY | os.O_DIRECT)
             except OSError:
                 if o_direct is True:
-                    self.close()
                     raise
             except UnsupportedFormatError:  # replaced by a non-file since the first open
                 pass

@@ -283,6 +283,17 @@ a cache that cannot be written (a read-only home) must not cost a 256 MiB probe 
 disk too full for the probe one failed probe per save."""
 _MEASURED_LOCK = threading.Lock()
 _PROBING: dict[tuple[str, str], threading.Lock] = {}
+"""One lock per storage, held for its probe."""
+
+
+def _new_locks_after_fork() -> None:
+    """In a forked child, the locks start free: one another thread held at the fork (a probe
+    running) would never be released there, and the child's next ``auto`` save waited for good."""
+    global _MEASURED_LOCK, _PROBING
+    _MEASURED_LOCK, _PROBING = threading.Lock(), {}
+
+
+os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
 def storage_gbps(directory: Path, override: float | None = None, timeout: float = DRAIN_TIMEOUT) -> float | None:
@@ -292,7 +303,8 @@ def storage_gbps(directory: Path, override: float | None = None, timeout: float 
     None where it cannot be measured: the free space holds no probe of ``MIN_PROBE_BYTES`` within
     ``1 / PROBE_FREE_SHARE`` of it, or the probe's write failed (a full disk, a file size limit, a
     quota). A save never fails for its probe: ``auto`` then decides without the storage's speed
-    (callers). The failure is remembered for this process only: a later one measures again."""
+    (callers). The failure is remembered for this process only: a later one measures again. None
+    too where another thread's probe of the same storage runs past ``timeout``."""
     if override is not None:
         return float(override)
     key = str(os.stat(directory).st_dev)
@@ -302,12 +314,19 @@ def storage_gbps(directory: Path, override: float | None = None, timeout: float 
             return _MEASURED[memo]
         probing = _PROBING.setdefault(memo, threading.Lock())
     # One probe per storage at a time: two first saves in one process wrote one probe file (its
-    # name is the process's) at once, and each timed the other's writes too.
-    with probing:
+    # name is the process's) at once, and each timed the other's writes too. Another thread's
+    # probe is waited for as long as the save's own would be.
+    if not probing.acquire(timeout=timeout):
+        logger.info("another thread's storage probe in %s ran past %s s: codec='auto' goes on without "
+                    "the storage's speed", directory, timeout)
+        return None
+    try:
         with _MEASURED_LOCK:
             if memo in _MEASURED:
                 return _MEASURED[memo]
         return _measure_once(directory, key, memo, timeout)
+    finally:
+        probing.release()
 
 
 def _measure_once(directory: Path, key: str, memo: tuple[str, str], timeout: float) -> float | None:

@@ -163,3 +163,12 @@ def cached_pace(key: str, threads: int) -> float | None:
 
 HISTORY = HostAutoHistory()
 """The process's memory of its ``codec="auto"`` saves on the CPU engine."""
+
+
+def _free_lock_after_fork() -> None:
+    """A forked child keeps what its parent learned, with the lock free (a thread of the parent
+    holding it at the fork would never release it in the child)."""
+    HISTORY._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_free_lock_after_fork)

@@ -5,7 +5,6 @@ library (JAX through DLPack)."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import sys
 from collections.abc import Iterator
@@ -258,6 +257,10 @@ def writable(tensor: Any) -> Iterator[None]:
         yield
 
 
+_UNMADE: Any = object()
+"""A lazily made view not made yet (None is a made one: an empty array has no bytes to view)."""
+
+
 class TorchTarget(_Target):
     """A torch tensor to fill: a new one, or an existing one (``load_into``) written in place."""
 
@@ -275,18 +278,28 @@ class TorchTarget(_Target):
         self.nbytes = self.tensor.numel() * self.tensor.element_size()
         self.on_device = self.tensor.is_cuda
         self._device_view: Any = None
+        self._flat_view: Any = _UNMADE
+        self._host_view: Any = _UNMADE
 
     # The byte views are made on first use: a restore makes a target per tensor before reading
     # anything, and a GPU decoder that writes the tensor's memory itself (``device_address``)
-    # never needs them.
-    @functools.cached_property
+    # never needs them. Not functools.cached_property: before Python 3.12 it takes one lock shared
+    # by every instance, which serialised the restore threads' first writes and, held by one
+    # thread when another forked, hung the child's next load for good. Two threads making a view
+    # at once make two equal views.
+    @property
     def _flat(self) -> Any:
+        view = self._flat_view
+        if view is _UNMADE:
+            view = self._flat_view = _byte_view(self.tensor.reshape(-1)) if self.nbytes else None
+        return view
 
-        return _byte_view(self.tensor.reshape(-1)) if self.nbytes else None
-
-    @functools.cached_property
+    @property
     def _host(self) -> np.ndarray | None:
-        return self._flat.numpy() if self.nbytes and not self.on_device else None
+        view = self._host_view
+        if view is _UNMADE:
+            view = self._host_view = self._flat.numpy() if self.nbytes and not self.on_device else None
+        return view
 
     def write_host(self, start: int, data: np.ndarray) -> None:
         if self._host is not None:

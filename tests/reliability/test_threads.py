@@ -164,6 +164,22 @@ def test_a_forked_child_starts_pools_of_its_own(tmp_path: Path) -> None:
     gdsckpt.save(_state(1), tmp_path / "parent.gdsckpt", config=_config())
     inherited = Lane("io", 2)
     assert inherited.submit(pow, 2, 5).result(HANG_GUARD) == 32
+
+    def child() -> bool:
+        state = _state(2)
+        config = gdsckpt.Config(chunk_bytes="64KiB", codec_threads=3, io_threads=3, timeout=20)
+        gdsckpt.save(state, tmp_path / "child.gdsckpt", config=config)
+        _assert_bit_exact(state, gdsckpt.load(tmp_path / "child.gdsckpt", config=config))
+        return bool(inherited.submit(pow, 3, 2).result(20) == 9)
+
+    assert _in_forked_child(child, HANG_GUARD) == 0
+    assert inherited.close(HANG_GUARD)
+
+
+def _in_forked_child(call: Any, guard: float) -> int:
+    """Fork; the child runs ``call`` and exits 0 where it returned True (1 where it raised, 2
+    where it returned False); the parent waits at most ``guard`` seconds and returns the child's
+    exit code (``AssertionError`` naming a hang, after killing it, where it did not end)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: fork of a threaded process
         # JAX, where installed and imported by another test, warns from its own at-fork hook that
@@ -173,22 +189,112 @@ def test_a_forked_child_starts_pools_of_its_own(tmp_path: Path) -> None:
     if pid == 0:  # the child: report through the exit status, never return into pytest
         code = 1
         try:
-            state = _state(2)
-            config = gdsckpt.Config(chunk_bytes="64KiB", codec_threads=3, io_threads=3, timeout=20)
-            gdsckpt.save(state, tmp_path / "child.gdsckpt", config=config)
-            _assert_bit_exact(state, gdsckpt.load(tmp_path / "child.gdsckpt", config=config))
-            code = 0 if inherited.submit(pow, 3, 2).result(20) == 9 else 2
+            code = 0 if call() else 2
         finally:
             os._exit(code)
-    deadline = time.monotonic() + HANG_GUARD
+    deadline = time.monotonic() + guard
     while (waited := os.waitpid(pid, os.WNOHANG))[0] == 0:
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            raise AssertionError(f"the forked child did not finish within {HANG_GUARD} s")
+            raise AssertionError(f"the forked child did not finish within {guard} s")
         time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(waited[1]) == 0
-    assert inherited.close(HANG_GUARD)
+    return os.waitstatus_to_exitcode(waited[1])
+
+
+class _HeldInAThread:
+    """A thread of this process waits inside ``hold`` (a function the test arranges to be called
+    with a library lock held) until released: a fork meanwhile copies that lock held."""
+
+    def __init__(self, start: Any) -> None:
+        self.inside, self.release = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=start, daemon=True)
+
+    def hold(self) -> None:
+        if threading.current_thread() is self.thread:
+            self.inside.set()
+            assert self.release.wait(HANG_GUARD)
+
+    def __enter__(self) -> _HeldInAThread:
+        self.thread.start()
+        assert self.inside.wait(HANG_GUARD)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.thread.join(HANG_GUARD)
+
+
+def test_a_child_forked_while_a_thread_opens_a_deltas_base_reads_deltas(tmp_path: Path,
+                                                                       monkeypatch: Any) -> None:
+    """The module lock around opening a delta's base was copied held into a child forked while
+    another thread opened one: the child's next delta read waited for good."""
+    from gdsckpt.api import checkpoint as checkpoint_module
+
+    base, delta = tmp_path / "base.gdsckpt", tmp_path / "delta.gdsckpt"
+    state = _state(3)
+    gdsckpt.save(state, base, config=_config())
+    state["w"][:10] += 1
+    gdsckpt.save(state, delta, base=base, config=_config())
+    real_open_base = checkpoint_module.open_base
+
+    def open_base(*args: Any, **kwargs: Any) -> Any:
+        held.hold()  # with the lock held
+        return real_open_base(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "open_base", open_base)
+    held = _HeldInAThread(lambda: gdsckpt.load(delta, config=_config()))
+    with held:
+        code = _in_forked_child(lambda: _assert_bit_exact(state, gdsckpt.load(delta, config=_config())) or True,
+                                20)
+    assert code == 0
+
+
+def test_a_child_forked_during_a_storage_probe_saves_with_auto(tmp_path: Path, monkeypatch: Any) -> None:
+    """The per-storage probe lock of codec auto was copied held into a child forked during
+    another thread's probe: the child's first auto save that weighed the storage waited for good
+    (and a thread waiting for another's probe had no bound)."""
+    from gdsckpt.pipeline import autotune
+
+    def probe(directory: Path, nbytes: int | None = None, timeout: float | None = None) -> float:
+        held.hold()
+        return 1.0
+
+    monkeypatch.setattr(autotune, "measure_storage_gbps", probe)
+    held = _HeldInAThread(lambda: autotune.storage_gbps(tmp_path))
+    with held:
+        assert _in_forked_child(lambda: autotune.storage_gbps(tmp_path) == 1.0, 20) == 0
+        # in this process, a second caller waits for the running probe at most its timeout
+        started = time.monotonic()
+        assert autotune.storage_gbps(tmp_path, timeout=0.2) is None
+        assert time.monotonic() - started < 10
+
+
+def test_a_child_forked_while_a_thread_makes_a_tensors_byte_view_loads_torch(tmp_path: Path,
+                                                                            monkeypatch: Any) -> None:
+    """``functools.cached_property`` (before Python 3.12) holds one lock for every instance
+    while a value is made: a child forked while a restore thread made a tensor's byte view
+    waited for good at its own next torch load."""
+    import torch
+
+    from gdsckpt.state import arrays
+
+    path = tmp_path / "t.gdsckpt"
+    state = {"w": torch.arange(50_000, dtype=torch.float32)}
+    expected = state["w"].numpy().tobytes()
+    gdsckpt.save(state, path, config=_config())
+    real_byte_view = arrays._byte_view
+
+    def byte_view(tensor: Any) -> Any:
+        held.hold()
+        return real_byte_view(tensor)
+
+    monkeypatch.setattr(arrays, "_byte_view", byte_view)
+    held = _HeldInAThread(lambda: gdsckpt.load(path, config=_config()))
+    with held:
+        # bytes compared in NumPy: torch's own parallel kernels are not for a forked child
+        code = _in_forked_child(lambda: gdsckpt.load(path, config=_config())["w"].numpy().tobytes() == expected, 20)
+    assert code == 0
 
 
 _CHILD = textwrap.dedent("""
