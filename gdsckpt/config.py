@@ -64,6 +64,10 @@ def parse_size(value: int | str) -> int:
     return int(match.group(1)) * _UNITS[unit]
 
 
+_MAX_SHOWN_BITS = 2000
+"""Integers a ``Config`` field's message may print (about 600 digits, below any limit Python's
+``sys.set_int_max_str_digits`` takes, 640 at least)."""
+
 _CHOICES = {
     "byte_planes": ("auto", "always", "never"),
     "engine": ("auto", "cpu", "gpu"),
@@ -175,9 +179,9 @@ class Config:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            # No setting means anything past int64 (and the messages below would fail to print a
-            # number past Python's 4,300-digit limit, not naming the field)
-            if isinstance(value, int) and value.bit_length() > 63:
+            # The messages below would fail to print a number past Python's 4,300-digit limit
+            # (sys.set_int_max_str_digits), not naming the field; no setting means anything near it.
+            if isinstance(value, int) and value.bit_length() > _MAX_SHOWN_BITS:
                 raise ValueError(f"{field.name} is out of range: an integer of {value.bit_length()} bits")
         for name in (*_SIZE_FIELDS, *(n for n in _OPTIONAL if _KINDS[n] == "size")):
             value = getattr(self, name)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -240,6 +241,34 @@ def test_a_temporary_of_an_earlier_process_with_this_pid_is_removed(ckpt_path: P
     assert not predecessor.exists(), "the earlier incarnation's temporary must be removed"
     assert own.exists(), "this process's own temporary is left alone"
     own.unlink()
+    h.assert_same(_old_state(), gdsckpt.load(ckpt_path))
+
+
+def test_a_temporary_of_another_pid_space_is_left_until_it_is_old(ckpt_path: Path, h: Any) -> None:
+    """A process in another container, or on another node of a shared file system, sees other
+    processes under the pids: one where the trainer's pid named no process (an evaluation job
+    opening the run's ``CheckpointManager``) removed the trainer's live temporary, and its save
+    failed at the rename. A pid is now checked only within its own pid space (named in the
+    temporary); another space's temporary goes once unchanged for ``FOREIGN_STALE_SECONDS``."""
+    from gdsckpt.io import posix
+
+    directory = ckpt_path.parent
+    assert posix.temporary_path(ckpt_path).name.endswith(f".{posix._PID_SPACE}")
+    other_space = "00000000" if posix._PID_SPACE != "00000000" else "ffffffff"
+    dead = _dead_pid()  # here: in the other space, a live writer may have it
+    writing = directory / f".{ckpt_path.name}.gdsckpt-tmp-{dead}-0badc0de.{other_space}"
+    writing.write_bytes(b"another node's save in progress")
+    abandoned = directory / f".{ckpt_path.name}.gdsckpt-tmp-{dead}-1badc0de.{other_space}"
+    abandoned.write_bytes(b"another node's save, killed long ago")
+    old = time.time() - posix.FOREIGN_STALE_SECONDS - 60
+    os.utime(abandoned, (old, old))
+    own_space_dead = directory / f".{ckpt_path.name}.gdsckpt-tmp-{dead}-2badc0de.{posix._PID_SPACE}"
+    own_space_dead.write_bytes(b"a dead writer of this space")
+    gdsckpt.save(_old_state(), ckpt_path, config=_config(h))
+    assert writing.exists(), "another space's recent temporary must be left alone"
+    assert not abandoned.exists(), "another space's temporary unchanged for an hour is stale"
+    assert not own_space_dead.exists(), "a dead writer of this space is checked by its pid"
+    writing.unlink()
     h.assert_same(_old_state(), gdsckpt.load(ckpt_path))
 
 

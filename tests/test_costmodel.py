@@ -459,10 +459,11 @@ def test_cli_from_reads_the_checkpoint_with_the_commands_config(training_checkpo
     assert seen == [config]
 
 
-def test_cli_from_a_delta_is_a_usage_error(training_checkpoint: Path, tmp_path: Path, h: Any,
-                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_cli_from_a_delta_is_refused_with_one_line(training_checkpoint: Path, tmp_path: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """It escaped ``plan`` as a bare ``ValueError``; now an unusable file's message (exit 1)."""
     state = gdsckpt.load(training_checkpoint)
     delta = tmp_path / "delta.gdsckpt"
     gdsckpt.save(state, delta, base=training_checkpoint)
-    assert run("plan", "--from", str(delta)) == 2
+    assert run("plan", "--from", str(delta)) == 1
     assert "delta checkpoint" in caplog.text and "rebase" in caplog.text

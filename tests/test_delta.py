@@ -198,8 +198,8 @@ def test_missing_or_changed_base_is_a_clear_error(tmp_path):
     gdsckpt.save(_step(state, 2), a, force=True)  # another checkpoint under the base's name
     with pytest.raises(gdsckpt.BaseCheckpointError, match="changed"):
         gdsckpt.load(b)
-    with pytest.raises(gdsckpt.BaseCheckpointError, match="changed"):
-        gdsckpt.open(b).get("model/w")
+    with gdsckpt.open(b) as checkpoint, pytest.raises(gdsckpt.BaseCheckpointError, match="changed"):
+        checkpoint.get("model/w")
     with pytest.raises(gdsckpt.BaseCheckpointError, match="does not exist"):
         gdsckpt.save(state, tmp_path / "c.gdsckpt", base=tmp_path / "nope.gdsckpt")
     with pytest.raises(ValueError, match="its own base"):

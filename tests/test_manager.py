@@ -157,7 +157,7 @@ def test_pruning_spares_the_latest_complete_checkpoint(tmp_path: Path, config: g
         first.save(step, _state(step))
     second = CheckpointManager(tmp_path, keep_last=1, config=config)
     second.save(2, _state(2))
-    assert (tmp_path / "latest").read_text() == _ckpt(2) + "\n"
+    assert (tmp_path / "latest").read_text().splitlines()[0] == _ckpt(2)  # then the steps it supersedes
     assert second.steps() == [2, 5]  # latest (2) and the newest by step (5)
     step, extra = second.restore_latest()  # type: ignore[misc]
     assert step == 2 and extra["note"] == "step 2"
@@ -613,6 +613,68 @@ def test_a_restarted_run_keeps_its_own_checkpoints_over_an_abandoned_runs_higher
     with pytest.warns(SkippedCheckpointWarning, match="named by latest"):
         restored = CheckpointManager(tmp_path, keep_last=3).restore_latest()
     assert restored is not None and restored[0] == 20 and restored[1]["run"] == 2
+
+
+def test_latest_wins_over_an_abandoned_runs_higher_step_after_a_chmod_or_a_copy(tmp_path: Path) -> None:
+    """A run went back from step 5 to 3 (a fresh process saved 3 again: latest -> 3, 5 kept as the
+    abandoned run's highest). Telling 5 (before latest) from a save that completed after latest
+    by change times failed once anything moved its ctime: after a ``chmod`` of the files, or in a
+    ``cp -a`` / ``rsync -a`` copy of the run, restore_latest took the abandoned run's step 5. The
+    pointer records the checkpoints above it instead."""
+    import shutil
+
+    def state(run: str, step: int) -> dict[str, Any]:
+        return {"w": torch.full((1000,), float(step)), "run": run}
+
+    directory = tmp_path / "run"
+    first = CheckpointManager(directory, keep_last=2)
+    for step in range(1, 6):
+        first.save(step, state("first", step))
+    CheckpointManager(directory, keep_last=2).save(3, state("second", 3))
+    assert "superseded" in (directory / "latest").read_text()
+    for path in directory.iterdir():  # a chmod to the mode it has: the ctime moves
+        os.chmod(path, path.stat().st_mode & 0o7777)
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)  # mtimes kept, ctimes now
+    for where in (directory, copy):
+        restored = CheckpointManager(where, keep_last=2).restore_latest()
+        assert restored is not None and (restored[0], restored[1]["run"]) == (3, "second"), where
+
+    # A save of the new run over the abandoned step's name that completed while latest was not
+    # updated (killed between the rename and the pointer's write) is newer than latest, and tried first.
+    second = CheckpointManager(copy, keep_last=2)
+    second.save(4, state("second", 4))
+    pointer = (copy / "latest").read_bytes()
+    second.save(5, state("second", 5))
+    (copy / "latest").write_bytes(pointer)  # as if killed before latest moved to 5
+    restored = CheckpointManager(copy, keep_last=2).restore_latest()
+    assert restored is not None and (restored[0], restored[1]["run"]) == (5, "second")
+
+
+def test_pruning_removes_deltas_before_their_bases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pruning removed files in directory order: a process killed after removing a base left a
+    delta under a checkpoint name whose base was gone (``verify --chain`` failed on it)."""
+    import gdsckpt.manager as manager_module
+
+    real_remove = manager_module.remove_releasing
+    removed: list[str] = []
+
+    def remove_then_die(path: Any, *args: Any) -> None:
+        real_remove(path, *args)
+        removed.append(Path(path).name)
+        raise KeyboardInterrupt  # the process killed right after its first removal
+
+    manager = CheckpointManager(tmp_path, keep_last=1, delta_every=1, max_chain=2)
+    for step in range(1, 5):
+        manager.save(step, {"w": torch.full((1000,), float(step))})
+    # 3 a delta on 2 on 1; 4 starts a new chain, and the save after it prunes the old one
+    assert gdsckpt.inspect(manager.path(3)).base is not None and gdsckpt.inspect(manager.path(4)).base is None
+    monkeypatch.setattr(manager_module, "remove_releasing", remove_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(5, {"w": torch.full((1000,), 5.0)})
+    assert removed == [_ckpt(3)]  # the highest unkept first (a delta on 2), not its base
+    for path in tmp_path.glob("*.gdsckpt"):
+        gdsckpt.verify(path, chain=True)  # every file left under a checkpoint name loads
 
 
 def test_a_rollback_to_a_lower_step_moves_latest_to_it(tmp_path: Path) -> None:

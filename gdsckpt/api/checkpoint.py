@@ -560,7 +560,8 @@ def open(path: Source, *, config: Config | None = None) -> Checkpoint:
     """Open a checkpoint for lazy access: ``.keys()``, ``.info(key)``, ``.get(key, device=None)``.
     ``path``: anything ``gdsckpt.load`` reads (a path, a URL, bytes, a seekable binary file object).
 
-    Use as a context manager (``with gdsckpt.open(p) as ckpt: ...``) or call ``.close()``.
+    Use as a context manager (``with gdsckpt.open(p) as ckpt: ...``) or call ``.close()``; one
+    collected without either is closed then, with a ``ResourceWarning`` (as an unclosed file).
     """
     return Checkpoint(path, config)
 

@@ -203,8 +203,8 @@ def _parts(args: argparse.Namespace, config: Config) -> tuple[list[costmodel.Par
                             f"the checkpoint's own parts are used")
     try:
         groups = costmodel.group_sizes(args.from_path, config=config) if args.from_path is not None else None
-    except ValueError as err:  # a delta checkpoint: plan from a full one
-        raise _BadArguments(str(err)) from None
+    except ValueError as err:  # a delta checkpoint: plan from a full one (exit 1, as an unusable file)
+        raise CheckpointError(str(err)) from None
     if groups is not None and not any(group.nbytes for group in groups.values()):
         raise _BadArguments(f"checkpoint {args.from_path!r} holds no array bytes to plan with")
     if args.params is None:

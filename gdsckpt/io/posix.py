@@ -44,6 +44,7 @@ import hashlib
 import mmap
 import os
 import secrets
+import socket
 import stat
 import sys
 import threading
@@ -69,9 +70,36 @@ TEMP_MARKER = ".gdsckpt-tmp-"
 NAME_MAX = 255
 """Longest file name (bytes) the supported file systems (ext4, xfs, tmpfs, Lustre, GPFS) take."""
 
-_SUFFIX_ROOM = 24
+_SUFFIX_ROOM = 28
 """Bytes a temporary name needs after its prefix: the writer's pid (up to 10 digits), "-", 8 hex
-(this process's token, then the file's own)."""
+(this process's token, then the file's own), "." and ``_PID_SPACE`` (8 hex)."""
+
+
+def _pid_space() -> str:
+    """8 hex naming where this process's pid means something: the host's boot (its boot id, else
+    its name) and the pid namespace. A pid in a temporary's name is checked only by a process
+    of the same space: another container or another node on a shared file system sees other
+    processes under those numbers (one with no process of that pid removed a live save's
+    temporary, and the save failed at its rename)."""
+    parts = [socket.gethostname()]
+    with contextlib.suppress(OSError):
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+    with contextlib.suppress(OSError):
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    return hashlib.sha256("|".join(parts).encode("utf-8", "surrogateescape")).hexdigest()[:8]
+
+
+_PID_SPACE = _pid_space()
+
+
+def _is_pid_space(text: str) -> bool:
+    return len(text) == 8 and all(c in "0123456789abcdef" for c in text)
+
+FOREIGN_STALE_SECONDS = 3600.0
+"""A temporary written in another pid space (``_pid_space``: another container, another node)
+is removed as stale only once unchanged this long: its writer's liveness cannot be checked from
+here, and a live save writes to its temporary far more often (a stalled one fails within
+``Config.timeout``)."""
 
 _process_token = secrets.token_hex(2)
 """4 hex digits naming this process among those that had its pid: a container restarted, or a
@@ -108,7 +136,8 @@ def temporary_prefix(target: Path) -> str:
 def temporary_path(target: Path) -> Path:
     """A fresh temporary path beside ``target`` (same directory, so the rename is atomic), its
     name within ``NAME_MAX``."""
-    return target.with_name(f"{temporary_prefix(target)}{os.getpid()}-{_process_token}{secrets.token_hex(2)}")
+    return target.with_name(f"{temporary_prefix(target)}{os.getpid()}-{_process_token}{secrets.token_hex(2)}"
+                            f".{_PID_SPACE}")
 
 
 def temporary_target(name: str) -> tuple[str, bool] | None:
@@ -138,9 +167,19 @@ def remove_stale_temporaries(target: Path) -> list[Path]:
 
 def remove_if_stale(path: Path) -> bool:
     """Remove the temporary file ``path`` if the process that wrote it no longer exists (its pid
-    follows the marker in the name); whether it was removed. Never opens it."""
+    follows the marker in the name); whether it was removed. A temporary of another pid space
+    (``_pid_space``, named after the pid) is removed only once unchanged for
+    ``FOREIGN_STALE_SECONDS``. Never opens it."""
     pid_text, _dash, rest = path.name[path.name.index(TEMP_MARKER) + len(TEMP_MARKER):].partition("-")
-    if pid_text.isdigit():
+    rest, _dot, after = rest.partition(".")
+    space = after.split(".")[0]  # a nested temporary's own marker may follow
+    if pid_text.isdigit() and _is_pid_space(space) and space != _PID_SPACE:
+        try:
+            if time.time() - path.lstat().st_mtime < FOREIGN_STALE_SECONDS:
+                return False
+        except OSError:
+            return False
+    elif pid_text.isdigit():  # of this pid space, or named before pid spaces were (no ".")
         if int(pid_text) == os.getpid():
             if rest.startswith(_process_token):  # this process's own (a save of it still writing)
                 return False

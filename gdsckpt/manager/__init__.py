@@ -101,10 +101,13 @@ passes the cheap check (header, trailer and index, as ``gdsckpt.open`` reads the
 ``verify=True``, ``gdsckpt.verify`` of every chunk); else the highest lower step that passes,
 and only then the higher steps written before ``latest`` (an abandoned run's). A
 ``SkippedCheckpointWarning`` names each file passed over and why. One refinement: a checkpoint
-with a higher step than ``latest`` names whose file was renamed into place after ``latest`` was
-written (the process died between that save's rename and its pointer update; with saves in
-flight together its writes may have ended before) is newer, and is tried first; ``latest`` still
-wins over higher-numbered files of an abandoned run (a run restarted from an older step), and
+with a higher step than ``latest`` names that appeared after ``latest`` was written (the process
+died between that save's rename and its pointer update; with saves in flight together its
+writes may have ended before) is newer, and is tried first. ``latest`` records the higher
+checkpoints on disk when it is written (an abandoned run's, after a run restarted from an older
+step), each by size and trailer, so it still wins over those whatever happened to their change
+times (a ``chmod``, a ``cp -a`` of the run); a pointer without such records (none was above it,
+or an older version wrote it) leaves it to the files' change times. And
 pruning never removes the checkpoint ``latest`` names, whichever process wrote it. Pruning keeps
 ``keep_last`` checkpoints in the order restore tries them (so a restarted run keeps its own) and
 the highest step besides. Within one process, a save that begins below the step ``latest``
@@ -150,6 +153,7 @@ them, live in ``gdsckpt.manager.remote``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import threading
@@ -158,7 +162,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import api as _api
 from ..api import inflight
@@ -179,7 +183,8 @@ from ..errors import (
     StateMismatchError,
     UnsupportedFormatError,
 )
-from ..io.posix import read_small_file, remove_if_stale, temporary_target, write_atomically
+from ..format.layout import TRAILER_SIZE
+from ..io.posix import open_regular, read_small_file, remove_if_stale, temporary_target, write_atomically
 from ..io.release import remove_releasing
 from ..pipeline.load import open_file
 from ..state import decode_scalar, escape_key, flatten
@@ -194,8 +199,22 @@ PathLike = str | os.PathLike[str]
 
 POINTER = "latest"
 
-MAX_POINTER_BYTES = 4096
-"""``latest`` holds one file name (at most 255 bytes); a larger pointer is ignored unread."""
+MAX_POINTER_BYTES = 1 << 20
+"""``latest`` holds one file name (at most 255 bytes), and after a rollback a line per higher
+checkpoint it supersedes (``_write_pointer``); a larger pointer is ignored unread."""
+
+SUPERSEDED = "superseded"
+"""The word that starts each of ``latest``'s lines after the first: a checkpoint of a higher step
+that was on disk when ``latest`` was written (an abandoned run's), and its ``_fingerprint``."""
+
+
+class _Pointer(NamedTuple):
+    """The local ``latest``: the step it names, its mtime (ns) and the higher checkpoints it
+    supersedes (step -> ``_fingerprint``; None for a one-line pointer, which records none)."""
+
+    step: int
+    mtime_ns: int
+    superseded: dict[int, str] | None
 
 FILE_CLOCK_SLACK_NS = 20_000_000
 """How far behind the wall clock a file's timestamps may lag (the kernel stamps them from a coarse
@@ -756,7 +775,7 @@ class CheckpointManager:
             epoch = self._epoch_of.get(step, self._epoch)
             newest = max([step, *self._renamed_in_flight(step, epoch)])
             if self._moves_latest(epoch, newest, self._pointer_step):
-                self._write_pointer(self._name(newest))
+                self._write_pointer(newest)
                 self._pointer_step, self._pointer_epoch = newest, epoch
             self._version_count += 1
             self._versions[step] = self._version_count
@@ -817,9 +836,26 @@ class CheckpointManager:
                     pass
         return renamed
 
-    def _write_pointer(self, name: str) -> None:
+    def _write_pointer(self, step: int) -> None:
+        """Point ``latest`` at checkpoint ``step``, recording every checkpoint of a higher step on disk now
+        (an abandoned run's: files of this run's higher steps still in flight are not renamed
+        yet) with its ``_fingerprint``. Why: such a file is tried after ``latest``, while a higher
+        one that appears later (a save that completed while its pointer update had not) is tried
+        before it; telling them apart by change times failed wherever a file's ctime moved (a
+        ``chmod``, a ``cp -a`` or ``rsync -a`` of the run), and restores took the abandoned run's
+        state. A rewrite of a recorded step is a new file: its fingerprint differs."""
         config = self.config if self.config is not None else Config.from_env()
-        write_atomically(self.directory / POINTER, (name + "\n").encode("utf-8"), fsync=config.fsync,
+        name = self._name(step)
+        files = self._files()
+        lines = [name, *(f"{SUPERSEDED} {files[higher].name} {_fingerprint(files[higher])}"
+                         for higher in sorted(files) if higher > step)]
+        text = "\n".join(lines) + "\n"
+        if len(text.encode("utf-8")) > MAX_POINTER_BYTES:
+            warnings.warn(f"{len(lines) - 1} checkpoints above step {step} in {str(self.directory)!r} are more "
+                          f"than 'latest' can record: restores tell them from newer ones by change times",
+                          RuntimeWarning, stacklevel=4)
+            text = name + "\n"
+        write_atomically(self.directory / POINTER, text.encode("utf-8"), fsync=config.fsync,
                          timeout=config.timeout)
 
     def _prune(self, completed: int) -> None:
@@ -844,10 +880,12 @@ class CheckpointManager:
         keep.update(self._bases_in_use)
         keep.update(self._unsent)  # the only copy until uploaded
         keep |= self._bases_of(keep, files)
-        for step, path in files.items():
+        # Highest first: a delta's base has a lower step than the delta, so a process killed
+        # between two removals never leaves a delta whose base is gone.
+        for step in sorted(files, reverse=True):
             if step not in keep:
                 try:
-                    remove_releasing(path)  # a large file's storage is freed off the save's path
+                    remove_releasing(files[step])  # a large file's storage is freed off the save's path
                 except FileNotFoundError:
                     pass
                 self._versions.pop(step, None)  # its next save is a new file, whatever was sent
@@ -893,9 +931,9 @@ class CheckpointManager:
                     return step
         return None
 
-    def _pointer(self, warn: bool) -> tuple[int, int] | None:
-        """(step ``latest`` names, its mtime in ns), or None (missing, or not naming a checkpoint
-        of ours)."""
+    def _pointer(self, warn: bool) -> _Pointer | None:
+        """The local ``latest`` (``_Pointer``), or None (missing, or not naming a checkpoint of
+        ours)."""
         pointer = self.directory / POINTER
         try:
             mtime = pointer.stat().st_mtime_ns
@@ -906,13 +944,19 @@ class CheckpointManager:
                 warnings.warn(f"ignoring unreadable pointer {str(pointer)!r}: {err}",
                               SkippedCheckpointWarning, stacklevel=3)
             return None
-        step = self._pointed_step(lambda: read_small_file(pointer, MAX_POINTER_BYTES), str(pointer), warn)
-        return None if step is None else (step, mtime)
+        parsed = self._parse_pointer(lambda: read_small_file(pointer, MAX_POINTER_BYTES), str(pointer), warn)
+        return None if parsed is None else _Pointer(parsed[0], mtime, parsed[1])
 
     def _pointed_step(self, read: Any, where: str, warn: bool) -> int | None:
         """The step a ``latest`` pointer names, ``read()`` giving its bytes (``where`` names it);
         None if it is missing, unreadable or not naming a checkpoint of ours (with ``warn``, a
         ``SkippedCheckpointWarning`` says which, at the caller of ``restore_latest``)."""
+        parsed = self._parse_pointer(read, where, warn, stacklevel=5)
+        return None if parsed is None else parsed[0]
+
+    def _parse_pointer(self, read: Any, where: str, warn: bool,
+                       stacklevel: int = 4) -> tuple[int, dict[int, str] | None] | None:
+        """``_pointed_step``, and the checkpoints the pointer supersedes (``_Pointer``)."""
         try:
             text = read().decode("utf-8").strip()
         except FileNotFoundError:
@@ -920,15 +964,26 @@ class CheckpointManager:
         except (OSError, UnicodeDecodeError, CorruptCheckpointError, UnsupportedFormatError) as err:
             if warn:
                 warnings.warn(f"ignoring unreadable pointer {where!r}: {err}", SkippedCheckpointWarning,
-                              stacklevel=4)
+                              stacklevel=stacklevel)
             return None
-        match = self._pattern.match(text)
+        first, *rest = text.split("\n")
+        match = self._pattern.match(first)
+        records: dict[int, str] = {}
+        for line in rest:
+            word, name, fingerprint = (line.split(" ") + ["", "", ""])[:3]
+            recorded = self._pattern.match(name)
+            if word != SUPERSEDED or recorded is None or not fingerprint or line.count(" ") != 2:
+                match = None
+                break
+            records[int(recorded.group(1))] = fingerprint
+        superseded = records if rest else None
         if not match:
             if warn:
                 warnings.warn(f"ignoring pointer {where!r}: {text[:80]!r} is not a "
-                              f"{self.prefix}-<step>.gdsckpt name", SkippedCheckpointWarning, stacklevel=4)
+                              f"{self.prefix}-<step>.gdsckpt name", SkippedCheckpointWarning,
+                              stacklevel=stacklevel)
             return None
-        return int(match.group(1))
+        return int(match.group(1)), superseded
 
     def _candidates(self, warn: bool) -> list[tuple[int, Path, str]]:
         """(step, path, source) in the order restore tries them.
@@ -944,15 +999,15 @@ class CheckpointManager:
             return []
         return self._restore_order(self._files(), self._pointer(warn))
 
-    def _restore_order(self, files: dict[int, Path], pointer: tuple[int, int] | None) -> list[tuple[int, Path, str]]:
+    def _restore_order(self, files: dict[int, Path], pointer: _Pointer | None) -> list[tuple[int, Path, str]]:
         """``_candidates`` of a listing (``_files``) and a pointer (``_pointer``) already read."""
         order: list[tuple[int, Path, str]] = []
         pointed = None
         if pointer is not None:
-            pointed, pointer_mtime = pointer
+            pointed = pointer.step
             # a save that completed while its pointer was not yet written: newer than ``latest``
             for step in sorted(files, reverse=True):
-                if step > pointed and _changed_ns(files[step]) >= pointer_mtime:
+                if step > pointed and _newer_than(files[step], step, pointer):
                     order.append((step, files[step], "completed after latest was written"))
             order.append((pointed, self.path(pointed), "named by latest"))
         listed = {step for step, _path, _source in order}
@@ -1121,6 +1176,35 @@ def _is_regular(entry: os.DirEntry[str]) -> bool:
         return entry.is_file()  # follows a symlink; False for FIFOs, devices, sockets, directories
     except OSError:
         return False
+
+
+def _newer_than(path: Path, step: int, pointer: _Pointer) -> bool:
+    """Whether checkpoint ``path`` of ``step`` (above the one ``pointer`` names) came after
+    ``latest`` was written: not the file ``latest`` recorded as superseded for that step
+    (``_write_pointer``). A one-line pointer records none (none was above it, or a version that
+    did not record them wrote it): there the file's change time tells (``_changed_ns``)."""
+    if pointer.superseded is None:
+        return _changed_ns(path) >= pointer.mtime_ns
+    recorded = pointer.superseded.get(step)
+    return recorded is None or _fingerprint(path) != recorded
+
+
+def _fingerprint(path: Path) -> str:
+    """What tells one file of a step from another written later under its name, and survives a
+    copy: its size and a digest of its trailer (which holds the index's checksum); ``-`` where
+    it cannot be read."""
+    try:
+        fd = open_regular(path)
+    except (OSError, UnsupportedFormatError):
+        return "-"
+    try:
+        size = os.fstat(fd).st_size
+        tail = os.pread(fd, TRAILER_SIZE, max(size - TRAILER_SIZE, 0))
+    except OSError:
+        return "-"
+    finally:
+        os.close(fd)
+    return f"{size}:{hashlib.sha256(tail).hexdigest()[:16]}"
 
 
 def _changed_ns(path: Path) -> int:
