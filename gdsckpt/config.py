@@ -177,12 +177,6 @@ class Config:
     portable: bool = False
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            # The messages below would fail to print a number past Python's 4,300-digit limit
-            # (sys.set_int_max_str_digits), not naming the field; no setting means anything near it.
-            if isinstance(value, int) and value.bit_length() > _MAX_SHOWN_BITS:
-                raise ValueError(f"{field.name} is out of range: an integer of {value.bit_length()} bits")
         for name in (*_SIZE_FIELDS, *(n for n in _OPTIONAL if _KINDS[n] == "size")):
             value = getattr(self, name)
             if value is None and name in _OPTIONAL:
@@ -191,6 +185,12 @@ class Config:
                 object.__setattr__(self, name, parse_size(value))
             except ValueError as err:
                 raise ValueError(f"{name}: {err}") from None
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            # The messages below would fail to print a number past Python's 4,300-digit limit
+            # (sys.set_int_max_str_digits), not naming the field; no setting means anything near it.
+            if isinstance(value, int) and value.bit_length() > _MAX_SHOWN_BITS:
+                raise ValueError(f"{field.name} is out of range: an integer of {value.bit_length()} bits")
         if self.chunk_bytes <= 0 or self.chunk_bytes % ALIGNMENT or self.chunk_bytes > 1 << 30:
             raise ValueError(f"chunk_bytes must be a multiple of 4096 between 4 KiB and 1 GiB, "
                              f"got {self.chunk_bytes}")

@@ -272,6 +272,39 @@ def test_a_temporary_of_another_pid_space_is_left_until_it_is_old(ckpt_path: Pat
     h.assert_same(_old_state(), gdsckpt.load(ckpt_path))
 
 
+def test_a_nested_temporary_of_another_pid_space_under_a_shortened_name_is_left(tmp_path: Path) -> None:
+    """A conversion into a long destination name saves into its own temporary, whose save writes
+    a temporary of that name, shortened (``.<head>~<digest>.gdsckpt-tmp-...``) with the outer
+    name cut inside its pid: the pid was read after the first marker, found no number, and the
+    live save of another container was removed as stale."""
+    from gdsckpt.io import posix
+
+    other_space = "00000000" if posix._PID_SPACE != "00000000" else "ffffffff"
+    pid = 4_000_000  # a long pid, as another space may have: not alive here
+    assert not posix._process_alive(pid)
+    for length in (40, *range(150, 214, 3)):
+        destination = tmp_path / ("m" * (length - len(".safetensors")) + ".safetensors")
+        outer = destination.with_name(f"{posix.temporary_prefix(destination)}{pid}-aaaabbbb.{other_space}")
+        nested = outer.with_name(f"{posix.temporary_prefix(outer)}{pid}-ccccdddd.{other_space}")
+        nested.write_bytes(b"another container's save in progress")
+        posix.remove_stale_temporaries(destination)
+        assert nested.exists(), length
+        nested.unlink()
+
+
+def test_a_temporary_named_by_an_earlier_version_is_still_removed(tmp_path: Path, h: Any) -> None:
+    """Temporaries gained a pid space in their names, which moved where a long target name is
+    shortened: a target of 214-217 bytes had its earlier version's temporaries no longer looked
+    for, and a dead writer's stayed for good."""
+    pid = _dead_pid()
+    for length in (100, 215):
+        target = tmp_path / ("a" * (length - len(".gdsckpt")) + ".gdsckpt")
+        old = target.with_name(f".{target.name}.gdsckpt-tmp-{pid}-abcd1234")  # as it was named then
+        old.write_bytes(b"half a checkpoint")
+        gdsckpt.save(_old_state(), target, config=_config(h))
+        assert not old.exists(), length
+
+
 def test_readers_never_see_a_temporary_file(ckpt_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             previous: bytes, h: Any) -> None:
     """While a save is half written, loading the path gives the previous checkpoint."""

@@ -640,3 +640,14 @@ def test_a_destination_over_its_size_limit_says_so(tmp_path: Path, h: Any, dst_n
     assert result.stdout.startswith("27 ") and "File too large" in result.stdout, result.stdout
     assert "enforce fail" not in result.stdout
     assert sorted(os.listdir(tmp_path)) == ["src.gdsckpt"]
+
+
+def test_safetensors_without_pytorch_names_pytorch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where safetensors is installed but its torch API cannot import (no PyTorch), the error said
+    "needs the safetensors package (pip install safetensors)", which is installed."""
+    import sys
+
+    gdsckpt.save({"w": np.arange(4, dtype=np.float32)}, tmp_path / "a.gdsckpt")
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # what a missing torch makes of it
+    with pytest.raises(ConvertError, match=r"needs PyTorch \(pip install torch\)"):
+        convert(tmp_path / "a.gdsckpt", tmp_path / "a.safetensors")

@@ -651,6 +651,62 @@ def test_latest_wins_over_an_abandoned_runs_higher_step_after_a_chmod_or_a_copy(
     assert restored is not None and (restored[0], restored[1]["run"]) == (5, "second")
 
 
+def test_latest_records_what_it_supersedes_for_a_prefix_with_spaces_and_a_replayed_save(tmp_path: Path) -> None:
+    """Two cases of the records in ``latest``: a prefix with spaces ("my run") made every record
+    line unreadable, so the whole pointer was ignored and a restore took the abandoned run's
+    step; a rollback's re-save of a step with the same bytes (saves are deterministic) looked
+    like the abandoned file it replaced, and a save killed before its pointer update was tried
+    last."""
+    def state(step: int) -> dict[str, Any]:
+        return {"w": torch.full((1000,), float(step))}
+
+    first = CheckpointManager(tmp_path, prefix="my run", keep_last=2)
+    for step in range(1, 6):
+        first.save(step, state(step))
+    second = CheckpointManager(tmp_path, prefix="my run", keep_last=2)
+    second.save(3, state(3))
+    assert second.latest_step() == 3
+    second.save(4, state(4))
+    pointer = (tmp_path / "latest").read_bytes()
+    second.save(5, state(5))  # the same bytes as the abandoned run's step 5
+    (tmp_path / "latest").write_bytes(pointer)  # as if killed before latest moved to 5
+    fresh = CheckpointManager(tmp_path, prefix="my run", keep_last=2)
+    assert fresh.latest_step() == 5
+    restored = fresh.restore_latest()
+    assert restored is not None and restored[0] == 5
+    with pytest.raises(ValueError, match="line break"):
+        CheckpointManager(tmp_path, prefix="two\nlines")
+
+
+def test_a_save_begun_before_a_rollback_and_completed_after_it_is_superseded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``save_async(30)`` in flight, then ``save(20)`` (a rollback: latest -> 20): 30 completed
+    after latest was written, recorded by nothing, and a restart took it, the step the run had
+    gone back from."""
+    gate = threading.Event()
+    publish = posix.publish
+
+    def held_publish(temp: Path, target: Path, **kwargs: Any) -> None:
+        if Path(target).name == _ckpt(30):
+            assert gate.wait(60)
+        publish(temp, target, **kwargs)
+
+    monkeypatch.setattr(posix, "publish", held_publish)
+    manager = CheckpointManager(tmp_path, keep_last=None, max_inflight=2)
+    manager.save(10, _state(10))
+    manager.save(25, _state(25))
+    handle = manager.save_async(30, _state(30))
+    manager.save(20, _state(20))  # the rollback
+    gate.set()
+    handle.wait(timeout=60)
+    manager.wait(60)
+    assert manager.path(30).exists()
+    fresh = CheckpointManager(tmp_path, keep_last=None)
+    assert fresh.latest_step() == 20
+    restored = fresh.restore_latest()
+    assert restored is not None and restored[0] == 20
+
+
 def test_pruning_removes_deltas_before_their_bases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pruning removed files in directory order: a process killed after removing a base left a
     delta under a checkpoint name whose base was gone (``verify --chain`` failed on it)."""

@@ -343,9 +343,32 @@ def test_a_damaged_local_newest_restores_the_remote_copy_of_that_step(
     path = tmp_path / _ckpt(3)
     with open(path, "r+b") as handle:
         handle.truncate(path.stat().st_size - 100)
-    restored = CheckpointManager(tmp_path, keep_last=3, config=config, remote=remote).restore_latest()
+    fresh = CheckpointManager(tmp_path, keep_last=3, config=config, remote=remote)
+    assert fresh.latest_step() == 3  # what restore_latest picks (it said 2, the older local step)
+    restored = fresh.restore_latest()
     assert restored is not None
     assert restored[0] == 3, f"restored step {restored[0]}; the remote tier's step 3 is intact"
+
+
+def test_remote_pruning_removes_deltas_before_their_bases(tmp_path: Path, config: gdsckpt.Config,
+                                                          remote: str) -> None:
+    """The remote tier removed objects in listing order, bases first: a process killed between
+    two removals left a delta there whose base was gone (local pruning goes highest first)."""
+    manager = CheckpointManager(tmp_path, keep_last=1, keep_last_remote=1, delta_every=1, max_chain=2,
+                                config=config, remote=remote)
+    removed: list[str] = []
+    remove = manager.remote.remove
+
+    def recorded_remove(name: str) -> None:
+        removed.append(name)
+        remove(name)
+
+    manager.remote.remove = recorded_remove  # type: ignore[method-assign]
+    for step in range(1, 6):  # 1, 2 (on 1), 3 (on 2); 4 a new chain, 5 on it: 1-3 go
+        manager.save(step, _state(step))
+        manager.wait(60)
+    old_chain = [name for name in removed if name in {_ckpt(1), _ckpt(2), _ckpt(3)}]
+    assert old_chain == [_ckpt(3), _ckpt(2), _ckpt(1)]
 
 
 def test_the_remote_base_cache_never_outlives_an_upload_of_that_name(

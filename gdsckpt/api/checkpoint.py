@@ -548,9 +548,16 @@ def _release(reader: StorageReader, opened: OpenedFile,
 def _close_dropped(path: str, *parts: Any) -> None:
     """The finalizer of a ``Checkpoint`` collected without ``close``: ``_release`` its parts, then
     a ``ResourceWarning`` (after: where warnings are errors, one raised in a finalizer would
-    otherwise stop the release)."""
+    otherwise stop the release). Collected on an I/O worker thread (the garbage collector runs
+    wherever memory is allocated), the release goes to a thread of its own: closing a reader
+    waits for its lane's tasks, which may include the one this worker is running."""
+    from ..io.pools import on_a_worker_thread
+
     try:
-        _release(*parts)
+        if on_a_worker_thread():
+            threading.Thread(target=_release, args=parts, name="gdsckpt-close-dropped", daemon=True).start()
+        else:
+            _release(*parts)
     finally:
         warnings.warn(f"checkpoint {path!r} was never closed: use 'with gdsckpt.open(...) as ckpt' or call "
                       f"close()", ResourceWarning, stacklevel=2)

@@ -375,9 +375,12 @@ def _import_torch(why: str) -> Any:
 def _import_safetensors(why: str) -> Any:
     try:
         import safetensors
-        import safetensors.torch
     except ImportError as err:
         raise ConvertError(f"{why} needs the safetensors package (pip install safetensors): {err}") from err
+    try:
+        import safetensors.torch
+    except ImportError as err:  # safetensors is there; its torch API needs PyTorch
+        raise ConvertError(f"{why} needs PyTorch (pip install torch) for safetensors' torch API: {err}") from err
     return safetensors
 
 

@@ -154,6 +154,7 @@ class WorkerPool:
                                f"short of address space (ulimit -v) for a thread's stack")
 
     def _work(self) -> None:
+        _WORKER.inside = True
         while True:
             # An idle worker waits for work as long as the process lives: this wait holds up no
             # operation (each lane's caller bounds its own waits on its futures).
@@ -168,6 +169,16 @@ class WorkerPool:
             # future (a read's buffer, a chunk's bytes), which would stay allocated, outside every
             # memory bound, until this thread's next task.
             del task
+
+
+_WORKER = threading.local()
+"""``inside`` is True on the pools' worker threads."""
+
+
+def on_a_worker_thread() -> bool:
+    """Whether the calling thread is one of the pools' workers (which must not wait for a lane's
+    tasks to end: it may be running one of them)."""
+    return bool(getattr(_WORKER, "inside", False))
 
 
 _POOLS: dict[str, WorkerPool] = {}

@@ -70,6 +70,10 @@ TEMP_MARKER = ".gdsckpt-tmp-"
 NAME_MAX = 255
 """Longest file name (bytes) the supported file systems (ext4, xfs, tmpfs, Lustre, GPFS) take."""
 
+_LEGACY_SUFFIX_ROOM = 24
+"""``_SUFFIX_ROOM`` before temporaries named their pid space: where a target's name is long
+enough to be shortened, its temporaries of those versions start with another prefix."""
+
 _SUFFIX_ROOM = 28
 """Bytes a temporary name needs after its prefix: the writer's pid (up to 10 digits), "-", 8 hex
 (this process's token, then the file's own), "." and ``_PID_SPACE`` (8 hex)."""
@@ -102,9 +106,10 @@ here, and a live save writes to its temporary far more often (a stalled one fail
 ``Config.timeout``)."""
 
 _process_token = secrets.token_hex(2)
-"""4 hex digits naming this process among those that had its pid: a container restarted, or a
-job rescheduled in a fresh PID namespace, gets the pid its killed predecessor had, and that
-predecessor's temporaries then named a live process (this one) and were never removed."""
+"""4 hex digits naming this process among those that had its pid in its pid space: a process
+given the pid its killed predecessor had would otherwise take that predecessor's temporaries
+for its own and never remove them. (A container restarted in a fresh pid namespace is another
+space, whose predecessor's temporaries go after ``FOREIGN_STALE_SECONDS``.)"""
 
 
 def _new_process_token() -> None:
@@ -117,17 +122,17 @@ os.register_at_fork(after_in_child=_new_process_token)
 _DIGEST_CHARS = 16
 
 
-def temporary_prefix(target: Path) -> str:
+def temporary_prefix(target: Path, suffix_room: int = _SUFFIX_ROOM) -> str:
     """What every temporary name of ``target`` starts with: ``.<target name>.gdsckpt-tmp-``, or,
     where that leaves no room for the pid and random suffix within ``NAME_MAX``,
     ``.<head of the name>~<digest of the whole name>.gdsckpt-tmp-``, so a long target name still
     gets a temporary of its own that the next save recognizes."""
     prefix = f".{target.name}{TEMP_MARKER}"
-    if len(os.fsencode(prefix)) + _SUFFIX_ROOM <= NAME_MAX:
+    if len(os.fsencode(prefix)) + suffix_room <= NAME_MAX:
         return prefix
     digest = hashlib.sha256(os.fsencode(target.name)).hexdigest()[:_DIGEST_CHARS]
     head = target.name
-    room = NAME_MAX - _SUFFIX_ROOM - len(os.fsencode(f".~{digest}{TEMP_MARKER}"))
+    room = NAME_MAX - suffix_room - len(os.fsencode(f".~{digest}{TEMP_MARKER}"))
     while len(os.fsencode(head)) > room:  # by characters, so a multi-byte one is never split
         head = head[:-1]
     return f".{head}~{digest}{TEMP_MARKER}"
@@ -157,9 +162,11 @@ def remove_stale_temporaries(target: Path) -> list[Path]:
     and the temporaries of those temporaries: a conversion saves into a temporary beside its
     destination (``integrations.convert``), whose own save writes a temporary of that name first,
     and a conversion killed meanwhile leaves that one behind."""
-    prefix = temporary_prefix(target)
+    # and the prefix of the versions before pid spaces, whose names needed less room after it
+    prefixes = {temporary_prefix(target), temporary_prefix(target, _LEGACY_SUFFIX_ROOM)}
+    starts = tuple(prefixes | {f".{prefix}" for prefix in prefixes})
     try:
-        candidates = [p for p in target.parent.iterdir() if p.name.startswith((prefix, f".{prefix}"))]
+        candidates = [p for p in target.parent.iterdir() if p.name.startswith(starts)]
     except OSError:
         return []
     return [path for path in candidates if remove_if_stale(path)]
@@ -170,9 +177,12 @@ def remove_if_stale(path: Path) -> bool:
     follows the marker in the name); whether it was removed. A temporary of another pid space
     (``_pid_space``, named after the pid) is removed only once unchanged for
     ``FOREIGN_STALE_SECONDS``. Never opens it."""
-    pid_text, _dash, rest = path.name[path.name.index(TEMP_MARKER) + len(TEMP_MARKER):].partition("-")
-    rest, _dot, after = rest.partition(".")
-    space = after.split(".")[0]  # a nested temporary's own marker may follow
+    # the last marker's: a nested temporary's own writer (its outer name, shortened, may be cut
+    # inside the pid after the first)
+    pid_text, _dash, rest = path.name[path.name.rindex(TEMP_MARKER) + len(TEMP_MARKER):].partition("-")
+    # The space ends the name (a nested temporary's too: one process writes both; the outer
+    # name's own may be hidden in a shortened prefix)
+    space = path.name[-len(_PID_SPACE):] if path.name[-len(_PID_SPACE) - 1:-len(_PID_SPACE)] == "." else ""
     if pid_text.isdigit() and _is_pid_space(space) and space != _PID_SPACE:
         try:
             if time.time() - path.lstat().st_mtime < FOREIGN_STALE_SECONDS:

@@ -159,6 +159,7 @@ import re
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -204,8 +205,26 @@ MAX_POINTER_BYTES = 1 << 20
 checkpoint it supersedes (``_write_pointer``); a larger pointer is ignored unread."""
 
 SUPERSEDED = "superseded"
-"""The word that starts each of ``latest``'s lines after the first: a checkpoint of a higher step
-that was on disk when ``latest`` was written (an abandoned run's), and its ``_fingerprint``."""
+"""The word that starts each of ``latest``'s lines after the first, ``superseded <fingerprint>
+<name>``: a checkpoint of a higher step that was on disk when ``latest`` was written (an
+abandoned run's), and its ``_fingerprint``."""
+
+
+_MANAGERS: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+"""The process's managers, whose locks a forked child gets free."""
+
+
+def _free_locks_after_fork() -> None:
+    """A manager's lock held by another thread at a fork (a background save writing ``latest``
+    or pruning) was never released in the child: its next save waited for good."""
+    for manager in list(_MANAGERS):
+        manager._lock = threading.Lock()
+        uploader = getattr(manager, "_uploader", None)
+        if uploader is not None:
+            uploader.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_free_locks_after_fork)
 
 
 class _Pointer(NamedTuple):
@@ -273,9 +292,10 @@ class CheckpointManager:
         _saving.check_save_arguments("auto", None, config, lossy)  # raised by every save otherwise
         if delta_base not in DELTA_BASES:
             raise ValueError(f"delta_base must be one of {DELTA_BASES}, got {delta_base!r}")
-        if not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or prefix == POINTER:
-            raise ValueError(f"prefix {prefix!r} must be a plain file name part (no '/', not starting "
-                             f"with '.', not {POINTER!r})")
+        if (not prefix or prefix.startswith(".") or "/" in prefix or os.sep in prefix or prefix == POINTER
+                or "\n" in prefix or "\r" in prefix):
+            raise ValueError(f"prefix {prefix!r} must be a plain file name part (no '/', no line break: "
+                             f"'{POINTER}' lists names a line each; not starting with '.', not {POINTER!r})")
         self.objects_only = isinstance(directory, str) and directory.startswith("s3://")
         """``directory`` is an ``s3://`` prefix: the checkpoints are objects there, no local tier."""
         if self.objects_only:
@@ -299,6 +319,7 @@ class CheckpointManager:
         self._pattern = re.compile(rf"^{re.escape(prefix)}-(\d{{10,}})\.gdsckpt$")
         self._saver = AsyncSaver()
         self._lock = threading.Lock()
+        _MANAGERS.add(self)
         self._writing: Counter[int] = Counter()
         self._begun_ns: dict[int, int] = {}
         """Step -> when its first save still running began (``time.time_ns``, as file times)."""
@@ -671,9 +692,9 @@ class CheckpointManager:
             if base is not None and base in objects and base not in keep:
                 keep.add(base)
                 pending.append(base)
-        for step, (name, _size) in objects.items():
+        for step in sorted(objects, reverse=True):  # deltas before their bases, as ``_prune``
             if step not in keep:
-                self.remote.remove(name)
+                self.remote.remove(objects[step][0])
 
     def _forget_remote_base(self, name: str) -> None:
         """Drop the cached base of object ``name``, whose content is new (a step saved again after a
@@ -777,6 +798,11 @@ class CheckpointManager:
             if self._moves_latest(epoch, newest, self._pointer_step):
                 self._write_pointer(newest)
                 self._pointer_step, self._pointer_epoch = newest, epoch
+            elif self._pointer_step is not None and step > self._pointer_step:
+                # A save begun before a rollback, completed after it: a step the run went back
+                # from, above ``latest``, which must record it as superseded (a restore would
+                # take it for a save killed before its pointer update).
+                self._write_pointer(self._pointer_step)
             self._version_count += 1
             self._versions[step] = self._version_count
             if self.remote is not None:
@@ -847,7 +873,7 @@ class CheckpointManager:
         config = self.config if self.config is not None else Config.from_env()
         name = self._name(step)
         files = self._files()
-        lines = [name, *(f"{SUPERSEDED} {files[higher].name} {_fingerprint(files[higher])}"
+        lines = [name, *(f"{SUPERSEDED} {_fingerprint(files[higher])} {files[higher].name}"
                          for higher in sorted(files) if higher > step)]
         text = "\n".join(lines) + "\n"
         if len(text.encode("utf-8")) > MAX_POINTER_BYTES:
@@ -925,9 +951,13 @@ class CheckpointManager:
         tiers: list[Callable[..., Any]] = [self._remote_candidates] if self.objects_only else [self._candidates]
         if self.remote is not None and not self.objects_only:
             tiers.append(self._remote_candidates)  # a replacement node's: restore falls back to it
-        for candidates in tiers:
+        for number, candidates in enumerate(tiers):
             for step, path, _source in candidates(warn=False):
                 if _problem(path, config=self.config, chain=True) is None:  # checked as restore_latest does
+                    return step
+                # a damaged local file: restore_latest reads the remote tier's copy of that step
+                copy = self._remote_copy(step, path) if number == 0 and self.remote is not None else None
+                if copy is not None and _problem(copy[1], config=self.config, chain=True) is None:
                     return step
         return None
 
@@ -970,9 +1000,10 @@ class CheckpointManager:
         match = self._pattern.match(first)
         records: dict[int, str] = {}
         for line in rest:
-            word, name, fingerprint = (line.split(" ") + ["", "", ""])[:3]
+            # the name last: a prefix may hold spaces
+            word, fingerprint, name = (line.split(" ", 2) + ["", "", ""])[:3]
             recorded = self._pattern.match(name)
-            if word != SUPERSEDED or recorded is None or not fingerprint or line.count(" ") != 2:
+            if word != SUPERSEDED or recorded is None or not fingerprint:
                 match = None
                 break
             records[int(recorded.group(1))] = fingerprint
@@ -1186,25 +1217,40 @@ def _newer_than(path: Path, step: int, pointer: _Pointer) -> bool:
     if pointer.superseded is None:
         return _changed_ns(path) >= pointer.mtime_ns
     recorded = pointer.superseded.get(step)
-    return recorded is None or _fingerprint(path) != recorded
+    return recorded is None or not _same_file(_fingerprint(path), recorded)
 
 
 def _fingerprint(path: Path) -> str:
     """What tells one file of a step from another written later under its name, and survives a
-    copy: its size and a digest of its trailer (which holds the index's checksum); ``-`` where
+    copy that keeps modification times (``cp -a``, ``rsync -a``) or a ``chmod``:
+    ``<size>:<digest of its trailer>:<mtime in ns>`` (the trailer holds the index's checksum;
+    the time tells a save replayed with the same bytes from the file it replaced); ``-`` where
     it cannot be read."""
     try:
         fd = open_regular(path)
     except (OSError, UnsupportedFormatError):
         return "-"
     try:
-        size = os.fstat(fd).st_size
-        tail = os.pread(fd, TRAILER_SIZE, max(size - TRAILER_SIZE, 0))
+        status = os.fstat(fd)
+        tail = os.pread(fd, TRAILER_SIZE, max(status.st_size - TRAILER_SIZE, 0))
     except OSError:
         return "-"
     finally:
         os.close(fd)
-    return f"{size}:{hashlib.sha256(tail).hexdigest()[:16]}"
+    return f"{status.st_size}:{hashlib.sha256(tail).hexdigest()[:16]}:{status.st_mtime_ns}"
+
+
+def _same_file(current: str, recorded: str) -> bool:
+    """Whether fingerprint ``current`` is the file ``recorded`` was taken of: size and trailer
+    alike, and the modification time at the precision the file keeps now (a copy to a file
+    system with coarser times, which truncates them, is still the same file)."""
+    head, _sep, now_text = current.rpartition(":")
+    recorded_head, _sep, then_text = recorded.rpartition(":")
+    if head != recorded_head or not now_text.isdigit() or not then_text.isdigit():
+        return current == recorded  # "-" (unreadable) matches only "-"
+    now, then = int(now_text), int(then_text)
+    grain = next((g for g in (10**9, 10**6, 10**3) if now % g == 0), 1)
+    return now // grain == then // grain
 
 
 def _changed_ns(path: Path) -> int:

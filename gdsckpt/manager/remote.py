@@ -45,6 +45,13 @@ class Uploader:
         self.error: BaseException | None = None
         """The failure of the last round, None after a round that succeeded."""
 
+    def after_fork_in_child(self) -> None:
+        """In a forked child: the condition free (the parent's thread may have held it) and no
+        thread (the parent's does not exist here; the next ``request`` starts one)."""
+        self._condition = threading.Condition()
+        self._thread = None
+        self._requested = False
+
     def request(self) -> None:
         """Ask for a round (starts the thread on first use)."""
         with self._condition:

@@ -437,9 +437,10 @@ def _stream_chunks(reader: StorageReader, index: Index, engine: Engine, chunks: 
             number, future = draining.popleft()
             try:
                 future.result(timeout=timeout)
-            except (TimeoutError, FutureTimeout):
+            except (TimeoutError, FutureTimeout) as err:
                 reader.stalled = True  # a hung read may still fill the piece: no new read into it
-                raise
+                # the builtin TimeoutError, as ``named`` gives: on Python 3.10 a future's is another
+                raise TimeoutError(f"piece {number} of the lead read was not read within {timeout} s") from err
             except (OSError, CorruptCheckpointError):
                 pass  # no chunk needs its bytes
             free_pieces.append(number)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +116,19 @@ def test_a_checkpoint_dropped_without_close_closes_its_files_with_a_resource_war
     del checkpoint
     gc.collect()
     assert _descriptors() == before
+
+
+def test_a_checkpoint_collected_on_its_own_readers_worker_thread_is_closed_without_waiting(tmp_path: Path) -> None:
+    """The garbage collector runs wherever memory is allocated: a dropped checkpoint collected
+    on an I/O worker thread closed its reader there, which waits for the reader's tasks, the
+    running one among them, until ``Config.timeout``."""
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save(_state(1), path)
+    checkpoint = gdsckpt.open(path, config=gdsckpt.Config(timeout=30))
+    lane = checkpoint._reader._lane
+    with pytest.warns(ResourceWarning, match="never closed"):
+        assert lane.submit(checkpoint._finalizer).result(timeout=10) is None  # as gc on that worker would
+    deadline = time.monotonic() + 10
+    while checkpoint._reader._fd >= 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert checkpoint._reader._fd < 0  # closed, off the worker

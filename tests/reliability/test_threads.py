@@ -358,3 +358,30 @@ def test_a_thread_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
     assert lines == [lines[-1]], lines  # the first save that needs more threads fails, at its start
     assert lines[-1].startswith("error RuntimeError cannot start gdsckpt-codec worker"), lines
     assert "ulimit -v" in lines[-1]
+
+
+def test_a_child_forked_while_a_manager_writes_its_pointer_saves(tmp_path: Path, monkeypatch: Any) -> None:
+    """A manager's own lock, held by its background save while it wrote ``latest`` and pruned,
+    was copied held into a child forked then: the child's next save of that manager waited for
+    good."""
+    from gdsckpt import manager as manager_module
+
+    directory = tmp_path / "run"
+    manager = gdsckpt.CheckpointManager(directory, keep_last=2, config=_config())
+    manager.save(1, _state(1))
+    real_write_pointer = manager_module.CheckpointManager._write_pointer
+
+    def write_pointer(self: Any, step: int) -> None:
+        held.hold()  # under the manager's lock
+        real_write_pointer(self, step)
+
+    monkeypatch.setattr(manager_module.CheckpointManager, "_write_pointer", write_pointer)
+    held = _HeldInAThread(lambda: manager.save(2, _state(2)))
+
+    def child() -> bool:
+        manager.save(3, _state(3))
+        return gdsckpt.load(manager.path(3), config=_config())["step"] == 3
+
+    with held:
+        code = _in_forked_child(child, 20)
+    assert code == 0
