@@ -105,10 +105,10 @@ with a higher step than ``latest`` names that appeared after ``latest`` was writ
 died between that save's rename and its pointer update; with saves in flight together its
 writes may have ended before) is newer, and is tried first. ``latest`` records the higher
 checkpoints on disk when it is written (an abandoned run's, after a run restarted from an older
-step), each by size and trailer, so it still wins over those whatever happened to their change
-times (a ``chmod``, a ``cp -a`` of the run); a pointer without such records (none was above it,
-or an older version wrote it) leaves it to the files' change times. And
-pruning never removes the checkpoint ``latest`` names, whichever process wrote it. Pruning keeps
+step), each by size, trailer and modification time, so it still wins over those whatever
+happened to their change times (a ``chmod``, a ``cp -a`` of the run); a pointer without such
+records (none was above it, or an older version wrote it) leaves it to the files' change times.
+And pruning never removes the checkpoint ``latest`` names, whichever process wrote it. Pruning keeps
 ``keep_last`` checkpoints in the order restore tries them (so a restarted run keeps its own) and
 the highest step besides. Within one process, a save that begins below the step ``latest``
 names is a rollback (a run gone back to an older step): ``latest`` then follows it and the saves
@@ -863,9 +863,9 @@ class CheckpointManager:
         return renamed
 
     def _write_pointer(self, step: int) -> None:
-        """Point ``latest`` at checkpoint ``step``, recording every checkpoint of a higher step on disk now
-        (an abandoned run's: files of this run's higher steps still in flight are not renamed
-        yet) with its ``_fingerprint``. Why: such a file is tried after ``latest``, while a higher
+        """Point ``latest`` at checkpoint ``step``, recording every checkpoint of a higher step on
+        disk now (an abandoned run's: files of this run's higher steps still in flight are not
+        renamed yet) with its ``_fingerprint``. Why: such a file is tried after ``latest``, while a higher
         one that appears later (a save that completed while its pointer update had not) is tried
         before it; telling them apart by change times failed wherever a file's ctime moved (a
         ``chmod``, a ``cp -a`` or ``rsync -a`` of the run), and restores took the abandoned run's
