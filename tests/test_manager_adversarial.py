@@ -96,10 +96,10 @@ def test_a_kill_after_the_rename_of_a_concurrent_save_restores_that_newer_step(t
 
     write_pointer = manager._write_pointer
 
-    def dies_before_pointer(step: int) -> None:
+    def dies_before_pointer(step: int, epoch: int) -> None:
         if step == 20:
             raise Killed
-        write_pointer(step)
+        write_pointer(step, epoch)
 
     monkeypatch.setattr(manager, "_write_pointer", dies_before_pointer)
     release.set()

@@ -235,10 +235,6 @@ class _Pointer(NamedTuple):
     mtime_ns: int
     superseded: dict[int, str] | None
 
-FILE_CLOCK_SLACK_NS = 20_000_000
-"""How far behind the wall clock a file's timestamps may lag (the kernel stamps them from a coarse
-clock, a tick behind): a save counts as begun this much earlier when its file's rename time is
-compared with its start."""
 
 RELISTS = 3
 """How many times ``restore_latest`` lists a tier again when every checkpoint it listed vanished;
@@ -321,8 +317,10 @@ class CheckpointManager:
         self._lock = threading.Lock()
         _MANAGERS.add(self)
         self._writing: Counter[int] = Counter()
-        self._begun_ns: dict[int, int] = {}
-        """Step -> when its first save still running began (``time.time_ns``, as file times)."""
+        self._file_at_begin: dict[int, tuple[int, int] | None] = {}
+        """Step -> the (device, inode) of its file when its first save still running began (None:
+        there was none): a save's rename puts a new file there, whatever the times say (a
+        ``chmod`` moves an old file's change time)."""
         self._epoch = 0
         """Rollbacks begun so far: a save that begins below the step ``latest`` names starts a new
         epoch (a run gone back to an older step), and the saves after it belong to it."""
@@ -765,8 +763,9 @@ class CheckpointManager:
                 self._epoch += 1
             self._epoch_of[step] = self._epoch
             self._writing[step] += 1
-            # less the file clock's coarseness: the kernel stamps files from a clock up to a tick behind
-            self._begun_ns.setdefault(step, time.time_ns() - FILE_CLOCK_SLACK_NS)
+            if step not in self._file_at_begin:
+                # (objects: an upload appears whole, the local tier's rename rule is not theirs)
+                self._file_at_begin[step] = None if self.objects_only else _identity(Path(path))
         return path
 
     def _end(self, step: int, base: Path | None = None, error: BaseException | None = None) -> None:
@@ -779,7 +778,7 @@ class CheckpointManager:
             self._writing[step] -= 1
             if self._writing[step] <= 0:
                 del self._writing[step]
-                self._begun_ns.pop(step, None)
+                self._file_at_begin.pop(step, None)
                 self._epoch_of.pop(step, None)
         match = self._pattern.match(Path(str(base)).name) if base is not None else None
         if match:
@@ -796,13 +795,13 @@ class CheckpointManager:
             epoch = self._epoch_of.get(step, self._epoch)
             newest = max([step, *self._renamed_in_flight(step, epoch)])
             if self._moves_latest(epoch, newest, self._pointer_step):
-                self._write_pointer(newest)
+                self._write_pointer(newest, epoch)
                 self._pointer_step, self._pointer_epoch = newest, epoch
             elif self._pointer_step is not None and step > self._pointer_step:
                 # A save begun before a rollback, completed after it: a step the run went back
                 # from, above ``latest``, which must record it as superseded (a restore would
                 # take it for a save killed before its pointer update).
-                self._write_pointer(self._pointer_step)
+                self._write_pointer(self._pointer_step, self._pointer_epoch)
             self._version_count += 1
             self._versions[step] = self._version_count
             if self.remote is not None:
@@ -852,17 +851,20 @@ class CheckpointManager:
         update would restore ``step`` (the later file no longer counts as completed after
         ``latest``), throwing its progress away. Only steps of ``epoch``: a rollback's ``latest``
         never names a step the run has gone back from."""
+        return [later for later in self._renamed_saves() if later > step and self._epoch_of.get(later) == epoch]
+
+    def _renamed_saves(self) -> list[int]:
+        """Steps whose saves are still running and whose new files are in place (another file
+        than the one there when the save began)."""
         renamed = []
-        for later, begun in self._begun_ns.items():
-            if later > step and self._writing.get(later, 0) > 0 and self._epoch_of.get(later) == epoch:
-                try:
-                    if self.path(later).stat().st_ctime_ns >= begun:
-                        renamed.append(later)
-                except OSError:
-                    pass
+        for later, before in self._file_at_begin.items():
+            if self._writing.get(later, 0) > 0:
+                now = _identity(self.path(later))
+                if now is not None and now != before:
+                    renamed.append(later)
         return renamed
 
-    def _write_pointer(self, step: int) -> None:
+    def _write_pointer(self, step: int, epoch: int) -> None:
         """Point ``latest`` at checkpoint ``step``, recording every checkpoint of a higher step on
         disk now (an abandoned run's: files of this run's higher steps still in flight are not
         renamed yet) with its ``_fingerprint``. Why: such a file is tried after ``latest``, while a higher
@@ -873,8 +875,11 @@ class CheckpointManager:
         config = self.config if self.config is not None else Config.from_env()
         name = self._name(step)
         files = self._files()
+        # not the new files of saves still running of this run (begun at or after ``epoch``,
+        # ``step``'s: a rollback's later saves): they are newer, not superseded
+        newer = {later for later in self._renamed_saves() if self._epoch_of.get(later, -1) >= epoch}
         lines = [name, *(f"{SUPERSEDED} {_fingerprint(files[higher])} {files[higher].name}"
-                         for higher in sorted(files) if higher > step)]
+                         for higher in sorted(files) if higher > step and higher not in newer)]
         text = "\n".join(lines) + "\n"
         if len(text.encode("utf-8")) > MAX_POINTER_BYTES:
             warnings.warn(f"{len(lines) - 1} checkpoints above step {step} in {str(self.directory)!r} are more "
@@ -1251,6 +1256,15 @@ def _same_file(current: str, recorded: str) -> bool:
     now, then = int(now_text), int(then_text)
     grain = next((g for g in (10**9, 10**6, 10**3) if now % g == 0), 1)
     return now // grain == then // grain
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``, None where there is none."""
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
 
 
 def _changed_ns(path: Path) -> int:

@@ -371,9 +371,9 @@ def test_a_child_forked_while_a_manager_writes_its_pointer_saves(tmp_path: Path,
     manager.save(1, _state(1))
     real_write_pointer = manager_module.CheckpointManager._write_pointer
 
-    def write_pointer(self: Any, step: int) -> None:
+    def write_pointer(self: Any, step: int, epoch: int) -> None:
         held.hold()  # under the manager's lock
-        real_write_pointer(self, step)
+        real_write_pointer(self, step, epoch)
 
     monkeypatch.setattr(manager_module.CheckpointManager, "_write_pointer", write_pointer)
     held = _HeldInAThread(lambda: manager.save(2, _state(2)))
