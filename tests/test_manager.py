@@ -541,7 +541,7 @@ def test_a_later_step_renamed_before_an_earlier_one_moved_latest_is_restored(tmp
     completed = manager._completed
     killed = threading.Event()  # step 2's update never runs while this is unset: the kill
 
-    def steered(step: int) -> None:
+    def steered(step: int, token: int) -> None:
         if step == 1:
             deadline = time.monotonic() + 30
             while not manager.path(2).exists():
@@ -549,7 +549,7 @@ def test_a_later_step_renamed_before_an_earlier_one_moved_latest_is_restored(tmp
                 time.sleep(0.001)
         if step == 2:
             assert killed.wait(60)
-        completed(step)
+        completed(step, token)
 
     manager._completed = steered  # type: ignore[method-assign]
     first = manager.save_async(1, {"w": torch.full((1000,), 1.0)})
@@ -820,11 +820,51 @@ def test_saves_in_flight_after_a_rollback_leave_latest_on_the_later_begun(tmp_pa
     manager = CheckpointManager(tmp_path, keep_last=None, config=config)
     for step in (10, 20, 30):
         manager.save(step, _state(step))
-    paths = {step: manager._begin(step, _state(step)) for step in (15, 16)}
+    begun = {step: manager._begin(step, _state(step)) for step in (15, 16)}
     for step in (16, 15):
-        gdsckpt.save(_state(step), paths[step], config=config)
-        manager._completed(step)
-        manager._end(step)
+        path, token = begun[step]
+        gdsckpt.save(_state(step), path, config=config)
+        manager._completed(step, token)
+        manager._end(step, token)
     _restore_and_check(CheckpointManager(tmp_path, config=config), 16)
     manager.save(17, _state(17))  # the run goes on from 16
     _restore_and_check(CheckpointManager(tmp_path, config=config), 17)
+
+
+def test_a_save_begun_before_a_rollback_keeps_its_epoch_beside_the_rollbacks_save_of_its_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``save_async(6)`` held before its rename, then 10, then 3 (a rollback), then the rollback's
+    own ``save_async(6)``: the epoch was kept per step, so the second save's begin gave the first
+    (of the run gone back from) the rollback's epoch, its completion moved ``latest`` to the
+    abandoned run's 6, and with the rollback's save of 6 failed, restores took it."""
+    gate = threading.Event()
+    publishes: list[str] = []
+    publish = posix.publish
+
+    def held_publish(temp: Path, target: Path, **kwargs: Any) -> None:
+        if Path(target).name == _ckpt(6):
+            publishes.append(Path(target).name)
+            if len(publishes) == 1:
+                assert gate.wait(60)  # the first save of 6: held before its rename
+            else:
+                Path(temp).unlink()  # the rollback's save of 6 fails at its rename
+                raise OSError(28, "No space left on device (injected)")
+        publish(temp, target, **kwargs)
+
+    def state(step: int, run: str) -> dict[str, Any]:
+        return {"w": torch.full((16,), float(step)), "run": run}
+
+    monkeypatch.setattr(posix, "publish", held_publish)
+    manager = CheckpointManager(tmp_path, keep_last=None, max_inflight=2)
+    first = manager.save_async(6, state(6, "first"))
+    manager.save(10, state(10, "first"))
+    manager.save(3, state(3, "second"))  # the rollback
+    threading.Timer(0.5, gate.set).start()  # the first save of 6 completes while the second waits for it
+    second = manager.save_async(6, state(6, "second"))
+    first.wait(60)
+    with pytest.raises(OSError, match="injected"):
+        second.wait(60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedCheckpointWarning)
+        restored = CheckpointManager(tmp_path, keep_last=None).restore_latest()
+    assert restored is not None and (restored[0], restored[1]["run"]) == (3, "second")

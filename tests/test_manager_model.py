@@ -171,7 +171,7 @@ class Model:
         v = self.new_version(step)
         self.log.append(f"save {step} (v{v}) killed before its pointer update [patched _completed]")
 
-        def die(_step: int) -> None:
+        def die(_step: int, _token: int) -> None:
             raise Killed
 
         self.mgr._completed = die  # type: ignore[method-assign]
@@ -240,12 +240,12 @@ class Model:
         mgr = self.mgr
         real_completed = mgr._completed
 
-        def completed(step: int) -> None:
+        def completed(step: int, token: int) -> None:
             if step == b:
                 entered.set()
                 dead.wait(30)
                 return  # the process died before this pointer update
-            real_completed(step)
+            real_completed(step, token)
 
         posix.publish = held_publish
         mgr._completed = completed  # type: ignore[method-assign]

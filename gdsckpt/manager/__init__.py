@@ -324,8 +324,15 @@ class CheckpointManager:
         self._epoch = 0
         """Rollbacks begun so far: a save that begins below the step ``latest`` names starts a new
         epoch (a run gone back to an older step), and the saves after it belong to it."""
-        self._epoch_of: dict[int, int] = {}
-        """Step -> the epoch its running save began in."""
+        self._epoch_of: dict[int, list[int]] = {}
+        """Step -> the tokens (``_begin``) of its saves still running, in the order they began:
+        saves of one file run one after the other (``api.inflight``), so the first is the one
+        writing."""
+        self._save_epochs: dict[int, int] = {}
+        """Token of a save still running -> the epoch it began in (per save: a second save of a
+        step, begun after a rollback, must not give the first, of the run gone back from, its
+        epoch)."""
+        self._tokens = 0
         self._pointer_epoch = 0
         """The epoch of the step ``latest`` names (as this manager last moved it)."""
         self._bases_in_use: Counter[int] = Counter()
@@ -496,16 +503,16 @@ class CheckpointManager:
     def save(self, step: int, state: dict[Any, Any], *, codec: str = "auto") -> _api.SaveReport:
         """Save ``state`` as checkpoint ``step`` now (a delta when due, see the module
         docstring); then move ``latest`` and prune."""
-        path = self._begin(step, state)
+        path, token = self._begin(step, state)
         base = None
         try:
             base = self._base_for(step)
             # after any save or conversion of this file or of its base still in flight (api.inflight)
             with inflight.exclusive(path, base, resolve_config(self.config).timeout, what="CheckpointManager.save"):
                 report = self._save_now(step, state, path, base, codec)
-            self._completed(step)
+            self._completed(step, token)
         finally:
-            self._end(step, base)
+            self._end(step, token, base)
         return report
 
     def _save_now(self, step: int, state: dict[Any, Any], path: Path, base: Path | None, codec: str) -> _api.SaveReport:
@@ -532,15 +539,15 @@ class CheckpointManager:
         """``gdsckpt.save_async`` of ``state`` as checkpoint ``step``: returns once the snapshot is
         taken; ``latest`` moves and pruning runs in the background once the file is complete
         (before the handle reports done)."""
-        path = self._begin(step, state)
+        path, token = self._begin(step, state)
         try:
             base = self._base_for(step)
         except BaseException:
-            self._end(step)
+            self._end(step, token)
             raise
         return self._saver.save(state, path, codec=codec, config=self.config, max_inflight=self.max_inflight,
-                                after=lambda _report: self._completed(step),
-                                finally_=lambda error: self._end(step, base, error), base=base,
+                                after=lambda _report: self._completed(step, token),
+                                finally_=lambda error: self._end(step, token, base, error), base=base,
                                 max_chain=self.max_chain,
                                 lossy=self.lossy, force=True)  # force: as in save
 
@@ -748,7 +755,7 @@ class CheckpointManager:
         the training loop (``gdsckpt.async_save.AsyncSaver.prepare``); returns the bytes held."""
         return self._saver.prepare(state, config=self.config, max_inflight=self.max_inflight)
 
-    def _begin(self, step: int, state: Any) -> Path:
+    def _begin(self, step: int, state: Any) -> tuple[Path, int]:
         if not isinstance(state, dict):
             raise TypeError(f"CheckpointManager saves a dict state (e.g. {{'model': ..., 'optimizer': "
                             f"...}}), got {type(state).__qualname__}")
@@ -761,14 +768,23 @@ class CheckpointManager:
                 # steps; a save in flight together with a higher one that finishes later is none,
                 # and latest stays
                 self._epoch += 1
-            self._epoch_of[step] = self._epoch
+            self._tokens += 1
+            token = self._tokens
+            self._save_epochs[token] = self._epoch
+            self._epoch_of.setdefault(step, []).append(token)
             self._writing[step] += 1
             if step not in self._file_at_begin:
                 # (objects: an upload appears whole, the local tier's rename rule is not theirs)
                 self._file_at_begin[step] = None if self.objects_only else _identity(Path(path))
-        return path
+        return path, token
 
-    def _end(self, step: int, base: Path | None = None, error: BaseException | None = None) -> None:
+    def _running_epoch(self, step: int) -> int | None:
+        """The epoch of the save of ``step`` that is writing (the first still running), None
+        where none runs."""
+        tokens = self._epoch_of.get(step)
+        return self._save_epochs[tokens[0]] if tokens else None
+
+    def _end(self, step: int, token: int, base: Path | None = None, error: BaseException | None = None) -> None:
         """A save of ``step`` (a delta on ``base``) ended, with ``error`` or None: a base whose
         chunks proved damaged as a background delta read them is passed over from now on (the
         save's handle reports the error; ``save`` retries in full itself)."""
@@ -776,23 +792,30 @@ class CheckpointManager:
             self._unusable_bases.add(base)
         with self._lock:
             self._writing[step] -= 1
+            self._save_epochs.pop(token, None)
+            tokens = self._epoch_of.get(step, [])
+            if token in tokens:
+                tokens.remove(token)
             if self._writing[step] <= 0:
                 del self._writing[step]
                 self._file_at_begin.pop(step, None)
                 self._epoch_of.pop(step, None)
+            elif not self.objects_only:
+                # the next save of the step replaces the file there now (this one's, or the old)
+                self._file_at_begin[step] = _identity(self.path(step))
         match = self._pattern.match(Path(str(base)).name) if base is not None else None
         if match:
             self._release_base(int(match.group(1)))
 
-    def _completed(self, step: int) -> None:
+    def _completed(self, step: int, token: int) -> None:
         """Checkpoint ``step`` is complete: point ``latest`` at it where ``_moves_latest`` says so
         (a higher step of its epoch may be there already), then prune."""
         self._unusable_bases.discard(self.path(step))  # a new file: a base again
         if self.objects_only:
-            self._completed_object(step)
+            self._completed_object(step, token)
             return
         with self._lock:
-            epoch = self._epoch_of.get(step, self._epoch)
+            epoch = self._save_epochs.get(token, self._epoch)
             newest = max([step, *self._renamed_in_flight(step, epoch)])
             if self._moves_latest(epoch, newest, self._pointer_step):
                 self._write_pointer(newest, epoch)
@@ -819,12 +842,12 @@ class CheckpointManager:
         if self.remote is not None:
             self._uploader.request()
 
-    def _completed_object(self, step: int) -> None:
+    def _completed_object(self, step: int, token: int) -> None:
         """``_completed`` of a manager of objects only: the object is complete (an upload appears
         whole); move the ``latest`` object (only ever to a higher step of this manager), prune."""
         with self._lock:
             self._forget_remote_base(self._name(step))
-            epoch = self._epoch_of.get(step, self._epoch)
+            epoch = self._save_epochs.get(token, self._epoch)
             if self._moves_latest(epoch, step, self._remote_pointer):
                 self._write_remote_pointer(step)
                 self._remote_pointer = self._remote_newest = step
@@ -851,7 +874,7 @@ class CheckpointManager:
         update would restore ``step`` (the later file no longer counts as completed after
         ``latest``), throwing its progress away. Only steps of ``epoch``: a rollback's ``latest``
         never names a step the run has gone back from."""
-        return [later for later in self._renamed_saves() if later > step and self._epoch_of.get(later) == epoch]
+        return [later for later in self._renamed_saves() if later > step and self._running_epoch(later) == epoch]
 
     def _renamed_saves(self) -> list[int]:
         """Steps whose saves are still running and whose new files are in place (another file
@@ -877,7 +900,7 @@ class CheckpointManager:
         files = self._files()
         # not the new files of saves still running of this run (begun at or after ``epoch``,
         # ``step``'s: a rollback's later saves): they are newer, not superseded
-        newer = {later for later in self._renamed_saves() if self._epoch_of.get(later, -1) >= epoch}
+        newer = {later for later in self._renamed_saves() if (self._running_epoch(later) or 0) >= epoch}
         lines = [name, *(f"{SUPERSEDED} {_fingerprint(files[higher])} {files[higher].name}"
                          for higher in sorted(files) if higher > step and higher not in newer)]
         text = "\n".join(lines) + "\n"
