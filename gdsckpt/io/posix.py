@@ -97,7 +97,9 @@ _PID_SPACE = _pid_space()
 
 
 def _is_pid_space(text: str) -> bool:
+    """Whether ``text`` is a pid space as ``_pid_space`` writes one (8 lowercase hex)."""
     return len(text) == 8 and all(c in "0123456789abcdef" for c in text)
+
 
 FOREIGN_STALE_SECONDS = 3600.0
 """A temporary written in another pid space (``_pid_space``: another container, another node)
