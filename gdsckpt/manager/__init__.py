@@ -324,7 +324,7 @@ class CheckpointManager:
         self._epoch = 0
         """Rollbacks begun so far: a save that begins below the step ``latest`` names starts a new
         epoch (a run gone back to an older step), and the saves after it belong to it."""
-        self._epoch_of: dict[int, list[int]] = {}
+        self._running_tokens: dict[int, list[int]] = {}
         """Step -> the tokens (``_begin``) of its saves still running, in the order they began:
         saves of one file run one after the other (``api.inflight``), so the first is the one
         writing."""
@@ -332,7 +332,7 @@ class CheckpointManager:
         """Token of a save still running -> the epoch it began in (per save: a second save of a
         step, begun after a rollback, must not give the first, of the run gone back from, its
         epoch)."""
-        self._tokens = 0
+        self._last_token = 0
         self._pointer_epoch = 0
         """The epoch of the step ``latest`` names (as this manager last moved it)."""
         self._bases_in_use: Counter[int] = Counter()
@@ -768,10 +768,10 @@ class CheckpointManager:
                 # steps; a save in flight together with a higher one that finishes later is none,
                 # and latest stays
                 self._epoch += 1
-            self._tokens += 1
-            token = self._tokens
+            self._last_token += 1
+            token = self._last_token
             self._save_epochs[token] = self._epoch
-            self._epoch_of.setdefault(step, []).append(token)
+            self._running_tokens.setdefault(step, []).append(token)
             self._writing[step] += 1
             if step not in self._file_at_begin:
                 # (objects: an upload appears whole, the local tier's rename rule is not theirs)
@@ -781,7 +781,7 @@ class CheckpointManager:
     def _running_epoch(self, step: int) -> int | None:
         """The epoch of the save of ``step`` that is writing (the first still running), None
         where none runs."""
-        tokens = self._epoch_of.get(step)
+        tokens = self._running_tokens.get(step)
         return self._save_epochs[tokens[0]] if tokens else None
 
     def _end(self, step: int, token: int, base: Path | None = None, error: BaseException | None = None) -> None:
@@ -793,13 +793,13 @@ class CheckpointManager:
         with self._lock:
             self._writing[step] -= 1
             self._save_epochs.pop(token, None)
-            tokens = self._epoch_of.get(step, [])
+            tokens = self._running_tokens.get(step, [])
             if token in tokens:
                 tokens.remove(token)
             if self._writing[step] <= 0:
                 del self._writing[step]
                 self._file_at_begin.pop(step, None)
-                self._epoch_of.pop(step, None)
+                self._running_tokens.pop(step, None)
             elif not self.objects_only:
                 # the next save of the step replaces the file there now (this one's, or the old)
                 self._file_at_begin[step] = _identity(self.path(step))
