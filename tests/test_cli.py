@@ -40,6 +40,23 @@ def test_demo_runs_and_restores_bit_exact(tmp_path: Path, h: Any) -> None:
     assert list(tmp_path.iterdir()) == [], "the demo cleans up its files"
 
 
+def test_demo_help_states_the_default_state_size() -> None:
+    """``demo --help`` says how much state the defaults save: model + AdamW's two moments, fp32."""
+    import re
+
+    from gdsckpt.cli.main import build_parser
+    from gdsckpt.tools.demo import VOCAB, TinyGPT
+
+    demo = next(action for action in build_parser()._actions if action.dest == "command").choices["demo"]
+    width_help = next(action for action in demo._actions if action.dest == "width")
+    stated = re.search(r"default (\d+): about (\d+) MB.*--depth (\d+)", width_help.help or "")
+    assert stated, width_help.help
+    width, megabytes, depth = (int(g) for g in stated.groups())
+    assert (width, depth) == (width_help.default, next(a for a in demo._actions if a.dest == "depth").default)
+    parameters = sum(p.numel() for p in TinyGPT(vocab=VOCAB, width=width, depth=depth).parameters())
+    assert abs(parameters * 4 * 3 / 1e6 - megabytes) < 0.05 * megabytes
+
+
 def test_demo_verdicts_name_the_winner_and_why() -> None:
     from gdsckpt.demo import verdict
 

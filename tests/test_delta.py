@@ -275,6 +275,7 @@ def test_rebase_and_inspect_commands(tmp_path):
     assert "delta checkpoint" in cli("inspect", str(b)).stdout
     refused = cli("rebase", str(a))  # b is a delta on a
     assert refused.returncode == 1 and "b.gdsckpt" in refused.stderr
+    assert "--force" in refused.stderr  # the command line's name for force=True
     done = cli("rebase", str(b))
     assert done.returncode == 0, done.stderr
     assert gdsckpt.inspect(b).base is None

@@ -65,6 +65,23 @@ def test_map_location_dict_remaps_the_device_an_array_was_saved_from(ckpt_path: 
             gdsckpt.load(ckpt_path, map_location={"cuda:0": "cpu"})
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine without a GPU is the case")
+def test_map_location_dict_checks_a_gpu_only_where_an_array_maps_to_it(ckpt_path: Path, h: Any) -> None:
+    """A training script's ``{"cuda:1": "cuda:0"}`` loads a CPU-saved file on a machine without
+    GPUs (torch.load does too); an array that maps to the missing GPU is an error naming it."""
+    state = _state()
+    gdsckpt.save(state, ckpt_path)
+    h.assert_same(state, gdsckpt.load(ckpt_path, map_location={"cuda:1": "cuda:0"}))
+    with gdsckpt.open(ckpt_path) as checkpoint:
+        assert h.tensor_bytes(checkpoint.get("model/w", map_location={"cuda": "cuda:1"})) == \
+            h.tensor_bytes(state["model"]["w"])
+    with pytest.raises(ValueError, match="'model/w' was saved from 'cpu', which map_location maps to 'cuda:0'.*"
+                                         "CUDA is not available"):
+        gdsckpt.load(ckpt_path, map_location={"cpu": "cuda:0"})
+    with pytest.raises(ValueError, match="device 'cuda:x' is invalid"):  # the syntax is checked at once
+        gdsckpt.load(ckpt_path, map_location={"cuda:1": "cuda:x"})
+
+
 def test_map_location_misuse_is_a_clear_error(ckpt_path: Path) -> None:
     gdsckpt.save(_state(), ckpt_path)
     with pytest.raises(TypeError, match="device= or map_location=, not both"):

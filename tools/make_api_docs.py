@@ -19,8 +19,11 @@ SECTIONS = [
     ("gdsckpt", None),
     ("gdsckpt.dcp", ["GdsStorageWriter", "GdsStorageReader", "GdsStorageInfo", "PickleOnlyMetadataWarning",
                      "item_key"]),
-    ("gdsckpt.lossy", ["LossyPolicy", "grid_quantize", "GridResult", "compare_modes", "sensitivity",
-                       "Sensitivity"]),
+    ("gdsckpt.lossy", None),
+    ("gdsckpt.async_save", None),
+    ("gdsckpt.config", ["resolve_config", "preset_names"]),
+    ("gdsckpt.io", ["NullWriter", "PreloadedReader"]),
+    ("gdsckpt.lightning", ["GdsCheckpointIO"]),
 ]
 HEADER = """# API reference
 
@@ -64,10 +67,16 @@ def _describe_class(name: str, cls: type) -> list[str]:
 def render() -> str:
     """The reference as Markdown."""
     lines = [HEADER]
+    top = importlib.import_module("gdsckpt")
     for module_name, names in SECTIONS:
         module = importlib.import_module(module_name)
         lines += [f"## `{module_name}`", "", _doc(module), ""]
-        for name in names or [n for n in module.__all__ if not n.startswith("__")]:
+        names = names or [n for n in module.__all__ if not n.startswith("__")]
+        # Described once, under ``gdsckpt``, where a module re-exports the same object.
+        shared = [n for n in names if module is not top and getattr(top, n, None) is getattr(module, n)]
+        if shared:
+            lines += ["Also here, as described under `gdsckpt`: " + ", ".join(f"`{n}`" for n in shared) + ".", ""]
+        for name in (n for n in names if n not in shared):
             obj = getattr(module, name)
             if inspect.isclass(obj):
                 lines += _describe_class(name, obj)

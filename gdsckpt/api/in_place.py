@@ -80,7 +80,8 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
     ``load_state_dict`` would. ``"exact"``: every entry of the checkpoint (the state must match
     the file whole). ``False``: none (entries ``target`` does not hold are ignored anywhere).
     Entries ``target`` holds and the checkpoint lacks are an error whatever ``strict`` says.
-    ``path``: anything ``gdsckpt.load`` reads. ``progress``: see ``Progress``.
+    ``path``: anything ``gdsckpt.load`` reads. ``progress(done, total)``, if given, is called in
+    the calling thread after each chunk (raw bytes so far, out of ``total``).
 
     Tensors of ``target`` that share memory (tied weights, views of one storage) are filled as
     ``load_state_dict`` fills them: key by key in ``target``'s order (a module's ``state_dict``

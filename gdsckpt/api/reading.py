@@ -62,7 +62,8 @@ def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
     (``"optimizer"``) to load; only the chunks holding them are read. Dict entries outside the
     selection are left out, list and tuple slots outside it are None. Unknown keys raise
     ``KeyError``; an entry that is not a string (an int, ``None``, ``bytes``) ``TypeError``. ``""``
-    is the root's key, selecting everything. ``progress``: see ``Progress``.
+    is the root's key, selecting everything. ``progress(done, total)``, if given, is called in the
+    calling thread after each chunk (raw bytes so far, out of ``total``).
 
     ``path`` may be an ``s3://bucket/key`` URL (docs/object-storage.md); a checkpoint's ``bytes``;
     a seekable binary file object (``open(p, "rb")``, ``io.BytesIO``), read from its current
@@ -148,7 +149,8 @@ def verify(path: Source, *, config: Config | None = None, progress: Progress | N
     """Read every chunk, check every checksum and decode every stream.
 
     Returns a ``VerifyReport`` when the file is sound; raises ``CorruptCheckpointError`` naming
-    the first bad tensor and chunk otherwise. ``progress``: see ``Progress``. For a delta
+    the first bad tensor and chunk otherwise. ``progress(done, total)``, if given, is called in
+    the calling thread after each chunk (raw bytes so far, out of ``total``). For a delta
     checkpoint, every base down its chain must also be present, unchanged and of the recorded
     depth (``DeltaBaseError`` otherwise: the delta would not load); ``chain=True`` verifies
     their chunks too.

@@ -374,13 +374,26 @@ def use_gpu(config: Config, wants_gpu: bool) -> bool:
     return available
 
 
-def parse_device(device: Any) -> str | None:
+def _device_syntax(device: Any) -> str | None:
+    """``device`` as text when it names a device gdsckpt loads to (None, ``cpu``, ``cpu:N``,
+    ``cuda``, ``cuda:N``), without asking whether this machine has it; else ``ValueError``."""
     if device is None:
         return None
     text = str(device)
-    if text == "cpu" or (text.startswith("cpu:") and text[4:].isdigit()):  # torch's "cpu:0" is the CPU
+    if not re.fullmatch(r"cpu(:\d+)?|cuda(:\d+)?", text):
+        raise ValueError(f"device {text!r} is invalid (expected None, 'cpu', 'cuda' or 'cuda:N')")
+    return text
+
+
+def parse_device(device: Any) -> str | None:
+    """The device ``device`` names, normalised (``"cpu"`` or ``"cuda:N"``; None stays None), or
+    ``ValueError`` when it is invalid or names a GPU this machine does not have."""
+    text = _device_syntax(device)
+    if text is None:
+        return None
+    if text.startswith("cpu"):  # torch's "cpu:0" is the CPU
         return "cpu"
-    if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+    if text.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
@@ -390,7 +403,7 @@ def parse_device(device: Any) -> str | None:
             raise ValueError(f"device {text!r} requested but this machine has "
                              f"{torch.cuda.device_count()} CUDA device(s)")
         return f"cuda:{index}"
-    raise ValueError(f"device {text!r} is invalid (expected None, 'cpu', 'cuda' or 'cuda:N')")
+    raise AssertionError(text)  # _device_syntax admits nothing else
 
 
 DeviceMap = dict[str, str | None]
@@ -421,7 +434,9 @@ def resolve_location(device: Any, map_location: Any) -> str | DeviceMap | None:
                 raise ValueError(f"map_location maps {device!r} twice, to {named[device]!r} and "
                                  f"{str(wanted)!r} ('cuda' is 'cuda:0')")
             named[device] = str(wanted)
-            mapped[device] = parse_device(wanted)
+            # Checked for this machine only where an array maps there (``destination``), as
+            # torch.load does: {"cuda:1": "cuda:0"} loads a CPU-saved file on a host without GPUs.
+            mapped[device] = _device_syntax(wanted)
         return mapped
     if callable(map_location):
         raise TypeError("map_location as a function is not supported (torch passes it storages, which a gdsckpt "
@@ -435,7 +450,11 @@ def destination(location: str | DeviceMap | None, record: Any) -> str | None:
     if not isinstance(location, dict):
         return location
     if record.device in location:
-        return location[record.device]
+        try:
+            return parse_device(location[record.device])
+        except ValueError as err:
+            raise ValueError(f"array {record.key!r} was saved from {record.device!r}, which map_location maps to "
+                             f"{location[record.device]!r}: {err}") from err
     try:
         return parse_device(record.device)
     except ValueError as err:

@@ -91,7 +91,8 @@ def save(state: Any, path: PathLike | StorageWriter | BinaryIO, *, codec: str = 
     any value that cannot be saved. A tensor is saved as its dtype, shape and values (and a
     ``Parameter``'s ``requires_grad``): Python attributes set on it (``p.sequence_parallel =
     True``), which ``torch.save`` pickles, are not kept, nor its memory layout (strides).
-    ``progress``: see ``Progress``.
+    ``progress(done, total)``, if given, is called in the calling thread after each chunk
+    (raw bytes so far, out of ``total``).
 
     ``base``: a checkpoint to write a *delta* against: arrays with the same key, dtype and shape as
     in ``base`` are stored as the XOR of their bytes with it (lossless; small where little
@@ -377,7 +378,7 @@ def _rebase(path: PathLike, output: PathLike, codec: str, cfg: Config, force: bo
             raise DeltaBaseError(
                 f"{str(path)!r} is the base of {', '.join(repr(str(d)) for d in dependents)}: rebasing it in "
                 f"place would make them unloadable; rebase those first, write to another output, or pass "
-                f"force=True")
+                f"force=True (--force)")
     elif not force:
         refuse_replacing_base(output, cfg)  # an existing output may be another delta's base
     return rewrite(path, output, codec=codec, config=cfg)

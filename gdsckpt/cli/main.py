@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "print the median ratio and speed of each side over a few rounds. "
                                       "Needs PyTorch: pip install 'gdsckpt[demo]'.")
     demo.add_argument("--width", type=positive_int, default=512, metavar="N",
-                      help="the model's hidden size, a multiple of 4 (default 512: about 44 MB of model "
+                      help="the model's hidden size, a multiple of 4 (default 512: about 280 MB of model "
                            "and AdamW state with --depth 6)")
     demo.add_argument("--depth", type=positive_int, default=6, metavar="N",
                       help="transformer blocks (default 6)")

@@ -90,6 +90,9 @@ def training_state(*, width: int = 128, depth: int = 2, steps: int = 3, device: 
 HEADS = 4
 """Attention heads of the demo's TinyGPT: its width must be a multiple of this."""
 
+VOCAB = 4096
+"""The demo's TinyGPT vocabulary (its embedding and head are ``VOCAB x width`` each)."""
+
 
 def check_demo_options(*, width: int, depth: int, device: str | None) -> str:
     """Check the demo's options before any work; returns the device to run on (``None``: cuda when
@@ -179,9 +182,9 @@ def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None,
     device = check_demo_options(width=width, depth=depth, device=device)
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    model, optimizer = training_state(width=width, depth=depth, steps=3, device=device, vocab=4096)
+    model, optimizer = training_state(width=width, depth=depth, steps=3, device=device, vocab=VOCAB)
     state: dict[str, Any] = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 3}
-    fresh_model, _ = training_state(width=width, depth=depth, steps=0, device=device, seed=1, vocab=4096)
+    fresh_model, _ = training_state(width=width, depth=depth, steps=0, device=device, seed=1, vocab=VOCAB)
     fresh_optimizer = torch.optim.AdamW(fresh_model.parameters(), lr=1e-3)
     target: dict[str, Any] = {"model": fresh_model, "optimizer": fresh_optimizer, "step": 0}
     times: dict[str, list[float]] = {"save": [], "torch_save": [], "load": [], "torch_load": []}
