@@ -5,7 +5,11 @@ freeze what the client sends; the server itself is never mocked."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -336,6 +340,49 @@ def test_the_manager_does_not_pass_over_a_step_replaced_while_it_restores_it(
         with pytest.raises(CheckpointError, match="was replaced while it was read") as caught:
             gdsckpt.CheckpointManager(prefix, keep_last=3).restore_latest()
     assert not isinstance(caught.value, CorruptCheckpointError)
+
+
+# --- a process that dies leaves no upload open where it can help it -------------------------------------
+
+_DYING_TRAINER = """
+import sys, time
+import numpy as np, gdsckpt
+state = {"w": np.random.default_rng(0).random(8 << 20, dtype=np.float32)}  # 32 MiB: seconds at the relay's rate
+config = gdsckpt.Config(async_worker="process", codec="none", max_inflight_bytes=16 << 20, s3_endpoint=sys.argv[2])
+gdsckpt.save_async(state, sys.argv[1], config=config)
+print("submitted", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_background_worker_whose_training_process_dies_aborts_its_upload(s3: str, relay: Any) -> None:
+    """The training process killed while its worker process uploads a ``save_async``: the worker
+    used to exit at once, leaving the multipart upload's parts on the server, which no later save
+    knows of; it now aborts the upload before it exits. No object appears."""
+    key = "dying/step-1.gdsckpt"
+    slow = relay(rate=4 << 20)
+    trainer = subprocess.Popen([sys.executable, "-c", _DYING_TRAINER, f"s3://{BUCKET}/{key}", slow.endpoint],
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert trainer.stdout is not None and trainer.stdout.readline().strip() == "submitted"
+        deadline = time.monotonic() + 60
+        while not _open_uploads(s3, key):
+            assert time.monotonic() < deadline and trainer.poll() is None, "the upload never started"
+            time.sleep(0.05)
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(10)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(10)
+        if trainer.stdout is not None:
+            trainer.stdout.close()
+    deadline = time.monotonic() + 30  # the worker notices within a second, then aborts
+    while _open_uploads(s3, key) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _open_uploads(s3, key), "the dead trainer's upload is left open on the server"
+    with pytest.raises(FileNotFoundError):
+        gdsckpt.inspect(f"s3://{BUCKET}/{key}")
 
 
 # --- a save that reports failure leaves the object as it was -----------------------------------------

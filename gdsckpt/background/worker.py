@@ -570,13 +570,42 @@ def _warm_up(names: list[str]) -> None:
                 pass
 
 
+_SAVING = threading.Lock()
+"""Held by the worker's main thread while a save runs (``_serve``): what ``_watch_parent`` stops,
+and waits for, when the training process is gone."""
+
+ABORT_SECONDS = 30.0
+"""How long a worker whose training process is gone waits for its running save to abort before
+it exits anyway."""
+
+
 def _watch_parent(parent: int) -> None:
     """Exit as soon as the training process is gone: a save still running reads a snapshot that
-    no longer exists, and its file is never renamed anyway."""
+    no longer exists, and its file is never renamed anyway. The save is first stopped as a ^C
+    stops one, so that its writer aborts (a temporary file is removed), then ``_exit`` waits for
+    an ``s3://`` upload's abort to reach the server. All within ``ABORT_SECONDS``."""
     while True:
         time.sleep(POLL_SECONDS)
         if os.getppid() != parent:
-            os._exit(3)
+            deadline = time.monotonic() + ABORT_SECONDS
+            if _SAVING.locked():
+                # A real signal to the main thread (not ``interrupt_main``, which only sets a flag):
+                # it also wakes a wait the main thread is blocked in.
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+                if _SAVING.acquire(timeout=ABORT_SECONDS):
+                    _SAVING.release()
+            _exit(3, deadline)
+
+
+def _exit(code: int, deadline: float) -> None:
+    """``os._exit(code)`` once the uploads this process aborted have ended, or at ``deadline``
+    (``time.monotonic``): a save that failed returns before its upload's abort reached the server
+    (its wait for that may be interrupted), and exiting at once left the upload's parts there,
+    where no later save knows of them (``io.s3.settle_uploads``)."""
+    s3 = sys.modules.get("gdsckpt.io.s3")  # loaded by a save to s3:// only
+    if s3 is not None:
+        s3.settle_uploads(max(0.0, deadline - time.monotonic()))
+    os._exit(code)
 
 
 def _receive_fds(fds: socket.socket, ids: list[int]) -> list[int]:
@@ -675,8 +704,9 @@ def _serve(conn: Any, fds: socket.socket) -> None:
             snapshot = _SnapshotUnpickler(io.BytesIO(message["snapshot"]), tensors).load()
             # A file is left at a temporary path for the parent to rename; an s3:// object
             # becomes visible only when its upload completes, so the worker publishes it itself.
-            report = api_saving.save_flat(flatten(snapshot), message["path"], rename=is_url(message["path"]),
-                                          before_commit=_check_parent, **message["options"])
+            with _SAVING:
+                report = api_saving.save_flat(flatten(snapshot), message["path"], rename=is_url(message["path"]),
+                                              before_commit=_check_parent, **message["options"])
             del snapshot, tensors
             reply: Any = (job, "ok", report)
         except BaseException as err:  # noqa: BLE001 - every error goes back to the caller
@@ -709,11 +739,11 @@ def _main() -> None:
     _warm_up([name for name in os.environ.get(_ENV_WARM, "").split(",") if name])
     try:
         _serve(conn, fds)
-    except (BrokenPipeError, ConnectionResetError):
+    except (BrokenPipeError, ConnectionResetError, KeyboardInterrupt):  # ^C: from _watch_parent
         pass
     # Leave without interpreter teardown: CUDA IPC mappings and nvCOMP's allocator hooks have
     # been seen to crash at interpreter exit; everything durable is already on disk.
-    os._exit(0)
+    _exit(0, time.monotonic() + ABORT_SECONDS)
 
 
 __all__ = ["SaveWorker", "shared_host_buffer"]

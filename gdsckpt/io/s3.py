@@ -50,6 +50,7 @@ import re
 import threading
 import time
 import urllib.parse
+import weakref
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -392,6 +393,22 @@ class ObjectDirectory:
             raise _storage_error(err, "cannot delete", self.url_of(name)) from err
 
 
+_UPLOADS: weakref.WeakSet[S3Writer] = weakref.WeakSet()
+"""Every ``S3Writer`` of this process still referenced: ``settle_uploads`` waits for theirs."""
+
+
+def settle_uploads(timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the upload threads of this process's writers to end
+    (an aborted upload's thread ends once the server acknowledged the abort); True if they all
+    did. For a process about to exit without unwinding (``os._exit``): a save interrupted while
+    it waited for its upload's abort has returned, but the abort is still on its way, and exiting
+    before it arrives leaves the upload's parts on the server."""
+    deadline = time.monotonic() + timeout
+    for writer in list(_UPLOADS):
+        writer._upload_ended.wait(max(0.0, deadline - time.monotonic()))
+    return all(writer._upload_ended.is_set() for writer in list(_UPLOADS))
+
+
 class S3Writer(StorageWriter):
     """One multipart upload of the checkpoint's bytes, in file order (module docstring).
 
@@ -438,9 +455,13 @@ class S3Writer(StorageWriter):
         at its next item (obstore then aborts the upload). Changed under ``_state_changed``."""
         self._taken = 0
         """Items the iterator handed to obstore: ``commit``'s sign that the upload progresses."""
+        self._upload_ended = threading.Event()
+        """Set when the upload thread ends. Not ``Thread.is_alive``: a ``join`` interrupted by a
+        ^C marks a running thread stopped (``Thread._wait_for_tstate_lock`` in CPython 3.11)."""
         self._thread = threading.Thread(target=self._upload, name="gdsckpt-s3-upload", daemon=True,
                                         args=(obstore, part_bytes, concurrency))
         self._thread.start()
+        _UPLOADS.add(self)
 
     def _parts(self) -> Any:
         """The upload's byte stream: each queued write's bytes in turn. It ends (and obstore then
@@ -467,6 +488,7 @@ class S3Writer(StorageWriter):
             self._error = err
             self._drop_queued()
         finally:
+            self._upload_ended.set()
             with self._state_changed:
                 self._state_changed.notify_all()  # commit waits for this thread's end too
 
