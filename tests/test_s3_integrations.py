@@ -164,6 +164,33 @@ def test_server_killed_during_an_upload_loses_nothing(server: SeaweedServer, rem
     h.assert_same(_big(states[2]), gdsckpt.load(f"{remote}/{manager.path(2).name}"))
 
 
+def test_a_save_whose_abort_cannot_reach_the_server_says_so(server: SeaweedServer, remote: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server killed while a save's parts go up: the save fails, and so does the abort its
+    failure starts (nobody answers). obstore then reports the abort's DELETE, not the part that
+    failed; the error says the upload failed, its abort too, and what removes the parts left."""
+    from gdsckpt.io import s3
+
+    writes = 0
+    submit_write = s3.S3Writer.submit_write
+
+    def submit_write_killing_the_server(self: Any, offset: int, data: Any) -> Any:
+        nonlocal writes
+        writes += 1
+        if writes == 8:
+            server.stop(kill=True)  # fault injection: a real server, killed mid-upload
+        return submit_write(self, offset, data)
+
+    monkeypatch.setattr(s3.S3Writer, "submit_write", submit_write_killing_the_server)
+    try:
+        with pytest.raises((CheckpointError, TimeoutError)) as failure:
+            gdsckpt.save({"w": torch.arange(12 << 20, dtype=torch.float32)}, f"{remote}/a.gdsckpt",
+                         config=gdsckpt.Config(codec="none", chunk_bytes=4 << 20, timeout=5))
+    finally:
+        server.start()
+    assert "aborting it" in str(failure.value) and "lifecycle rule" in str(failure.value), failure.value
+
+
 def _big(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with 12 MiB more, so that its file spans several upload parts."""
     return {**state, "extra": torch.arange(3 << 20, dtype=torch.float32)}

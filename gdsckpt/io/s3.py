@@ -277,6 +277,13 @@ missing bucket is among the causes: servers answer 403 for a bucket the caller c
 for one another account owns, SeaweedFS for one that does not exist)."""
 
 
+_ABORT_FAILED = re.compile(r"\bDELETE\b\S*\s+\S*[?&]uploadId=")
+ABORT_FAILED_HINT = ("the upload failed, and so did aborting it: the server may keep its parts until the "
+                     "bucket's lifecycle rule for incomplete multipart uploads removes them")
+"""Said where obstore's error is the failed abort (a DELETE of the upload): it reports that
+request, not the part or the completion that failed first and made it abort."""
+
+
 def _storage_error(err: BaseException, what: str, url: str) -> CheckpointError:
     """An obstore failure as gdsckpt's error, naming the object and what was being done, and
     ``DENIED_HINT`` where the server refused the credentials."""
@@ -285,6 +292,8 @@ def _storage_error(err: BaseException, what: str, url: str) -> CheckpointError:
     kind = "obstore panicked" if type(err).__name__ == "PanicException" else type(err).__name__
     denied = type(err).__name__ in _DENIED_TYPES or _DENIED_STATUS.search(text) is not None
     hint = f" ({DENIED_HINT})" if denied else ""
+    if _ABORT_FAILED.search(text):
+        hint += f" ({ABORT_FAILED_HINT})"
     return CheckpointError(f"{what} {url}{hint}: {kind}: {lines[0][:300] if lines else '(no message)'}")
 
 
