@@ -165,6 +165,15 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
             raise StateMismatchError("checkpoint does not match target:\n  " + "\n  ".join(problems))
 
         wanted = {by_key[key]: tensor for key, tensor in existing.items()}
+        holding = {t.device.index or 0 for t in wanted.values() if t.device.type == "cuda"}
+        if holding:
+            from ..codecs.device import synchronize_devices
+
+            # Work queued on the targets (an optimizer step before a rollback) lands before the
+            # restore writes them, on every GPU they are on and whichever engine writes: the GPU
+            # decoder waits only for its own device's current streams, the CPU engine's copies
+            # run on its threads' default streams.
+            synchronize_devices(holding)
         # Host targets and a file only a GPU decodes (a GPU save's default codec): decoded on the
         # GPU, its chunks read by a device reader, delivered to host memory.
         decode_on = gpu_device

@@ -311,6 +311,12 @@ def device_index(device: str) -> int:
     return int(device.split(":")[1]) if ":" in device else 0
 
 
+def cuda_devices_of(flat: FlatState) -> set[int]:
+    """The CUDA devices ``flat``'s arrays are on (those the save reads in device memory)."""
+    return {device_index(array.device) for array in flat.arrays
+            if array.source is not None and array.source.on_device}
+
+
 def cuda_device_of(flat: FlatState) -> int | None:
     for array in flat.arrays:
         if array.source is not None and array.source.on_device:

@@ -8,7 +8,6 @@ import contextlib
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +50,7 @@ from .resolve import (
     check_target,
     choose_save_engine,
     cuda_device_of,
+    cuda_devices_of,
     device_index,
     host_engine,
     inflight_budget,
@@ -552,16 +552,20 @@ def _save_engine(config: Config, flat: FlatState, codec: str, path: PathLike | S
     device = cuda_device_of(flat) if gpu_device is None else gpu_device
     chosen, why = choose_save_engine(config, codec, device is not None, use_gpu(config, device is not None))
     auto: dict[str, Any] = {"engine": chosen, "engine_reason": why} if device is not None else {}
-    if chosen == "gpu":
-        torch = sys.modules.get("torch")
-        if torch is not None and device is not None:
-            torch.cuda.synchronize(device)  # the snapshot: every queued update has landed
-        elif device is not None:
-            # without torch, the same for CuPy's work: the encoder's stream (non-blocking) would
-            # not wait for the kernels queued on CuPy's current stream
-            from ..codecs.device import wait_for_current_streams
+    holding = cuda_devices_of(flat)
+    if holding:
+        from ..codecs.device import synchronize_devices
 
-            wait_for_current_streams(device)
+        # Every queued update has landed on each GPU the arrays are on, before either engine
+        # reads them (the GPU engine on a stream of its own, the CPU engine's threads on theirs).
+        synchronize_devices(holding)
+    if chosen == "gpu" and len(holding) > 1:
+        # The GPU engine compresses on one GPU: arrays on the others go through host memory
+        # (its kernels and nvCOMP would otherwise read another GPU's memory by address).
+        for array in flat.arrays:
+            if array.source is not None and array.source.on_device and device_index(array.device) != device:
+                array.source.on_device = False
+    if chosen == "gpu":
         if codec != "auto":
             versioned_name(codec)  # ValueError listing the valid names for an unknown one
         elif config.portable:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -286,6 +286,21 @@ class DeviceBackend(Protocol):
     def forget_codecs(self) -> None:
         """Drop the codecs without releasing them (a worker that did not stop may be using one)."""
         ...
+
+
+def synchronize_devices(device_ids: Iterable[int]) -> None:
+    """Wait, in the calling thread, for all the work queued on each of these CUDA devices: with
+    torch's CUDA initialized, every stream's (``torch.cuda.synchronize``: a caller's side stream
+    too, which neither torch's default stream nor the library's streams wait for), else the work
+    on CuPy's current stream (``wait_for_current_streams``). What a save does before it reads
+    CUDA arrays and ``load_into`` before it writes into them, whichever engine then copies: the
+    CPU engine's ``.cpu()`` and host-to-device copies run on its threads' default streams."""
+    torch = sys.modules.get("torch")
+    for device_id in sorted(set(device_ids)):
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize(device_id)
+        else:
+            wait_for_current_streams(device_id)
 
 
 def wait_for_current_streams(device_id: int) -> None:

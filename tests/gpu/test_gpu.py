@@ -498,6 +498,74 @@ def test_gpu_save_waits_for_work_queued_on_torchs_current_stream(tmp_path):
     assert bool((back == 7.0).all())
 
 
+@pytest.mark.parametrize("config", [{}, {"engine": "cpu"}], ids=["zstd-routed-to-cpu", "engine-cpu"])
+def test_cpu_engine_save_of_cuda_state_waits_for_work_on_the_callers_side_stream(tmp_path, config):
+    """The CPU engine reads CUDA tensors with ``.cpu()`` on its threads' default streams: a fill
+    queued behind a sleep on the caller's side stream used to be missed (stale bytes, valid
+    checksums). The save now synchronizes every GPU the arrays are on, whichever engine runs."""
+    tensor = torch.zeros(12 << 20, device="cuda")
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)
+        tensor.fill_(7.0)
+        report = gdsckpt.save({"t": tensor}, tmp_path / "t.gdsckpt", codec="zstd", config=gdsckpt.Config(**config))
+    assert report.engine == "cpu"
+    assert bool((gdsckpt.load(tmp_path / "t.gdsckpt", device="cpu")["t"] == 7.0).all())
+
+
+@pytest.mark.parametrize("engine", ["cpu", "auto"])
+def test_load_into_cuda_targets_waits_for_work_on_the_callers_side_stream(tmp_path, engine):
+    """Work queued on the targets on the caller's side stream (a fill behind a sleep, as an
+    optimizer step before a rollback) lands before the restore writes them, not after."""
+    saved = torch.randn(4 << 20)
+    gdsckpt.save({"w": saved}, tmp_path / "w.gdsckpt", codec="zstd")
+    target = {"w": torch.zeros(4 << 20, device="cuda")}
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)
+        target["w"].fill_(-1.0)
+        gdsckpt.load_into(target, tmp_path / "w.gdsckpt", config=gdsckpt.Config(engine=engine))
+    torch.cuda.synchronize()
+    assert bit_equal(target["w"].cpu(), saved)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("size", [1000, 4 << 20], ids=["small-packed", "large"])
+def test_gpu_save_of_state_on_two_gpus_reads_the_second_after_its_queued_work(tmp_path, size):
+    """State on cuda:0 and cuda:1 (a model split by hand): the GPU engine compresses on cuda:0
+    and reads cuda:1's arrays through host memory, after cuda:1's queued work."""
+    state = {"a": torch.ones(1024, device="cuda:0"), "b": [torch.zeros(size, device="cuda:1") for _ in range(8)]}
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    with torch.cuda.device(1):
+        torch.cuda._sleep(1_000_000_000)
+        for tensor in state["b"]:
+            tensor.fill_(7.0)
+    gdsckpt.save(state, tmp_path / "s.gdsckpt", codec="ans", config=gdsckpt.Config(engine="gpu"))
+    back = gdsckpt.load(tmp_path / "s.gdsckpt", device="cpu")
+    assert all(bool((tensor == 7.0).all()) for tensor in back["b"])
+    assert bool((back["a"] == 1.0).all())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_load_into_targets_on_two_gpus_waits_for_each_gpus_queued_work(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    saved = {"a": torch.randn(1 << 20, generator=g), "b": torch.randn(4 << 20, generator=g)}
+    gdsckpt.save({k: v.cuda(0) for k, v in saved.items()}, tmp_path / "w.gdsckpt", codec="ans")
+    target = {"a": torch.zeros(1 << 20, device="cuda:0"), "b": torch.zeros(4 << 20, device="cuda:1")}
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    with torch.cuda.device(1):
+        torch.cuda._sleep(1_000_000_000)
+        target["b"].fill_(-1.0)
+    gdsckpt.load_into(target, tmp_path / "w.gdsckpt")
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    assert bit_equal(target["a"].cpu(), saved["a"]) and bit_equal(target["b"].cpu(), saved["b"])
+
+
 def test_gpu_source_ranges_are_views_of_one_import_of_the_tensor():
     """``TorchSource.device_bytes`` of a contiguous CUDA tensor: every range aliases the tensor's
     memory at its offset (no copy) and holds its bytes; a non-contiguous tensor's range is a
