@@ -419,7 +419,14 @@ def test_load_reads_only_the_needed_items(tmp_path: Path, monkeypatch: pytest.Mo
         fetched.extend(keys)
         return original(self, keys, device)
 
+    fill = gdsckpt.Checkpoint._fill
+
+    def spy_fill(self: Any, targets: dict[str, Any]) -> None:
+        fetched.extend(targets)
+        fill(self, targets)
+
     monkeypatch.setattr(gdsckpt.Checkpoint, "get_many", spy)
+    monkeypatch.setattr(gdsckpt.Checkpoint, "_fill", spy_fill)
     target = {"model": {"w": torch.zeros(64, 33)}}
     with pytest.warns(UserWarning, match=DISABLED):
         dcp.load(target, storage_reader=GdsStorageReader(tmp_path),

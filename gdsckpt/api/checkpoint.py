@@ -401,6 +401,29 @@ class Checkpoint:
         warn_lossy(self._opened.index, ids)
         return {key: arrays[i] for key, i in zip(keys, ids)}
 
+    def _fill(self, targets: dict[str, Any]) -> None:
+        """Restore each key's stored array into the torch tensor given for it, in place (as
+        ``load_into`` fills its targets; no array of the checkpoint's size beside them): keys
+        that hold their bytes themselves (no alias), tensors of the stored shape and dtype that
+        share no memory with each other. For ``GdsStorageReader``, whose planner names the
+        tensors a DCP load fills."""
+        with self._reading():
+            index = self._opened.index
+            by_id = {self._id(key): tensor for key, tensor in targets.items()}
+            for i, tensor in by_id.items():
+                record = index.tensors[i]
+                if stored_id(index, i) != i or tuple(tensor.shape) != record.shape:
+                    raise ValueError(f"{record.key!r} cannot be filled in place: an alias, or not of shape "
+                                     f"{list(record.shape)}")
+            devices = {str(tensor.device) for tensor in by_id.values()}
+            device = devices.pop() if len(devices) == 1 else None
+            gpu_device = restore_gpu_device(self._config, device, index, list(by_id))
+            with open_data_reader(self._source, self._config, self._reader, gpu_device) as data_reader:
+                restore_arrays(data_reader, self._opened, list(by_id), self._config,
+                               lambda i, record: TorchTarget(record.shape, record.dtype, str(by_id[i].device),
+                                                             existing=by_id[i]),
+                               gpu_device, share=self._staging_share)
+
     def get_rows(self, key: str, start: int, stop: int, device: Any = None, *, map_location: Any = None) -> Any:
         """Rows ``[start, stop)`` of an array of at least one dimension (``array[start:stop]``),
         reading only the chunks that hold them: how a rank of a resharded DCP load reads its

@@ -143,7 +143,8 @@ from .dcp_metadata import (
 logger = logging.getLogger("gdsckpt")
 
 READ_BATCH_BYTES = 1 << 30
-"""Most stored bytes one restore of a rank file reads before delivering them (load side)."""
+"""Most stored bytes one restore of a rank file reads (load side): into the destinations, where
+items fill them whole; else ``Config.max_inflight_bytes`` at most, held until delivered."""
 
 __all__ = ["GdsStorageInfo", "GdsStorageReader", "GdsStorageWriter", "PickleOnlyMetadataWarning",
            "item_key"]
@@ -752,10 +753,9 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
                                              f"{relative_path!r}")
             with self._open_rank_file(relative_path) as ckpt:
                 self._check_file_id(ckpt, relative_path, {self._info(item).file_id for item in items})
-                # Several read items may take pieces of one stored item: each key is read once.
-                # Keys are read in batches (one parallel restore each, on the device their
-                # destination lives on) of at most READ_BATCH_BYTES, which bounds the memory
-                # held by stored items awaiting delivery.
+                # Several read items may take pieces of one stored item: each key is read once,
+                # in batches (one parallel restore each, on the device their destination lives
+                # on: ``_read_items``).
                 by_key: dict[str, list[ReadItem]] = {}
                 for item in items:
                     by_key.setdefault(self._info(item).key, []).append(item)
@@ -767,20 +767,7 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
                     window = self._row_window(by_key[key], ckpt.info(key).shape)
                     if window is not None:
                         self._read_rows(ckpt, key, window, by_key.pop(key), planner)
-                batch: list[str] = []
-                batch_bytes, batch_device = 0, None
-                for key, key_items in sorted(by_key.items(),
-                                             key=lambda kv: (self._device(kv[1][0], planner) or "", kv[0])):
-                    device = self._device(key_items[0], planner)
-                    nbytes = ckpt.info(key).nbytes
-                    if batch and (device != batch_device or batch_bytes + nbytes > READ_BATCH_BYTES):
-                        self._read_batch(ckpt, batch, batch_device, by_key, planner)
-                        batch, batch_bytes = [], 0
-                    batch.append(key)
-                    batch_bytes += nbytes
-                    batch_device = device
-                if batch:
-                    self._read_batch(ckpt, batch, batch_device, by_key, planner)
+                self._read_items(ckpt, by_key, planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -898,6 +885,72 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
             offsets = list(item.storage_offsets)
             offsets[0] -= start  # relative to the rows read
             self._deliver(dataclasses.replace(item, storage_offsets=torch.Size(offsets)), rows, planner)
+
+    def _read_items(self, ckpt: Any, by_key: dict[str, list[ReadItem]], planner: LoadPlanner) -> None:
+        """Read ``by_key``'s items from the rank file ``ckpt`` and deliver them. An item that is
+        a whole stored tensor, whose destination has its shape and dtype, is restored straight
+        into the destination, as ``load_into`` fills a tensor: nothing of its size is held beside
+        it. The rest (pieces, other dtypes, aliases, bytes) is read into new tensors and copied,
+        at most ``max_inflight_bytes`` of them at a time (or one item larger than that)."""
+        filled: dict[str, Any] = {}
+        storages: set[tuple[str, int]] = set()
+        for key, items in by_key.items():
+            target = self._whole_destination(ckpt, key, items, planner, storages)
+            if target is not None:
+                filled[key] = target
+
+        def fill(keys: list[str]) -> None:
+            ckpt._fill({key: filled[key] for key in keys})
+            for key in keys:
+                planner.commit_tensor(by_key[key][0], filled[key])
+
+        def read_and_copy(keys: list[str]) -> None:
+            self._read_batch(ckpt, keys, self._device(by_key[keys[0]][0], planner), by_key, planner)
+
+        self._in_batches(ckpt, filled, READ_BATCH_BYTES, fill)
+        held = {key: None if items[0].type == LoadItemType.BYTE_IO else planner.resolve_tensor(items[0])
+                for key, items in by_key.items() if key not in filled}
+        self._in_batches(ckpt, held, min(READ_BATCH_BYTES, resolve_config(self.config).max_inflight_bytes),
+                         read_and_copy)
+
+    @staticmethod
+    def _whole_destination(ckpt: Any, key: str, items: list[ReadItem], planner: LoadPlanner,
+                           storages: set[tuple[str, int]]) -> Any:
+        """The tensor ``key``'s one read item fills whole, where it can be restored into in place:
+        the stored array's shape and dtype, its own bytes (no alias), sharing its memory with no
+        other such destination (``storages``, updated); else None."""
+        if len(items) != 1 or items[0].type == LoadItemType.BYTE_IO:
+            return None
+        item, info = items[0], ckpt.info(key)
+        if (info.alias_of is not None or any(offset != 0 for offset in item.storage_offsets)
+                or tuple(item.lengths) != tuple(info.shape)):
+            return None
+        target = planner.resolve_tensor(item).detach()
+        memory = (str(target.device), target.untyped_storage().data_ptr())
+        if (tuple(target.shape) != tuple(info.shape) or torch_dtype_name(target.dtype) != info.dtype
+                or target.is_sparse or memory in storages):
+            return None
+        storages.add(memory)
+        return target
+
+    def _in_batches(self, ckpt: Any, destinations: dict[str, Any], limit: int, read: Any) -> None:
+        """``read(keys)`` for ``destinations``' keys in batches of one device (their destination
+        tensors', None: host memory) and at most ``limit`` stored bytes (or one key)."""
+        def device_of(tensor: Any) -> str:
+            return "" if tensor is None or tensor.device.type != "cuda" else f"cuda:{tensor.device.index or 0}"
+
+        batch: list[str] = []
+        batch_bytes, batch_device = 0, ""
+        for key in sorted(destinations, key=lambda key: (device_of(destinations[key]), key)):
+            device, nbytes = device_of(destinations[key]), ckpt.info(key).nbytes
+            if batch and (device != batch_device or batch_bytes + nbytes > limit):
+                read(batch)
+                batch, batch_bytes = [], 0
+            batch.append(key)
+            batch_bytes += nbytes
+            batch_device = device
+        if batch:
+            read(batch)
 
     def _read_batch(self, ckpt: Any, keys: list[str], device: str | None, by_key: dict[str, list[ReadItem]],
                     planner: LoadPlanner) -> None:

@@ -119,10 +119,19 @@ def _memory_child(mode: str, directory: str, inflight: int) -> None:
     if mode.startswith("s3"):  # the object at the URL the parent names (the server is the parent's)
         path = os.environ["BOUNDS_TEST_URL"]
     state = _big_state() if mode == "save" else _big_state(S3_STATE_BYTES) if mode == "s3save" else None
+    if mode == "dcpload":  # into tensors made (and touched) before the measure
+        import torch.distributed.checkpoint as dcp
+
+        from gdsckpt.dcp import GdsStorageReader
+
+        warnings.simplefilter("ignore")  # DCP's, about running without a process group
+        targets = {f"w{i}": torch.full((STATE_BYTES // 4 // 8,), -1.0) for i in range(8)}
     gc.collect()
     sampler = RssSampler()
     sampler.start()
-    if mode in ("save", "s3save"):
+    if mode == "dcpload":
+        dcp.load(targets, storage_reader=GdsStorageReader(root / "dcp", config=config))
+    elif mode in ("save", "s3save"):
         gdsckpt.save(state, path, codec="zstd", config=config)
     elif mode == "convert":
         gdsckpt.convert(path, root / "converted.gdsckpt", codec="lz4", config=config, overwrite=True)
@@ -130,6 +139,9 @@ def _memory_child(mode: str, directory: str, inflight: int) -> None:
         loaded = gdsckpt.load(path, config=config)
     sampler.stop()
     restored = sum(t.numel() * t.element_size() for t in loaded.values()) if mode in ("load", "s3load") else 0
+    if mode == "dcpload":
+        assert all(torch.equal(targets[key], tensor) for key, tensor in _big_state().items())
+        path = next((root / "dcp").glob("*.gdsckpt"))
     print(json.dumps({"growth": sampler.growth, "sampled": sampler.sampled - sampler.baseline,
                       "maxrss_raised": sampler.maxrss_after > sampler.maxrss_before, "restored": restored,
                       "file": gdsckpt.inspect(path).file_bytes}))
@@ -185,6 +197,26 @@ def test_host_memory_stays_within_the_inflight_bound(tmp_path: Path, h: Any) -> 
     assert load["growth"] <= load["restored"] + 2 * INFLIGHT + slack, load
     # the measurement sees read buffers at all: without the bound they hold about the whole file
     assert unbounded["growth"] - unbounded["restored"] > load["growth"] - load["restored"] + INFLIGHT, unbounded
+
+
+def test_dcp_load_fills_its_destinations_within_the_inflight_bound(tmp_path: Path, h: Any) -> None:
+    """A DCP load through ``GdsStorageReader`` into tensors made before it: whole items are
+    restored into them. It read up to 1 GiB of a rank file into new tensors, then copied them:
+    memory grew with the state (64 MiB here) whatever ``max_inflight_bytes`` said."""
+    import torch.distributed.checkpoint as dcp
+
+    from gdsckpt.dcp import GdsStorageWriter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's, about running without a process group
+        dcp.save(_big_state(), storage_writer=GdsStorageWriter(tmp_path / "dcp", config=_bounded_config(),
+                                                                codec="zstd"))
+    loaded = _measure(h, "dcpload", tmp_path)
+    bound = 2 * INFLIGHT + 16 * MIB
+    record_figure("DCP load memory bound", f"dcp.load of a {STATE_BYTES // MIB} MiB state (8 tensors) into "
+                  f"preallocated tensors: RSS growth {loaded['growth'] / MIB:.1f} MiB, asserted <= "
+                  f"{bound // MIB} MiB (2 x max_inflight_bytes of {INFLIGHT // MIB} MiB + 16 MiB)")
+    assert loaded["growth"] <= bound < STATE_BYTES, loaded
 
 
 S3_STATE_BYTES = 256 * MIB
