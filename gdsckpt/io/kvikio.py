@@ -286,8 +286,19 @@ def kvikio_mode() -> str:
     return "compat" if kvikio.defaults.is_compat_mode_preferred() else "gds"
 
 
+WRITE_TASK_BYTES: int | None = 8 << 20
+"""kvikio's task size for device-buffer writes in compat mode where no ``task_size`` is
+configured (``KvikioWriter``; each call's own, kvikio's process-wide setting left alone). Why:
+a GPU save of 8 GiB of trained state to /dev/shm ran at 0.77-0.79 of ratio x the raw kvikio
+write with kvikio's default 4 MiB tasks, and at 0.94-1.14 with 8 or 16 MiB ones, on two H100
+hosts (docs/performance.md, "Fast tiers"). None: kvikio's task size. Through GPUDirect Storage
+kvikio's task size stays."""
+
+
 class KvikioWriter(PosixWriter):
-    """``PosixWriter`` whose device-buffer writes go through ``kvikio.CuFile.pwrite``."""
+    """``PosixWriter`` whose device-buffer writes go through ``kvikio.CuFile.pwrite``, in tasks of
+    ``task_size`` (None: ``WRITE_TASK_BYTES`` in compat mode, kvikio's own through GPUDirect
+    Storage); ``write_task_bytes`` says which (None: kvikio's task size)."""
 
     def __init__(self, target: str | os.PathLike[str], *, threads: int = 16, task_size: int | None = None,
                  o_direct: bool | str = "auto", fsync: bool = True, timeout: float = DRAIN_TIMEOUT):
@@ -305,6 +316,14 @@ class KvikioWriter(PosixWriter):
             raise
         self.name = f"kvikio-{kvikio_mode()}"
         self._one_task_each = _one_task_calls()
+        self.write_task_bytes = WRITE_TASK_BYTES if task_size is None and self.name == "kvikio-compat" else None
+
+    def _write_task(self, nbytes: int) -> tuple[int, ...]:
+        """The ``task_size`` argument of a write of ``nbytes`` (``_task_size``, or
+        ``write_task_bytes`` where it applies)."""
+        if self._one_task_each or self.write_task_bytes is None:
+            return _task_size(self._one_task_each, nbytes)
+        return (self.write_task_bytes,)
 
     def backlog(self) -> int | None:
         """None: device-buffer writes run in kvikio's pool, which does not say what it holds."""
@@ -314,7 +333,7 @@ class KvikioWriter(PosixWriter):
         if isinstance(data, (np.ndarray, bytes, bytearray, memoryview)):
             return super().submit_write(offset, data)
         try:
-            io_future = self._cufile.pwrite(data, data.nbytes, offset, *_task_size(self._one_task_each, data.nbytes))
+            io_future = self._cufile.pwrite(data, data.nbytes, offset, *self._write_task(data.nbytes))
         except RuntimeError as err:
             raise kvikio_error(err, "write", data.nbytes) from err
         return self._transfers.add(_KvikioFuture(io_future, data.nbytes, "write"))

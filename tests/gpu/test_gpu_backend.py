@@ -9,6 +9,7 @@ Run on a GPU host with:  python3 -m pytest -m gpu tests/gpu
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -218,3 +219,31 @@ def test_a_kvikio_reader_reads_a_file_not_in_the_page_cache_in_cold_read_tasks(t
     assert read_whole() == (mode, None)
     assert evict()
     assert read_whole(task_size=1 << 20) == (mode, None)
+
+
+def test_kvikio_writer_writes_in_tasks_of_write_task_bytes_in_compat_mode(tmp_path: Path) -> None:
+    """Unconfigured, device-buffer writes in compat mode run in ``WRITE_TASK_BYTES`` tasks (each
+    call's own: kvikio's process-wide setting is left alone); a configured ``task_size`` is kvikio's
+    to use. Either way the file holds the bytes, across several tasks and a ragged end."""
+    import cupy
+    from kvikio import defaults as kvikio_defaults
+
+    from gdsckpt.io import kvikio as kvikio_io
+
+    size = 3 * kvikio_io.WRITE_TASK_BYTES + 4096
+    data = np.random.default_rng(8).integers(0, 256, size, dtype=np.uint8)
+    for configured in (None, 1 << 20):
+        path = tmp_path / f"w-{configured}.bin"
+        task_before = kvikio_defaults.get("task_size")
+        writer = kvikio_io.KvikioWriter(path, threads=4, task_size=configured)
+        try:
+            writer.submit_write(0, cupy.asarray(data)).result(60)
+            expected = (kvikio_io.WRITE_TASK_BYTES if configured is None and writer.name == "kvikio-compat"
+                        else None)
+            assert writer.write_task_bytes == expected
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        assert kvikio_defaults.get("task_size") == task_before
+        assert path.read_bytes() == data.tobytes()
