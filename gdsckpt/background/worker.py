@@ -739,7 +739,7 @@ def _main() -> None:
     _warm_up([name for name in os.environ.get(_ENV_WARM, "").split(",") if name])
     try:
         _serve(conn, fds)
-    except (BrokenPipeError, ConnectionResetError, KeyboardInterrupt):  # ^C: from _watch_parent
+    except (OSError, KeyboardInterrupt):  # the parent's end gone (mid-message too); ^C: _watch_parent
         pass
     # Leave without interpreter teardown: CUDA IPC mappings and nvCOMP's allocator hooks have
     # been seen to crash at interpreter exit; everything durable is already on disk.

@@ -762,14 +762,16 @@ class PosixWriter(StorageWriter):
             held, self._open = self._open, None
         for future in held.futures if held is not None else []:
             future.cancel()
-        if self._lane.close(0.0 if self.stalled else self.timeout):
-            self._close_fds()
-        # else a write still running keeps its descriptor: closing it could let the number be
-        # reused by another file while the write goes on.
         try:
-            self.temp.unlink()
-        except OSError:
-            pass
+            if self._lane.close(0.0 if self.stalled else self.timeout):
+                self._close_fds()
+            # else a write still running keeps its descriptor: closing it could let the number be
+            # reused by another file while the write goes on.
+        finally:  # also where a ^C ends the wait: a second abort returns at once
+            try:
+                self.temp.unlink()
+            except OSError:
+                pass
 
     def _close_fds(self) -> None:
         """Close the temporary file's descriptors, once (a stalled fsync's end and ``abort`` may

@@ -84,6 +84,27 @@ def test_a_small_file_write_interrupted_as_its_temporary_opens_leaves_no_tempora
     assert _temporaries(tmp_path) == [] and target.read_bytes() == b"old"
 
 
+def test_an_abort_interrupted_while_it_waits_for_writes_still_removes_the_temporary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ^C while ``abort`` waits for the writes in flight (a save worker stops its save so when
+    its training process dies, and the save may be aborting already) skipped the removal of the
+    temporary, and the second abort the interrupt leads to returned at once: the temporary stayed
+    until the next save to that path."""
+    writer = posix.PosixWriter(tmp_path / "a.gdsckpt")
+    temporary, close = writer.temp, writer._lane.close
+
+    def interrupted(timeout: float) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer._lane, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        writer.abort()
+    assert not temporary.exists()
+    writer.abort()  # once is enough
+    assert close(10.0)
+    writer._close_fds()
+
+
 def test_a_reader_interrupted_before_it_exists_closes_its_file(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "c.gdsckpt"
