@@ -31,6 +31,7 @@ from ..state import (
     JaxTarget,
     NumpyTarget,
     TorchTarget,
+    torch_dtype_name,
 )
 from ..state.delta import BaseReader, XorTarget, base_location_of, check_identity
 from ..state.lossy import LossyWarning
@@ -412,9 +413,10 @@ class Checkpoint:
             by_id = {self._id(key): tensor for key, tensor in targets.items()}
             for i, tensor in by_id.items():
                 record = index.tensors[i]
-                if stored_id(index, i) != i or tuple(tensor.shape) != record.shape:
-                    raise ValueError(f"{record.key!r} cannot be filled in place: an alias, or not of shape "
-                                     f"{list(record.shape)}")
+                if (stored_id(index, i) != i or tuple(tensor.shape) != record.shape
+                        or torch_dtype_name(tensor.dtype) != record.dtype):
+                    raise ValueError(f"{record.key!r} cannot be filled in place: an alias, or not "
+                                     f"{record.dtype}{list(record.shape)}")
             devices = {str(tensor.device) for tensor in by_id.values()}
             device = devices.pop() if len(devices) == 1 else None
             gpu_device = restore_gpu_device(self._config, device, index, list(by_id))
