@@ -37,6 +37,7 @@ from .errors import (
     RemoteUploadWarning,
     SaveWorkerError,
     SkippedCheckpointWarning,
+    StateChangedError,
     StateMismatchError,
     UnsafePickleError,
     UnsupportedFormatError,
@@ -52,7 +53,7 @@ __all__ = [
     "DeltaBaseError", "ForeignExtensionWarning", "InsufficientSpaceError", "LossyPolicy", "LossyWarning",
     "NewerFormatError", "ObjectChangedError", "PickleOnlyMetadataWarning",
     "RemoteUploadError", "RemoteUploadWarning", "SaveHandle", "SaveReport", "SaveWorkerError",
-    "SkippedCheckpointWarning", "StateMismatchError", "TensorInfo", "UnsafePickleError",
+    "SkippedCheckpointWarning", "StateChangedError", "StateMismatchError", "TensorInfo", "UnsafePickleError",
     "UnsupportedFormatError", "VerifyReport", "__version__", "convert", "inspect", "load", "load_into",
     "open", "rebase", "save", "save_async", "verify", "wait_all",
 ]

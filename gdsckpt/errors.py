@@ -108,6 +108,12 @@ class RemoteUploadError(CheckpointError):
     them, and the next save or ``wait`` uploads them again."""
 
 
+class StateChangedError(CheckpointError):
+    """A save found that an array it was writing from the state's own memory changed while it
+    was written (another thread updating a tensor during the save): the file would hold bytes
+    its checksums do not cover, so nothing is saved and the file at the path stays as it was."""
+
+
 class ObjectChangedError(CheckpointError):
     """The object a read of an ``s3://`` URL reads was replaced after the reader opened it: its GETs ask for
     the version it opened (``If-Match`` that version's ETag) and the server holds another one now.

@@ -89,6 +89,9 @@ class EncodedChunk:
     chain: Chain
     release: Callable[[], None] | None = None
     """Called by the save driver once the payload's write has completed (returns staging memory)."""
+    live: bool = False
+    """``payload`` is the state's own memory, written from there after ``crc`` was taken: the
+    driver checks, once it is written, that the memory still holds what ``crc`` covers."""
 
 
 class Encoder(ABC):
@@ -377,7 +380,7 @@ class HostEngine(Engine):
         stored = len(stored_view)
         if self.as_is_views and self.codec.name == "none/1" and raw.flags.c_contiguous:
             payload = raw.reshape(-1).view(np.uint8)
-            return EncodedChunk(payload, stored, raw.nbytes, checksum(payload), chain)
+            return EncodedChunk(payload, stored, raw.nbytes, checksum(payload), chain, live=True)
         payload = aligned_empty(align_up(stored))
         payload[:stored] = np.frombuffer(stored_view, dtype=np.uint8)
         payload[stored:] = 0

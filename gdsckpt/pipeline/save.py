@@ -18,6 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from ..codecs import Chain
+from ..errors import StateChangedError
 from ..format import (
     ALIGNMENT,
     HEADER_REGION,
@@ -73,6 +74,7 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
     writes: deque[tuple[Future[None], int, EncodedChunk, int]] = deque()  # (write, raw bytes, chunk, its number)
     inflight = 0
     offset = HEADER_REGION
+    segment_owner: dict[int, int] = {}  # chunk number -> the array whose memory it is written from
 
     def place_oldest_encoded() -> None:
         nonlocal offset
@@ -87,6 +89,8 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
         chain_id = chain_ids.setdefault(chain, len(chain_ids))
         number = len(result.chunks)
         result.chunks.append(ChunkRecord(offset, encoded.stored, encoded.raw, encoded.crc, chain_id))
+        if encoded.live:
+            segment_owner[number] = plan.parts[0].array
         position = 0
         for part in plan.parts:
             result.segments.setdefault(part.array, []).append(Segment(number, position, part.length))
@@ -109,6 +113,14 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
         while writes and (block or writes[0][0].done()):
             future, raw, encoded, number = writes.popleft()
             written(future, f"chunk {number} (of {encoded.stored} bytes)")
+            if encoded.live and checksum(encoded.payload) != encoded.crc:
+                # Written from the state's memory after its checksum was taken: another thread
+                # changed it meanwhile. The file would fail every load; the save must not succeed
+                # (a manager would then prune the checkpoint it replaces).
+                raise StateChangedError(
+                    f"{index.tensors[segment_owner[number]].key!r} changed while it was saved (chunk {number}): "
+                    f"another thread wrote it during the save; nothing was saved, the file there is as it "
+                    f"was. Save when no step is running, or save_async (which saves a snapshot)")
             if encoded.release is not None:
                 encoded.release()
             inflight -= raw

@@ -14,7 +14,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+
 import gdsckpt
+from gdsckpt.io import posix
 from gdsckpt.io.posix import TEMP_MARKER
 
 from .harness import Child, record_figure
@@ -85,3 +89,34 @@ def test_reader_during_saves_sees_only_complete_versions(tmp_path: Path, h: Any)
         f"were saved over the path: {summary['loads']} complete versions bit-exact, never older than the one "
         f"before, 0 errors; {summary['raced']} loads had the path replaced while they ran; "
         f"{len(summary['versions'])} distinct versions seen"))
+
+
+def test_a_tensor_changed_while_it_is_written_fails_the_save_and_keeps_the_previous_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks stored as they are (``codec="none"``, what ``auto`` picks where compressing cannot
+    keep up) are written from the tensor's own memory after their checksum is taken. A training
+    step in another thread between the two (injected here at the write) made a file every load
+    refuses, and the save returned success: a manager then pruned the checkpoint it replaced,
+    leaving none to restore. The save now fails, and nothing on disk changes."""
+    w = torch.zeros(1 << 20)
+    original = posix.PosixWriter.submit_write
+
+    def submit_write_after_a_step(self: Any, offset: int, data: Any) -> Any:
+        if offset > 0 and not isinstance(data, bytes):  # a chunk (the header and the tail are bytes)
+            w.add_(1)  # fault injection: another thread's optimizer step, mid-save
+        return original(self, offset, data)
+
+    path = tmp_path / "c.gdsckpt"
+    gdsckpt.save({"w": torch.full((1 << 20,), -1.0)}, path, codec="none")
+    before = path.read_bytes()
+    manager = gdsckpt.CheckpointManager(tmp_path / "run", keep_last=1)
+    manager.save(1, {"w": torch.full((1 << 20,), -1.0)}, codec="none")
+    monkeypatch.setattr(posix.PosixWriter, "submit_write", submit_write_after_a_step)
+    with pytest.raises(gdsckpt.StateChangedError, match="'w' changed while it was saved"):
+        gdsckpt.save({"w": w}, path, codec="none")
+    assert path.read_bytes() == before
+    with pytest.raises(gdsckpt.StateChangedError):
+        manager.save(2, {"w": w}, codec="none")
+    monkeypatch.undo()
+    restored = manager.restore_latest()
+    assert restored is not None and restored[0] == 1 and torch.equal(restored[1]["w"], torch.full((1 << 20,), -1.0))
