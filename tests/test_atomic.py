@@ -382,3 +382,49 @@ def test_a_killed_conversions_nested_temporary_is_removed_by_the_next_save(tmp_p
         live_writer.kill()
         live_writer.wait()
     h.assert_same(_old_state(), gdsckpt.load(target))
+
+
+def test_a_save_over_a_checkpoint_keeps_its_permission_bits(tmp_path: Path) -> None:
+    """A save writes a temporary and renames it over the file: it came out 0o644 whatever the
+    file was, so a checkpoint kept private (0o600) became readable by everyone at the next save
+    (``torch.save`` writes in place and keeps them). The temporary of an existing file is 0o600
+    until it takes the file's bits; the manager's pointer is published the same way."""
+    import stat
+
+    path = tmp_path / "private.gdsckpt"
+    gdsckpt.save({"w": torch.zeros(3)}, path)
+    for mode in (0o600, 0o640, 0o664):
+        os.chmod(path, mode)
+        gdsckpt.save({"w": torch.ones(3)}, path)
+        assert stat.S_IMODE(os.stat(path).st_mode) == mode
+    posix.write_atomically(path, b"small", fsync=False)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o664
+
+
+_READ_ONLY_CHILD = """
+import os, sys
+import torch, gdsckpt
+path = sys.argv[1]
+gdsckpt.save({"w": torch.zeros(3)}, path)
+os.chmod(path, 0o444)
+try:
+    gdsckpt.save({"w": torch.ones(3)}, path)
+except PermissionError as err:
+    assert "read-only" in str(err), err
+else:
+    raise SystemExit("a read-only checkpoint was replaced")
+assert float(gdsckpt.load(path)["w"].sum()) == 0.0 and oct(os.stat(path).st_mode & 0o777) == "0o444"
+print("ok")
+"""
+
+
+def test_a_save_refuses_to_replace_a_checkpoint_made_read_only(tmp_path: Path, h: Any) -> None:
+    """The rename needs only the directory's permission: a checkpoint the user had made read-only
+    ("keep this one") was replaced without a word (``torch.save`` fails to open it). Now a
+    ``PermissionError``, the file as it was. Run without the privilege that lets root write any
+    file (root passes, as ``torch.save`` does)."""
+    command = [sys.executable, "-c", _READ_ONLY_CHILD, str(tmp_path / "golden.gdsckpt")]
+    if os.geteuid() == 0:
+        command = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search", *command]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=h.subprocess_env())
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -269,6 +269,29 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
+def temporary_mode(target: Path) -> int:
+    """The permission bits a temporary for ``target`` is created with (``os.open``'s mode, less
+    the umask): 0o600 where ``target`` exists, whose own bits it gets at ``publish``
+    (``keep_mode``), so that a checkpoint the user made private is never readable by others
+    meanwhile; else 0o644, as a new file."""
+    return 0o600 if os.path.exists(target) else 0o644
+
+
+def keep_mode(temp: Path, target: Path) -> None:
+    """Before ``temp`` replaces ``target``: give it ``target``'s permission bits, as writing the
+    file in place (``torch.save``) keeps them, and refuse a ``target`` this process could not
+    write (``PermissionError``): the rename needs only the directory's permission, and replaced
+    a checkpoint the user had made read-only. Nothing where ``target`` does not exist."""
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if not os.access(target, os.W_OK):
+        raise PermissionError(errno.EACCES, "permission denied: the file there is read-only, and gdsckpt replaces "
+                                            "only a file it could write (chmod u+w it to allow that)", str(target))
+    os.chmod(temp, mode)
+
+
 def refuse_special_target(target: Path) -> None:
     """``FileExistsError`` where ``target`` is a FIFO, a device or a socket, or a symlink to one:
     a save or conversion would replace it with a regular file (``/dev/null`` written over by a
@@ -333,6 +356,7 @@ def publish(temp: Path, target: Path, *, fsync: bool, replace: bool = True,
     try:
         refuse_special_target(target)
         if replace:
+            keep_mode(temp, target)
             held = release.RELEASER.hold(target)
             os.replace(temp, target)
         else:
@@ -365,7 +389,7 @@ def write_atomically(target: Path, data: bytes, *, fsync: bool, timeout: float =
     fd = -1
     try:
         # in the try: a ^C the instant os.open returns loses the descriptor, not the temporary
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), temporary_mode(target))
         pwrite_all(fd, data, 0)
         if fsync:
             fsync_within(fd, timeout, repr(str(temp)))
@@ -557,7 +581,8 @@ class PosixWriter(StorageWriter):
         try:
             remove_stale_temporaries(self.target)
             self.temp = temporary_path(self.target)
-            self._fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            self._fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                               temporary_mode(self.target))
             self._open_direct(o_direct, fsync)
         except BaseException as err:
             # An error or a ^C before the writer exists: the caller has nothing to abort, and
