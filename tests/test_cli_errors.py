@@ -114,6 +114,10 @@ def test_help_is_plain_text(command: str | None, h: Any) -> None:
     (["plan", "--params", "7B", "--gpus", "99999999999999999999999"], "plan", ["--gpus", "at most 1e+12"]),
     (["plan", "--params", "7B", "--gpus", "2.5"], "plan", ["--gpus", "whole number >= 1"]),
     (["convert", "", "x.gdsckpt"], "convert", ["the path is empty"]),
+    # "-" as a file name: convert x - wrote a file named "-", which convert - y then read
+    (["convert", "x.gdsckpt", "-", "--to", "pt"], "convert", ["'-' (standard input or output) is not supported"]),
+    (["convert", "-", "x.gdsckpt"], "convert", ["'-' (standard input or output) is not supported"]),
+    (["verify", "-"], "verify", ["'-' (standard input or output) is not supported"]),
     # rebase's bad codec exited 1 with "ValueError: unknown codec", convert's 2
     (["rebase", "x.gdsckpt", "--codec", "bogus"], "rebase", ["unknown codec 'bogus'"]),
     (["--config", "fast-nvm", "verify", "x"], "verify", ["--config", "did you mean 'fast-nvme'?"]),

@@ -110,9 +110,14 @@ class Parser(argparse.ArgumentParser):
 
 def nonempty_path(text: str) -> str:
     """An argparse type for a path argument: an empty string is refused (it would name the
-    current directory to some calls and nothing to others)."""
+    current directory to some calls and nothing to others), and so is ``-``, which command-line
+    tools read as standard input or output: taken as a file name, ``convert x -`` wrote a file
+    named ``-``, which a later ``convert - y`` read instead of its input."""
     if not text.strip():
         raise argparse.ArgumentTypeError("the path is empty")
+    if text == "-":
+        raise argparse.ArgumentTypeError("'-' (standard input or output) is not supported: give a file path "
+                                         "(./- for a file named '-')")
     return text
 
 
