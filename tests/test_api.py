@@ -397,10 +397,12 @@ def test_save_path_errors(tmp_path: Path, h: Any) -> None:
         gdsckpt.load(tmp_path / "absent.gdsckpt")
     assert os.listdir(tmp_path) == []
     # "runs/exp1/" named a directory: pathlib dropped the slash and a file "exp1" was written
-    with pytest.raises(IsADirectoryError, match="ends with '/'"):
+    with pytest.raises(IsADirectoryError, match="ends with '/' or /."):
         gdsckpt.save({"a": 1}, f"{tmp_path}/exp1/", config=h.small_config())
-    with pytest.raises(IsADirectoryError, match="ends with '/'"):
+    with pytest.raises(IsADirectoryError, match="ends with '/' or /."):
         gdsckpt.save_async({"a": 1}, f"{tmp_path}/exp1/", config=h.small_config())
+    with pytest.raises(IsADirectoryError, match="ends with '/' or /."):
+        gdsckpt.save({"a": 1}, f"{tmp_path}/exp1/.", config=h.small_config())
     assert os.listdir(tmp_path) == []
     (tmp_path / "a.gdsckpt").write_bytes(b"")  # a file where a directory is wanted: not "does not exist"
     with pytest.raises(NotADirectoryError, match="is a file, not a directory"):

@@ -414,6 +414,12 @@ except PermissionError as err:
 else:
     raise SystemExit("a read-only checkpoint was replaced")
 assert float(gdsckpt.load(path)["w"].sum()) == 0.0 and oct(os.stat(path).st_mode & 0o777) == "0o444"
+# a symlink to that read-only file is replaced, not written through: its target is not checked
+link = path + ".link"
+os.symlink(path, link)
+gdsckpt.save({"w": torch.ones(3)}, link)
+assert not os.path.islink(link) and float(gdsckpt.load(link)["w"].sum()) == 3.0
+assert oct(os.stat(link).st_mode & 0o777) != "0o444" and float(gdsckpt.load(path)["w"].sum()) == 0.0
 print("ok")
 """
 

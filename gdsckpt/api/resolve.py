@@ -168,9 +168,9 @@ def check_path(path: Any) -> None:
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(f"checkpoint path {str(target)!r} is a directory; give a file path")
-    if os.fspath(path).endswith(os.sep):  # pathlib drops the slash: a file "exp1" for "exp1/"
-        raise IsADirectoryError(f"checkpoint path {os.fspath(path)!r} ends with {os.sep!r}, as a directory does, "
-                                f"and there is none; give a file path")
+    if os.path.basename(os.fspath(path)) in ("", "."):  # pathlib drops them: a file "exp1" for "exp1/"
+        raise IsADirectoryError(f"checkpoint path {os.fspath(path)!r} ends with {os.sep!r} or {os.sep}., as a "
+                                f"directory does, and there is none; give a file path")
     if not target.parent.is_dir():
         if target.parent.exists():
             raise NotADirectoryError(f"{str(target.parent)!r}, the directory of checkpoint path {str(target)!r}, "

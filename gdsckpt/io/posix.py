@@ -274,18 +274,23 @@ def temporary_mode(target: Path) -> int:
     the umask): 0o600 where ``target`` exists, whose own bits it gets at ``publish``
     (``keep_mode``), so that a checkpoint the user made private is never readable by others
     meanwhile; else 0o644, as a new file."""
-    return 0o600 if os.path.exists(target) else 0o644
+    return 0o600 if os.path.exists(target) and not os.path.islink(target) else 0o644
 
 
 def keep_mode(temp: Path, target: Path) -> None:
     """Before ``temp`` replaces ``target``: give it ``target``'s permission bits, as writing the
     file in place (``torch.save``) keeps them, and refuse a ``target`` this process could not
     write (``PermissionError``): the rename needs only the directory's permission, and replaced
-    a checkpoint the user had made read-only. Nothing where ``target`` does not exist."""
+    a checkpoint the user had made read-only. Nothing where ``target`` does not exist, or is a
+    symlink: the rename replaces the link, not the file it points at (``refuse_special_target``),
+    so that file's bits and permissions are not the new file's business."""
     try:
-        mode = stat.S_IMODE(os.stat(target).st_mode)
+        status = os.lstat(target)
     except (FileNotFoundError, NotADirectoryError):
         return
+    if stat.S_ISLNK(status.st_mode):
+        return
+    mode = stat.S_IMODE(status.st_mode)
     if not os.access(target, os.W_OK):
         raise PermissionError(errno.EACCES, "permission denied: the file there is read-only, and gdsckpt replaces "
                                             "only a file it could write (chmod u+w it to allow that)", str(target))
