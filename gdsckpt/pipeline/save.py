@@ -74,7 +74,7 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
     writes: deque[tuple[Future[None], int, EncodedChunk, int]] = deque()  # (write, raw bytes, chunk, its number)
     inflight = 0
     offset = HEADER_REGION
-    segment_owner: dict[int, int] = {}  # chunk number -> the array whose memory it is written from
+    written_from: dict[int, int] = {}  # chunk number -> the array whose own memory it is written from
 
     def place_oldest_encoded() -> None:
         nonlocal offset
@@ -90,7 +90,7 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
         number = len(result.chunks)
         result.chunks.append(ChunkRecord(offset, encoded.stored, encoded.raw, encoded.crc, chain_id))
         if encoded.live:
-            segment_owner[number] = plan.parts[0].array
+            written_from[number] = plan.parts[0].array
         position = 0
         for part in plan.parts:
             result.segments.setdefault(part.array, []).append(Segment(number, position, part.length))
@@ -118,7 +118,7 @@ def run_save(plans: list[ChunkPlan], engine: Engine, writer: StorageWriter, *, m
                 # changed it meanwhile. The file would fail every load; the save must not succeed
                 # (a manager would then prune the checkpoint it replaces).
                 raise StateChangedError(
-                    f"{index.tensors[segment_owner[number]].key!r} changed while it was saved (chunk {number}): "
+                    f"{index.tensors[written_from[number]].key!r} changed while it was saved (chunk {number}): "
                     f"another thread wrote it during the save; nothing was saved, the file there is as it "
                     f"was. Save when no step is running, or save_async (which saves a snapshot)")
             if encoded.release is not None:
