@@ -420,6 +420,17 @@ os.symlink(path, link)
 gdsckpt.save({"w": torch.ones(3)}, link)
 assert not os.path.islink(link) and float(gdsckpt.load(link)["w"].sum()) == 3.0
 assert oct(os.stat(link).st_mode & 0o777) != "0o444" and float(gdsckpt.load(path)["w"].sum()) == 0.0
+# a manager whose pointer was made read-only refuses a save before writing its checkpoint
+manager = gdsckpt.CheckpointManager(path + ".run")
+manager.save(1, {"w": torch.zeros(3)})
+os.chmod(path + ".run/latest", 0o444)
+try:
+    manager.save(2, {"w": torch.ones(3)})
+except PermissionError as err:
+    assert "read-only" in str(err), err
+else:
+    raise SystemExit("a read-only pointer was replaced")
+assert not os.path.exists(manager.path(2)) and manager.latest_step() == 1
 print("ok")
 """
 

@@ -284,17 +284,24 @@ def keep_mode(temp: Path, target: Path) -> None:
     a checkpoint the user had made read-only. Nothing where ``target`` does not exist, or is a
     symlink: the rename replaces the link, not the file it points at (``refuse_special_target``),
     so that file's bits and permissions are not the new file's business."""
+    status = refuse_read_only(target)
+    if status is not None:
+        os.chmod(temp, stat.S_IMODE(status.st_mode))
+
+
+def refuse_read_only(target: Path) -> os.stat_result | None:
+    """``PermissionError`` where ``target`` is a file (not a symlink) this process could not
+    write; else its ``lstat`` (None where there is nothing, or a symlink)."""
     try:
         status = os.lstat(target)
     except (FileNotFoundError, NotADirectoryError):
-        return
+        return None
     if stat.S_ISLNK(status.st_mode):
-        return
-    mode = stat.S_IMODE(status.st_mode)
+        return None
     if not os.access(target, os.W_OK):
         raise PermissionError(errno.EACCES, "permission denied: the file there is read-only, and gdsckpt replaces "
                                             "only a file it could write (chmod u+w it to allow that)", str(target))
-    os.chmod(temp, mode)
+    return status
 
 
 def refuse_special_target(target: Path) -> None:

@@ -185,7 +185,14 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ..format.layout import TRAILER_SIZE
-from ..io.posix import open_regular, read_small_file, remove_if_stale, temporary_target, write_atomically
+from ..io.posix import (
+    open_regular,
+    read_small_file,
+    refuse_read_only,
+    remove_if_stale,
+    temporary_target,
+    write_atomically,
+)
 from ..io.release import remove_releasing
 from ..pipeline.load import open_file
 from ..state import decode_scalar, escape_key, flatten
@@ -760,6 +767,10 @@ class CheckpointManager:
             raise TypeError(f"CheckpointManager saves a dict state (e.g. {{'model': ..., 'optimizer': "
                             f"...}}), got {type(state).__qualname__}")
         path = self.path(step)
+        if not self.objects_only:
+            # before the checkpoint is written: a save whose pointer update then failed was
+            # reported failed with its checkpoint in place, and restores took it all the same
+            refuse_read_only(self.directory / POINTER)
         with self._lock:
             latest = self._remote_pointer if self.objects_only else self._pointer_step
             if latest is not None and step < latest:
