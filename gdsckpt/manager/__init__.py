@@ -323,7 +323,6 @@ class CheckpointManager:
         self._saver = AsyncSaver()
         self._lock = threading.Lock()
         _MANAGERS.add(self)
-        self._writing: Counter[int] = Counter()
         self._file_at_begin: dict[int, tuple[int, int] | None] = {}
         """Step -> the (device, inode) of its file when its first save still running began (None:
         there was none): a save's rename puts a new file there, whatever the times say (a
@@ -334,7 +333,7 @@ class CheckpointManager:
         self._running_tokens: dict[int, list[int]] = {}
         """Step -> the tokens (``_begin``) of its saves still running, in the order they began:
         saves of one file run one after the other (``api.inflight``), so the first is the one
-        writing."""
+        writing. A step is here exactly while a save of it runs."""
         self._save_epochs: dict[int, int] = {}
         """Token of a save still running -> the epoch it began in (per save: a second save of a
         step, begun after a rollback, must not give the first, of the run gone back from, its
@@ -783,7 +782,6 @@ class CheckpointManager:
             token = self._last_token
             self._save_epochs[token] = self._epoch
             self._running_tokens.setdefault(step, []).append(token)
-            self._writing[step] += 1
             if step not in self._file_at_begin:
                 # (objects: an upload appears whole, the local tier's rename rule is not theirs)
                 self._file_at_begin[step] = None if self.objects_only else _identity(Path(path))
@@ -802,13 +800,11 @@ class CheckpointManager:
         if base is not None and error is not None and _is_damage(error):
             self._unusable_bases.add(base)
         with self._lock:
-            self._writing[step] -= 1
             self._save_epochs.pop(token, None)
             tokens = self._running_tokens.get(step, [])
             if token in tokens:
                 tokens.remove(token)
-            if self._writing[step] <= 0:
-                del self._writing[step]
+            if not tokens:
                 self._file_at_begin.pop(step, None)
                 self._running_tokens.pop(step, None)
             elif not self.objects_only:
@@ -892,7 +888,7 @@ class CheckpointManager:
         than the one there when the save began)."""
         renamed = []
         for later, before in self._file_at_begin.items():
-            if self._writing.get(later, 0) > 0:
+            if self._running_tokens.get(later):
                 now = _identity(self.path(later))
                 if now is not None and now != before:
                     renamed.append(later)
@@ -928,7 +924,7 @@ class CheckpointManager:
             return
         files = self._files()
         # Steps with a save still running (``completed``'s own save is done writing).
-        busy = {step for step, count in self._writing.items() if count > (step == completed)}
+        busy = {step for step, tokens in self._running_tokens.items() if len(tokens) > (step == completed)}
         keep = set(busy)
         if self._pointer_step is not None:
             keep.add(self._pointer_step)
