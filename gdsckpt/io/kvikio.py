@@ -197,10 +197,13 @@ def _poll(finished: Callable[[], bool], timeout: float) -> bool:
     return True
 
 
-def _task_size(whole: bool, nbytes: int) -> tuple[int, ...]:
+def _task_size(whole: bool, nbytes: int, fixed: int | None = None) -> tuple[int, ...]:
     """The ``task_size`` argument of a kvikio call of ``nbytes``: the whole call as one task where
-    ``whole`` (``_one_task_calls``), else none (kvikio's task size)."""
-    return (max(nbytes, 1),) if whole else ()
+    ``whole`` (``_one_task_calls``), else ``fixed`` where given (a writer's or a cold reader's own
+    task size), else none (kvikio's task size)."""
+    if whole:
+        return (max(nbytes, 1),)
+    return () if fixed is None else (fixed,)
 
 
 _KVIKIO_POSIX = re.compile(r"POSIX error on p(?:read|write):\s*(.*)")
@@ -318,13 +321,6 @@ class KvikioWriter(PosixWriter):
         self._one_task_each = _one_task_calls()
         self.write_task_bytes = WRITE_TASK_BYTES if task_size is None and self.name == "kvikio-compat" else None
 
-    def _write_task(self, nbytes: int) -> tuple[int, ...]:
-        """The ``task_size`` argument of a write of ``nbytes`` (``_task_size``, or
-        ``write_task_bytes`` where it applies)."""
-        if self._one_task_each or self.write_task_bytes is None:
-            return _task_size(self._one_task_each, nbytes)
-        return (self.write_task_bytes,)
-
     def backlog(self) -> int | None:
         """None: device-buffer writes run in kvikio's pool, which does not say what it holds."""
         return None
@@ -332,8 +328,9 @@ class KvikioWriter(PosixWriter):
     def submit_write(self, offset: int, data: Any) -> Future[None]:
         if isinstance(data, (np.ndarray, bytes, bytearray, memoryview)):
             return super().submit_write(offset, data)
+        tasks = _task_size(self._one_task_each, data.nbytes, self.write_task_bytes)
         try:
-            io_future = self._cufile.pwrite(data, data.nbytes, offset, *self._write_task(data.nbytes))
+            io_future = self._cufile.pwrite(data, data.nbytes, offset, *tasks)
         except RuntimeError as err:
             raise kvikio_error(err, "write", data.nbytes) from err
         return self._transfers.add(_KvikioFuture(io_future, data.nbytes, "write"))
@@ -406,13 +403,6 @@ class KvikioReader(PosixReader):
                 and in_page_cache(self._fd, self.size) is False):
             self.read_task_bytes = COLD_READ_TASK_BYTES
 
-    def _read_task(self, nbytes: int) -> tuple[int, ...]:
-        """The ``task_size`` argument of a read of ``nbytes`` (``_task_size``, or the cold task
-        size where it applies)."""
-        if self._one_task_each or self.read_task_bytes is None:
-            return _task_size(self._one_task_each, nbytes)
-        return (self.read_task_bytes,)
-
     def submit_read(self, offset: int, out: Any) -> Future[Any]:
         if isinstance(out, np.ndarray):
             return super().submit_read(offset, out)
@@ -420,8 +410,9 @@ class KvikioReader(PosixReader):
             from ..errors import CorruptCheckpointError
 
             raise CorruptCheckpointError(f"range [{offset}, +{out.nbytes}) runs past the end of the file")
+        tasks = _task_size(self._one_task_each, out.nbytes, self.read_task_bytes)
         try:
-            io_future = self._cufile.pread(out, out.nbytes, offset, *self._read_task(out.nbytes))
+            io_future = self._cufile.pread(out, out.nbytes, offset, *tasks)
         except RuntimeError as err:
             raise kvikio_error(err, "read", out.nbytes) from err
         return self._transfers.add(_KvikioFuture(io_future, out.nbytes, "read", out))
