@@ -433,6 +433,38 @@ def test_a_destination_created_during_the_conversion_is_not_clobbered(tmp_path: 
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([src.name, dst.name])
 
 
+@pytest.mark.parametrize("dst_fmt", ["pt", "safetensors", "gdsckpt"])
+def test_a_conversion_over_a_private_file_writes_it_privately(tmp_path: Path, h: Any, dst_fmt: str) -> None:
+    """The temporaries a conversion over a 0o600 destination writes are 0o600 too (they took the
+    umask's bits, 0o644, until the rename: the new content was readable by everyone meanwhile),
+    and the result keeps the destination's bits, as a save over it does."""
+    import stat
+
+    src, dst = tmp_path / "src.pt", tmp_path / f"dst{FORMAT_SUFFIX[dst_fmt]}"
+    torch.save({"w": torch.arange(5000, dtype=torch.float32)}, src)
+    dst.write_bytes(b"private")
+    os.chmod(dst, 0o600)
+    seen: dict[str, int] = {}
+
+    def look_at_the_temporaries(_done: int, _total: int) -> None:
+        for path in tmp_path.iterdir():
+            if path not in (src, dst):
+                seen[path.name] = stat.S_IMODE(path.stat().st_mode)
+
+    convert(src, dst, config=h.small_config(), overwrite=True, progress=look_at_the_temporaries)
+    assert seen and set(seen.values()) == {0o600}, seen
+    assert stat.S_IMODE(dst.stat().st_mode) == 0o600
+    h.assert_same({"w": torch.arange(5000, dtype=torch.float32)}, gdsckpt.load(dst) if dst_fmt == "gdsckpt"
+                  else convert_back(dst, tmp_path, h))
+
+
+def convert_back(path: Path, tmp_path: Path, h: Any) -> Any:
+    """``path`` read back through a conversion to gdsckpt."""
+    back = tmp_path / "back.gdsckpt"
+    convert(path, back, config=h.small_config())
+    return gdsckpt.load(back)
+
+
 @pytest.mark.parametrize("dst_fmt", ["pt", "safetensors"])
 def test_a_write_that_fails_midway_leaves_the_old_destination(tmp_path: Path, h: Any, dst_fmt: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:

@@ -76,7 +76,14 @@ from ..errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
-from ..io.posix import fsync_path, publish, refuse_special_target, remove_stale_temporaries, temporary_path
+from ..io.posix import (
+    fsync_path,
+    publish,
+    refuse_special_target,
+    remove_stale_temporaries,
+    temporary_mode,
+    temporary_path,
+)
 from ..io.s3 import ObjectDirectory, is_url
 from ..state import numpy_dtype_name, torch_dtype
 from .safetensors_structure import STRUCTURE_KEY, flatten_for_safetensors, rebuild_state
@@ -248,10 +255,15 @@ def _destination(dst: Any, overwrite: bool, fsync: bool, timeout: float) -> Iter
 
 @contextlib.contextmanager
 def _temporary_beside(dst: Path) -> Iterator[Path]:
-    """A temporary path beside ``dst`` (earlier runs' stale ones removed first), gone on exit
-    whether or not it was published."""
+    """A temporary file beside ``dst`` (earlier runs' stale ones removed first), gone on exit
+    whether or not it was published. It is created here, empty, with ``temporary_mode``'s bits
+    (private where ``dst`` exists, which it takes the bits of at ``publish``), and each writer
+    writes into it: created by the writer, it took the umask's bits, so a conversion over a
+    private checkpoint left its new content readable by everyone until the rename."""
     remove_stale_temporaries(dst)
     temp = temporary_path(dst)
+    os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                     temporary_mode(dst)))
     try:
         yield temp
     finally:
@@ -544,7 +556,7 @@ class _WriteErrorKept:
 
 def _write_pt(state: Any, temp: Path, config: Config) -> None:
     torch = _import_torch("writing a torch pickle")
-    with open(temp, "xb") as handle:
+    with open(temp, "wb") as handle:
         kept = _WriteErrorKept(handle)
         try:
             torch.save(state, kept)
@@ -575,10 +587,9 @@ def _write_safetensors(state: Any, temp: Path, metadata: dict[str, str], config:
     safetensors = _import_safetensors("writing safetensors")
     tensors, structure, cloned = flatten_for_safetensors(state, src)
     header = {"format": "pt", **metadata, STRUCTURE_KEY: json.dumps(structure, separators=(",", ":"))}
-    # safetensors creates its file private (0600); created here first, the file takes the mode
-    # the user's umask gives, as torch.save's and gdsckpt's do, and keeps it after safetensors.
-    with open(temp, "xb") as handle:
-        mode = os.fstat(handle.fileno()).st_mode & 0o777
+    # safetensors creates its file private (0600); ``temp`` keeps the bits it was created with
+    # (``_temporary_beside``), as torch.save's and gdsckpt's files do.
+    mode = os.stat(temp).st_mode & 0o777
     try:
         safetensors.torch.save_file(tensors, str(temp), metadata=header)
         os.chmod(temp, mode)
