@@ -183,8 +183,6 @@ def test_a_file_up_to_one_reader_bytes_not_in_the_page_cache_is_read_by_one_thre
         assert reader._lane.threads == 1
         out = np.empty(4096, dtype=np.uint8)
         assert reader.submit_read(4096, out).result(10).tobytes() == (bytes(range(256)) * 16)
-    with PosixReader(small, threads=4, o_direct="auto") as reader:  # O_DIRECT has no readahead to lean on
-        assert reader._lane.threads == 4
     with PosixReader(large, threads=4) as reader:
         assert reader._lane.threads == 4
 

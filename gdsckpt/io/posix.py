@@ -228,11 +228,6 @@ def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY) -> int:
     return fd
 
 
-def _same_file(fd_a: int, fd_b: int) -> bool:
-    a, b = os.fstat(fd_a), os.fstat(fd_b)
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
 def read_small_file(path: str | os.PathLike[str], limit: int) -> bytes:
     """The whole content of the regular file ``path`` (``open_regular``), which must hold at most
     ``limit`` bytes; ``CorruptCheckpointError`` if it holds more (at most ``limit + 1`` bytes are
@@ -866,41 +861,18 @@ class PosixReader(StorageReader):
 
     name = "posix"
 
-    def __init__(self, path: str | os.PathLike[str], *, threads: int = 8, o_direct: bool | str = False,
-                 timeout: float = DRAIN_TIMEOUT):
+    def __init__(self, path: str | os.PathLike[str], *, threads: int = 8, timeout: float = DRAIN_TIMEOUT):
         self.path = Path(path)
         self.timeout = timeout
-        self._direct_fd: int | None = None
         self._fd = open_regular(self.path)
         try:
             self.size = os.fstat(self._fd).st_size
             # a lane starts no thread until its first read, so making it after the open costs nothing
-            one_reader = self.size <= ONE_READER_BYTES and not o_direct and in_page_cache(self._fd, self.size) is False
+            one_reader = self.size <= ONE_READER_BYTES and in_page_cache(self._fd, self.size) is False
             self._lane = Lane("io", 1 if one_reader else threads)
         except BaseException:  # a ^C or error before the reader exists: nothing else closes the file
             os.close(self._fd)
             raise
-        try:
-            self._open_direct(o_direct)
-        except BaseException:
-            _close_quietly(self._direct_fd, self._fd)
-            self._direct_fd, self._fd = None, -1
-            raise
-
-    def _open_direct(self, o_direct: bool | str) -> None:
-        """The O_DIRECT descriptor beside the buffered one (``o_direct`` True: required)."""
-        if o_direct and hasattr(os, "O_DIRECT"):
-            try:
-                self._direct_fd = open_regular(self.path, os.O_RDONLY | os.O_DIRECT)
-            except OSError:
-                if o_direct is True:
-                    raise
-            except UnsupportedFormatError:  # replaced by a non-file since the first open
-                pass
-            if self._direct_fd is not None and not _same_file(self._fd, self._direct_fd):
-                # A save renamed a new file over the path between the two opens: read one file only.
-                os.close(self._direct_fd)
-                self._direct_fd = None
 
     def read(self, offset: int, length: int) -> bytes:
         out = np.empty(length, dtype=np.uint8)
@@ -915,8 +887,7 @@ class PosixReader(StorageReader):
         return status.st_dev, status.st_ino
 
     def submit_read(self, offset: int, out: np.ndarray) -> Future[np.ndarray]:
-        fd = self._direct_fd if self._direct_fd is not None and _is_aligned(out, offset) else self._fd
-        return self._lane.submit(self._read_into, fd, offset, out)
+        return self._lane.submit(self._read_into, self._fd, offset, out)
 
     def _read_into(self, fd: int, offset: int, out: np.ndarray) -> np.ndarray:
         view = out.data.cast("B")
@@ -938,6 +909,5 @@ class PosixReader(StorageReader):
             if self.stalled:
                 return  # the restore's own error names the chunk
             raise TimeoutError(f"reads of {str(self.path)!r} still running {self.timeout} s after close")
-        _close_quietly(self._direct_fd, self._fd)
-        self._direct_fd = None
+        _close_quietly(self._fd)
         self._fd = -1
