@@ -24,10 +24,8 @@ DOC = ROOT / "docs" / "configuration.md"
 PRESETS = {
     "fast-nvme": {"codec": "ans", "engine": "gpu", "gpu_chunk_bytes": 16 << 20,
                        "max_staging_bytes": 2 << 30, "kvikio_threads": 32},
-    "shared-filesystem": {"codec": "zstd", "engine": "auto", "gpu_chunk_bytes": 4 << 20,
-                               "io_threads": 16, "fsync": True},
-    "portable": {"codec": "zstd", "engine": "auto", "byte_planes": "auto", "gpu_chunk_bytes": 4 << 20,
-                      "portable": True},
+    "shared-filesystem": {"codec": "zstd", "engine": "auto", "io_threads": 16, "fsync": True},
+    "portable": {"codec": "zstd", "engine": "auto", "byte_planes": "auto", "portable": True},
     "async-training": {"async_worker": "process", "async_engine": "cpu", "snapshot_gpu_bytes": 16 << 30},
 }
 
