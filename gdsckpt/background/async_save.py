@@ -29,7 +29,7 @@ Without a usable GPU engine (no nvCOMP), the CPU engine compresses the pinned sn
 ``Config.async_engine="cpu"`` makes the CPU engine compress it in any case (reading a GPU
 snapshot chunk by chunk into host memory): with ``async_worker="process"`` the background save
 then does no CUDA work in the training process and no kernels at all, which is what kept a
-training loop at 0.96-0.97 of its speed (docs/performance.md).
+training loop closest to its speed without checkpoints (docs/performance.md, "Async saves").
 
 Memory: at most ``max_inflight`` snapshots exist at once, so the pool holds at most
 ``max_inflight`` times the state's bytes (on the GPU only when the state fits

@@ -46,12 +46,12 @@ hundred MiB of GPU memory, on top of ``max_staging_bytes``; its start (seconds) 
 or in ``prepare``; the open slab (up to 64 MiB of host memory each, pinned and not) stays
 allocated for the next save.
 
-Measured on a GPU (docs/performance.md, "Async saves"), a loop checkpointing every 100 steps:
-with the GPU engine the worker changed nothing (0.92-0.94 of the steps per second without
-checkpoints, against 0.94 for the thread): its kernels and copies still share the GPU with
-training. With ``async_engine="cpu"`` as well it reached 0.973-0.978 (0.959 with a pinned
-snapshot), where the CPU engine in a thread reached 0.919: the worker process is what lets the
-save run off the GPU without taking the training process's time. The ``async-training`` preset
+Why both a worker process and ``async_engine="cpu"`` (docs/performance.md, "Async saves", has
+the figures): with the GPU engine the worker alone left a training loop's speed where the thread
+left it, since its kernels and copies still share the GPU with training; the CPU engine in a
+thread still costs the loop its Python threads' share of the GIL. Together they kept the loop
+closest to its speed without checkpoints: the worker process is what lets the save run off the
+GPU without taking the training process's time. The ``async-training`` preset
 (``Config.preset``) sets both.
 
 Why one module of about 700 lines: the parent's side (``SaveWorker``: spawning, handing over
