@@ -447,8 +447,8 @@ class AsyncSaver:
     def prepare(self, state: Any, *, config: Config | None = None, max_inflight: int = 1) -> int:
         """Allocate now the snapshot buffers that ``save`` of a state like ``state`` will use
         (same arrays, sizes and devices), so that the first background save in a training loop
-        does not pay for them: allocating pinned memory is slow (7 s for 8.76 GiB on the GPU host of
-        docs/performance.md, against 0.18 s for the copy itself once the buffers exist). Copies ``state`` once,
+        does not pay for them: allocating pinned memory takes tens of times longer than the copy
+        into buffers that exist (docs/performance.md, "Async saves"). Copies ``state`` once,
         and keeps the buffers idle in this saver's pool; with ``Config(async_worker="process")``
         also starts the worker process. Returns the bytes the pool holds."""
         _check_max_inflight(max_inflight)

@@ -24,9 +24,9 @@ from .common import nonempty_path
 
 log = logging.getLogger("gdsckpt")
 
-#: Storage speed when neither ``--storage-gbps`` nor ``Config.storage_gbps`` gives one: what the
-#: measured GPU host's disk delivered (raw writes 1.6-1.7 GB/s, the autotune probe 1.9-2.8 GB/s;
-#: docs/performance.md).
+#: Storage speed when neither ``--storage-gbps`` nor ``Config.storage_gbps`` gives one: about what
+#: the local disk of docs/performance.md's GPU figures writes (its raw writes run at 1-2 GB/s),
+#: a modest disk, so a plan without a measured speed does not assume fast storage.
 DEFAULT_STORAGE_GBPS = 2.0
 
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(e[+-]?\d+)?\s*([kmbgt]?)\s*$", re.IGNORECASE)

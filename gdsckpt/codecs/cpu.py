@@ -198,9 +198,9 @@ def planes_inverse_reference(data: np.ndarray, width: Any) -> np.ndarray:
 _WORDS: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 PLANES_BLOCK_BYTES = 1 << 20
 """Input bytes per block of the word-wise forward transform: a block's words and its shifted copy
-stay in cache across the ``width`` passes. Measured on 4 MiB chunks (2 cores, X86_V3): 256 KiB
-blocks lose ~30% to per-call overhead, a whole chunk at once loses 3-10x to the temporary's page
-faults."""
+stay in cache across the ``width`` passes. Smaller blocks pay numpy's per-call overhead, a whole
+chunk at once pays several times over in the temporary's page faults (docs/performance.md,
+"Save and load on the CPU", "Byte planes on the CPU")."""
 
 
 def planes_forward(data: np.ndarray, width: Any) -> np.ndarray:
@@ -232,8 +232,8 @@ def planes_forward(data: np.ndarray, width: Any) -> np.ndarray:
 
 def planes_inverse(data: np.ndarray, width: Any, out: np.ndarray | None = None) -> np.ndarray:
     """``planes_inverse_reference`` (the same bytes), assembling whole words with shifts and ors
-    instead of a strided byte copy: ~15x (width 2) and ~5x (width 4) faster on the measured host
-    (0.42 -> 6-7 GB/s, 0.72 -> 3.8-4 GB/s). ``out``: a contiguous uint8 array of ``data``'s
+    instead of a strided byte copy, which is several times slower at widths 2 and 4
+    (docs/performance.md, "Byte planes on the CPU"). ``out``: a contiguous uint8 array of ``data``'s
     length to write into (a restore's destination) instead of a new one. Invalid parameters raise
     the reference's ``ValueError``, before anything is written."""
     width = _width(data, {"width": width})

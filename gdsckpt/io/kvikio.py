@@ -292,9 +292,9 @@ def kvikio_mode() -> str:
 WRITE_TASK_BYTES: int | None = 8 << 20
 """kvikio's task size for device-buffer writes in compat mode where no ``task_size`` is
 configured (``KvikioWriter``; each call's own, kvikio's process-wide setting left alone). Why:
-a GPU save of 8 GiB of trained state to /dev/shm ran at 0.77-0.79 of ratio x the raw kvikio
-write with kvikio's default 4 MiB tasks, and at 0.94-1.14 with 8 or 16 MiB ones, on two H100
-hosts (docs/performance.md, "Fast tiers"). None: kvikio's task size. Through GPUDirect Storage
+GPU saves of a trained state to /dev/shm came nearer ratio x the raw kvikio write with 8 or
+16 MiB tasks than with kvikio's default 4 MiB ones, in every run that timed them
+(docs/performance.md, "Fast tiers"). None: kvikio's task size. Through GPUDirect Storage
 kvikio's task size stays."""
 
 

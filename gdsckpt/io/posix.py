@@ -816,11 +816,10 @@ class PosixWriter(StorageWriter):
 ONE_READER_BYTES = 256 << 20
 """A file up to this size that is not in the page cache is read by one thread (``PosixReader``):
 reading in order, one thread lets the kernel's readahead keep the disk busy while it copies, and
-a second thread's reads at other offsets cost more than they overlap. Medians of cold loads on
-the 2-core development host (docs/performance.md, "Save and load on the CPU";
-``experiments/read_threads.py``): 64 MiB in 27.4 ms on one thread against 39.7 on two, 256 MiB in
-98.9 against 115.1; 1 GiB in 466 against 403, where the second thread pays. A file in the page
-cache keeps ``threads``: its reads are copies, which several cores make faster."""
+a second thread's reads at other offsets cost more than they overlap: cold loads of 64 and
+256 MiB were faster on one thread, of 1 GiB on two, where the second thread pays
+(docs/performance.md, "Save and load on the CPU", "One reader for a small file"). A file in the
+page cache keeps ``threads``: its reads are copies, which several cores make faster."""
 
 
 _mincore = _linux_libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)])

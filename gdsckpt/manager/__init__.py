@@ -37,11 +37,9 @@ used as a base again until its step is saved anew.
 ``delta_base="full"`` bases every delta on the newest complete *full* checkpoint instead (a star
 rather than a chain): a delta save then reads one base file, whatever how many deltas came
 before it, and a load reads two, where a chain makes the d-th delta's save and load resolve d
-files (0.44 s at depth 0 to 6.3 s at depth 9 for a 0.94 GB state on the GPU host of
-docs/performance.md). The
-price is size: a delta is as far from its base as the last full checkpoint is old, and farther
-weights XOR less well, so pair it with ``full_every``. Measured on the CPU host in
-``benchmarks/results/cpu-2026-12-03/cpu-delta-star-20261203.json`` (docs/performance.md).
+files, so its saves slow down link by link. The price is size: a delta is as far from its base
+as the last full checkpoint is old, and farther weights XOR less well, so pair it with
+``full_every``. docs/performance.md, "Delta checkpoints", measures both shapes.
 
 Remote tier
 -----------

@@ -1,8 +1,9 @@
 """Delta checkpoints: arrays stored as the XOR of their bytes with a base checkpoint's.
 
 Consecutive checkpoints of a training run differ little: the XOR of bf16 weights 10 AdamW steps
-apart is mostly zero bits in the sign, exponent and high mantissa bytes, and compressed 9x on the
-GPU host against 1.5x for the weights themselves. ``save(..., base=PATH)`` stores every array whose
+apart is mostly zero bits in the sign, exponent and high mantissa bytes, and compresses about twice
+as well as the weights themselves on the GPU benchmark's state (docs/performance.md, "Delta
+checkpoints"). ``save(..., base=PATH)`` stores every array whose
 key, dtype and shape match an array of the base as that XOR (format 1.1: chunks whose chain begins
 with ``xorbase/1``, and an index member ``base`` naming the base file and its content identity,
 docs/format.md §6.8 and §9.5); ``load`` and every other read resolve the chain by themselves.
@@ -149,9 +150,9 @@ class BaseReader:
     ``extent`` (a window restore: ``get_rows``, a resharded DCP load) fetches no more than that
     extent of the array. Without batching, a state of many
     small arrays cost one restore (engine, reads, decode) per array and per link of a chain of
-    deltas: 7.6 s for the tenth delta of a 62 MiB state on the CPU host, against 0.1 s for a full
-    save. The cache keeps about two windows; thread-safe (the CPU engine asks from several
-    threads): one window is fetched at a time, threads asking for another wait for that fetch,
+    deltas, which made a delta save many times slower than a full one. The cache keeps about two
+    windows; thread-safe (the CPU engine asks from several threads): one window is fetched at a
+    time, threads asking for another wait for that fetch,
     and threads asking for cached windows never wait for a fetch.
 
     ``read_ahead``: when a read reaches the window last read ahead (or is the first), the window

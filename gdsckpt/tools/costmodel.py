@@ -42,10 +42,10 @@ if TYPE_CHECKING:
     from ..config import Config
 
 # ---------------------------------------------------------------------------------------------
-# measured defaults (docs/performance.md; the raw results named below)
+# measured defaults (docs/performance.md names the runs and the commands)
 
 #: Ratios of the parts of an 8.76 GiB GPT-style AdamW state, the same in every GPU benchmark run
-#: (``group_ratios`` of ``benchmarks/results/h200-2026-12-02/run6-memory/gpu-bench.json``).
+#: (the benchmark's ``group_ratios``; docs/performance.md, "Save and load on the GPU").
 MEASURED_RATIOS: dict[str, float] = {
     "weights/bf16": 1.546,   # bf16 weights ("model" group)
     "weights/fp32": 1.215,   # fp32 weights: the fp32 master copy is the same values in fp32
@@ -67,31 +67,28 @@ UNMEASURED_RATIO = 1.0
 PIPELINE_GBPS_PER_GPU = 40.6
 
 #: GB/s at which ``save_async`` copies the state into its snapshot, seen by a training loop
-#: (``benchmarks/results/h200-2026-12-02/run7-async-dcp/async-bench.json``): 8.06 GB blocked the
-#: loop a median 0.0309 s with a GPU snapshot and 0.159 s with the default pinned host snapshot
-#: (steady state: the first pinned snapshot of a process also allocates the pinned pool, 7 s for
-#: 9.4 GB, once). Measured with one
-#: GPU on the host: GPUs copying to pinned memory at once share the host's memory bandwidth.
+#: (docs/performance.md, "Cost model inputs"), in steady state: the first pinned snapshot of a
+#: process also allocates the pinned pool, once, which ``prepare`` pays before the loop. Measured
+#: with one GPU on the host: GPUs copying to pinned memory at once share the host's memory
+#: bandwidth, so several GPUs per host may see less.
 SNAPSHOT_GBPS: dict[str, float] = {"gpu": 261.0, "pinned": 50.8}
 
-#: Seconds of training lost per second a background save runs, measured in the same run: 200 TinyGPT
-#: steps took 13.34 s without checkpoints and 14.62 s (GPU snapshot) / 14.66 s (pinned) with a
-#: save every 100 steps, of which one 4.5-4.8 s background save overlapped training; less the
-#: blocked time that is 0.25 (GPU snapshot) and 0.22 (pinned). One small model on one GPU at
+#: Seconds of training lost per second a background save runs, beyond the blocked time, with the
+#: default thread worker (docs/performance.md, "Cost model inputs": 0.25 with a GPU snapshot, 0.22
+#: pinned; the larger is taken). One small model on one GPU at
 #: 15 steps/s, where the save's Python pipeline competes with the training loop for the GIL:
 #: a larger model with longer steps is likely slowed less; set 0 to leave the effect out.
 BACKGROUND_SLOWDOWN = 0.25
 
-#: GB/s at which DCP ``async_save`` stages the state into host memory before returning, measured in
-#: the same run as ``SNAPSHOT_GBPS`` (9.40 GB, steady state: the second of two rounds): ``pinned``
-#: (pinned staging memory and a writer kept between calls, ``dcp_async_save_pinned``) 0.186 s,
-#: ``pageable`` (a new FileSystemWriter per call, DCP's default staging) 5.39 s.
+#: GB/s at which DCP ``async_save`` stages the state into host memory before returning, in steady
+#: state (docs/performance.md, "Cost model inputs"): ``pinned`` (pinned staging memory and a
+#: writer kept between calls) and ``pageable`` (a new FileSystemWriter per call, DCP's default
+#: staging).
 DCP_STAGING_GBPS: dict[str, float] = {"pinned": 50.5, "pageable": 1.74}
 
-#: Seconds of training lost per second DCP's background write runs, measured in the same run: 200
-#: steps took 25.22 s with an ``async_save`` every 100 steps, of which 11.85 s blocked, leaving
-#: 13.37 s against 13.31-13.36 s without checkpoints. Its writer thread spends its time in file
-#: writes, which release the GIL; counted as 0, the baseline's most favourable case.
+#: Seconds of training lost per second DCP's background write runs: none measurable beyond its
+#: blocked time (docs/performance.md, "Cost model inputs"). Its writer thread spends its time in
+#: file writes, which release the GIL; counted as 0, the baseline's most favourable case.
 DCP_BACKGROUND_SLOWDOWN = 0.0
 
 #: A month of 30 days, as in the NVIDIA post (48 checkpoints a day at 30 minutes = 1440).
