@@ -98,11 +98,13 @@ def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
             opened.close_base()
     warn_lossy(index, wanted)
     state = unflatten(index.tree, arrays, selection)
-    check_selection(selection, index)
+    _check_selection(selection, index)
     return state
 
 
-def check_selection(selection: Selection, index: Index) -> None:
+def _check_selection(selection: Selection, index: Index) -> None:
+    """``KeyError`` naming the keys ``selection`` asked for that match no tensor of ``index`` (with
+    a sample of the keys it holds); nothing where no keys were asked for."""
     if selection.keys is None:
         return
     unknown = [key for key in selection.keys if key not in selection.matched]

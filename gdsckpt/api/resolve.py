@@ -348,6 +348,7 @@ def host_engine(config: Config, sources: list[Any] | None = None, codec: str = "
 
 
 def device_index(device: str) -> int:
+    """The index in a ``"cuda:N"`` device string; 0 for a string without one (``"cuda"``)."""
     return int(device.split(":")[1]) if ":" in device else 0
 
 
@@ -358,6 +359,8 @@ def cuda_devices_of(flat: FlatState) -> set[int]:
 
 
 def cuda_device_of(flat: FlatState) -> int | None:
+    """The CUDA device of the first array the save reads in device memory; None where it reads none
+    there."""
     for array in flat.arrays:
         if array.source is not None and array.source.on_device:
             return device_index(array.device)

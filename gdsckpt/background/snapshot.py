@@ -135,6 +135,8 @@ class SnapshotPool:
             return freed
 
     def stats(self) -> PoolStats:
+        """The pool's counters now (``PoolStats``): allocations and reuses so far, buffers and bytes
+        held and lent, buffers dropped."""
         with self._lock:
             return PoolStats(
                 allocations=self._allocations, allocated_bytes=self._allocated_bytes, reuses=self._reuses,

@@ -21,6 +21,8 @@ class Advance:
             self.bar.update(n)
 
     def set_total(self, total: int) -> None:
+        """Change the bar's total (a size known only once the work has started) and redraw it;
+        nothing without a bar."""
         if self.bar is not None and self.bar.total != total:
             self.bar.total = total
             self.bar.refresh()

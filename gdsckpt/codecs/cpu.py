@@ -57,9 +57,12 @@ class ZstdCodec(Codec):
         return compressor
 
     def encode(self, data: np.ndarray) -> Any:
+        """One zstd frame of ``data``'s bytes at this codec's level (one compressor per thread)."""
         return self._compressor().compress(data.data)
 
     def decode(self, data: Any, raw_length: int) -> Any:
+        """The ``raw_length`` bytes of the zstd frame ``data``; ``ValueError`` where the frame
+        declares or decodes to another length."""
         decompressor = getattr(self._local, "decompressor", None)
         if decompressor is None:
             decompressor = self._local.decompressor = zstandard.ZstdDecompressor()
@@ -102,9 +105,13 @@ class Lz4Codec(Codec):
     name = "lz4/1"
 
     def encode(self, data: np.ndarray) -> Any:
+        """An LZ4 block of ``data`` without a size header (the index records the chunk's raw
+        length)."""
         return lz4.block.compress(data, store_size=False)
 
     def decode(self, data: Any, raw_length: int) -> Any:
+        """The ``raw_length`` bytes of the LZ4 block ``data``; ``ValueError`` where it is invalid or
+        decodes to another length."""
         if raw_length == 0:
             return b""
         try:
@@ -125,10 +132,13 @@ class DeflateCodec(Codec):
         self.level = level
 
     def encode(self, data: np.ndarray) -> Any:
+        """A raw deflate stream of ``data`` (no zlib header or checksum) at this codec's level."""
         compressor = zlib.compressobj(self.level, zlib.DEFLATED, -15)
         return compressor.compress(data.data) + compressor.flush()
 
     def decode(self, data: Any, raw_length: int) -> Any:
+        """The ``raw_length`` bytes of the raw deflate stream ``data``; ``ValueError`` unless it
+        decodes to exactly that many bytes and ends there."""
         decompressor = zlib.decompressobj(-15)
         out = decompressor.decompress(data, raw_length)
         if len(out) != raw_length or not decompressor.eof or decompressor.unconsumed_tail:
@@ -142,9 +152,12 @@ class NoneCodec(Codec):
     name = "none/1"
 
     def encode(self, data: np.ndarray) -> Any:
+        """``data`` itself: the chunk is stored as it is."""
         return data
 
     def decode(self, data: Any, raw_length: int) -> Any:
+        """``data`` itself, once it is checked to hold ``raw_length`` bytes (``ValueError``
+        otherwise)."""
         if len(memoryview(data).cast("B")) != raw_length:
             raise ValueError(f"stored chunk has {len(data)} bytes, expected {raw_length}")
         return data
@@ -166,9 +179,13 @@ class BytePlanes(Transform):
     name = "byteplanes/1"
 
     def forward(self, data: np.ndarray, params: dict[str, Any]) -> np.ndarray:
+        """``planes_forward`` of ``data`` at ``params["width"]``: the most significant byte of every
+        element first."""
         return planes_forward(data, params.get("width"))
 
     def inverse(self, data: np.ndarray, params: dict[str, Any]) -> np.ndarray:
+        """``planes_inverse`` of ``data`` at ``params["width"]``: the element bytes back in order,
+        in a new array."""
         return planes_inverse(data, params.get("width"))
 
     def inverse_into(self, data: np.ndarray, params: dict[str, Any], out: np.ndarray) -> np.ndarray:
@@ -267,9 +284,13 @@ class XorBase(Transform):
     name = XOR_BASE
 
     def forward(self, data: np.ndarray, params: dict[str, Any]) -> np.ndarray:
+        """``data`` unchanged: the save pipeline XORs the bytes with the base as it reads them
+        (``XorSource``)."""
         return data
 
     def inverse(self, data: np.ndarray, params: dict[str, Any]) -> np.ndarray:
+        """``data`` unchanged: the restore pipeline XORs the bytes with the base as it writes them
+        (``XorTarget``)."""
         return data
 
 

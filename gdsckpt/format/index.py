@@ -103,9 +103,12 @@ class TensorRecord:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the array's elements: the product of its shape times its dtype's item size."""
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
     def to_json(self) -> dict[str, Any]:
+        """The record as its JSON object in the index (docs/format.md): ``alias`` or ``segments``,
+        then its extra members and ``lossy`` where set."""
         out: dict[str, Any] = {
             "key": self.key, "kind": self.kind, "dtype": self.dtype, "shape": list(self.shape),
             "device": self.device,

@@ -405,12 +405,17 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         return _Files(self._current().path, self.config)
 
     def storage_meta(self) -> StorageMeta | None:
+        """DCP's ``StorageMeta`` of the save running in this thread (its path and save id), else of
+        this writer's own path and last save id."""
         save = self._saves.get(threading.get_ident())
         if save is not None and save.thread is threading.current_thread():
             return StorageMeta(checkpoint_id=str(save.path), save_id=save.save_id)
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Begin a save in this thread: record its path (a ``reset`` checkpoint id, else this
+        writer's), rank, whether collectives run, and a new save id; warn when a save without
+        collectives goes into a directory holding a collective checkpoint."""
         with self._lock:
             # Records of threads that have ended go (a failed save's, whose thread never returned).
             self._saves = {ident: save for ident, save in self._saves.items() if save.thread.is_alive()}
@@ -435,6 +440,8 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
                               f"directory to keep it", UserWarning, stacklevel=2)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Refuse an item ``gdsckpt.save`` cannot store (before any rank writes), create the
+        directory, and without collectives give the plan this rank's file prefix."""
         # An item gdsckpt cannot store fails the save here, before any rank writes.
         _check_write_items(plan)
         save = self._current()
@@ -444,6 +451,8 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Give each rank's plan without one its file prefix (``__<rank>_``); nothing of the
+        previous checkpoint is removed here."""
         # Nothing of the previous checkpoint is removed here: every rank writes files of new
         # names, and the previous metadata with the files it names stays loadable until finish
         # replaces it. A save that fails on any rank leaves the directory as it was.
@@ -451,6 +460,9 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
                 if plan.storage_data is None else plan for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items into one gdsckpt file of a new name; a completed future of their
+        ``WriteResult``s. With collectives, a rank other than the coordinator ends its part of the
+        save here; ``finish`` ends the others'."""
         save = self._current()
         try:
             future = self._write_rank_file(plan, planner)
@@ -496,6 +508,8 @@ class GdsStorageWriter(_DirectoryCheckpoint, StorageWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write the metadata naming this save's rank files, replacing the previous checkpoint's,
+        then remove the rank files it does not name; ends the save either way."""
         save = self._current()
         try:
             self._write_metadata(save, metadata, results)
@@ -651,6 +665,8 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
         self.use_collectives = True
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Forget the previous load's storage data, read ``checkpoint_id`` from now on where one is
+        given, and take a new load id."""
         self.storage_data = {}
         self._stored_as = {}
         if checkpoint_id:
@@ -722,6 +738,8 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
+        """Take the storage data of ``metadata`` (``CorruptCheckpointError`` without it) and the
+        dtype and shape each item was stored with, for the checks of ``read_data``."""
         if metadata.storage_data is None:
             raise CorruptCheckpointError("DCP metadata has no storage_data")
         self.storage_data = metadata.storage_data
@@ -737,12 +755,17 @@ class GdsStorageReader(_DirectoryCheckpoint, StorageReader):
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """``plan`` unchanged: each rank reads its own items from the rank files."""
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """``plans`` unchanged: nothing is coordinated between ranks for a load."""
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read the plan's items rank file by rank file, each file's id and each item's stored dtype
+        and shape checked, only the rows a resharded item needs, and hand them to ``planner``; a
+        completed future."""
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             info = self._info(item)

@@ -326,6 +326,8 @@ class KvikioWriter(PosixWriter):
         return None
 
     def submit_write(self, offset: int, data: Any) -> Future[None]:
+        """A host buffer as ``PosixWriter`` writes it; a device buffer through ``CuFile.pwrite`` in
+        tasks of ``write_task_bytes`` (a kvikio failure raised as gdsckpt's storage error)."""
         if isinstance(data, (np.ndarray, bytes, bytearray, memoryview)):
             return super().submit_write(offset, data)
         tasks = _task_size(self._one_task_each, data.nbytes, self.write_task_bytes)
@@ -404,6 +406,9 @@ class KvikioReader(PosixReader):
             self.read_task_bytes = COLD_READ_TASK_BYTES
 
     def submit_read(self, offset: int, out: Any) -> Future[Any]:
+        """Into a host array as ``PosixReader`` reads; into a device buffer through ``CuFile.pread``
+        in tasks of ``read_task_bytes`` (``CorruptCheckpointError`` for a range past the file's
+        end)."""
         if isinstance(out, np.ndarray):
             return super().submit_read(offset, out)
         if offset + out.nbytes > self.size:

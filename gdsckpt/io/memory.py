@@ -49,10 +49,12 @@ class MemoryStore:
         self._lock = threading.Lock()
 
     def put(self, name: str, data: bytes) -> None:
+        """Publish ``data`` under ``name``, replacing a file of that name."""
         with self._lock:
             self._files[name] = data
 
     def get(self, name: str) -> bytes:
+        """The bytes published under ``name``; ``FileNotFoundError`` where there are none."""
         with self._lock:
             if name not in self._files:
                 raise FileNotFoundError(f"no in-memory checkpoint named {name!r}")
@@ -70,6 +72,8 @@ class MemoryWriter(StorageWriter):
         self._lock = threading.Lock()
 
     def submit_write(self, offset: int, data: Any) -> Future[None]:
+        """Copy ``data`` into the file being built at ``offset``, extending it with zeros as needed;
+        done when it returns."""
         self._put(offset, host_bytes(data))
         return done_future()
 
@@ -81,14 +85,17 @@ class MemoryWriter(StorageWriter):
             self._buffer[offset:end] = view
 
     def write_tail(self, offset: int, data: bytes) -> None:
+        """Write the final bytes at ``offset`` and cut the file being built there."""
         self._put(offset, memoryview(data))
         del self._buffer[offset + len(data):]
 
     def commit(self) -> None:
+        """Publish the built file in the store under its name, in one step, and drop the buffer."""
         self.store.put(self.file_name, bytes(self._buffer))
         self._buffer = bytearray()
 
     def abort(self) -> None:
+        """Drop the built bytes; the store keeps what it held."""
         self._buffer = bytearray()
 
 
@@ -103,17 +110,21 @@ class NullWriter(StorageWriter):
         as the zeros or the hole a file would hold there)."""
 
     def submit_write(self, offset: int, data: Any) -> Future[None]:
+        """Extend ``bytes_written`` to the end of this write; nothing is kept. Done when it returns."""
         nbytes = getattr(data, "nbytes", None)
         self.bytes_written = max(self.bytes_written, offset + int(len(data) if nbytes is None else nbytes))
         return done_future()
 
     def write_tail(self, offset: int, data: bytes) -> None:
+        """Extend ``bytes_written`` to the end of the final bytes; nothing is kept."""
         self.bytes_written = max(self.bytes_written, offset + len(data))
 
     def commit(self) -> None:
+        """Nothing to publish."""
         pass
 
     def abort(self) -> None:
+        """Nothing to discard."""
         pass
 
     def backlog(self) -> int | None:
@@ -135,15 +146,19 @@ class MemoryReader(StorageReader):
         self.size = len(self._data)
 
     def read(self, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of the published file; ``CorruptCheckpointError``
+        past its end."""
         if offset + length > self.size:
             raise CorruptCheckpointError(f"range [{offset}, +{length}) runs past the end of the file")
         return self._data[offset:offset + length]
 
     def submit_read(self, offset: int, out: np.ndarray) -> Future[np.ndarray]:
+        """Copy the ``out.nbytes`` bytes at ``offset`` into ``out``; done when it returns."""
         out[:] = np.frombuffer(self.read(offset, out.nbytes), dtype=np.uint8)
         return done_future(out)
 
     def close(self) -> None:
+        """Nothing to release: the store keeps the bytes."""
         pass
 
 
@@ -189,6 +204,8 @@ class PreloadedReader(StorageReader):
         return self._data
 
     def read(self, offset: int, length: int) -> bytes:
+        """A copy of bytes ``[offset, offset + length)`` of the held file;
+        ``CorruptCheckpointError`` outside it."""
         if offset < 0 or offset + length > self.size:
             raise CorruptCheckpointError(f"range [{offset}, +{length}) runs past the end of the file")
         return self._data[offset:offset + length].tobytes()

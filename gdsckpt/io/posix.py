@@ -760,10 +760,15 @@ class PosixWriter(StorageWriter):
             start_write_back(fd, group.offset, group.end - group.offset)
 
     def write_tail(self, offset: int, data: bytes) -> None:
+        """Write the final bytes (index and trailer) at ``offset`` synchronously and truncate the
+        temporary file there."""
         pwrite_all(self._fd, data, offset)
         os.ftruncate(self._fd, offset + len(data))
 
     def commit(self) -> None:
+        """Wait for the writes, fsync the temporary file where ``fsync`` asks (``TimeoutError``
+        after ``timeout``; the target keeps its previous content) and rename it over the target,
+        unless ``keep_temporary``."""
         self._flush()
         if not self._lane.drain(self.timeout):
             raise TimeoutError(f"writes to {str(self.temp)!r} still running after {self.timeout} s")
@@ -787,6 +792,8 @@ class PosixWriter(StorageWriter):
         self._closed = True
 
     def abort(self) -> None:
+        """Cancel the writes not started, wait (bounded) for the running ones and remove the
+        temporary file; the target keeps its previous content. A second call does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -874,6 +881,8 @@ class PosixReader(StorageReader):
             raise
 
     def read(self, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``offset``, read synchronously; ``CorruptCheckpointError``
+        where the file ends first."""
         out = np.empty(length, dtype=np.uint8)
         self._read_into(self._fd, offset, out)
         return out.tobytes()
@@ -886,6 +895,7 @@ class PosixReader(StorageReader):
         return status.st_dev, status.st_ino
 
     def submit_read(self, offset: int, out: np.ndarray) -> Future[np.ndarray]:
+        """Read into ``out`` from ``offset`` on the reader's threads."""
         return self._lane.submit(self._read_into, self._fd, offset, out)
 
     def _read_into(self, fd: int, offset: int, out: np.ndarray) -> np.ndarray:
@@ -902,6 +912,8 @@ class PosixReader(StorageReader):
         return out
 
     def close(self) -> None:
+        """Wait (up to ``timeout``) for running reads, then close the file; ``TimeoutError`` where a
+        read still runs (the file stays open), unless the restore has already failed on it."""
         if not self._lane.close(0.0 if self.stalled else self.timeout):
             # A read still running keeps its descriptor (closing it could let the number be
             # reused by another file) and may still fill its buffer, maybe the caller's tensor.

@@ -665,6 +665,8 @@ class S3Reader(StorageReader):
         """The latest GET not yet started, which an adjacent read may join."""
 
     def read(self, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of the object by one ranged GET;
+        ``CorruptCheckpointError`` past its end."""
         return bytes(self._get(offset, length))
 
     def _get(self, offset: int, length: int) -> Any:
@@ -694,6 +696,8 @@ class S3Reader(StorageReader):
         return data
 
     def submit_read(self, offset: int, out: Any) -> Future[Any]:
+        """Read ``out.nbytes`` bytes at ``offset`` into ``out`` on the reader's threads; a read
+        continuing the one queued before it joins it in one ranged GET, up to ``join_bytes``."""
         future: Future[Any] = Future()
         with self._lock:
             group = self._queued
@@ -742,5 +746,7 @@ class S3Reader(StorageReader):
                 future.set_result(out)
 
     def close(self) -> None:
+        """Wait (up to ``timeout``) for queued and running reads; ``TimeoutError`` where one still
+        runs, unless the restore has already failed on it."""
         if not self._lane.close(0.0 if self.stalled else self.timeout) and not self.stalled:
             raise TimeoutError(f"reads of {self.url} still running {self.timeout} s after close")

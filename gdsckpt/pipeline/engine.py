@@ -233,11 +233,15 @@ class HostEngine(Engine):
 
     # -- save ------------------------------------------------------------------------------
     def submit_encode(self, chunk: ChunkPlan) -> Future[EncodedChunk]:
+        """Compress ``chunk`` on a codec thread (or store it as it is where the adaptive rule says
+        so); a future of its ``EncodedChunk``."""
         decision, owner = self._decision_for(chunk)
         return self._lane.submit(self._encode, chunk, decision, owner)
 
     def watch_storage(self, backlog: Callable[[], int | None],
                       pace: Callable[[], WritePace | None] | None = None) -> None:
+        """Give the adaptive rule the writer's queued bytes (``backlog``) and write pace (``pace``)
+        to weigh (module docstring)."""
         self._backlog = backlog
         self._pace = pace
 
@@ -391,6 +395,9 @@ class HostEngine(Engine):
                       deliver: Callable[[Any], None], *, to_host: bool = False,
                       places: list[tuple[int, int, int]] | None = None,
                       into: np.ndarray | None = None) -> Future[None]:
+        """Undo ``chain`` on ``stored`` on a codec thread (into ``into`` where given) and pass the
+        bytes to ``deliver``. ``to_host`` and ``places`` are the GPU engine's: this engine's
+        output is in host memory already."""
         return self._lane.submit(self._decode, record, chain, stored, deliver, into)
 
     def _codec(self, name: str) -> Codec:
@@ -407,6 +414,8 @@ class HostEngine(Engine):
             deliver(decode_host_chunk(record, chain, stored, self._codec))
 
     def close(self) -> None:
+        """Cancel the chunks not started and wait (up to ``timeout``) for running ones;
+        ``TimeoutError`` where one still runs, unless the operation has already failed on it."""
         # Chunks not started are cancelled; running ones read sources and write targets the
         # caller owns again once this returns, so they are waited for (bounded; not again where
         # the driver's own wait already timed out: ``stalled``).

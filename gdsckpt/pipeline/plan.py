@@ -71,6 +71,7 @@ class Part:
 
     @property
     def length(self) -> int:
+        """Bytes of the part (``stop - start``)."""
         return self.stop - self.start
 
 
@@ -88,6 +89,7 @@ class ChunkPlan:
 
     @property
     def raw(self) -> int:
+        """Uncompressed bytes of the chunk: its parts' lengths summed."""
         return sum(part.length for part in self.parts)
 
 

@@ -121,6 +121,8 @@ class TorchSource(_SourceBase):
         return _byte_view(torch_range(self.tensor, start // self.itemsize, stop // self.itemsize))
 
     def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        """Bytes ``[start, stop)`` of the tensor as a host uint8 array (copied from its GPU for a
+        CUDA tensor)."""
         part = self._part(start, stop)
         return (part.cpu() if part.device.type != "cpu" else part).numpy()
 
@@ -175,12 +177,15 @@ class NumpySource(_SourceBase):
         self.array = array
 
     def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        """Bytes ``[start, stop)`` of the array as uint8, little-endian (a big-endian array's
+        elements are swapped)."""
         part = array_range(self.array, start // self.itemsize, stop // self.itemsize, np)
         if part.dtype.byteorder == ">" or (part.dtype.byteorder == "=" and sys.byteorder == "big"):
             part = part.astype(part.dtype.newbyteorder("<"))
         return part.view(np.uint8)
 
     def device_bytes(self, start: int, stop: int) -> Any:
+        """``host_bytes`` copied to the current GPU as a CuPy array."""
         import cupy
 
         return cupy.asarray(self.host_bytes(start, stop))
@@ -195,6 +200,7 @@ class CupySource(_SourceBase):
         self.array = array
 
     def device_bytes(self, start: int, stop: int) -> Any:
+        """Bytes ``[start, stop)`` as a CuPy uint8 array on the array's device."""
         import cupy
 
         with cupy.cuda.Device(self.array.device.id):
@@ -202,6 +208,7 @@ class CupySource(_SourceBase):
             return part.view(cupy.uint8)
 
     def host_bytes(self, start: int, stop: int) -> np.ndarray:
+        """``device_bytes`` copied to host memory."""
         return self.device_bytes(start, stop).get()
 
     def device_span(self, start: int, stop: int) -> int | None:
@@ -302,6 +309,8 @@ class TorchTarget(_Target):
         return view
 
     def write_host(self, start: int, data: np.ndarray) -> None:
+        """Copy the host bytes ``data`` into the tensor from byte ``start`` (through a view of its
+        memory where it is in host memory)."""
         if self._host is not None:
             self._host[start:start + data.nbytes] = data
             return
@@ -312,20 +321,26 @@ class TorchTarget(_Target):
         self._flat[start:start + data.nbytes].copy_(torch.from_numpy(host))
 
     def host_view(self, start: int, stop: int) -> np.ndarray | None:
+        """A writable NumPy view of bytes ``[start, stop)`` of a host tensor's memory; None for a
+        CUDA tensor."""
         return self._host[start:stop] if self._host is not None else None
 
     def host_span(self) -> tuple[int, int] | None:
+        """(first, end) host address of a host tensor's bytes; None for a CUDA tensor."""
         if self._host is None:
             return None
         start = self.tensor.data_ptr()
         return start, start + self.nbytes
 
     def device_address(self, start: int) -> tuple[int, int] | None:
+        """(device, address) of byte ``start`` of a CUDA tensor; None for a host or empty tensor."""
         if not self.on_device or not self.nbytes:
             return None
         return self.tensor.get_device(), self.tensor.data_ptr() + start
 
     def write_device(self, start: int, data: Any) -> None:
+        """Copy the device bytes ``data`` into the tensor from byte ``start`` (through host memory
+        where the tensor is there)."""
         import cupy
 
         assert self._flat is not None
@@ -345,6 +360,9 @@ class TorchTarget(_Target):
         view[start:start + data.nbytes] = data
 
     def finish(self) -> Any:
+        """The filled tensor: ``existing`` where one was given (its autograd version bumped, or
+        filled by a copy where it is not contiguous), else the new tensor, as a ``Parameter``
+        where one was saved."""
         import torch
 
         if self.existing is not None:
@@ -375,16 +393,20 @@ class NumpyTarget(_Target):
         self._flat = self.array.reshape(-1).view(np.uint8)
 
     def write_host(self, start: int, data: np.ndarray) -> None:
+        """Copy ``data`` into the array's bytes from byte ``start``."""
         self._flat[start:start + data.nbytes] = data
 
     def host_view(self, start: int, stop: int) -> np.ndarray | None:
+        """A writable view of the array's bytes ``[start, stop)``."""
         return self._flat[start:stop]
 
     def host_span(self) -> tuple[int, int] | None:
+        """(first, end) address of the array's bytes."""
         start = self._flat.ctypes.data
         return start, start + self.nbytes
 
     def finish(self) -> Any:
+        """The filled array (its single element for a saved NumPy scalar)."""
         return self.array[()] if self.scalar else self.array
 
 
@@ -402,15 +424,19 @@ class CupyTarget(_Target):
         self.nbytes = self.array.nbytes
 
     def write_host(self, start: int, data: np.ndarray) -> None:
+        """Copy the host bytes ``data`` to the array from byte ``start`` (host to device)."""
         self._flat[start:start + data.nbytes].set(np.ascontiguousarray(data))
 
     def write_device(self, start: int, data: Any) -> None:
+        """Copy the device bytes ``data`` into the array from byte ``start``."""
         self._flat[start:start + data.nbytes] = data
 
     def device_address(self, start: int) -> tuple[int, int] | None:
+        """(device, address) of byte ``start``; None for an empty array."""
         return (self.array.device.id, self.array.data.ptr + start) if self.nbytes else None
 
     def finish(self) -> Any:
+        """The filled CuPy array."""
         return self.array
 
 
@@ -423,6 +449,8 @@ class JaxTarget(NumpyTarget):
         self.device = device
 
     def finish(self) -> Any:
+        """The filled host array as a JAX array (through DLPack), put on the GPU ``device`` names
+        where it names one."""
         import jax
 
         array = jax.dlpack.from_dlpack(self.array) if self.array.size else jax.numpy.asarray(self.array)

@@ -33,6 +33,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention, then the MLP, each added to its input (pre-norm residual block)."""
         batch, length, width = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
         shape = (batch, length, self.heads, width // self.heads)
@@ -54,6 +55,7 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(width, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token logits for ``tokens`` (batch, length)."""
         x = self.embed(tokens) + self.position[: tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
