@@ -22,32 +22,31 @@ class DtypeSpec:
 
     name: str
     itemsize: int
-    is_floating: bool
     plane_width: int
 
 
 _SPECS = (
-    DtypeSpec("bool", 1, False, 0),
-    DtypeSpec("uint8", 1, False, 0),
-    DtypeSpec("int8", 1, False, 0),
-    DtypeSpec("uint16", 2, False, 0),
-    DtypeSpec("int16", 2, False, 0),
-    DtypeSpec("uint32", 4, False, 0),
-    DtypeSpec("int32", 4, False, 0),
-    DtypeSpec("uint64", 8, False, 0),
-    DtypeSpec("int64", 8, False, 0),
-    DtypeSpec("float8_e4m3fn", 1, True, 0),
-    DtypeSpec("float8_e5m2", 1, True, 0),
-    DtypeSpec("float8_e4m3fnuz", 1, True, 0),
-    DtypeSpec("float8_e5m2fnuz", 1, True, 0),
-    DtypeSpec("float8_e8m0fnu", 1, True, 0),
-    DtypeSpec("float16", 2, True, 2),
-    DtypeSpec("bfloat16", 2, True, 2),
-    DtypeSpec("float32", 4, True, 4),
-    DtypeSpec("float64", 8, True, 8),
-    DtypeSpec("complex32", 4, True, 2),
-    DtypeSpec("complex64", 8, True, 4),
-    DtypeSpec("complex128", 16, True, 8),
+    DtypeSpec("bool", 1, 0),
+    DtypeSpec("uint8", 1, 0),
+    DtypeSpec("int8", 1, 0),
+    DtypeSpec("uint16", 2, 0),
+    DtypeSpec("int16", 2, 0),
+    DtypeSpec("uint32", 4, 0),
+    DtypeSpec("int32", 4, 0),
+    DtypeSpec("uint64", 8, 0),
+    DtypeSpec("int64", 8, 0),
+    DtypeSpec("float8_e4m3fn", 1, 0),
+    DtypeSpec("float8_e5m2", 1, 0),
+    DtypeSpec("float8_e4m3fnuz", 1, 0),
+    DtypeSpec("float8_e5m2fnuz", 1, 0),
+    DtypeSpec("float8_e8m0fnu", 1, 0),
+    DtypeSpec("float16", 2, 2),
+    DtypeSpec("bfloat16", 2, 2),
+    DtypeSpec("float32", 4, 4),
+    DtypeSpec("float64", 8, 8),
+    DtypeSpec("complex32", 4, 2),
+    DtypeSpec("complex64", 8, 4),
+    DtypeSpec("complex128", 16, 8),
 )
 
 DTYPES: dict[str, DtypeSpec] = {spec.name: spec for spec in _SPECS}
