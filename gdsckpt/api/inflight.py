@@ -59,7 +59,7 @@ class Flight:
                                                          (self.base_key, other.key)))
 
 
-_gate = Gate()
+_gate = Gate(what="the bookkeeping of the saves and loads in flight")
 """Guards ``_flying``; a ^C while a save takes or gives back its place leaves it usable."""
 _flying: list[Flight] = []
 
@@ -68,7 +68,7 @@ def _forget_after_fork() -> None:
     """A forked child has none of its parent's threads: the operations they ran are not in flight
     there (a lock held by one of them at the fork would never be released)."""
     global _gate
-    _gate = Gate()
+    _gate = Gate(what="the bookkeeping of the saves and loads in flight")
     _flying.clear()
 
 

@@ -70,7 +70,7 @@ from ..api.resolve import check_target, resolve_config
 from ..api.saving import refuse_replacing_base
 from ..config import Config
 from ..io.fileobj import FileObjectWriter, is_file_object
-from ..io.pools import Gate
+from ..io.pools import Gate, reentry_message
 from ..io.s3 import is_url
 from ..state import flatten
 from ..state.delta import DEFAULT_MAX_CHAIN
@@ -110,6 +110,10 @@ class _Job:
         self.claimed = False
         self.snapshot_seconds = 0.0
         self.snapshot_bytes = 0
+        self.starter: int | None = threading.get_ident()
+        """The thread whose ``save_async`` call is still starting the job (taking its snapshot),
+        None once its thread runs it: a signal handler that ran in that call's frame waits for
+        no such job (``_wait_inflight``), since the job can only go on when the handler returns."""
 
     def has_ended(self) -> bool:
         """Whether the job has ended (read under the saver's lock while waiting for it)."""
@@ -252,6 +256,9 @@ def _absolute(location: Any) -> Any:
     return location
 
 
+_BOOKKEEPING = "save_async's bookkeeping"
+
+
 class AsyncSaver:
     """Runs background saves with a bounded number in flight and its own snapshot pool.
 
@@ -260,9 +267,9 @@ class AsyncSaver:
 
     def __init__(self) -> None:
         self.pool = SnapshotPool()
-        self._slots = Gate()
+        self._slots = Gate(what=_BOOKKEEPING)
         """Guards ``_inflight``; its waiters are callers waiting for a slot under ``max_inflight``."""
-        self.ended = Gate(self._slots.lock)
+        self.ended = Gate(self._slots.lock, what=_BOOKKEEPING)
         """Its waiters wait for saves to end (a handle's ``wait``, ``wait_all``)."""
         self._inflight: list[_Job] = []
         self._worker: Any = None  # gdsckpt.background.worker.SaveWorker, made on the first process save
@@ -320,6 +327,7 @@ class AsyncSaver:
         started = time.perf_counter()
         devices, cuda_bytes = _survey(state)  # a state gdsckpt.save would reject fails here
         validated = time.perf_counter()
+        self._refuse_reentry()
         job = _Job(self, path, cfg.timeout)
         lent: list[Any] = []
         # One try from the slot to the thread's start: a ^C anywhere in between (one can land
@@ -368,6 +376,7 @@ class AsyncSaver:
              in_process: bool = False) -> None:
         if not job.claim():
             return  # the caller gave the job up (its start was interrupted) and ended it
+        job.starter = None
         if job.flight is not None:
             job.flight.owner = threading.get_ident()
         try:
@@ -407,8 +416,21 @@ class AsyncSaver:
         self._wait_inflight(timeout)
         _take_errors(saver=self)
 
+    def _refuse_reentry(self) -> None:
+        """``RuntimeError`` where this thread is inside a ``save_async`` of this saver that has
+        not started its job's thread yet: a signal handler that interrupted that call and saves
+        again would wait for the slot or the file the interrupted call holds, for ever."""
+        me = threading.get_ident()
+        with self._slots.lock:
+            starting = any(job.starter == me for job in self._inflight)
+        if starting:
+            raise RuntimeError(reentry_message("save_async (taking its snapshot)"))
+
     def _wait_inflight(self, timeout: float | None) -> bool:
-        if self.ended.wait_for(lambda: not self._inflight, timeout):
+        me = threading.get_ident()
+        # A job this thread is still starting goes on only once this call returns (a signal
+        # handler waiting inside that save_async's frame): waiting for it would never end.
+        if self.ended.wait_for(lambda: all(job.starter == me for job in self._inflight), timeout):
             return True
         with self._slots.lock:
             running = [job.path for job in self._inflight]
@@ -565,8 +587,8 @@ def _forget_after_fork() -> None:
     _registry_lock = threading.Lock()
     _unobserved.clear()
     for saver in list(_savers):
-        saver._slots = Gate()
-        saver.ended = Gate(saver._slots.lock)
+        saver._slots = Gate(what=_BOOKKEEPING)
+        saver.ended = Gate(saver._slots.lock, what=_BOOKKEEPING)
         for job in saver._inflight:
             job.lock = threading.Lock()
             job.error = RuntimeError(f"gdsckpt: the background save to {job.path} runs in the process that "

@@ -721,6 +721,21 @@ def _serve(conn: Any, fds: socket.socket) -> None:
         send(reply)
 
 
+def _leave_signals_to_the_parent(parent: int) -> None:
+    """Ignore SIGTERM, and SIGINT while the training process lives: a job's scheduler signals
+    every process of the job on a pre-emption (``scancel``, SLURM, Kubernetes), and the worker
+    died of it with the save in flight, failing the ``wait()`` of the very handler that wanted
+    that save. The training process decides: it waits for the save, or goes, and then
+    ``_watch_parent`` stops the save with a SIGINT of its own, which this handler passes on as
+    a ^C once the parent is gone."""
+    def interrupt_once_the_parent_is_gone(_signum: int, _frame: Any) -> None:
+        if os.getppid() != parent:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, interrupt_once_the_parent_is_gone)
+
+
 def _main() -> None:
     """Entry point of the worker process (``python -c``; arguments: two socket descriptors)."""
     from multiprocessing.connection import Connection
@@ -728,6 +743,7 @@ def _main() -> None:
     parent = int(os.environ[_ENV_PARENT])
     if os.getppid() != parent:
         os._exit(3)
+    _leave_signals_to_the_parent(parent)
     threading.Thread(target=_watch_parent, args=(parent,), name="gdsckpt-watch-parent", daemon=True).start()
     conn = Connection(int(sys.argv[1]))
     fds = socket.socket(fileno=int(sys.argv[2]))

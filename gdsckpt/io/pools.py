@@ -42,24 +42,51 @@ RECHECK_SECONDS = 0.5
 """The longest a ``Gate`` waiter sleeps before it checks again without being woken."""
 
 
+def refuse_reentry(lock: Any, what: str) -> None:
+    """``RuntimeError`` where the calling thread holds ``lock`` already (an ``RLock``; a lock
+    that cannot tell is not checked): it is inside ``what`` and a signal handler that ran there
+    (SIGTERM, SIGUSR1 on a pre-emption) called gdsckpt again. Taking the lock would wait for
+    the frame the handler interrupted, which can only go on once the handler returns: for ever.
+    ``RLock._is_owned`` is C code, and so is taking the lock with ``with`` (``Gate``): wherever
+    the handler lands, the lock is either held already (refused here) or free."""
+    is_owned = getattr(lock, "_is_owned", None)
+    if is_owned is not None and is_owned():
+        raise RuntimeError(reentry_message(what))
+
+
+def reentry_message(what: str) -> str:
+    """What a call that re-entered ``what`` from its own thread is told (``refuse_reentry``)."""
+    return (f"gdsckpt was called while this thread was inside {what}: a signal handler that "
+            f"interrupted it and calls gdsckpt would wait for the call it interrupted, for ever. In the "
+            f"handler, set a flag and save from the training loop when it sees the flag "
+            f"(docs/quickstart.md, \"Pre-emption\")")
+
+
 class Gate:
-    """Bookkeeping under a plain lock, and waits for it to change that a ^C cannot break.
+    """Bookkeeping under a lock, and waits for it to change that a ^C cannot break.
 
     Why not ``threading.Condition``: it runs Python code while it holds its lock, gives it up, or
     takes it back (``__exit__``, ``wait``), and the main thread runs a ^C's handler where CPython
     checks for signals: at the start of any Python function and on the return from a C call,
     which that code is full of. A ^C landing there leaves the lock held (so every other thread using it
     blocks for ever: the background save's end, a later save's place) or released twice. Here
-    the lock is a plain ``threading.Lock`` taken only by ``with`` (C code both ways), and a
+    the lock is a ``threading.RLock`` (or the caller's ``Lock``) taken only by ``with`` (C code
+    both ways), and a
     waiter sleeps outside it on a queue of its own (``SimpleQueue.get``, C code): wherever a ^C
     lands, the lock is free afterwards and the bookkeeping is as its last statement left it. A
     waiter that missed its wake-up (a ^C inside the notifier's loop) checks again after
-    ``RECHECK_SECONDS``.
+    ``RECHECK_SECONDS``. A signal handler that calls gdsckpt where this thread holds the lock
+    (inside ``ready`` or ``then``) is refused (``refuse_reentry``) rather than left waiting for
+    itself.
     """
 
-    def __init__(self, lock: threading.Lock | None = None):
-        self.lock = lock if lock is not None else threading.Lock()
-        """Guards the bookkeeping; take it with ``with`` only."""
+    def __init__(self, lock: Any = None, what: str = "a wait of gdsckpt's"):
+        self.lock = lock if lock is not None else threading.RLock()
+        """Guards the bookkeeping; take it with ``with`` only. An ``RLock`` by default: only so
+        that ``wait_for`` can tell a signal handler re-entering it (``refuse_reentry``), never
+        to take it twice."""
+        self.what = what
+        """What the bookkeeping belongs to, for ``refuse_reentry``'s message."""
         self._wakers: list[queue.SimpleQueue[None]] = []
 
     @property
@@ -71,7 +98,9 @@ class Gate:
     def wait_for(self, ready: Callable[[], bool], timeout: float | None,
                  then: Callable[[], None] | None = None) -> bool:
         """Wait until ``ready()`` is true, then run ``then()`` (both under ``lock``, which the
-        caller must not hold); False if ``timeout`` seconds (None: no bound) pass first."""
+        caller must not hold); False if ``timeout`` seconds (None: no bound) pass first.
+        ``RuntimeError`` where this thread holds ``lock`` (``refuse_reentry``)."""
+        refuse_reentry(self.lock, self.what)
         deadline = None if timeout is None else time.monotonic() + timeout
         waker: queue.SimpleQueue[None] = queue.SimpleQueue()
         try:

@@ -183,6 +183,7 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ..format.layout import TRAILER_SIZE
+from ..io.pools import refuse_reentry
 from ..io.posix import (
     open_regular,
     read_small_file,
@@ -223,7 +224,7 @@ def _free_locks_after_fork() -> None:
     """A manager's lock held by another thread at a fork (a background save writing ``latest``
     or pruning) was never released in the child: its next save waited for good."""
     for manager in list(_MANAGERS):
-        manager._lock = threading.Lock()
+        manager._lock = threading.RLock()
         uploader = getattr(manager, "_uploader", None)
         if uploader is not None:
             uploader.after_fork_in_child()
@@ -319,7 +320,11 @@ class CheckpointManager:
         self.lossy = lossy
         self._pattern = re.compile(rf"^{re.escape(prefix)}-(\d{{10,}})\.gdsckpt$")
         self._saver = AsyncSaver()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        """Guards the bookkeeping below; held while ``latest`` moves and pruning runs. An
+        ``RLock`` only so that a signal handler calling the manager where the frame it
+        interrupted holds it is refused (``_refuse_reentry``) instead of waiting for itself:
+        nothing takes it twice."""
         _MANAGERS.add(self)
         self._file_at_begin: dict[int, tuple[int, int] | None] = {}
         """Step -> the (device, inode) of its file when its first save still running began (None:
@@ -444,6 +449,12 @@ class CheckpointManager:
         _check_step(step)
         return any(every is not None and step % every == 0 for every in (self.delta_every, self.full_every))
 
+    def _refuse_reentry(self) -> None:
+        """``RuntimeError`` where this thread holds the manager's lock: a signal handler (a
+        pre-emption's SIGTERM) that interrupted this manager while it moved ``latest`` or pruned
+        and calls it again would wait for the frame it interrupted, for ever."""
+        refuse_reentry(self._lock, "a CheckpointManager moving 'latest' or pruning")
+
     def _base_for(self, step: int) -> Path | None:
         """The base of a delta at ``step``: the newest complete checkpoint below it (with
         ``delta_base="full"``: the newest complete full one), or None for a full save (deltas
@@ -507,6 +518,7 @@ class CheckpointManager:
     def save(self, step: int, state: dict[Any, Any], *, codec: str = "auto") -> _api.SaveReport:
         """Save ``state`` as checkpoint ``step`` now (a delta when due, see the module
         docstring); then move ``latest`` and prune."""
+        self._refuse_reentry()
         path, token = self._begin(step, state)
         base = None
         try:
@@ -543,6 +555,7 @@ class CheckpointManager:
         """``gdsckpt.save_async`` of ``state`` as checkpoint ``step``: returns once the snapshot is
         taken; ``latest`` moves and pruning runs in the background once the file is complete
         (before the handle reports done)."""
+        self._refuse_reentry()
         path, token = self._begin(step, state)
         try:
             base = self._base_for(step)
@@ -559,6 +572,7 @@ class CheckpointManager:
         """Wait for this manager's background saves, and with a remote tier for its uploads
         (retrying those that failed); raise the first error no handle reported, or
         ``RemoteUploadError`` if the remote tier still lacks a checkpoint or its ``latest``."""
+        self._refuse_reentry()
         self._saver.wait_all(timeout)
         if self.remote is None:
             return
@@ -575,6 +589,7 @@ class CheckpointManager:
 
     def pending_uploads(self) -> list[int]:
         """Steps complete on the local tier that the remote tier still lacks (empty without one)."""
+        self._refuse_reentry()
         with self._lock:
             return sorted(self._unsent)
 
