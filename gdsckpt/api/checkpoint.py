@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
+from .. import collector
 from ..config import Config
 from ..errors import (
     CheckpointError,
@@ -153,6 +154,7 @@ def restore_arrays(reader: StorageReader, opened: OpenedFile, ids: Iterable[int]
     if delta:
         share /= 2
 
+    @collector.paused()
     def make_all() -> dict[int, Any]:
         return {i: make_target(i, index.tensors[i]) for i in data_ids}
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from .. import collector
 from ..codecs import PORTABLE_CODECS, versioned_name
 from ..config import Config
 from ..errors import (
@@ -92,6 +93,7 @@ def open_checked(reader: StorageReader) -> OpenedFile:
     return opened
 
 
+@collector.paused()
 def check_tree_keys(index: Index) -> None:
     """``CorruptCheckpointError`` where a tensor's recorded key is not the key path of its place
     in ``index.tree``, or a dict repeats a key (by ``==``, as the dict will hold them: True == 1,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
+from .. import collector
 from ..codecs import versioned_name
 from ..codecs.nvcomp import MAX_CHUNK_BYTES
 from ..config import Config, parse_size
@@ -693,6 +694,7 @@ def _storage_speed(config: Config, path: PathLike | StorageWriter) -> float:
     return math.inf if speed is None else speed
 
 
+@collector.paused()
 def index_template(flat: FlatState, base: dict[str, Any] | None = None) -> Index:
     """The index of a file that will hold ``flat``, as known before any chunk is written: the
     tree, one record per array without segments, the writer, and a delta's ``base`` (format 1.1)

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .. import collector
 from ..errors import CorruptCheckpointError, NewerFormatError, UnsupportedFormatError
 from .checksum import CHECKSUM_ALGORITHM
 from .dtypes import DTYPES
@@ -143,6 +144,7 @@ class Index:
         return [i for i, record in enumerate(self.tensors)
                 if record.segments and _is_delta_chain(self.chains[self.chunks[record.segments[0].chunk].chain])]
 
+    @collector.paused()
     def to_json_bytes(self) -> bytes:
         """Serialise: compact UTF-8 JSON with a fixed key order (files are reproducible)."""
         doc: dict[str, Any] = {
@@ -211,6 +213,7 @@ _DECODER = json.JSONDecoder(parse_constant=reject_constant)
 """Made once: ``json.loads`` with a hook builds a new decoder (and scanner) per call."""
 
 
+@collector.paused()
 def parse_index(data: bytes, *, index_offset: int) -> Index:
     """Parse and fully validate index bytes; ``index_offset`` bounds every chunk's extent.
 

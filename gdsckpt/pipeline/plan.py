@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import collector
 from ..format import ALIGNMENT
 
 
@@ -93,6 +94,7 @@ class ChunkPlan:
         return sum(part.length for part in self.parts)
 
 
+@collector.paused()
 def plan_chunks(sizes: list[tuple[int, int, int]], *, chunk_bytes: int, pack_below: int,
                 delta: set[int] | frozenset[int] = frozenset()) -> list[ChunkPlan]:
     """Plan chunks for arrays given as ``(nbytes, itemsize, plane_width)``; ``nbytes == 0``

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import collector
 from ..format.dtypes import DTYPES
 from ..format.index import shape_limit_error
 from .arrays import CupySource, NumpySource, TorchSource
@@ -392,6 +393,7 @@ class _Flattener:
         return self._register(path, "jax", name, tuple(array.shape), device, source, None, {})
 
 
+@collector.paused()
 def flatten(state: Any) -> FlatState:
     """Flatten a state into its structure tree and arrays; ``TypeError`` names unsupported values,
     ``ValueError`` an array whose shape the format cannot hold (more than 64 dimensions, a
@@ -508,6 +510,7 @@ def checked_keys(keys: Any) -> list[str]:
 _MISSING = object()
 
 
+@collector.paused()
 def unflatten(tree: Any, arrays: dict[int, Any], selection: Selection | None = None) -> Any:
     """Rebuild the state from its tree; ``arrays`` maps array ids to finished arrays.
 
