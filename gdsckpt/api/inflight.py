@@ -64,6 +64,12 @@ _gate = Gate(what="the bookkeeping of the saves and loads in flight")
 _flying: list[Flight] = []
 
 
+def bookkeeping_lock() -> Any:
+    """The lock of the bookkeeping above (an ``RLock``): a background save's end takes it, so a
+    thread that holds it must not wait for one (``async_save``)."""
+    return _gate.lock
+
+
 def _forget_after_fork() -> None:
     """A forked child has none of its parent's threads: the operations they ran are not in flight
     there (a lock held by one of them at the fork would never be released)."""

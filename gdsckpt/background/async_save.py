@@ -70,7 +70,7 @@ from ..api.resolve import check_target, resolve_config
 from ..api.saving import refuse_replacing_base
 from ..config import Config
 from ..io.fileobj import FileObjectWriter, is_file_object
-from ..io.pools import Gate, reentry_message
+from ..io.pools import Gate, reentry_message, refuse_reentry
 from ..io.s3 import is_url
 from ..state import flatten
 from ..state.delta import DEFAULT_MAX_CHAIN
@@ -85,7 +85,7 @@ logger = logging.getLogger("gdsckpt")
 # ---------------------------------------------------------------------------------------------
 # jobs, handles, savers
 
-_registry_lock = threading.Lock()
+_registry_lock = threading.RLock()  # an RLock only so that a thread holding it can be told (refuse_reentry)
 _unobserved: list[_Job] = []
 """Jobs that failed and whose error nobody has seen yet (wait/exception/wait_all)."""
 _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
@@ -227,6 +227,7 @@ class SaveHandle:
 
     def _wait(self, timeout: float | None) -> None:
         job = self._job
+        job.saver._refuse_waits_under_held_locks()
         if not job.saver.ended.wait_for(job.has_ended, timeout):
             raise TimeoutError(f"save to {self.path!r} still running after {timeout} s")
         self._job.observe()
@@ -274,6 +275,9 @@ class AsyncSaver:
         self._inflight: list[_Job] = []
         self._worker: Any = None  # gdsckpt.background.worker.SaveWorker, made on the first process save
         self._worker_lock = threading.Lock()
+        self.end_locks: list[tuple[Any, str]] = []
+        """(lock, what it guards) that the ``after`` / ``finally_`` hooks of this saver's saves
+        take (a ``CheckpointManager``'s), for ``_refuse_waits_under_held_locks``."""
         _savers.add(self)
 
     @property
@@ -308,6 +312,7 @@ class AsyncSaver:
               config: Config | None, max_inflight: int, after: Callable[[_api.SaveReport], None] | None,
               finally_: Callable[[BaseException | None], None] | None, delta: dict[str, Any],
               force: bool = False) -> SaveHandle:
+        self._refuse_waits_under_held_locks()  # a slot may need an earlier save to end
         _check_max_inflight(max_inflight)
         api_saving.check_save_arguments(codec, chunk_bytes, config, delta.get("lossy"))
         _take_errors(orphans_only=True)
@@ -362,6 +367,8 @@ class AsyncSaver:
                                                  devices=devices if cuda_bytes else None, background=True, **delta),
                                             after, finally_, in_process))
             thread.start()
+            with self._slots.lock:
+                job.starter = None  # running: waits wait for it (its thread clears it too, if first)
         except BaseException:
             if job.claim():
                 if lent:
@@ -426,7 +433,18 @@ class AsyncSaver:
         if starting:
             raise RuntimeError(reentry_message("save_async (taking its snapshot)"))
 
+    def _refuse_waits_under_held_locks(self) -> None:
+        """``RuntimeError`` where this thread holds a lock that the end of a background save of
+        this saver takes (the bookkeeping of the saves in flight, the registry of their errors,
+        the locks of ``end_locks``): a wait for one would wait for this thread, that is for ever
+        (a signal handler that interrupted this thread there and waits; its save is refused the
+        same way by ``Gate.wait_for``)."""
+        for lock, what in ((inflight.bookkeeping_lock(), "the bookkeeping of the saves and loads in flight"),
+                           (_registry_lock, "the registry of background saves' errors"), *self.end_locks):
+            refuse_reentry(lock, what)
+
     def _wait_inflight(self, timeout: float | None) -> bool:
+        self._refuse_waits_under_held_locks()
         me = threading.get_ident()
         # A job this thread is still starting goes on only once this call returns (a signal
         # handler waiting inside that save_async's frame): waiting for it would never end.
@@ -584,7 +602,7 @@ def _forget_after_fork() -> None:
     both share (``MAP_SHARED``): a save in the child would copy its state into them. Errors
     nobody has seen yet are the parent's to report."""
     global _registry_lock
-    _registry_lock = threading.Lock()
+    _registry_lock = threading.RLock()
     _unobserved.clear()
     for saver in list(_savers):
         saver._slots = Gate(what=_BOOKKEEPING)

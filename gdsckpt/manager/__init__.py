@@ -216,6 +216,8 @@ SUPERSEDED = "superseded"
 abandoned run's), and its ``_fingerprint``."""
 
 
+_MANAGER_LOCK = "a CheckpointManager moving 'latest' or pruning"
+"""What a manager's lock guards, for ``refuse_reentry``'s message."""
 _MANAGERS: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 """The process's managers, whose locks a forked child gets free."""
 
@@ -225,6 +227,7 @@ def _free_locks_after_fork() -> None:
     or pruning) was never released in the child: its next save waited for good."""
     for manager in list(_MANAGERS):
         manager._lock = threading.RLock()
+        manager._saver.end_locks = [(manager._lock, _MANAGER_LOCK)]
         uploader = getattr(manager, "_uploader", None)
         if uploader is not None:
             uploader.after_fork_in_child()
@@ -325,6 +328,7 @@ class CheckpointManager:
         ``RLock`` only so that a signal handler calling the manager where the frame it
         interrupted holds it is refused (``_refuse_reentry``) instead of waiting for itself:
         nothing takes it twice."""
+        self._saver.end_locks.append((self._lock, _MANAGER_LOCK))  # the saves' hooks take it
         _MANAGERS.add(self)
         self._file_at_begin: dict[int, tuple[int, int] | None] = {}
         """Step -> the (device, inode) of its file when its first save still running began (None:
@@ -453,7 +457,7 @@ class CheckpointManager:
         """``RuntimeError`` where this thread holds the manager's lock: a signal handler (a
         pre-emption's SIGTERM) that interrupted this manager while it moved ``latest`` or pruned
         and calls it again would wait for the frame it interrupted, for ever."""
-        refuse_reentry(self._lock, "a CheckpointManager moving 'latest' or pruning")
+        refuse_reentry(self._lock, _MANAGER_LOCK)
 
     def _base_for(self, step: int) -> Path | None:
         """The base of a delta at ``step``: the newest complete checkpoint below it (with
