@@ -27,6 +27,10 @@ the GPU engine):
 - ``small_N``: N tensors of 1-37 floats on the device (``--small``), ``gdsckpt.save`` / ``load``
   against ``torch.save`` / ``torch.load`` of the same dict, files in ``--shm-dir``.
 
+Every timed call runs with Python's cyclic garbage collector off (collected before), for less
+noise, unless ``--keep-gc``: then it runs as in a user's process, where a call that builds many
+objects pays for its full collections (those of many small tensors most).
+
 With ``--device cpu`` the same tiers run on the CPU engine (raw reads with ``readinto``).
 ``--profile`` also records where a restore's time goes, from one extra restore per tier with the
 stages timed (slower than the timed rounds): the setup (``setup_open``: reading and validating the
@@ -69,11 +73,17 @@ import numpy as np
 GB = 1e9
 
 
+KEEP_GC = False
+"""``--keep-gc``: time with the cyclic garbage collector running, as in a user's process."""
+
+
 def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
-    """(seconds, result) of ``fn`` with the device synchronized on both sides, no GC inside."""
+    """(seconds, result) of ``fn`` with the device synchronized on both sides, no GC inside
+    (unless ``KEEP_GC``: collected before, running inside)."""
     gc.collect()
     collecting = gc.isenabled()
-    gc.disable()
+    if not KEEP_GC:
+        gc.disable()
     try:
         benchlib.sync(device)
         started = time.perf_counter()
@@ -576,10 +586,15 @@ def main() -> int:
     parser.add_argument("--task-sizes", type=lambda text: [benchlib.parse_size(n) for n in text.split(",") if n],
                         default=[], help="GPU: also restore, save and read raw with these kvikio task sizes "
                         "(e.g. 8MiB,16MiB); labels gdsckpt_task<N>MiB, raw_<N>MiB_task")
+    parser.add_argument("--keep-gc", action="store_true",
+                        help="keep Python's cyclic garbage collector running inside the timed calls, as a "
+                             "user's process does (by default it is off there: less noise)")
     parser.add_argument("--shm-dir", default="/dev/shm")
     parser.add_argument("--dir", default="/tmp/gdsckpt-tier")
     parser.add_argument("--out", default="tier-bench.json")
     args = parser.parse_args()
+    global KEEP_GC
+    KEEP_GC = args.keep_gc
     if args.repeat < 1 or args.restores < 1:
         parser.error("--repeat and --restores must be at least 1")
     return benchlib.run_benchmark("tier_bench", args, lambda report, directory: run(report, directory, args), show)
