@@ -7,7 +7,7 @@ function) is checked against two rules:
    may import from its own package and from packages of lower layers only:
 
    ====  ==========================================================
-   0     ``errors``, ``version``
+   0     ``errors``, ``version``, ``collector``
    1     ``format``
    2     ``codecs``
    3     ``io``
@@ -37,7 +37,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "gdsckpt"
 
 LAYERS: dict[str, int] = {
-    "errors": 0, "version": 0,
+    "errors": 0, "version": 0, "collector": 0,
     "format": 1,
     "codecs": 2,
     "io": 3,
