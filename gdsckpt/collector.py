@@ -13,8 +13,9 @@ save's and of a load's time (docs/performance.md, "Many small tensors").
 A pause covers such a phase only: CPU work whose length is bounded by the number of tensors and
 chunks, never the reads or writes of a checkpoint's bytes. Reference counting frees everything
 else as usual meanwhile; garbage with reference cycles that other threads make waits for the
-pause to end. Pauses nest and overlap across threads: the collector runs again when the last
-one ends, if it was running when the first began (a caller that disabled it keeps it disabled).
+pause to end. Pauses of several threads overlap: the collector runs again when the last one
+ends, if it was running when the first began (a caller that disabled it before keeps it
+disabled).
 """
 
 from __future__ import annotations
@@ -25,50 +26,68 @@ import os
 import threading
 from collections.abc import Iterator
 
-_lock = threading.Lock()
-_depth = 0
-"""Pauses in progress, in every thread."""
+_lock = threading.RLock()
+"""Guards the two below. An ``RLock``: a signal handler that saves while this thread is inside
+``_begin`` or ``_end`` takes it again instead of waiting for itself."""
+_pausing: set[int] = set()
+"""Threads inside a pause. A set, not a count: adding and discarding are idempotent, so a ^C
+that lands between the bookkeeping's steps leaves at worst this thread's entry, which the end
+of its next pause removes."""
 _disabled_here = False
-"""Whether the collector is off because a pause turned it off (so a pause's end turns it on)."""
+"""Whether the collector is off because a pause turned it off (so the last pause's end turns it
+on; set before ``gc.disable``, so that no interrupted step leaves it off unrecorded)."""
 
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
     """Run the block with the cyclic garbage collector off (see the module docstring).
 
-    A ^C that lands inside the end of a pause, before ``gc.enable``, leaves the collector off
-    only until the next pause ends (``_disabled_here`` stays set)."""
-    _begin()
+    A pause nested in another of its thread ends the outer one's early (the collector runs again
+    for the rest of it: time, not correctness). A caller who turns the collector off while
+    another thread's pause runs finds it on again when that pause ends: the setting is one for
+    the process. A ^C that lands inside a pause's own bookkeeping leaves the collector off at
+    worst until the next pause of gdsckpt ends."""
+    me = threading.get_ident()
     try:
+        _begin(me)
         yield
     finally:
-        _end()
+        _end(me)
 
 
-def _begin() -> None:
-    global _depth, _disabled_here
+def _begin(me: int) -> None:
+    global _disabled_here
     with _lock:
-        if _depth == 0 and gc.isenabled():
-            gc.disable()
+        if not _pausing and gc.isenabled():
             _disabled_here = True
-        _depth += 1
+            gc.disable()
+        _pausing.add(me)
 
 
-def _end() -> None:
-    global _depth, _disabled_here
+def _end(me: int) -> None:
+    global _disabled_here
     with _lock:
-        _depth = max(0, _depth - 1)  # 0 already in a child forked during another thread's pause
-        if _depth == 0 and _disabled_here:
+        _pausing.discard(me)
+        for thread in list(_pausing):  # threads that ended without ending their pause
+            if not _is_alive(thread):
+                _pausing.discard(thread)
+        if not _pausing and _disabled_here:
             gc.enable()  # before the flag: interrupted between the two, the next pause's end re-enables
             _disabled_here = False
+
+
+def _is_alive(ident: int) -> bool:
+    """Whether the thread ``ident`` still runs (``threading`` knows every thread that ran
+    Python code)."""
+    return any(thread.ident == ident for thread in threading.enumerate())
 
 
 def _forget_after_fork() -> None:
     """A child forked while another thread paused the collector has no such thread: the pause
     would never end there (nor would the lock it may have held be released)."""
-    global _lock, _depth, _disabled_here
-    _lock = threading.Lock()
-    _depth = 0
+    global _lock, _disabled_here
+    _lock = threading.RLock()
+    _pausing.clear()
     if _disabled_here:
         gc.enable()
         _disabled_here = False

@@ -30,12 +30,14 @@ def collector_enabled() -> Iterator[None]:
 def test_a_pause_turns_the_collector_off_and_back_on_also_after_an_error() -> None:
     with collector.paused():
         assert not gc.isenabled()
-        with collector.paused():
-            assert not gc.isenabled()
-        assert not gc.isenabled()  # the inner pause's end is not the last
     assert gc.isenabled()
     with pytest.raises(KeyError), collector.paused():
         raise KeyError("x")
+    assert gc.isenabled()
+    with collector.paused():
+        with collector.paused():
+            assert not gc.isenabled()
+        assert gc.isenabled()  # a nested pause's end ends its thread's pause: time, not correctness
     assert gc.isenabled()
 
 
@@ -64,15 +66,46 @@ def test_overlapping_pauses_of_two_threads_end_with_the_last() -> None:
     assert gc.isenabled()
 
 
-def test_an_end_interrupted_before_it_turned_the_collector_on_is_mended_by_the_next_pause() -> None:
-    """Fault injection: the state a ^C inside ``_end`` between its bookkeeping and ``gc.enable``
-    would leave (no pause left, the collector off, and off because of a pause)."""
-    collector._begin()
-    with collector._lock:
-        collector._depth = 0  # _end's first statement ran, then the ^C
+@pytest.mark.parametrize("step", ["before-its-bookkeeping", "before-gc.enable"])
+def test_an_end_a_ctrl_c_interrupted_is_mended_by_the_next_pause(step: str) -> None:
+    """Fault injection: the states a ^C landing inside ``_end`` would leave (its thread still
+    counted as pausing; or none, and the collector off because of a pause). Before, a count
+    that an interrupted end never lowered kept the collector off for good."""
+    me = threading.get_ident()
+    collector._begin(me)
+    if step == "before-gc.enable":
+        with collector._lock:
+            collector._pausing.discard(me)
     assert not gc.isenabled()
     with collector.paused():
         pass
+    assert gc.isenabled() and not collector._pausing
+
+
+def test_a_thread_that_ended_inside_a_pause_does_not_keep_the_collector_off() -> None:
+    thread = threading.Thread(target=lambda: collector._begin(threading.get_ident()))
+    thread.start()
+    thread.join(30)
+    assert not gc.isenabled()
+    with collector.paused():
+        pass
+    assert gc.isenabled()
+
+
+def test_a_signal_handler_pausing_inside_the_bookkeeping_does_not_wait_for_itself() -> None:
+    """A handler that saves runs in the thread it interrupted, maybe inside ``_begin`` or
+    ``_end`` with the lock held (a plain lock waited for itself there)."""
+    finished = threading.Event()
+
+    def handler_inside_the_bookkeeping() -> None:
+        with collector._lock, collector.paused():
+            pass
+        finished.set()
+
+    thread = threading.Thread(target=handler_inside_the_bookkeeping, daemon=True)
+    thread.start()
+    assert finished.wait(10), "the pause waited for a lock its own thread held"
+    thread.join(10)
     assert gc.isenabled()
 
 
