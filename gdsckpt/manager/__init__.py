@@ -576,8 +576,7 @@ class CheckpointManager:
         """Wait for this manager's background saves, and with a remote tier for its uploads
         (retrying those that failed); raise the first error no handle reported, or
         ``RemoteUploadError`` if the remote tier still lacks a checkpoint or its ``latest``."""
-        self._refuse_reentry()
-        self._saver.wait_all(timeout)
+        self._saver.wait_all(timeout)  # refuses first where this thread holds our lock (end_locks)
         if self.remote is None:
             return
         self._uploader.request()
