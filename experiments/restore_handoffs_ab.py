@@ -23,6 +23,13 @@ dominate: `experiments/pread_calls.py` measures the reads alone; this measures t
 - ``gc off``: Python's garbage collector disabled for the restore;
 - ``no collect before``: the defaults, without the full collection the other ways get before
   each restore (below), so a restore may collect what earlier ones left;
+- ``blocking waits``: the decoder's waits for its stream sleep on an event made with
+  ``cudaEventBlockingSync`` instead of ``cudaStreamSynchronize``, which spins a core while the
+  device has fewer contexts than the host has cores (CUDA's default schedule), beside kvikio's
+  pool threads that take every core;
+- ``reads only``: the defaults with every decode skipped (its ring slot given back at once): the
+  driver's grouped reads at their own pace, to tell the reads' pace from the decoder's cost
+  (nothing is restored, so this way's result is not compared);
 - ``raw read``: one kvikio read of the whole file (the limit, with the ratio).
 
 ``--ways`` picks some of them (comma-separated; ``raw read`` is always run). ``--profile`` times
@@ -109,7 +116,51 @@ def lead_pieces(pieces: int) -> Iterator[None]:
 
 
 WAYS = ("default", "no lead read", "lead 16 x 64 MiB", "lead 8 x 64 MiB", "switch 0.5 ms", "per-chunk reads", "4 x 64 MiB", "32 x 64 MiB", "8 x 32 MiB",
-        "kvikio 8 threads", "kvikio 12 threads", "kvikio 14 threads", "gds_threshold 0", "gc off", "no collect before", "raw read")
+        "kvikio 8 threads", "kvikio 12 threads", "kvikio 14 threads", "gds_threshold 0", "gc off", "no collect before", "blocking waits", "reads only", "raw read")
+
+
+@contextlib.contextmanager
+def blocking_waits() -> Iterator[None]:
+    """The decoder's stream waits made on a blocking-sync event (the thread sleeps until the
+    device signals) instead of a stream synchronize (which spins under CUDA's default schedule)."""
+    import cupy
+
+    from gdsckpt.codecs.device import CudaDevice
+
+    saved = CudaDevice.synchronize
+
+    def synchronize(self: Any) -> None:
+        event = cupy.cuda.Event(block=True, disable_timing=True)
+        event.record(self.stream)
+        event.synchronize()
+    CudaDevice.synchronize = synchronize  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        CudaDevice.synchronize = saved  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def reads_only() -> Iterator[None]:
+    """Every chunk's decode skipped: its ring slot is given back and its future finished at once."""
+    from concurrent.futures import Future
+
+    from gdsckpt.pipeline.gpu.decoder import GpuDecoder
+
+    saved = GpuDecoder.submit_decode
+
+    def skip(self: Any, record: Any, chain: Any, stored: Any, deliver: Any, **_kwargs: Any) -> Future[None]:
+        slot = self._read_slots.pop(self.device.address(stored), None)
+        if slot is not None:
+            self.ring.release(slot)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+    GpuDecoder.submit_decode = skip  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GpuDecoder.submit_decode = saved  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -201,6 +252,8 @@ def main() -> int:
         "gds_threshold 0": restore(defaults, lambda: kvikio_default("gds_threshold", 0)),
         "gc off": restore(defaults, gc_off),
         "no collect before": restore(defaults),
+        "blocking waits": restore(defaults, blocking_waits),
+        "reads only": restore(defaults, reads_only),
         "raw read": tier_bench.raw_device_read(path, defaults.kvikio_threads, defaults.kvikio_task_size),
     }
     assert set(ways) == set(WAYS)
@@ -221,7 +274,7 @@ def main() -> int:
                 times[way].append(time.perf_counter() - started)
             if profiled:
                 stages[way].append({**stage, **collected})
-            if round_number == 0 and way != "raw read":
+            if round_number == 0 and way not in ("raw read", "reads only"):
                 problems = benchlib.differences(state, got)
                 assert not problems, (way, problems)
             del got
