@@ -16,6 +16,16 @@ else as usual meanwhile; garbage with reference cycles that other threads make w
 pause to end. Pauses of several threads overlap: the collector runs again when the last one
 ends, if it was running when the first began (a caller that disabled it before keeps it
 disabled).
+
+A whole save or restore, whose length does scale with its bytes, runs ``young_only``: the young
+generations are collected as usual (garbage with cycles made meanwhile, by any thread, is
+freed as before), only the full collections wait for its end. The objects the phases above
+leave alive (several per tensor) otherwise set off full collections in the rest of the call,
+each walking the whole process while they are all still alive: with 100,000 small tensors
+about a fifth of a save's and of a load's time (docs/performance.md, "Many small tensors"). Once
+the call has returned and they are freed, the next full collection walks a process its size
+again. On Python 3.14's incremental collector, which has no full collections to defer, it
+changes nothing.
 """
 
 from __future__ import annotations
@@ -68,12 +78,64 @@ def _end(me: int) -> None:
     global _disabled_here
     with _lock:
         _pausing.discard(me)
-        for thread in list(_pausing):  # threads that ended without ending their pause
-            if not _is_alive(thread):
-                _pausing.discard(thread)
+        _drop_dead(_pausing)  # threads that ended without ending their pause
         if not _pausing and _disabled_here:
             gc.enable()  # before the flag: interrupted between the two, the next pause's end re-enables
             _disabled_here = False
+
+
+_young_only: set[int] = set()
+"""Threads inside ``young_only`` (a set for the reasons of ``_pausing``)."""
+_thresholds_before: tuple[int, int, int] | None = None
+"""The collector's thresholds when the first ``young_only`` began, restored when the last one
+ends (recorded before they are changed, as ``_disabled_here``)."""
+FULL_COLLECTIONS_DEFERRED = 1 << 30
+"""The oldest generation's threshold inside ``young_only``: full collections run after that many
+collections of the middle one, never within one save or restore."""
+
+
+@contextlib.contextmanager
+def young_only() -> Iterator[None]:
+    """Run the block with the collector's full collections deferred and the young generations
+    collected as usual (see the module docstring). Holds of several threads overlap, as pauses
+    do; a nested one ends its thread's hold at its inner end. Thresholds a caller sets while a
+    hold runs are theirs: the end leaves them. A ^C inside the bookkeeping is mended by the next
+    hold's end, as for ``paused``."""
+    me = threading.get_ident()
+    try:
+        _begin_young_only(me)
+        yield
+    finally:
+        _end_young_only(me)
+
+
+def _begin_young_only(me: int) -> None:
+    global _thresholds_before
+    with _lock:
+        if not _young_only and _thresholds_before is None:
+            young, middle, oldest = gc.get_threshold()
+            _thresholds_before = (young, middle, oldest)
+            gc.set_threshold(young, middle, FULL_COLLECTIONS_DEFERRED)
+        _young_only.add(me)
+
+
+def _end_young_only(me: int) -> None:
+    global _thresholds_before
+    with _lock:
+        _young_only.discard(me)
+        _drop_dead(_young_only)
+        before = _thresholds_before
+        if not _young_only and before is not None:
+            if gc.get_threshold() == (before[0], before[1], FULL_COLLECTIONS_DEFERRED):
+                gc.set_threshold(*before)  # before the record: interrupted between, the next end mends it
+            _thresholds_before = None
+
+
+def _drop_dead(threads: set[int]) -> None:
+    """Forget the threads of ``threads`` that ended inside their hold (under ``_lock``)."""
+    for thread in list(threads):
+        if not _is_alive(thread):
+            threads.discard(thread)
 
 
 def _is_alive(ident: int) -> bool:
@@ -83,14 +145,20 @@ def _is_alive(ident: int) -> bool:
 
 
 def _forget_after_fork() -> None:
-    """A child forked while another thread paused the collector has no such thread: the pause
-    would never end there (nor would the lock it may have held be released)."""
-    global _lock, _disabled_here
+    """A child forked while another thread paused the collector (or deferred its full
+    collections) has no such thread: the pause would never end there (nor would the lock it may
+    have held be released)."""
+    global _lock, _disabled_here, _thresholds_before
     _lock = threading.RLock()
     _pausing.clear()
+    _young_only.clear()
     if _disabled_here:
         gc.enable()
         _disabled_here = False
+    if _thresholds_before is not None:
+        if gc.get_threshold()[2] == FULL_COLLECTIONS_DEFERRED:
+            gc.set_threshold(*_thresholds_before)
+        _thresholds_before = None
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

@@ -339,10 +339,11 @@ class Checkpoint:
         """Around a read: a failure that meets the checkpoint closed meanwhile (another thread's
         ``close``: a closed I/O lane, a cancelled read) is the same "closed" ``ValueError`` as a
         read after ``close``, the failure chained to it. A ``CheckpointError`` (damage found)
-        stays what it is."""
+        stays what it is. The read runs with full collections deferred (``collector.young_only``)."""
         self._check_open()
         try:
-            yield
+            with collector.young_only():
+                yield
         except CheckpointError:
             raise
         except Exception as err:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import collector
 from ..config import Config
 from ..errors import (
     StateMismatchError,
@@ -51,6 +52,7 @@ from .resolve import (
 )
 
 
+@collector.young_only()
 def load_into(target: Any, path: Source, *, strict: bool | str = True, config: Config | None = None,
               progress: Progress | None = None) -> Any:
     """Copy a checkpoint into existing tensors, in place, and return ``target``.

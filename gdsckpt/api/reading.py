@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from .. import collector
 from ..codecs import codec_spec
 from ..config import Config
 from ..errors import UnsupportedFormatError
@@ -47,6 +48,7 @@ from .resolve import (
 )
 
 
+@collector.young_only()
 def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
          config: Config | None = None, progress: Progress | None = None, map_location: Any = None) -> Any:
     """Load a checkpoint into the same nested structure and types it was saved from.
@@ -146,6 +148,7 @@ def cpu_decodes(versioned: str) -> bool:
         return False
 
 
+@collector.young_only()
 def verify(path: Source, *, config: Config | None = None, progress: Progress | None = None,
            chain: bool = False) -> VerifyReport:
     """Read every chunk, check every checksum and decode every stream.

@@ -170,6 +170,7 @@ def _gpu_chunk_bytes(chunk_bytes: int | str | None) -> int | None:
     return None if chunk_bytes is None else min(parse_size(chunk_bytes), MAX_CHUNK_BYTES)
 
 
+@collector.young_only()
 def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "auto",
               chunk_bytes: int | str | None = None, config: Config | None = None,
               devices: list[str] | None = None, progress: Progress | None = None, base: PathLike | None = None,

@@ -109,7 +109,10 @@ class TorchSource(_SourceBase):
         super().__init__(tensor.numel() * spec.itemsize, spec.itemsize, spec.plane_width,
                          tensor.device.type == "cuda" if on_device is None else on_device)
         # A lazy conjugate / negative view reads as values its memory does not hold: materialize it.
-        tensor = tensor.detach()
+        # Detached only where autograd tracks it: a detached view is one more object per tensor
+        # that outlives the save's phases (``collector``), and reads need no autograd either way.
+        if tensor.requires_grad:
+            tensor = tensor.detach()
         if tensor.is_conj() or tensor.is_neg():
             tensor = tensor.resolve_conj().resolve_neg()
         self.tensor = tensor
@@ -123,6 +126,12 @@ class TorchSource(_SourceBase):
     def host_bytes(self, start: int, stop: int) -> np.ndarray:
         """Bytes ``[start, stop)`` of the tensor as a host uint8 array (copied from its GPU for a
         CUDA tensor)."""
+        tensor = self.tensor
+        if start == 0 and stop == self.nbytes and not tensor.is_cuda and tensor.is_contiguous():
+            # The whole of a CPU tensor, as a small tensor packed with others into a chunk is read:
+            # one byte view, without the range arithmetic and slicing (a state of 100,000 small
+            # tensors paid them per tensor, in codec threads that contend for the interpreter lock).
+            return _byte_view(tensor.reshape(-1)).numpy()
         part = self._part(start, stop)
         return (part.cpu() if part.device.type != "cpu" else part).numpy()
 

@@ -185,7 +185,7 @@ def decode_scalar(node: dict[str, Any]) -> Any:
 class _Flattener:
     def __init__(self) -> None:
         self.arrays: list[FlatArray] = []
-        self.keys: dict[str, list[Any]] = {}
+        self.keys: dict[str, tuple[Any, ...]] = {}
         self.views: dict[tuple[Any, ...], int] = {}
         self.torch = sys.modules.get("torch")
         self.cupy = sys.modules.get("cupy")
@@ -265,8 +265,10 @@ class _Flattener:
                   source: Any, view_key: tuple[Any, ...] | None, extra: dict[str, Any]) -> dict[str, Any]:
         key = join_key(path)
         if key in self.keys:
-            raise ValueError(f"two entries map to the key {key!r}: paths {self.keys[key]!r} and {path!r}")
-        self.keys[key] = list(path)
+            raise ValueError(f"two entries map to the key {key!r}: paths {list(self.keys[key])!r} and {path!r}")
+        # A tuple: of strings and ints, the collector stops tracking it at its first pass (a list
+        # per tensor stayed a tracked object for the whole save).
+        self.keys[key] = tuple(path)
         alias = self.views.get(view_key) if view_key is not None else None
         array_id = len(self.arrays)
         self.arrays.append(FlatArray(key, kind, dtype, shape, device, None if alias is not None else source,
