@@ -52,7 +52,6 @@ from .resolve import (
 )
 
 
-@collector.young_only()
 def load_into(target: Any, path: Source, *, strict: bool | str = True, config: Config | None = None,
               progress: Progress | None = None) -> Any:
     """Copy a checkpoint into existing tensors, in place, and return ``target``.
@@ -97,116 +96,117 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
     ``state_dict`` makes a new tensor each time it is asked (a copy: filling it would leave the
     module as it was; give the loaded state to its ``load_state_dict`` instead).
     """
-    if strict not in (True, False, "exact"):
-        raise ValueError(f"strict must be True, False or 'exact', got {strict!r}")
-    cfg = resolve_config(config)
-    existing: dict[str, Any] = {}
-    delegates: list[_Delegate] = []
-    plain_slots: list[tuple[Any, Any, int]] = []
-    held: dict[int, Any] = {}
-    paths = KeyPaths()  # plain values are matched by path identity: no key string per value
-    _collect_targets(target, [], existing, delegates, plain_slots, paths, KeyPaths.ROOT, held)
+    with collector.young_only():  # not a decorator: its frame would be the one warnings name
+        if strict not in (True, False, "exact"):
+            raise ValueError(f"strict must be True, False or 'exact', got {strict!r}")
+        cfg = resolve_config(config)
+        existing: dict[str, Any] = {}
+        delegates: list[_Delegate] = []
+        plain_slots: list[tuple[Any, Any, int]] = []
+        held: dict[int, Any] = {}
+        paths = KeyPaths()  # plain values are matched by path identity: no key string per value
+        _collect_targets(target, [], existing, delegates, plain_slots, paths, KeyPaths.ROOT, held)
 
-    devices = {str(t.device) for t in existing.values()}
-    device = devices.pop() if len(devices) == 1 else None
-    gpu_device = restore_gpu_device(cfg, device)
-    with open_reader(path, cfg, gpu_device is not None) as reader, contextlib.ExitStack() as stack:
-        # tensors on one GPU: the reads start while the index is parsed
-        lead = stack.enter_context(lead_read(path, cfg, reader, gpu_device, fills_device=True))
-        opened = open_checked(reader)
-        index = opened.index
-        by_key = {record.key: i for i, record in enumerate(index.tensors)}
-        delegate_nodes = {paths.of(delegate.path): delegate for delegate in delegates}
-        plain_values, found, ambiguous = _plain_values(index.tree, paths, set(delegate_nodes))
-        problems = []
-        for key, tensor in existing.items():
-            if key not in by_key:
-                problems.append(f"{key!r}: in target, missing from checkpoint")
-                continue
-            record = index.tensors[by_key[key]]
-            dtype = torch_dtype_name(tensor.dtype)
-            if tuple(tensor.shape) != record.shape or dtype != record.dtype:
-                problems.append(f"{key!r}: target {dtype}{list(tensor.shape)} != checkpoint "
-                                f"{record.dtype}{list(record.shape)}")
-        delegate_prefixes = [join_key(delegate.path) for delegate in delegates]
-        for node in [*(node for _container, _slot, node in plain_slots), *held]:
-            if node in ambiguous:
-                problems.append(f"{paths.key(node)!r}: the checkpoint holds two entries under this key "
-                                f"(keys of different types with one spelling): load it with gdsckpt.load")
-            elif node not in plain_values:
-                problems.append(f"{paths.key(node)!r}: in target, missing from checkpoint")
-            elif node in held and not _same_value(held[node], plain_values[node]):
-                problems.append(f"{paths.key(node)!r}: target {held[node]!r} != checkpoint "
-                                f"{plain_values[node]!r}, and a tuple cannot be filled in place (give a list)")
-        if strict:
-            scope = _asked_for(target) if strict is True else None
-            for key in by_key:
-                if (key not in existing and not any(_under(key, p) for p in delegate_prefixes)
-                        and _in_scope(key, scope)):
-                    problems.append(f"{key!r}: in checkpoint, missing from target")
-            slot_nodes = {node for _container, _slot, node in plain_slots} | set(held)
-            # by identity, not key string: paths.key shortens long keys for messages
-            scope_tops = None if scope is None else {paths.child(KeyPaths.ROOT, key) for key in _top_keys(target)}
-            for node in plain_values:  # optimizer and extra state are left out of plain_values
-                if node not in slot_nodes and (scope_tops is None or paths.top(node) in scope_tops):
-                    problems.append(f"{paths.key(node)!r}: in checkpoint, missing from target")
-        delegate_ids = [i for i, record in enumerate(index.tensors)
-                        if any(_under(record.key, p) for p in delegate_prefixes)]
-        for node, delegate in delegate_nodes.items():
-            if node not in found:
-                problems.append(f"{join_key(delegate.path)!r}: {delegate.what} missing from checkpoint")
-            elif delegate.check_node is not None:
-                problem = delegate.check_node(found[node], index)
-                if problem is not None:
-                    problems.append(f"{join_key(delegate.path)!r}: {problem}")
-            elif delegate.check is not None:
-                problem = delegate.check(unflatten(found[node], _NO_ARRAYS))
-                if problem is not None:
-                    problems.append(f"{join_key(delegate.path)!r}: {problem}")
-        if problems:
-            raise StateMismatchError("checkpoint does not match target:\n  " + "\n  ".join(problems))
+        devices = {str(t.device) for t in existing.values()}
+        device = devices.pop() if len(devices) == 1 else None
+        gpu_device = restore_gpu_device(cfg, device)
+        with open_reader(path, cfg, gpu_device is not None) as reader, contextlib.ExitStack() as stack:
+            # tensors on one GPU: the reads start while the index is parsed
+            lead = stack.enter_context(lead_read(path, cfg, reader, gpu_device, fills_device=True))
+            opened = open_checked(reader)
+            index = opened.index
+            by_key = {record.key: i for i, record in enumerate(index.tensors)}
+            delegate_nodes = {paths.of(delegate.path): delegate for delegate in delegates}
+            plain_values, found, ambiguous = _plain_values(index.tree, paths, set(delegate_nodes))
+            problems = []
+            for key, tensor in existing.items():
+                if key not in by_key:
+                    problems.append(f"{key!r}: in target, missing from checkpoint")
+                    continue
+                record = index.tensors[by_key[key]]
+                dtype = torch_dtype_name(tensor.dtype)
+                if tuple(tensor.shape) != record.shape or dtype != record.dtype:
+                    problems.append(f"{key!r}: target {dtype}{list(tensor.shape)} != checkpoint "
+                                    f"{record.dtype}{list(record.shape)}")
+            delegate_prefixes = [join_key(delegate.path) for delegate in delegates]
+            for node in [*(node for _container, _slot, node in plain_slots), *held]:
+                if node in ambiguous:
+                    problems.append(f"{paths.key(node)!r}: the checkpoint holds two entries under this key "
+                                    f"(keys of different types with one spelling): load it with gdsckpt.load")
+                elif node not in plain_values:
+                    problems.append(f"{paths.key(node)!r}: in target, missing from checkpoint")
+                elif node in held and not _same_value(held[node], plain_values[node]):
+                    problems.append(f"{paths.key(node)!r}: target {held[node]!r} != checkpoint "
+                                    f"{plain_values[node]!r}, and a tuple cannot be filled in place (give a list)")
+            if strict:
+                scope = _asked_for(target) if strict is True else None
+                for key in by_key:
+                    if (key not in existing and not any(_under(key, p) for p in delegate_prefixes)
+                            and _in_scope(key, scope)):
+                        problems.append(f"{key!r}: in checkpoint, missing from target")
+                slot_nodes = {node for _container, _slot, node in plain_slots} | set(held)
+                # by identity, not key string: paths.key shortens long keys for messages
+                scope_tops = None if scope is None else {paths.child(KeyPaths.ROOT, key) for key in _top_keys(target)}
+                for node in plain_values:  # optimizer and extra state are left out of plain_values
+                    if node not in slot_nodes and (scope_tops is None or paths.top(node) in scope_tops):
+                        problems.append(f"{paths.key(node)!r}: in checkpoint, missing from target")
+            delegate_ids = [i for i, record in enumerate(index.tensors)
+                            if any(_under(record.key, p) for p in delegate_prefixes)]
+            for node, delegate in delegate_nodes.items():
+                if node not in found:
+                    problems.append(f"{join_key(delegate.path)!r}: {delegate.what} missing from checkpoint")
+                elif delegate.check_node is not None:
+                    problem = delegate.check_node(found[node], index)
+                    if problem is not None:
+                        problems.append(f"{join_key(delegate.path)!r}: {problem}")
+                elif delegate.check is not None:
+                    problem = delegate.check(unflatten(found[node], _NO_ARRAYS))
+                    if problem is not None:
+                        problems.append(f"{join_key(delegate.path)!r}: {problem}")
+            if problems:
+                raise StateMismatchError("checkpoint does not match target:\n  " + "\n  ".join(problems))
 
-        wanted = {by_key[key]: tensor for key, tensor in existing.items()}
-        holding = {t.device.index or 0 for t in wanted.values() if t.device.type == "cuda"}
-        if holding:
-            from ..codecs.device import synchronize_devices
+            wanted = {by_key[key]: tensor for key, tensor in existing.items()}
+            holding = {t.device.index or 0 for t in wanted.values() if t.device.type == "cuda"}
+            if holding:
+                from ..codecs.device import synchronize_devices
 
-            # Work queued on the targets (an optimizer step before a rollback) lands before the
-            # restore writes them, on every GPU they are on and whichever engine writes: the GPU
-            # decoder waits only for its own device's current streams, the CPU engine's copies
-            # run on its threads' default streams.
-            synchronize_devices(holding)
-        # Host targets and a file only a GPU decodes (a GPU save's default codec): decoded on the
-        # GPU, its chunks read by a device reader, delivered to host memory.
-        decode_on = gpu_device
-        if decode_on is None:
-            decode_on = restore_gpu_device(cfg, device, index, [*wanted, *delegate_ids])
-        try:
-            with open_data_reader(path, cfg, reader, decode_on) if decode_on != gpu_device else (
-                    contextlib.nullcontext(reader)) as data_reader:
-                arrays = _restore_in_target_order(data_reader, opened, wanted, delegate_ids, cfg, decode_on,
-                                                  progress, lead.read if lead is not None else None)
-        finally:
-            opened.close_base()
-        warn_lossy(index, arrays)
+                # Work queued on the targets (an optimizer step before a rollback) lands before the
+                # restore writes them, on every GPU they are on and whichever engine writes: the GPU
+                # decoder waits only for its own device's current streams, the CPU engine's copies
+                # run on its threads' default streams.
+                synchronize_devices(holding)
+            # Host targets and a file only a GPU decodes (a GPU save's default codec): decoded on the
+            # GPU, its chunks read by a device reader, delivered to host memory.
+            decode_on = gpu_device
+            if decode_on is None:
+                decode_on = restore_gpu_device(cfg, device, index, [*wanted, *delegate_ids])
+            try:
+                with open_data_reader(path, cfg, reader, decode_on) if decode_on != gpu_device else (
+                        contextlib.nullcontext(reader)) as data_reader:
+                    arrays = _restore_in_target_order(data_reader, opened, wanted, delegate_ids, cfg, decode_on,
+                                                      progress, lead.read if lead is not None else None)
+            finally:
+                opened.close_base()
+            warn_lossy(index, arrays)
 
-    for i, tensor in wanted.items():
-        if arrays[i] is not tensor:  # an alias whose data landed in another tensor
-            with writable(tensor):
-                tensor.copy_(_as_torch(arrays[i]))  # or in a NumPy array: a numpy entry's alias
-    for delegate in delegates:
-        selection = Selection([join_key(delegate.path)] if delegate.path else None)
-        subtree = unflatten(index.tree, arrays, selection)
-        for part in delegate.path:
-            subtree = subtree[part]
-        try:
-            delegate.apply(subtree)
-        except (ValueError, KeyError, TypeError, RuntimeError) as err:
-            raise StateMismatchError(f"{delegate.what} at {join_key(delegate.path)!r} rejected the checkpoint's "
-                                     f"state: {err}") from err
-    for container, slot, node in plain_slots:
-        container[slot] = plain_values[node]
-    return target
+        for i, tensor in wanted.items():
+            if arrays[i] is not tensor:  # an alias whose data landed in another tensor
+                with writable(tensor):
+                    tensor.copy_(_as_torch(arrays[i]))  # or in a NumPy array: a numpy entry's alias
+        for delegate in delegates:
+            selection = Selection([join_key(delegate.path)] if delegate.path else None)
+            subtree = unflatten(index.tree, arrays, selection)
+            for part in delegate.path:
+                subtree = subtree[part]
+            try:
+                delegate.apply(subtree)
+            except (ValueError, KeyError, TypeError, RuntimeError) as err:
+                raise StateMismatchError(f"{delegate.what} at {join_key(delegate.path)!r} rejected the checkpoint's "
+                                         f"state: {err}") from err
+        for container, slot, node in plain_slots:
+            container[slot] = plain_values[node]
+        return target
 
 
 def _restore_in_target_order(reader: StorageReader, opened: OpenedFile, wanted: dict[int, Any],

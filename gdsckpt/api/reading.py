@@ -48,7 +48,6 @@ from .resolve import (
 )
 
 
-@collector.young_only()
 def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
          config: Config | None = None, progress: Progress | None = None, map_location: Any = None) -> Any:
     """Load a checkpoint into the same nested structure and types it was saved from.
@@ -73,35 +72,36 @@ def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
     ``gdsckpt.io.PreloadedReader(path, pinned=True)`` holds the file in memory, to measure a
     restore without storage.
     """
-    cfg = resolve_config(config)
-    location = resolve_location(device, map_location)
-    selection = Selection(keys)
-    with open_reader(path, cfg) as reader, contextlib.ExitStack() as stack:
-        # a whole restore into a named GPU starts reading while the index is parsed
-        lead = (stack.enter_context(lead_read(path, cfg, reader, restore_gpu_device(cfg, location)))
-                if keys is None and isinstance(location, str) else None)
-        opened = open_checked(reader)
-        index = opened.index
-        wanted = (list(range(len(index.tensors))) if keys is None
-                  else [i for i, record in enumerate(index.tensors) if selection.covers(record.key)])
-        gpu_device = restore_gpu_device(cfg, single_destination(location, (index.tensors[i] for i in wanted)),
-                                        index, wanted)
-        if lead is not None and lead.gpu_device != gpu_device:
-            lead.read.close()  # not this restore's device: released before the restore allocates
-            lead = None
-        try:
-            data_reader = (lead.reader if lead is not None
-                           else stack.enter_context(open_data_reader(path, cfg, reader, gpu_device)))
-            arrays = restore_arrays(data_reader, opened, wanted, cfg,
-                                    lambda _i, record: new_target(record, destination(location, record)),
-                                    gpu_device, progress, new_targets=True,
-                                    lead=lead.read if lead is not None else None)
-        finally:
-            opened.close_base()
-    warn_lossy(index, wanted)
-    state = unflatten(index.tree, arrays, selection)
-    _check_selection(selection, index)
-    return state
+    with collector.young_only():  # not a decorator: its frame would be the one warnings name
+        cfg = resolve_config(config)
+        location = resolve_location(device, map_location)
+        selection = Selection(keys)
+        with open_reader(path, cfg) as reader, contextlib.ExitStack() as stack:
+            # a whole restore into a named GPU starts reading while the index is parsed
+            lead = (stack.enter_context(lead_read(path, cfg, reader, restore_gpu_device(cfg, location)))
+                    if keys is None and isinstance(location, str) else None)
+            opened = open_checked(reader)
+            index = opened.index
+            wanted = (list(range(len(index.tensors))) if keys is None
+                      else [i for i, record in enumerate(index.tensors) if selection.covers(record.key)])
+            gpu_device = restore_gpu_device(cfg, single_destination(location, (index.tensors[i] for i in wanted)),
+                                            index, wanted)
+            if lead is not None and lead.gpu_device != gpu_device:
+                lead.read.close()  # not this restore's device: released before the restore allocates
+                lead = None
+            try:
+                data_reader = (lead.reader if lead is not None
+                               else stack.enter_context(open_data_reader(path, cfg, reader, gpu_device)))
+                arrays = restore_arrays(data_reader, opened, wanted, cfg,
+                                        lambda _i, record: new_target(record, destination(location, record)),
+                                        gpu_device, progress, new_targets=True,
+                                        lead=lead.read if lead is not None else None)
+            finally:
+                opened.close_base()
+        warn_lossy(index, wanted)
+        state = unflatten(index.tree, arrays, selection)
+        _check_selection(selection, index)
+        return state
 
 
 def _check_selection(selection: Selection, index: Index) -> None:
@@ -148,7 +148,6 @@ def cpu_decodes(versioned: str) -> bool:
         return False
 
 
-@collector.young_only()
 def verify(path: Source, *, config: Config | None = None, progress: Progress | None = None,
            chain: bool = False) -> VerifyReport:
     """Read every chunk, check every checksum and decode every stream.
@@ -160,28 +159,29 @@ def verify(path: Source, *, config: Config | None = None, progress: Progress | N
     depth (``DeltaBaseError`` otherwise: the delta would not load); ``chain=True`` verifies
     their chunks too.
     """
-    cfg = resolve_config(config)
-    started = time.perf_counter()
-    opened, stored = _verify_chunks(path, cfg, progress)
-    bases: list[str] = []
-    checkpoints: list[Checkpoint] = []
-    try:
-        current = opened
-        while current.index.base is not None:
-            base = open_base(current, cfg)  # present, unchanged, of the recorded depth
-            checkpoints.append(base)
-            bases.append(base.path)
-            if chain:
-                with damage_named_as_base(base.path):
-                    _verify_chunks(base.path, cfg, None)
-            current = opened_file(base)
-    finally:
-        for checkpoint in checkpoints:
-            checkpoint.close()
-    index = opened.index
-    logical = sum(record.nbytes for record in index.tensors if record.alias is None)
-    return VerifyReport(source_name(path), len(index.chunks), stored, logical, time.perf_counter() - started,
-                        tuple(bases))
+    with collector.young_only():  # not a decorator: its frame would be the one warnings name
+        cfg = resolve_config(config)
+        started = time.perf_counter()
+        opened, stored = _verify_chunks(path, cfg, progress)
+        bases: list[str] = []
+        checkpoints: list[Checkpoint] = []
+        try:
+            current = opened
+            while current.index.base is not None:
+                base = open_base(current, cfg)  # present, unchanged, of the recorded depth
+                checkpoints.append(base)
+                bases.append(base.path)
+                if chain:
+                    with damage_named_as_base(base.path):
+                        _verify_chunks(base.path, cfg, None)
+                current = opened_file(base)
+        finally:
+            for checkpoint in checkpoints:
+                checkpoint.close()
+        index = opened.index
+        logical = sum(record.nbytes for record in index.tensors if record.alias is None)
+        return VerifyReport(source_name(path), len(index.chunks), stored, logical, time.perf_counter() - started,
+                            tuple(bases))
 
 
 def _verify_chunks(path: Source, config: Config, progress: Progress | None) -> tuple[OpenedFile, int]:

@@ -170,7 +170,6 @@ def _gpu_chunk_bytes(chunk_bytes: int | str | None) -> int | None:
     return None if chunk_bytes is None else min(parse_size(chunk_bytes), MAX_CHUNK_BYTES)
 
 
-@collector.young_only()
 def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "auto",
               chunk_bytes: int | str | None = None, config: Config | None = None,
               devices: list[str] | None = None, progress: Progress | None = None, base: PathLike | None = None,
@@ -194,87 +193,88 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
     is uploaded as well, where every byte saved is worth ``ratio`` bytes of state).
     ``before_commit()`` runs just before the file or object becomes visible; its error aborts the
     save (the save worker checks there that the process owning the snapshot is still alive)."""
-    started = time.perf_counter()
-    cfg = resolve_config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=_gpu_chunk_bytes(chunk_bytes),
-                         codec=None if codec == "auto" else codec)
-    gpu_device = None
-    if devices is not None:
-        if len(devices) != len(flat.arrays):
-            raise ValueError(f"{len(devices)} devices given for {len(flat.arrays)} arrays")
-        for array, device in zip(flat.arrays, devices):
-            array.device = device
-        gpu_device = next((device_index(d) for d in devices if d.startswith("cuda")), None)
-    # Rounded before anything reads the sources (a delta then XORs the rounded values); a rewrite
-    # (``rebase``, ``convert``) carries its source's rounded arrays over and reports them too.
-    lossy_keys = apply_policy(flat, lossy) if lossy is not None else _carried_lossy_keys(flat)
-    with contextlib.ExitStack() as stack:
-        link: dict[str, Any] | None = None
-        delta: set[int] = set()
-        if base is not None:
-            if isinstance(path, StorageWriter):
-                raise ValueError("a delta save (base=...) needs a file path, not a storage writer")
-            link, delta = _delta_sources(flat, path, base, max_chain, cfg, stack)
-        # A background save (``devices`` given: a snapshot of CUDA state) keeps the GPU engine's
-        # choice: the CPU engine's codec threads would compete with the training loop for the
-        # host's cores, which the engines' predicted save speeds do not weigh.
-        engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, path, gpu_device,
-                                                              weigh_cpu=not delta and devices is None,
-                                                              learn=not delta and not background
-                                                              and may_store_as_is)
-        # the GPU encoder's chunks: gpu_chunk_bytes, or smaller where its staging fits the budget only then
-        chunk = engine.chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
-        if engine.name == "gpu" and chunk != cfg.gpu_chunk_bytes:
-            auto.update(chunk_bytes=chunk, chunk_reason=(
-                f"gpu_chunk_bytes={cfg.gpu_chunk_bytes} leaves no room for two staging slots beside nvCOMP's "
-                f"{codec_name} scratch within max_staging_bytes={cfg.max_staging_bytes}"))
-        plans = plan_chunks(
-            [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
-              a.source.plane_width if a.source else 0) for a in flat.arrays],
-            chunk_bytes=chunk, pack_below=min(cfg.pack_below, chunk), delta=delta,
+    with collector.young_only():  # not a decorator: its frame would be the one warnings name
+        started = time.perf_counter()
+        cfg = resolve_config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=_gpu_chunk_bytes(chunk_bytes),
+                             codec=None if codec == "auto" else codec)
+        gpu_device = None
+        if devices is not None:
+            if len(devices) != len(flat.arrays):
+                raise ValueError(f"{len(devices)} devices given for {len(flat.arrays)} arrays")
+            for array, device in zip(flat.arrays, devices):
+                array.device = device
+            gpu_device = next((device_index(d) for d in devices if d.startswith("cuda")), None)
+        # Rounded before anything reads the sources (a delta then XORs the rounded values); a rewrite
+        # (``rebase``, ``convert``) carries its source's rounded arrays over and reports them too.
+        lossy_keys = apply_policy(flat, lossy) if lossy is not None else _carried_lossy_keys(flat)
+        with contextlib.ExitStack() as stack:
+            link: dict[str, Any] | None = None
+            delta: set[int] = set()
+            if base is not None:
+                if isinstance(path, StorageWriter):
+                    raise ValueError("a delta save (base=...) needs a file path, not a storage writer")
+                link, delta = _delta_sources(flat, path, base, max_chain, cfg, stack)
+            # A background save (``devices`` given: a snapshot of CUDA state) keeps the GPU engine's
+            # choice: the CPU engine's codec threads would compete with the training loop for the
+            # host's cores, which the engines' predicted save speeds do not weigh.
+            engine, make_writer, codec_name, auto = _save_engine(cfg, flat, cfg.codec, path, gpu_device,
+                                                                  weigh_cpu=not delta and devices is None,
+                                                                  learn=not delta and not background
+                                                                  and may_store_as_is)
+            # the GPU encoder's chunks: gpu_chunk_bytes, or smaller where its staging fits the budget only then
+            chunk = engine.chunk_bytes if engine.name == "gpu" else cfg.chunk_bytes
+            if engine.name == "gpu" and chunk != cfg.gpu_chunk_bytes:
+                auto.update(chunk_bytes=chunk, chunk_reason=(
+                    f"gpu_chunk_bytes={cfg.gpu_chunk_bytes} leaves no room for two staging slots beside nvCOMP's "
+                    f"{codec_name} scratch within max_staging_bytes={cfg.max_staging_bytes}"))
+            plans = plan_chunks(
+                [(0 if a.alias is not None else a.source.nbytes, a.source.itemsize if a.source else 1,
+                  a.source.plane_width if a.source else 0) for a in flat.arrays],
+                chunk_bytes=chunk, pack_below=min(cfg.pack_below, chunk), delta=delta,
+            )
+            writer: StorageWriter | None = None
+            try:
+                writer = path if isinstance(path, StorageWriter) else make_writer(path, cfg)
+                if not rename:
+                    if not isinstance(writer, PosixWriter):
+                        writer.abort()
+                        raise ValueError(f"a save in a worker process needs a file path, not {path!r}")
+                    writer.keep_temporary = True
+                result = run_save(plans, engine, writer, progress=progress,
+                                  max_inflight_bytes=inflight_budget(cfg, engine),
+                                  index=index_template(flat, link), timeout=cfg.timeout,
+                                  before_commit=before_commit)
+            except BaseException:
+                # run_save aborts the writer it was handed; an error before it began (a ^C while the
+                # index template is made) would leave the temporary file and its descriptors for the
+                # life of the process. abort is safe more than once, and a no-op once committed.
+                if writer is not None:
+                    with contextlib.suppress(Exception):
+                        writer.abort()
+                raise
+            finally:
+                engine.close()
+        logical = sum(a.source.nbytes for a in flat.arrays if a.alias is None)
+        if auto.get("adaptive"):
+            as_is = auto.get("stored") == "as it is"
+            # chunks stored uncompressed: all of them, or those whose turn came while the storage waited
+            auto["stored_as_is"] = len(result.chunks) if as_is else engine.stored_raw
+            key = auto.pop("storage_key", None)
+            if key is not None:
+                pace = None if as_is else engine.codec_pace()
+                HOST_AUTO_HISTORY.record(key, logical, None if pace is None else pace[0] / 1e9,
+                                         cfg.effective_codec_threads)
+        chains: dict[str, int] = {}
+        for record in result.chunks:
+            label = chain_label(result.chains[record.chain].to_json())
+            chains[label] = chains.get(label, 0) + 1
+        return SaveReport(
+            path=_report_path(path, writer, rename), logical_bytes=logical, file_bytes=result.file_bytes,
+            ratio=logical / result.file_bytes if result.file_bytes else 0.0,
+            seconds=time.perf_counter() - started, codec=codec_name, backend=writer.name,
+            engine=engine.name, tensors=len(flat.arrays), chunks=len(result.chunks), chains=chains, auto=auto,
+            base=link["path"] if link is not None else None, delta_tensors=len(delta), lossy=tuple(lossy_keys),
         )
-        writer: StorageWriter | None = None
-        try:
-            writer = path if isinstance(path, StorageWriter) else make_writer(path, cfg)
-            if not rename:
-                if not isinstance(writer, PosixWriter):
-                    writer.abort()
-                    raise ValueError(f"a save in a worker process needs a file path, not {path!r}")
-                writer.keep_temporary = True
-            result = run_save(plans, engine, writer, progress=progress,
-                              max_inflight_bytes=inflight_budget(cfg, engine),
-                              index=index_template(flat, link), timeout=cfg.timeout,
-                              before_commit=before_commit)
-        except BaseException:
-            # run_save aborts the writer it was handed; an error before it began (a ^C while the
-            # index template is made) would leave the temporary file and its descriptors for the
-            # life of the process. abort is safe more than once, and a no-op once committed.
-            if writer is not None:
-                with contextlib.suppress(Exception):
-                    writer.abort()
-            raise
-        finally:
-            engine.close()
-    logical = sum(a.source.nbytes for a in flat.arrays if a.alias is None)
-    if auto.get("adaptive"):
-        as_is = auto.get("stored") == "as it is"
-        # chunks stored uncompressed: all of them, or those whose turn came while the storage waited
-        auto["stored_as_is"] = len(result.chunks) if as_is else engine.stored_raw
-        key = auto.pop("storage_key", None)
-        if key is not None:
-            pace = None if as_is else engine.codec_pace()
-            HOST_AUTO_HISTORY.record(key, logical, None if pace is None else pace[0] / 1e9,
-                                     cfg.effective_codec_threads)
-    chains: dict[str, int] = {}
-    for record in result.chunks:
-        label = chain_label(result.chains[record.chain].to_json())
-        chains[label] = chains.get(label, 0) + 1
-    return SaveReport(
-        path=_report_path(path, writer, rename), logical_bytes=logical, file_bytes=result.file_bytes,
-        ratio=logical / result.file_bytes if result.file_bytes else 0.0,
-        seconds=time.perf_counter() - started, codec=codec_name, backend=writer.name,
-        engine=engine.name, tensors=len(flat.arrays), chunks=len(result.chunks), chains=chains, auto=auto,
-        base=link["path"] if link is not None else None, delta_tensors=len(delta), lossy=tuple(lossy_keys),
-    )
 
 
 def _report_path(path: PathLike | StorageWriter, writer: StorageWriter, renamed: bool) -> str:
