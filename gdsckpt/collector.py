@@ -18,14 +18,22 @@ ends, if it was running when the first began (a caller that disabled it before k
 disabled).
 
 A whole save or restore, whose length does scale with its bytes, runs ``young_only``: the young
-generations are collected as usual (garbage with cycles made meanwhile, by any thread, is
-freed as before), only the full collections wait for its end. The objects the phases above
-leave alive (several per tensor) otherwise set off full collections in the rest of the call,
-each walking the whole process while they are all still alive: with 100,000 small tensors
-about a fifth of a save's and of a load's time (docs/performance.md, "Many small tensors"). Once
-the call has returned and they are freed, the next full collection walks a process its size
-again. On Python 3.14's incremental collector, which has no full collections to defer, it
-changes nothing.
+generations are collected as usual and full collections are deferred, by as many collections
+of the middle generation as the call's own long-lived objects set off (``young_only(objects)``,
+``expect``: about 16 per tensor of the state or per 16 bytes of the index). The objects the
+phases above leave alive otherwise set off full collections in the rest of the call, each
+walking the whole process while they are all still alive: with 100,000 small tensors about a
+fifth of a save's and of a load's time (docs/performance.md, "Many small tensors"); once the call
+has returned and freed them, the next full collection walks a process of its usual size. The
+deferral is bounded by allocations, not by time: garbage with cycles that reached the oldest
+generation waits for at most about as many allocations as the call itself holds objects, by
+whichever thread, so a save of a few large tensors defers nothing and a long save beside
+training does not hold cyclic garbage for its whole length. On Python 3.14's incremental
+collector, which ignores the oldest generation's threshold, it changes nothing.
+
+An end interrupted by an exception a signal handler raises (^C) is finished before that
+exception goes on: a thread's hold or pause left behind would outlast its call, and another
+thread's end does not mend one whose thread still runs.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import contextlib
 import gc
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 _lock = threading.RLock()
 """Guards the two below. An ``RLock``: a signal handler that saves while this thread is inside
@@ -62,7 +70,7 @@ def paused() -> Iterator[None]:
         _begin(me)
         yield
     finally:
-        _end(me)
+        _finish(_end, me)
 
 
 def _begin(me: int) -> None:
@@ -84,51 +92,90 @@ def _end(me: int) -> None:
             _disabled_here = False
 
 
-_young_only: set[int] = set()
-"""Threads inside ``young_only`` (a set for the reasons of ``_pausing``)."""
-_thresholds_before: tuple[int, int, int] | None = None
-"""The collector's thresholds when the first ``young_only`` began, restored when the last one
-ends (recorded before they are changed, as ``_disabled_here``)."""
-FULL_COLLECTIONS_DEFERRED = 1 << 30
-"""The oldest generation's threshold inside ``young_only``: full collections run after that many
-collections of the middle one, never within one save or restore."""
+OBJECTS_PER_ARRAY = 16
+"""Long-lived objects a save makes per array, for its ``young_only`` budget: about twice the 7
+counted at the end of a save of 100,000 small tensors (source, record, part, segment, ...)."""
+INDEX_BYTES_PER_OBJECT = 16
+"""Bytes of a restore's index per long-lived object it makes, for its budget (``expect``): the
+parsed index of 100,000 small tensors held one object per 45 bytes of it, the restored state and
+its targets as many again."""
+
+_deferring: dict[int, int] = {}
+"""Thread -> the objects its ``young_only`` hold expects to keep alive (its deferral budget)."""
+_oldest_before: int | None = None
+"""The oldest generation's threshold when the first hold began, restored when the last one ends
+(recorded before it is changed, as ``_disabled_here``)."""
+_oldest_set: int | None = None
+"""The oldest generation's threshold the holds set last: one found otherwise is the caller's
+(``gc.set_threshold`` while a hold ran), kept at the end and deferred from meanwhile."""
 
 
 @contextlib.contextmanager
-def young_only() -> Iterator[None]:
-    """Run the block with the collector's full collections deferred and the young generations
-    collected as usual (see the module docstring). Holds of several threads overlap, as pauses
-    do; a nested one ends its thread's hold at its inner end. Thresholds a caller sets while a
-    hold runs are theirs: the end leaves them. A ^C inside the bookkeeping is mended by the next
-    hold's end, as for ``paused``."""
+def young_only(objects: int = 0) -> Iterator[None]:
+    """Run the block with full collections deferred by the collections of the middle generation
+    that ``objects`` new long-lived objects set off (more with ``expect``), and the young
+    generations collected as usual (see the module docstring). Holds of several threads add up;
+    a nested one ends its thread's hold at its inner end (time, not correctness). The young and
+    middle thresholds stay the caller's throughout, and an oldest one the caller sets meanwhile
+    is kept."""
     me = threading.get_ident()
     try:
-        _begin_young_only(me)
+        with _lock:
+            _deferring[me] = max(objects, 0)
+            _apply_deferral()
         yield
     finally:
-        _end_young_only(me)
+        _finish(_end_young_only, me)
 
 
-def _begin_young_only(me: int) -> None:
-    global _thresholds_before
+def expect(objects: int) -> None:
+    """Add ``objects`` to the budget of the calling thread's ``young_only`` hold (when the count
+    is known only inside it: a restore learns it from the index's length); none: nothing."""
+    me = threading.get_ident()
     with _lock:
-        if not _young_only and _thresholds_before is None:
-            young, middle, oldest = gc.get_threshold()
-            _thresholds_before = (young, middle, oldest)
-            gc.set_threshold(young, middle, FULL_COLLECTIONS_DEFERRED)
-        _young_only.add(me)
+        if me in _deferring:
+            _deferring[me] += max(objects, 0)
+            _apply_deferral()
 
 
 def _end_young_only(me: int) -> None:
-    global _thresholds_before
     with _lock:
-        _young_only.discard(me)
-        _drop_dead(_young_only)
-        before = _thresholds_before
-        if not _young_only and before is not None:
-            if gc.get_threshold() == (before[0], before[1], FULL_COLLECTIONS_DEFERRED):
-                gc.set_threshold(*before)  # before the record: interrupted between, the next end mends it
-            _thresholds_before = None
+        _deferring.pop(me, None)
+        for thread in [t for t in _deferring if not _is_alive(t)]:
+            del _deferring[thread]
+        _apply_deferral()
+
+
+def _apply_deferral() -> None:
+    """Set the oldest generation's threshold for the holds now running (under ``_lock``)."""
+    global _oldest_before, _oldest_set
+    young, middle, oldest = gc.get_threshold()
+    if _deferring:
+        if _oldest_before is None or oldest != _oldest_set:
+            _oldest_before = oldest  # the first hold's, or one the caller set meanwhile
+        per_collection = young * middle
+        extra = sum(_deferring.values()) // per_collection if per_collection > 0 else 0
+        _oldest_set = _oldest_before + extra
+        gc.set_threshold(young, middle, _oldest_set)
+    elif _oldest_before is not None:
+        if oldest == _oldest_set:
+            gc.set_threshold(young, middle, _oldest_before)  # before the records: see _finish
+        _oldest_before = _oldest_set = None
+
+
+def _finish(end: Callable[[int], None], me: int) -> None:
+    """``end(me)``, done to its end even where a signal handler's exception (^C) interrupts it
+    (each end is idempotent): a hold or pause it left would outlast this call, as long as the
+    thread runs. The first such exception is raised after."""
+    interrupted: BaseException | None = None
+    for _attempt in range(100):
+        try:
+            end(me)
+            break
+        except BaseException as err:  # noqa: BLE001 - raised below, once the end is done
+            interrupted = interrupted or err
+    if interrupted is not None:
+        raise interrupted
 
 
 def _drop_dead(threads: set[int]) -> None:
@@ -148,17 +195,18 @@ def _forget_after_fork() -> None:
     """A child forked while another thread paused the collector (or deferred its full
     collections) has no such thread: the pause would never end there (nor would the lock it may
     have held be released)."""
-    global _lock, _disabled_here, _thresholds_before
+    global _lock, _disabled_here, _oldest_before, _oldest_set
     _lock = threading.RLock()
     _pausing.clear()
-    _young_only.clear()
+    _deferring.clear()
     if _disabled_here:
         gc.enable()
         _disabled_here = False
-    if _thresholds_before is not None:
-        if gc.get_threshold()[2] == FULL_COLLECTIONS_DEFERRED:
-            gc.set_threshold(*_thresholds_before)
-        _thresholds_before = None
+    if _oldest_before is not None:
+        young, middle, oldest = gc.get_threshold()
+        if oldest == _oldest_set:
+            gc.set_threshold(young, middle, _oldest_before)
+        _oldest_before = _oldest_set = None
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

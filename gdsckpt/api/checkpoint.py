@@ -339,11 +339,10 @@ class Checkpoint:
         """Around a read: a failure that meets the checkpoint closed meanwhile (another thread's
         ``close``: a closed I/O lane, a cancelled read) is the same "closed" ``ValueError`` as a
         read after ``close``, the failure chained to it. A ``CheckpointError`` (damage found)
-        stays what it is. The read runs with full collections deferred (``collector.young_only``)."""
+        stays what it is."""
         self._check_open()
         try:
-            with collector.young_only():
-                yield
+            yield
         except CheckpointError:
             raise
         except Exception as err:

@@ -96,7 +96,8 @@ def load_into(target: Any, path: Source, *, strict: bool | str = True, config: C
     ``state_dict`` makes a new tensor each time it is asked (a copy: filling it would leave the
     module as it was; give the loaded state to its ``load_state_dict`` instead).
     """
-    with collector.young_only():  # not a decorator: its frame would be the one warnings name
+    # not a decorator: its frame would be the one warnings name; the index sets the budget
+    with collector.young_only():
         if strict not in (True, False, "exact"):
             raise ValueError(f"strict must be True, False or 'exact', got {strict!r}")
         cfg = resolve_config(config)

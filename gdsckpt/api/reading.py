@@ -72,7 +72,8 @@ def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
     ``gdsckpt.io.PreloadedReader(path, pinned=True)`` holds the file in memory, to measure a
     restore without storage.
     """
-    with collector.young_only():  # not a decorator: its frame would be the one warnings name
+    # not a decorator: its frame would be the one warnings name; the index sets the budget
+    with collector.young_only():
         cfg = resolve_config(config)
         location = resolve_location(device, map_location)
         selection = Selection(keys)
@@ -159,7 +160,8 @@ def verify(path: Source, *, config: Config | None = None, progress: Progress | N
     depth (``DeltaBaseError`` otherwise: the delta would not load); ``chain=True`` verifies
     their chunks too.
     """
-    with collector.young_only():  # not a decorator: its frame would be the one warnings name
+    # not a decorator: its frame would be the one warnings name; the index sets the budget
+    with collector.young_only():
         cfg = resolve_config(config)
         started = time.perf_counter()
         opened, stored = _verify_chunks(path, cfg, progress)

@@ -193,7 +193,8 @@ def save_flat(flat: FlatState, path: PathLike | StorageWriter, *, codec: str = "
     is uploaded as well, where every byte saved is worth ``ratio`` bytes of state).
     ``before_commit()`` runs just before the file or object becomes visible; its error aborts the
     save (the save worker checks there that the process owning the snapshot is still alive)."""
-    with collector.young_only():  # not a decorator: its frame would be the one warnings name
+    # not a decorator: its frame would be the one warnings name
+    with collector.young_only(collector.OBJECTS_PER_ARRAY * len(flat.arrays)):
         started = time.perf_counter()
         cfg = resolve_config(config, chunk_bytes=chunk_bytes, gpu_chunk_bytes=_gpu_chunk_bytes(chunk_bytes),
                              codec=None if codec == "auto" else codec)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, NoReturn, Protocol
 
+from .. import collector
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import (
     HEADER_REGION,
@@ -103,6 +104,8 @@ def open_file(reader: StorageReader) -> OpenedFile:
         raise CorruptCheckpointError(f"file is {reader.size} bytes: truncated")
     header = unpack_header(reader.read(0, HEADER_SIZE))
     trailer, index_bytes = _trailer_and_index(reader)
+    # the objects a restore keeps alive scale with its index: its full collections wait for them
+    collector.expect(len(index_bytes) // collector.INDEX_BYTES_PER_OBJECT)
     return OpenedFile(header, trailer, parse_index(index_bytes, index_offset=trailer.index_offset),
                       hashlib.sha256(index_bytes).hexdigest(),
                       _path_of(reader))
