@@ -20,7 +20,7 @@ disabled).
 A whole save or restore, whose length does scale with its bytes, runs ``young_only``: the young
 generations are collected as usual and full collections are deferred, by as many collections
 of the middle generation as the call's own long-lived objects set off (``young_only(objects)``,
-``expect``: about 16 per tensor of the state or per 16 bytes of the index). The objects the
+``expect``: 16 objects per array of a save's state, one per 16 bytes of a restore's index). The objects the
 phases above leave alive otherwise set off full collections in the rest of the call, each
 walking the whole process while they are all still alive: with 100,000 small tensors about a
 fifth of a save's and of a load's time (docs/performance.md, "Many small tensors"); once the call
@@ -28,8 +28,9 @@ has returned and freed them, the next full collection walks a process of its usu
 deferral is bounded by allocations, not by time: garbage with cycles that reached the oldest
 generation waits for at most about as many allocations as the call itself holds objects, by
 whichever thread, so a save of a few large tensors defers nothing and a long save beside
-training does not hold cyclic garbage for its whole length. On Python 3.14's incremental
-collector, which ignores the oldest generation's threshold, it changes nothing.
+training does not hold cyclic garbage for its whole length. Where ``gc.set_threshold`` ignores
+the oldest generation's threshold (the incremental collector planned for Python 3.14), a hold
+changes nothing.
 
 An end interrupted by an exception a signal handler raises (^C) is finished before that
 exception goes on: a thread's hold or pause left behind would outlast its call, and another
@@ -63,8 +64,9 @@ def paused() -> Iterator[None]:
     A pause nested in another of its thread ends the outer one's early (the collector runs again
     for the rest of it: time, not correctness). A caller who turns the collector off while
     another thread's pause runs finds it on again when that pause ends: the setting is one for
-    the process. A ^C that lands inside a pause's own bookkeeping leaves the collector off at
-    worst until the next pause of gdsckpt ends."""
+    the process. An end a signal handler's exception (^C) interrupts is finished before the
+    exception goes on (``_finish``); one that lands before the end begins leaves the collector
+    off until this thread's next pause ends."""
     me = threading.get_ident()
     try:
         _begin(me)
