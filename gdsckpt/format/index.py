@@ -162,7 +162,10 @@ class Index:
             doc["base"] = self.base
         if self.user:
             doc["user"] = self.user
-        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        # No cycle check (a fifth of the encoding's time): the tree and the records come from
+        # ``flatten``, which refuses reference cycles, or from a parsed index, which has none.
+        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
+                          check_circular=False).encode("utf-8")
 
 
 def span_bytes(shape: tuple[int, ...], itemsize: int) -> int:
