@@ -20,8 +20,8 @@ disabled).
 A whole save or restore, whose length does scale with its bytes, runs ``young_only``: the young
 generations are collected as usual and full collections are deferred, by as many collections
 of the middle generation as the call's own long-lived objects set off (``young_only(objects)``,
-``expect``: 16 objects per array of a save's state, one per 16 bytes of a restore's index). The objects the
-phases above leave alive otherwise set off full collections in the rest of the call, each
+``expect``: 16 objects per array of a save's state, one per 16 bytes of a restore's index). The
+objects the phases above leave alive otherwise set off full collections in the rest of the call, each
 walking the whole process while they are all still alive: with 100,000 small tensors about a
 fifth of a save's and of a load's time (docs/performance.md, "Many small tensors"); once the call
 has returned and freed them, the next full collection walks a process of its usual size. The
@@ -46,8 +46,9 @@ import threading
 from collections.abc import Callable, Iterator
 
 _lock = threading.RLock()
-"""Guards the two below. An ``RLock``: a signal handler that saves while this thread is inside
-``_begin`` or ``_end`` takes it again instead of waiting for itself."""
+"""Guards the module's state (the pauses' below, the holds' further down). An ``RLock``: a signal
+handler that saves while this thread is inside the bookkeeping takes it again instead of
+waiting for itself."""
 _pausing: set[int] = set()
 """Threads inside a pause. A set, not a count: adding and discarding are idempotent, so a ^C
 that lands between the bookkeeping's steps leaves at worst this thread's entry, which the end
@@ -197,18 +198,14 @@ def _forget_after_fork() -> None:
     """A child forked while another thread paused the collector (or deferred its full
     collections) has no such thread: the pause would never end there (nor would the lock it may
     have held be released)."""
-    global _lock, _disabled_here, _oldest_before, _oldest_set
+    global _lock, _disabled_here
     _lock = threading.RLock()
     _pausing.clear()
     _deferring.clear()
     if _disabled_here:
         gc.enable()
         _disabled_here = False
-    if _oldest_before is not None:
-        young, middle, oldest = gc.get_threshold()
-        if oldest == _oldest_set:
-            gc.set_threshold(young, middle, _oldest_before)
-        _oldest_before = _oldest_set = None
+    _apply_deferral()  # with no hold left: the oldest threshold as it was before the holds
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
