@@ -76,9 +76,35 @@ def paused() -> Iterator[None]:
         _finish(_end, me)
 
 
+_keeper: int | None = None
+"""The thread inside the bookkeeping (``_bookkeeping``), under ``_lock``."""
+
+
+@contextlib.contextmanager
+def _bookkeeping() -> Iterator[bool]:
+    """``_lock`` held for a step of the bookkeeping; yields False where the calling thread is
+    inside a step already. A signal handler runs in the thread it interrupts, between any two
+    builtin calls: a handler that saves there would work on state half changed (a hold's records
+    reset under the interrupted step, a pause's flag set before the collector is off), so its
+    steps do nothing: its call runs without a pause or a deferral (time, not correctness)."""
+    global _keeper
+    me = threading.get_ident()
+    with _lock:
+        if _keeper == me:
+            yield False
+            return
+        _keeper = me
+        try:
+            yield True
+        finally:
+            _keeper = None
+
+
 def _begin(me: int) -> None:
     global _disabled_here
-    with _lock:
+    with _bookkeeping() as mine:
+        if not mine:
+            return
         if not _pausing and gc.isenabled():
             _disabled_here = True
             gc.disable()
@@ -87,7 +113,9 @@ def _begin(me: int) -> None:
 
 def _end(me: int) -> None:
     global _disabled_here
-    with _lock:
+    with _bookkeeping() as mine:
+        if not mine:
+            return
         _pausing.discard(me)
         _drop_dead(_pausing)  # threads that ended without ending their pause
         if not _pausing and _disabled_here:
@@ -102,6 +130,10 @@ INDEX_BYTES_PER_OBJECT = 16
 """Bytes of a restore's index per long-lived object it makes, for its budget (``expect``): the
 parsed index of 100,000 small tensors held one object per 45 bytes of it, the restored state and
 its targets as many again."""
+
+THRESHOLD_MAX = 2**31 - 1
+"""The largest threshold ``gc.set_threshold`` takes (a C int): a deferral stops there (a caller
+who set the oldest threshold there defers full collections already)."""
 
 _deferring: dict[int, int] = {}
 """Thread -> the objects its ``young_only`` hold expects to keep alive (its deferral budget)."""
@@ -123,9 +155,10 @@ def young_only(objects: int = 0) -> Iterator[None]:
     is kept."""
     me = threading.get_ident()
     try:
-        with _lock:
-            _deferring[me] = max(objects, 0)
-            _apply_deferral()
+        with _bookkeeping() as mine:
+            if mine:
+                _deferring[me] = max(objects, 0)
+                _apply_deferral()
         yield
     finally:
         _finish(_end_young_only, me)
@@ -135,14 +168,16 @@ def expect(objects: int) -> None:
     """Add ``objects`` to the budget of the calling thread's ``young_only`` hold (when the count
     is known only inside it: a restore learns it from the index's length); none: nothing."""
     me = threading.get_ident()
-    with _lock:
-        if me in _deferring:
+    with _bookkeeping() as mine:
+        if mine and me in _deferring:
             _deferring[me] += max(objects, 0)
             _apply_deferral()
 
 
 def _end_young_only(me: int) -> None:
-    with _lock:
+    with _bookkeeping() as mine:
+        if not mine:
+            return
         _deferring.pop(me, None)
         for thread in [t for t in _deferring if not _is_alive(t)]:
             del _deferring[thread]
@@ -154,12 +189,14 @@ def _apply_deferral() -> None:
     global _oldest_before, _oldest_set
     young, middle, oldest = gc.get_threshold()
     if _deferring:
-        if _oldest_before is None or oldest != _oldest_set:
-            _oldest_before = oldest  # the first hold's, or one the caller set meanwhile
+        # the first hold's, or one the caller set meanwhile
+        before = oldest if _oldest_before is None or oldest != _oldest_set else _oldest_before
         per_collection = young * middle
         extra = sum(_deferring.values()) // per_collection if per_collection > 0 else 0
-        _oldest_set = _oldest_before + extra
-        gc.set_threshold(young, middle, _oldest_set)
+        deferred = max(before, min(before + extra, THRESHOLD_MAX))
+        gc.set_threshold(young, middle, deferred)
+        # recorded once set: a set that raised leaves the records true to the collector
+        _oldest_before, _oldest_set = before, deferred
     elif _oldest_before is not None:
         if oldest == _oldest_set:
             gc.set_threshold(young, middle, _oldest_before)  # before the records: see _finish
