@@ -22,10 +22,15 @@ from gdsckpt.state import tree as tree_module
 
 @pytest.fixture(autouse=True)
 def collector_enabled() -> Iterator[None]:
-    """Each test starts with the collector on, and leaves it on."""
+    """Each test starts with the collector on and its thresholds as they were, and leaves them so
+    (checked: a test that left them otherwise fails)."""
     assert gc.isenabled()
+    before = gc.get_threshold()
     yield
+    left = gc.isenabled(), gc.get_threshold()
     gc.enable()
+    gc.set_threshold(*before)
+    assert left == (True, before), f"the collector was left {left}, not (True, {before})"
 
 
 def test_a_pause_turns_the_collector_off_and_back_on_also_after_an_error() -> None:
@@ -47,6 +52,7 @@ def test_a_collector_the_caller_turned_off_stays_off() -> None:
     with collector.paused():
         assert not gc.isenabled()
     assert not gc.isenabled()
+    gc.enable()
 
 
 def test_overlapping_pauses_of_two_threads_end_with_the_last() -> None:
@@ -295,13 +301,143 @@ def test_a_save_and_a_load_of_many_tensors_run_no_full_collection(tmp_path: Path
         if phase == "start" and info["generation"] == 2:
             full.append(threading.current_thread().name)
 
+    young: list[int] = []
+
+    def count_young(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 0:
+            young.append(1)
+
     gc.collect()
-    gc.callbacks.append(count)
+    gc.callbacks += [count, count_young]
     try:
         gdsckpt.save(state, tmp_path / "s.gdsckpt")
-        saving = list(full)
+        saving, young_in_save = list(full), len(young)
         loaded = gdsckpt.load(tmp_path / "s.gdsckpt")
     finally:
         gc.callbacks.remove(count)
+        gc.callbacks.remove(count_young)
     assert saving == [] and full == [], f"full collections: save {saving}, load {full[len(saving):]}"
+    # the young generations were collected meanwhile: deferred full collections, not a collector off
+    assert young_in_save > 0 and len(young) > young_in_save
     assert all(torch.equal(loaded[key], tensor) for key, tensor in state.items())
+
+
+def test_a_restore_defers_by_its_index_length(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gdsckpt.format import TRAILER_SIZE, unpack_trailer
+    from gdsckpt.pipeline import load as load_module
+
+    path = tmp_path / "s.gdsckpt"
+    gdsckpt.save({f"t{i}": torch.randn(2) for i in range(20_000)}, path)
+    data = path.read_bytes()
+    index_length = unpack_trailer(data[-TRAILER_SIZE:], len(data)).index_length
+    before = gc.get_threshold()
+    seen: list[tuple[int, int, int]] = []
+    original = load_module.run_restore
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(gc.get_threshold())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(load_module, "run_restore", spy)
+    from gdsckpt.api import checkpoint as checkpoint_module
+    monkeypatch.setattr(checkpoint_module, "run_restore", spy)
+    gdsckpt.load(path)
+    expected = index_length // collector.INDEX_BYTES_PER_OBJECT // (before[0] * before[1])
+    assert expected > 10 and seen == [(before[0], before[1], before[2] + expected)], (seen, expected)
+
+
+def test_a_deferral_stops_at_the_largest_threshold_the_collector_takes(tmp_path: Path) -> None:
+    """A caller's oldest threshold near 2**31 (full collections made rare) made every save and
+    load of thousands of tensors raise OverflowError from gc.set_threshold."""
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(before[0], before[1], collector.THRESHOLD_MAX - 5)
+        state = {f"t{i}": torch.randn(2) for i in range(2_000)}
+        gdsckpt.save(state, tmp_path / "s.gdsckpt")
+        assert torch.equal(gdsckpt.load(tmp_path / "s.gdsckpt")["t7"], state["t7"])
+        assert gc.get_threshold() == (before[0], before[1], collector.THRESHOLD_MAX - 5)
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_a_threshold_set_that_raises_leaves_the_records_true(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The records were written before the set: one that raised while another thread's hold ran
+    made the holds' own raised threshold look like the caller's, kept for good."""
+    before = gc.get_threshold()
+    original = gc.set_threshold
+    refused: list[bool] = []
+
+    def refusing_once(*args):  # type: ignore[no-untyped-def]
+        if not refused:
+            refused.append(True)
+            raise OverflowError("refused")
+        return original(*args)
+
+    inside, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with collector.young_only(700_000):
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        monkeypatch.setattr(collector.gc, "set_threshold", refusing_once)
+        with pytest.raises(OverflowError), collector.young_only(1_400_000):
+            pass
+    finally:
+        release.set()
+        thread.join(30)
+    assert refused and gc.get_threshold() == before
+
+
+@pytest.mark.parametrize("after", ["sum", "get_threshold", "isenabled", "disable"])
+def test_a_signal_handler_that_saves_inside_the_bookkeeping_leaves_it_consistent(
+        after: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handler runs in the thread it interrupts, after any builtin call returns: inside a step
+    of the bookkeeping its own hold (or pause) worked on half-changed state (its end reset the
+    records under the interrupted step: a TypeError out of the hold; with another thread
+    holding, a threshold left raised). Simulated: the handler's hold or pause runs once when the
+    builtin ``after`` returns inside the step, while another thread holds too."""
+    before = gc.get_threshold()
+    handled: list[bool] = []
+    pause = after in ("isenabled", "disable")
+
+    def hooked(original):  # type: ignore[no-untyped-def]
+        def call(*args):  # type: ignore[no-untyped-def]
+            result = original(*args)
+            if not handled:
+                handled.append(True)
+                with collector.paused() if pause else collector.young_only(2_000_000):
+                    pass
+            return result
+        return call
+
+    inside, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with collector.young_only(700_000):
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        if after == "sum":  # the module's name for the builtin, as the step looks it up
+            monkeypatch.setattr(collector, "sum", hooked(sum), raising=False)
+        else:
+            monkeypatch.setattr(collector.gc, after, hooked(getattr(gc, after)))
+        release.set()
+        thread.join(30)  # its end runs the step with the handler (and the last end restores)
+        with collector.paused() if pause else collector.young_only(1_400_000):
+            pass
+        monkeypatch.undo()
+    finally:
+        release.set()
+        thread.join(30)
+    assert handled
+    assert gc.get_threshold() == before and gc.isenabled()
+    assert not collector._deferring and not collector._pausing
