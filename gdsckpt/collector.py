@@ -34,7 +34,8 @@ changes nothing.
 
 An end interrupted by an exception a signal handler raises (^C) is finished before that
 exception goes on: a thread's hold or pause left behind would outlast its call, and another
-thread's end does not mend one whose thread still runs.
+thread's end does not mend one whose thread still runs. A handler that saves while its thread is
+inside a step of this bookkeeping runs without a pause or a deferral (``_bookkeeping``).
 """
 
 from __future__ import annotations
