@@ -120,34 +120,35 @@ WAYS = ("default", "no lead read", "lead 16 x 64 MiB", "lead 8 x 64 MiB", "switc
 
 
 @contextlib.contextmanager
-def blocking_waits() -> Iterator[None]:
+def replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name`` is ``value`` for the block."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def blocking_waits() -> contextlib.AbstractContextManager[None]:
     """The decoder's stream waits made on a blocking-sync event (the thread sleeps until the
     device signals) instead of a stream synchronize (which spins under CUDA's default schedule)."""
     import cupy
 
     from gdsckpt.codecs.device import CudaDevice
 
-    saved = CudaDevice.synchronize
-
     def synchronize(self: Any) -> None:
         event = cupy.cuda.Event(block=True, disable_timing=True)
         event.record(self.stream)
         event.synchronize()
-    CudaDevice.synchronize = synchronize  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        CudaDevice.synchronize = saved  # type: ignore[method-assign]
+    return replaced(CudaDevice, "synchronize", synchronize)
 
 
-@contextlib.contextmanager
-def reads_only() -> Iterator[None]:
+def reads_only() -> contextlib.AbstractContextManager[None]:
     """Every chunk's decode skipped: its ring slot is given back and its future finished at once."""
     from concurrent.futures import Future
 
     from gdsckpt.pipeline.gpu.decoder import GpuDecoder
-
-    saved = GpuDecoder.submit_decode
 
     def skip(self: Any, record: Any, chain: Any, stored: Any, deliver: Any, **_kwargs: Any) -> Future[None]:
         slot = self._read_slots.pop(self.device.address(stored), None)
@@ -156,11 +157,7 @@ def reads_only() -> Iterator[None]:
         done: Future[None] = Future()
         done.set_result(None)
         return done
-    GpuDecoder.submit_decode = skip  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        GpuDecoder.submit_decode = saved  # type: ignore[method-assign]
+    return replaced(GpuDecoder, "submit_decode", skip)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,8 @@ from __future__ import annotations
 import gc
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,29 @@ import gdsckpt
 from gdsckpt import collector
 from gdsckpt.format import index as index_module
 from gdsckpt.state import tree as tree_module
+
+
+class OtherThread:
+    """Another thread inside ``hold()`` from ``start()`` (which returns once it is inside) until
+    ``end()``."""
+
+    def __init__(self, hold: Callable[[], AbstractContextManager[object]]):
+        self._inside, self._release = threading.Event(), threading.Event()
+
+        def run() -> None:
+            with hold():
+                self._inside.set()
+                self._release.wait(30)
+
+        self._thread = threading.Thread(target=run)
+
+    def start(self) -> None:
+        self._thread.start()
+        assert self._inside.wait(30)
+
+    def end(self) -> None:
+        self._release.set()
+        self._thread.join(30)
 
 
 @pytest.fixture(autouse=True)
@@ -56,20 +80,11 @@ def test_a_collector_the_caller_turned_off_stays_off() -> None:
 
 
 def test_overlapping_pauses_of_two_threads_end_with_the_last() -> None:
-    inside, release = threading.Event(), threading.Event()
-
-    def other() -> None:
-        with collector.paused():
-            inside.set()
-            release.wait(30)
-
-    thread = threading.Thread(target=other)
+    other = OtherThread(collector.paused)
     with collector.paused():
-        thread.start()
-        assert inside.wait(30)
+        other.start()
     assert not gc.isenabled()  # the other thread's pause goes on
-    release.set()
-    thread.join(30)
+    other.end()
     assert gc.isenabled()
 
 
@@ -205,21 +220,12 @@ def test_thresholds_the_caller_sets_inside_a_hold_are_theirs_afterwards() -> Non
 
 def test_overlapping_holds_of_two_threads_add_up_and_end_with_the_last() -> None:
     before = gc.get_threshold()
-    inside, release = threading.Event(), threading.Event()
-
-    def other() -> None:
-        with collector.young_only(700_000):
-            inside.set()
-            release.wait(30)
-
-    thread = threading.Thread(target=other)
+    other = OtherThread(lambda: collector.young_only(700_000))
     with collector.young_only(1_400_000):
-        thread.start()
-        assert inside.wait(30)
+        other.start()
         assert gc.get_threshold()[2] == before[2] + _extra(2_100_000)
     assert gc.get_threshold()[2] == before[2] + _extra(700_000)  # the other thread's hold goes on
-    release.set()
-    thread.join(30)
+    other.end()
     assert gc.get_threshold() == before
 
 
@@ -229,7 +235,7 @@ def test_an_end_interrupted_by_a_signal_handler_is_finished_before_its_exception
     """A ^C inside an end's own bookkeeping left the thread's hold (or pause) behind; another
     thread's end does not mend one whose thread still runs, so it outlasted the call."""
     before = gc.get_threshold()
-    raised = []
+    raised: list[bool] = []
     name = "set_threshold" if where == "young_only" else "enable"
     original = getattr(collector.gc, name)
 
@@ -269,25 +275,16 @@ def test_a_thread_that_ended_inside_a_hold_does_not_keep_full_collections_deferr
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork of a process with threads (3.12+)
 def test_a_child_forked_during_another_threads_hold_collects_fully() -> None:
     before = gc.get_threshold()
-    inside, release = threading.Event(), threading.Event()
-
-    def other() -> None:
-        with collector.young_only(1_000_000):
-            inside.set()
-            release.wait(30)
-
-    thread = threading.Thread(target=other)
-    thread.start()
+    other = OtherThread(lambda: collector.young_only(1_000_000))
+    other.start()
     try:
-        assert inside.wait(30)
         child = os.fork()
         if child == 0:  # pragma: no cover - the child's verdict is its exit status
             os._exit(0 if gc.get_threshold() == before and not collector._deferring else 1)
         _pid, status = os.waitpid(child, 0)
         assert os.waitstatus_to_exitcode(status) == 0, "the child kept full collections deferred"
     finally:
-        release.set()
-        thread.join(30)
+        other.end()
     assert gc.get_threshold() == before
 
 
@@ -373,23 +370,14 @@ def test_a_threshold_set_that_raises_leaves_the_records_true(monkeypatch: pytest
             raise OverflowError("refused")
         return original(*args)
 
-    inside, release = threading.Event(), threading.Event()
-
-    def other() -> None:
-        with collector.young_only(700_000):
-            inside.set()
-            release.wait(30)
-
-    thread = threading.Thread(target=other)
-    thread.start()
+    other = OtherThread(lambda: collector.young_only(700_000))
+    other.start()
     try:
-        assert inside.wait(30)
         monkeypatch.setattr(collector.gc, "set_threshold", refusing_once)
         with pytest.raises(OverflowError), collector.young_only(1_400_000):
             pass
     finally:
-        release.set()
-        thread.join(30)
+        other.end()
     assert refused and gc.get_threshold() == before
 
 
@@ -415,29 +403,19 @@ def test_a_signal_handler_that_saves_inside_the_bookkeeping_leaves_it_consistent
             return result
         return call
 
-    inside, release = threading.Event(), threading.Event()
-
-    def other() -> None:
-        with collector.young_only(700_000):
-            inside.set()
-            release.wait(30)
-
-    thread = threading.Thread(target=other)
-    thread.start()
+    other = OtherThread(lambda: collector.young_only(700_000))
+    other.start()
     try:
-        assert inside.wait(30)
         if after == "sum":  # the module's name for the builtin, as the step looks it up
             monkeypatch.setattr(collector, "sum", hooked(sum), raising=False)
         else:
             monkeypatch.setattr(collector.gc, after, hooked(getattr(gc, after)))
-        release.set()
-        thread.join(30)  # its end runs the step with the handler (and the last end restores)
+        other.end()  # its end runs the step with the handler (and the last end restores)
         with collector.paused() if pause else collector.young_only(1_400_000):
             pass
         monkeypatch.undo()
     finally:
-        release.set()
-        thread.join(30)
+        other.end()
     assert handled
     assert gc.get_threshold() == before and gc.isenabled()
     assert not collector._deferring and not collector._pausing
