@@ -180,8 +180,7 @@ def _end_young_only(me: int) -> None:
         if not mine:
             return
         _deferring.pop(me, None)
-        for thread in [t for t in _deferring if not _is_alive(t)]:
-            del _deferring[thread]
+        _drop_dead(_deferring)  # threads that ended without ending their hold
         _apply_deferral()
 
 
@@ -194,7 +193,7 @@ def _apply_deferral() -> None:
         before = oldest if _oldest_before is None or oldest != _oldest_set else _oldest_before
         per_collection = young * middle
         extra = sum(_deferring.values()) // per_collection if per_collection > 0 else 0
-        deferred = max(before, min(before + extra, THRESHOLD_MAX))
+        deferred = min(before + extra, THRESHOLD_MAX)
         gc.set_threshold(young, middle, deferred)
         # recorded once set: a set that raised leaves the records true to the collector
         _oldest_before, _oldest_set = before, deferred
@@ -219,17 +218,15 @@ def _finish(end: Callable[[int], None], me: int) -> None:
         raise interrupted
 
 
-def _drop_dead(threads: set[int]) -> None:
-    """Forget the threads of ``threads`` that ended inside their hold (under ``_lock``)."""
-    for thread in list(threads):
-        if not _is_alive(thread):
-            threads.discard(thread)
-
-
-def _is_alive(ident: int) -> bool:
-    """Whether the thread ``ident`` still runs (``threading`` knows every thread that ran
-    Python code)."""
-    return any(thread.ident == ident for thread in threading.enumerate())
+def _drop_dead(threads: set[int] | dict[int, int]) -> None:
+    """Forget the threads of ``threads`` (pausing, or holding) that ended inside their pause or
+    hold (under ``_lock``): ``threading`` knows every thread that ran Python code."""
+    alive = {thread.ident for thread in threading.enumerate()}
+    for ident in [ident for ident in threads if ident not in alive]:
+        if isinstance(threads, dict):
+            del threads[ident]
+        else:
+            threads.discard(ident)
 
 
 def _forget_after_fork() -> None:
