@@ -156,6 +156,21 @@ def test_expanded_tensor_of_huge_logical_size_is_refused_before_planning(ckpt_pa
     assert ckpt_path.read_bytes() == before
 
 
+def test_a_shape_within_the_limit_for_one_dtype_is_checked_again_for_a_wider_one(ckpt_path: Path) -> None:
+    """Flattening checks each (shape, dtype) once: the same empty shape spans 2**60 bytes as
+    uint16 (the limit, accepted) and 2**61 as float32. The float32 array after the uint16 one is
+    refused, by name, and the file stays as it was."""
+    shape = (0, MAX_TENSOR_BYTES // 2)
+    before = _good_file(ckpt_path)
+    state = {"narrow": torch.empty(shape, dtype=torch.uint16), "wide": torch.empty(shape, dtype=torch.float32)}
+    with pytest.raises(ValueError, match="'wide'.*2\\*\\*60"):
+        gdsckpt.save(state, ckpt_path)
+    assert ckpt_path.read_bytes() == before
+    many = {f"t{i}": torch.empty(shape, dtype=torch.uint16) for i in range(3)}
+    gdsckpt.save(many, ckpt_path)  # the repeated shape, found good once, saves
+    assert [tuple(t.shape) for t in gdsckpt.load(ckpt_path).values()] == [shape] * 3
+
+
 # ---------------------------------------------------------------------------------------------
 # keys= of a partial load
 

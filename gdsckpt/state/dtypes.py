@@ -43,11 +43,23 @@ def torch_dtype(name: str) -> Any:
     return dtype
 
 
+_torch_dtype_names: dict[Any, str | None] = {}
+"""``torch_dtype_name``'s answers so far: a state of many small tensors asks once per tensor, and
+``str(dtype)`` is a call into torch each time."""
+
+
 def torch_dtype_name(dtype: Any) -> str | None:
     """The format's dtype name of a ``torch.dtype`` (``"bfloat16"``), None for one it cannot hold."""
+    try:
+        return _torch_dtype_names[dtype]
+    except (KeyError, TypeError):  # not asked yet, or not hashable (not a torch.dtype)
+        pass
     text = str(dtype)
     name = text[len("torch."):] if text.startswith("torch.") else text
-    return name if _TORCH_DTYPE_ATTRS.get(name) == name else None
+    found = name if _TORCH_DTYPE_ATTRS.get(name) == name else None
+    if type(dtype).__name__ == "dtype":
+        _torch_dtype_names[dtype] = found
+    return found
 
 
 _NUMPY_NATIVE_DTYPES = {name: np.dtype(native).newbyteorder("<") for name, native in _NUMPY_NATIVE.items()}

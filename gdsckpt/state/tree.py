@@ -188,14 +188,19 @@ class _Flattener:
         self.keys: dict[str, tuple[Any, ...]] = {}
         self.views: dict[tuple[Any, ...], int] = {}
         self.torch = sys.modules.get("torch")
+        self.torch_tensor_types = (self.torch.Tensor, self.torch.nn.Parameter) if self.torch is not None else ()
         self.cupy = sys.modules.get("cupy")
         self.jax = sys.modules.get("jax")
         self.open_containers: dict[int, int] = {}
         """id of each dict / list / tuple being visited -> its depth (finds reference cycles)."""
+        self.good_shapes: set[tuple[tuple[int, ...], str]] = set()
+        """(shape, dtype name) pairs ``_check_shape`` found within the format's bounds."""
 
     def visit(self, obj: Any, path: list[Any], depth: int = 0) -> dict[str, Any]:
         if depth > 256:
             raise TypeError(f"state nested deeper than 256 levels at {join_key(path)!r:.200}")
+        if type(obj) in self.torch_tensor_types:  # the commonest leaf first: no scalar checks
+            return self._torch(obj, path)
         if isinstance(obj, np.generic) and not isinstance(obj, (str, bytes)):
             return self._numpy(obj, path)  # before encode_scalar: np.float64 subclasses float
         scalar = encode_scalar(obj, path)
@@ -231,10 +236,14 @@ class _Flattener:
         nan_key = False
         plain_keys: set[tuple[type, Any]] = set()
         for key, value in obj.items():
-            if isinstance(key, (dict, list, tuple)) or encode_scalar(key, path) is None:
+            encoded = encode_scalar(key, path) if not isinstance(key, (dict, list, tuple)) else None
+            if encoded is None:
                 raise TypeError(f"dict key {key!r} of type {type(key).__name__} at {join_key(path)!r} "
                                 f"is not supported (use str, int, float, bool or None keys)")
-            key = plain_key(key)  # stored, and keyed, as it comes back
+            if type(key) not in (str, int, float, bool) and key is not None:
+                # stored, and keyed, as it comes back: a subclass's node is made from its plain value
+                key = plain_key(key)
+                encoded = encode_scalar(key, path)
             if isinstance(key, float) and key != key:
                 # Two NaN objects are two keys of a Python dict but one key path: a reader could not
                 # tell them apart, and refuses such a file (docs/format.md §7.1).
@@ -249,7 +258,7 @@ class _Flattener:
                                  f"plain {type(key).__name__}s, the only way a checkpoint stores keys")
             else:
                 plain_keys.add((type(key), key))
-            items.append([encode_scalar(key, path), self.visit(value, path + [key], depth + 1)])
+            items.append([encoded, self.visit(value, path + [key], depth + 1)])
         node: dict[str, Any] = {"t": "dict", "items": items}
         if isinstance(obj, collections.OrderedDict):
             node["cls"] = "OrderedDict"
@@ -307,22 +316,33 @@ class _Flattener:
         """Refuse a shape the reader refuses (``format.index.shape_limit_error``): saved, it would
         replace a good file with one every load refuses as corrupt. Checked before the array's
         source is made and before planning: an expanded (stride-0) tensor's logical size can be
-        far beyond its memory, and planning its chunks would not end."""
+        far beyond its memory, and planning its chunks would not end. A shape and dtype found
+        good once are not checked again (a model's layers repeat a few shapes)."""
+        if (shape, name) in self.good_shapes:
+            return
         problem = shape_limit_error(shape, DTYPES[name].itemsize)
         if problem is not None:
             raise ValueError(f"array at key {join_key(path)!r:.200} of shape {list(shape)!r:.120} and dtype "
                              f"{name} cannot be saved: {problem}")
+        self.good_shapes.add((shape, name))
 
     def _torch(self, tensor: Any, path: list[Any]) -> dict[str, Any]:
         torch = self.torch
         assert torch is not None
         # The key is spelled only in an error: a state of many small tensors would pay it per tensor.
+        # Each torch attribute costs a call (a device object, a shape tuple): read each once.
         if tensor.layout != torch.strided:
             raise TypeError(f"tensor at {join_key(path)!r} has layout {tensor.layout}; only dense (strided) "
                             f"tensors are saved: convert with .to_dense()")
-        if tensor.device.type == "meta":
+        # ``is_cpu`` / ``is_cuda`` rather than ``device.type``: that makes a device object and a
+        # string, several times the cost of all the other reads together.
+        if tensor.is_cpu:
+            device = "cpu"
+        elif tensor.is_cuda:
+            device = f"cuda:{tensor.get_device()}"
+        elif tensor.is_meta:
             raise TypeError(f"tensor at {join_key(path)!r} is on the meta device and has no data to save")
-        if tensor.device.type not in ("cpu", "cuda"):
+        else:
             raise TypeError(f"tensor at {join_key(path)!r} is on device {tensor.device}; gdsckpt saves CPU "
                             f"and CUDA tensors")
         if tensor.is_quantized or getattr(tensor, "is_nested", False):
@@ -330,11 +350,7 @@ class _Flattener:
         if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             raise TypeError(f"tensor subclass {type(tensor).__qualname__} at {join_key(path)!r} is not "
                             f"supported; pass a plain tensor (e.g. DTensor.to_local()) or use gdsckpt.dcp")
-        # Each torch attribute costs a call (a device object, a shape tuple): read each once, as a
-        # state of many small tensors pays them per tensor.
         dtype, shape = tensor.dtype, tuple(tensor.shape)
-        on = tensor.device
-        device = "cpu" if on.type == "cpu" else f"cuda:{on.index or 0}"
         name = self._check_dtype(torch_dtype_name(dtype), dtype, path)
         self._check_shape(shape, name, path)
         extra: dict[str, Any] = {}
