@@ -234,6 +234,7 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
     # the stream ended; and the setup before it: opening the file (reading and validating the
     # index), making the destination tensors, starting the decoder.
     marks: dict[str, list[float]] = {"stream": [], "submits": [], "batches": [], "open": [], "restore": [],
+                                     "load": [], "lead": [], "unflatten": [],
                                      "engine": [], "flatten": [], "save": [], "save_engine": [], "plan": [],
                                      "run_save": [], "encoder_close": [], "encodes": []}
     sizes: list[int] = []
@@ -263,6 +264,22 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
                 sizes.append(len(jobs))
         return batch
 
+    def mark_context(label: str) -> Callable[[Any], Any]:
+        """Marks a context manager's enter (start, end) and exit (start, end)."""
+        def wrapper(original: Any) -> Any:
+            @contextlib.contextmanager
+            def spanned(*args: Any, **kwargs: Any) -> Iterator[Any]:
+                marks[label].append(time.perf_counter())
+                with original(*args, **kwargs) as value:
+                    marks[label].append(time.perf_counter())
+                    try:
+                        yield value
+                    finally:
+                        marks[label].append(time.perf_counter())
+                marks[label].append(time.perf_counter())
+            return spanned
+        return wrapper
+
     def mark_span(label: str) -> Callable[[Any], Any]:
         def wrapper(original: Any) -> Any:
             def spanned(*args: Any, **kwargs: Any) -> Any:
@@ -274,6 +291,7 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
             return spanned
         return wrapper
 
+    import gdsckpt
     from gdsckpt.api import checkpoint as checkpoint_module
     from gdsckpt.api import reading as reading_module
     from gdsckpt.api import saving as saving_module
@@ -282,7 +300,10 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
     from gdsckpt.pipeline import load as load_module
 
     patches = []
-    for owner, name, wrapper in ((reading_module, "open_checked", mark_span("open")),
+    for owner, name, wrapper in ((gdsckpt, "load", mark_span("load")),
+                                 (reading_module, "lead_read", mark_context("lead")),
+                                 (reading_module, "unflatten", mark_span("unflatten")),
+                                 (reading_module, "open_checked", mark_span("open")),
                                  (reading_module, "restore_arrays", mark_span("restore")),
                                  (checkpoint_module, "restore_engine", mark_span("engine")),
                                  (load_module, "_stream_chunks", mark_span("stream")),
@@ -330,6 +351,17 @@ def stage_timer(device: str, cprofile: bool = False) -> Iterator[dict[str, float
                           setup_to_stream=zero - marks["open"][0] if marks["open"] else float("nan"),
                           after_stream=(marks["restore"][1] - marks["stream"][1]) if marks["restore"] else float("nan"),
                           batch_chunks_mean=float(np.mean(sizes)), batch_chunks_max=float(max(sizes)))
+            if len(marks["load"]) >= 2 and marks["open"] and marks["restore"]:
+                # the load's own time outside opening the file and the restore: before the open
+                # (the reader, the lead read's start), after the restore (the lead's end and the
+                # readers' closes, rebuilding the structure)
+                load = marks["load"]
+                totals.update(before_open=marks["open"][0] - load[0], after_restore=load[-1] - marks["restore"][1],
+                              unflatten=(marks["unflatten"][1] - marks["unflatten"][0]) if marks["unflatten"]
+                              else float("nan"))
+                if len(marks["lead"]) >= 4:
+                    lead = marks["lead"]
+                    totals.update(lead_start=lead[1] - lead[0], lead_end=lead[3] - lead[2])
             if issued:
                 # when a quarter, half, three quarters and all of the read bytes had been issued
                 at, issued_bytes = np.array([t for t, _n in issued]), np.cumsum([n for _t, n in issued])

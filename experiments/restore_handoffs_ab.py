@@ -34,8 +34,10 @@ dominate: `experiments/pread_calls.py` measures the reads alone; this measures t
 
 ``--ways`` picks some of them (comma-separated; ``raw read`` is always run). ``--profile`` times
 every round of the restore ways with the tier benchmark's stage timer and prints, per round, where
-its time went (setup before the chunk stream: opening the file and making the targets; the
-restore's time after the stream ended; when half and all of the reads had been issued, last
+its time went (before opening the file: the readers and the lead read's start; setup before the
+chunk stream: opening the file and making the targets; the restore's time after the stream
+ended; the load's after the restore: the lead read's end, closing the readers, rebuilding the
+structure; when half and all of the reads had been issued, last
 read landed, stream end, worker busy, worker waiting for its stream) and the time Python's cyclic garbage collector ran during it (all
 collections, and the full ones), to tell a slow round's cause from the others'.
 
@@ -283,7 +285,8 @@ def main() -> int:
         print(f"  {way:18s} median {median * 1e3:8.1f} ms  {moved / median / 1e9:6.2f} GB/s  "
               f"x raw {raw_seconds / median:5.2f}  ({', '.join(f'{v * 1e3:.0f}' for v in values)})")
     if args.profile:
-        columns = ("setup_open", "setup_targets", "setup_to_stream", "after_stream", "t_first_read", "t_first_batch",
+        columns = ("before_open", "lead_start", "setup_open", "setup_targets", "setup_to_stream", "after_stream",
+                   "after_restore", "lead_end", "unflatten", "t_first_read", "t_first_batch",
                    "t_issued_50", "t_issued_100", "t_last_read",
                    "t_stream_end", "worker_busy", "stream_waits", "worker_queue_checked", "gc", "gc_full")
         print("per round, ms: total | " + " | ".join(columns))
