@@ -11,12 +11,18 @@ compressing even where the local disk outruns it), the file a manager's upload r
 
     python3 experiments/s3_restore_cpu.py --width 1024 --depth 6 --rounds 7
     python3 experiments/s3_restore_cpu.py --width 1024 --depth 6 --rounds 7 --compressed
+    python3 experiments/s3_restore_cpu.py --rounds 7 --compressed --joins 32,64
+
+``--joins``: more ways, ``gdsckpt.load`` with ``max_inflight_bytes`` 512 MiB (room for joined GETs
+of 64 MiB on 8 threads) and joins of at most each size given (MiB), to weigh the size of the
+largest GET (``io.s3.JOIN_READ_BYTES``); each way's minor page faults are printed too.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,6 +53,21 @@ def server_cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def joined_load(url: str, join_bytes: int) -> Callable[[], Any]:
+    """``gdsckpt.load(url)`` with room for 64 MiB GETs on 8 threads and joins of at most ``join_bytes``."""
+    import gdsckpt
+    from gdsckpt.api import resolve
+
+    def run() -> Any:
+        saved = resolve.JOIN_READ_BYTES
+        resolve.JOIN_READ_BYTES = join_bytes
+        try:
+            return gdsckpt.load(url, config=gdsckpt.Config(max_inflight_bytes=512 << 20))
+        finally:
+            resolve.JOIN_READ_BYTES = saved
+    return run
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1024)
@@ -54,6 +75,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--compressed", action="store_true",
                         help="save as a manager with a remote tier does (may_store_as_is=False)")
+    parser.add_argument("--joins", default="", help="comma-separated MiB: loads with joins of at most that")
     args = parser.parse_args()
 
     import numpy as np
@@ -92,15 +114,19 @@ def main() -> int:
         ways: dict[str, Callable[[], Any]] = {"gdsckpt.load": lambda: gdsckpt.load(url),
                                               "gdsckpt.verify": lambda: gdsckpt.verify(url),
                                               "raw download": raw_download}
-        measured: dict[str, list[tuple[float, float, float]]] = {way: [] for way in ways}
+        for mib in [int(text) for text in args.joins.split(",") if text]:
+            ways[f"load, {mib} MiB joins"] = joined_load(url, mib << 20)
+        measured: dict[str, list[tuple[float, float, float, float]]] = {way: [] for way in ways}
         for _ in range(args.rounds):
             for way, run in ways.items():
                 own, theirs, started = os.times(), server_cpu_seconds(server), time.perf_counter()
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 result = run()
                 wall = time.perf_counter() - started
                 after = os.times()
                 measured[way].append((wall, after.user + after.system - own.user - own.system,
-                                      server_cpu_seconds(server) - theirs))
+                                      server_cpu_seconds(server) - theirs,
+                                      resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
                 del result
         data = np.frombuffer(local.read_bytes(), dtype=np.uint8)
 
@@ -119,9 +145,9 @@ def main() -> int:
     print(f"file {size / 1e9:.3f} GB (ratio {report.ratio:.3f}), {os.cpu_count()} cores shared with the server, "
           f"medians of {args.rounds}")
     for way, rows in measured.items():
-        wall, client, server_cpu = (statistics.median(row[i] for row in rows) for i in range(3))
+        wall, client, server_cpu, faults = (statistics.median(row[i] for row in rows) for i in range(4))
         print(f"  {way:15s} wall {wall:.3f} s  client CPU {client:.2f} s  server CPU {server_cpu:.2f} s  "
-              f"(walls {', '.join(f'{row[0]:.2f}' for row in sorted(rows))})")
+              f"minor faults {faults / 1e3:.0f}k  (walls {', '.join(f'{row[0]:.2f}' for row in sorted(rows))})")
     print(f"  alone, one thread: copy into new memory {copy:.3f} s, CRC-32C {crc:.3f} s")
     return 0
 

@@ -244,7 +244,8 @@ def test_joined_gets_stay_within_the_in_flight_bound(s3: str) -> None:
     with open_reader(url, gdsckpt.Config(max_inflight_bytes=8 << 20)) as small:
         assert small.join_bytes == (8 << 20) // READ_THREADS
     with open_reader(url, gdsckpt.Config(max_inflight_bytes=4 << 30)) as large:
-        assert large.join_bytes == JOIN_READ_BYTES
+        # a larger in-flight bound does not make GETs larger than glibc reuses freed memory for
+        assert large.join_bytes == JOIN_READ_BYTES == 32 << 20
 
 
 def test_save_async_in_a_worker_process_uploads_the_object(s3: str, h: Any) -> None:
