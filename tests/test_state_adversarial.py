@@ -9,6 +9,9 @@ refused save must leave the file that was there as it was."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import warnings
 from pathlib import Path
 from typing import Any
@@ -169,6 +172,29 @@ def test_a_shape_within_the_limit_for_one_dtype_is_checked_again_for_a_wider_one
     many = {f"t{i}": torch.empty(shape, dtype=torch.uint16) for i in range(3)}
     gdsckpt.save(many, ckpt_path)  # the repeated shape, found good once, saves
     assert [tuple(t.shape) for t in gdsckpt.load(ckpt_path).values()] == [shape] * 3
+
+
+def test_a_save_while_another_thread_imports_torch_does_not_read_its_missing_parts(tmp_path: Path) -> None:
+    """While ``import torch`` runs in one thread, ``sys.modules["torch"]`` is a module half made:
+    ``Tensor`` appears early, ``nn`` late. A save in another thread meanwhile raised
+    ``AttributeError`` for a state of scalars (flatten read ``torch.nn.Parameter`` up front), and
+    for NumPy arrays before ``Tensor`` appeared. Both save and load now; the half-made module is
+    put in place by hand, in a process of its own that never imports torch."""
+    script = textwrap.dedent(f"""
+        import sys, types
+        import numpy as np
+        half = types.ModuleType("torch")
+        sys.modules["torch"] = half
+        import gdsckpt
+        gdsckpt.save({{"step": 1, "lr": 0.1}}, {str(tmp_path / "scalars.gdsckpt")!r})
+        gdsckpt.save({{"w": np.arange(4.0)}}, {str(tmp_path / "numpy.gdsckpt")!r})
+        half.Tensor = type("Tensor", (), {{}})  # later in torch's import: Tensor made, nn not yet
+        gdsckpt.save({{"w": np.arange(4.0)}}, {str(tmp_path / "numpy2.gdsckpt")!r})
+        assert gdsckpt.load({str(tmp_path / "scalars.gdsckpt")!r}) == {{"step": 1, "lr": 0.1}}
+        assert (gdsckpt.load({str(tmp_path / "numpy2.gdsckpt")!r})["w"] == np.arange(4.0)).all()
+    """)
+    done = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------

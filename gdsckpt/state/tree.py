@@ -182,13 +182,26 @@ def decode_scalar(node: dict[str, Any]) -> Any:
     return node["v"]
 
 
+def _instance_of(obj: Any, kind: Any) -> bool:
+    """``isinstance(obj, kind)`` where ``kind`` is a type; False otherwise (None: not imported)."""
+    return isinstance(kind, type) and isinstance(obj, kind)
+
+
 class _Flattener:
     def __init__(self) -> None:
         self.arrays: list[FlatArray] = []
         self.keys: dict[str, tuple[Any, ...]] = {}
         self.views: dict[tuple[Any, ...], int] = {}
         self.torch = sys.modules.get("torch")
-        self.torch_tensor_types = (self.torch.Tensor, self.torch.nn.Parameter) if self.torch is not None else ()
+        # Read with getattr (cupy's and jax's array types too, in ``_array``): while another thread
+        # runs ``import torch`` the module is in ``sys.modules`` half made (``Tensor`` early, ``nn``
+        # late), and a state without tensors, or one of NumPy arrays, saves all the same.
+        tensor = getattr(self.torch, "Tensor", None)
+        parameter = getattr(getattr(self.torch, "nn", None), "Parameter", None)
+        self.torch_tensor: type | None = tensor if isinstance(tensor, type) else None
+        """``torch.Tensor`` where torch is imported (far enough), else None."""
+        self.torch_tensor_types = tuple(kind for kind in (tensor, parameter) if isinstance(kind, type))
+        """The exact types ``visit`` hands to ``_torch`` first: ``torch.Tensor`` and ``torch.nn.Parameter``."""
         self.cupy = sys.modules.get("cupy")
         self.jax = sys.modules.get("jax")
         self.open_containers: dict[int, int] = {}
@@ -287,13 +300,12 @@ class _Flattener:
         return {"t": "tensor", "id": array_id}
 
     def _array(self, obj: Any, path: list[Any]) -> dict[str, Any] | None:
-        torch = self.torch
-        if torch is not None and isinstance(obj, torch.Tensor):
+        if self.torch_tensor is not None and isinstance(obj, self.torch_tensor):
             return self._torch(obj, path)
         if isinstance(obj, (np.ndarray, np.generic)):
             return self._numpy(obj, path)
-        cupy = self.cupy
-        if cupy is not None and isinstance(obj, cupy.ndarray):
+        # (of a library half imported: as torch's in ``__init__``)
+        if _instance_of(obj, getattr(self.cupy, "ndarray", None)):
             name = self._check_dtype(numpy_dtype_name(obj.dtype), obj.dtype, path)
             self._check_shape(tuple(obj.shape), name, path)
             # The dtype itself, not its .str: that is "<V1" for every ml_dtypes float8, so views of
@@ -301,8 +313,7 @@ class _Flattener:
             view_key = ("cupy", obj.data.ptr, obj.dtype, obj.shape, obj.strides) if obj.size else None
             return self._register(path, "cupy", name, tuple(obj.shape), f"cuda:{obj.device.id}",
                                   CupySource(obj, name), view_key, {})
-        jax = self.jax
-        if jax is not None and isinstance(obj, jax.Array):
+        if _instance_of(obj, getattr(self.jax, "Array", None)):
             return self._jax(obj, path)
         return None
 
