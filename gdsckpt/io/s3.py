@@ -74,9 +74,8 @@ JOIN_READ_BYTES = 32 << 20
 """The largest ranged GET joined from adjacent chunk reads (``S3Reader``'s default ``join_bytes``).
 No more than glibc's largest threshold for serving allocations from freed memory (32 MiB on 64-bit
 hosts): the response buffer of a larger GET is new memory from the kernel every time, and
-faulting it in cost a restore on 2 cores 11% more time (64 MiB joins with
-``max_inflight_bytes`` 512 MiB: 1.75 s against 1.57 s for 32 MiB, 328k page faults against 140k;
-docs/performance.md, "Object storage")."""
+faulting it in made a restore on 2 cores slower with 64 MiB joins than with 32 MiB ones
+(docs/performance.md, "Object storage")."""
 READ_THREADS = 8
 """The fewest ranged GETs a reader keeps in flight, whatever ``Config.io_threads`` says: a GET
 waits on the network and the server, not on a local core, so a 2-core host still needs several
