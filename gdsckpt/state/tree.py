@@ -345,8 +345,8 @@ class _Flattener:
         if tensor.layout != torch.strided:
             raise TypeError(f"tensor at {join_key(path)!r} has layout {tensor.layout}; only dense (strided) "
                             f"tensors are saved: convert with .to_dense()")
-        # ``is_cpu`` / ``is_cuda`` rather than ``device.type``: that makes a device object and a
-        # string, several times the cost of all the other reads together.
+        # ``is_cpu`` / ``is_cuda`` rather than ``device.type``, which makes a device object and a
+        # string each time: several times the cost of either.
         if tensor.is_cpu:
             device = "cpu"
         elif tensor.is_cuda:
