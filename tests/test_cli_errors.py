@@ -101,6 +101,8 @@ def test_help_is_plain_text(command: str | None, h: Any) -> None:
     (["demo", "--width", "6"], "demo", ["width must be a positive multiple of 4"]),
     (["demo", "--depth", "0"], "demo", ["--depth", "must be >= 1"]),
     (["demo", "--device", "tpu"], "demo", ["device 'tpu' is invalid"]),
+    # a missing --dir was named by the path of the temporary directory the demo makes inside it
+    (["demo", "--dir", "no-such-directory"], "demo", ["directory 'no-such-directory' does not exist"]),
     (["bench", "--target", ".", "--size", "-1MiB"], "bench", ["--size", "not a byte size: '-1MiB'"]),
     (["bench", "--target", ".", "--size=-1MiB"], "bench", ["--size", "not a byte size: '-1MiB'"]),
     (["bench", "--target", ".", "--size", "-4096"], "bench", ["--size", "not a byte size: '-4096'"]),

@@ -57,7 +57,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from ..tools.demo import check_demo_options, run_demo
 
     try:
-        device = check_demo_options(width=args.width, depth=args.depth, device=args.device)
+        device = check_demo_options(width=args.width, depth=args.depth, device=args.device, directory=args.dir)
     except ValueError as err:
         raise UsageError(str(err)) from err
     # kill as Ctrl-C: the demo's temporary directory is removed either way

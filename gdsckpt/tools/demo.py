@@ -96,9 +96,15 @@ VOCAB = 4096
 """The demo's TinyGPT vocabulary (its embedding and head are ``VOCAB x width`` each)."""
 
 
-def check_demo_options(*, width: int, depth: int, device: str | None) -> str:
+def check_demo_options(*, width: int, depth: int, device: str | None, directory: str | None = None) -> str:
     """Check the demo's options before any work; returns the device to run on (``None``: cuda when
-    torch sees a GPU, else cpu). Raises ``ValueError`` saying what is wrong and what would do."""
+    torch sees a GPU, else cpu). Raises ``ValueError`` saying what is wrong and what would do
+    (``directory``, where given, must be an existing directory: the demo's temporary directory is
+    made inside it, and a missing one would be named by that temporary's path, not by the one given)."""
+    if directory is not None and not os.path.isdir(directory):
+        problem = "is not a directory" if os.path.lexists(directory) else "does not exist"
+        raise ValueError(f"directory {directory!r} {problem}: give an existing directory, or leave it out for the "
+                         f"system's temporary directory")
     if width < HEADS or width % HEADS:
         raise ValueError(f"width must be a positive multiple of {HEADS} (the model's attention heads), got {width}")
     if depth < 1:
@@ -181,7 +187,7 @@ def run_demo(*, width: int = 512, depth: int = 6, directory: str | None = None,
 
     config = resolve_config(config).replace(fsync=True)
 
-    device = check_demo_options(width=width, depth=depth, device=device)
+    device = check_demo_options(width=width, depth=depth, device=device, directory=directory)
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     model, optimizer = training_state(width=width, depth=depth, steps=3, device=device, vocab=VOCAB)
