@@ -233,6 +233,22 @@ def test_file_objects_are_read_and_written_from_their_position(tmp_path: Path, h
         assert not handle.closed  # the caller's to close
 
 
+def test_two_checkpoints_in_one_stream_the_first_is_refused_as_appended_to(h: Any) -> None:
+    """``torch.load`` reads the first of two saves made one after the other into one stream; a
+    gdsckpt checkpoint's index is at its end, so the first cannot be found: it is refused, saying
+    that a checkpoint must end the stream, and the second, read from its own start, loads."""
+    first, second = {"w": torch.arange(4.0)}, {"w": torch.arange(6.0)}
+    stream = io.BytesIO()
+    gdsckpt.save(first, stream)
+    at = stream.tell()
+    gdsckpt.save(second, stream)
+    stream.seek(0)
+    with pytest.raises(gdsckpt.CorruptCheckpointError, match="appended to .*ends its file, or the stream"):
+        gdsckpt.load(stream)
+    stream.seek(at)
+    h.assert_same(second, gdsckpt.load(stream))
+
+
 class _Stream:
     """A write-only, non-seekable binary stream that records the size of every write."""
 

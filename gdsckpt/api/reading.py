@@ -68,9 +68,10 @@ def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
 
     ``path`` may be an ``s3://bucket/key`` URL (docs/object-storage.md); a checkpoint's ``bytes``;
     a seekable binary file object (``open(p, "rb")``, ``io.BytesIO``), read from its current
-    position and left open; or a ``gdsckpt.io.StorageReader``, closed when the load ends:
-    ``gdsckpt.io.PreloadedReader(path, pinned=True)`` holds the file in memory, to measure a
-    restore without storage.
+    position to its end (the index is found at the end: two checkpoints saved one after the other
+    into one stream cannot be read from it, as ``torch.load`` reads them) and left open; or a
+    ``gdsckpt.io.StorageReader``, closed when the load ends: ``gdsckpt.io.PreloadedReader(path,
+    pinned=True)`` holds the file in memory, to measure a restore without storage.
     """
     # not a decorator: its frame would be the one warnings name; the index sets the budget
     with collector.young_only():

@@ -146,7 +146,8 @@ def unpack_trailer(data: bytes, file_size: int) -> Trailer:
         raise CorruptCheckpointError("trailer checksum mismatch")
     if file_length != file_size:
         raise CorruptCheckpointError(
-            f"file is {file_size} bytes but its trailer records {file_length}: truncated or appended to"
+            f"file is {file_size} bytes but its trailer records {file_length}: truncated or appended to "
+            f"(a checkpoint ends its file, or the stream it is read from)"
         )
     if (index_offset < HEADER_REGION or index_offset % ALIGNMENT
             or index_offset + index_length + TRAILER_SIZE != file_size):

@@ -12,7 +12,9 @@ trailer at the end of the file, so a stream that cannot seek is refused with a m
 how to load it (``load(f.read())``). ``bytes`` are read through an ``io.BytesIO`` over them.
 
 Offsets count from where the file object stood when the writer or reader was made, as
-``torch.save``/``torch.load`` write and read from the current position. Neither class closes the
+``torch.save``/``torch.load`` write and read from the current position. Unlike ``torch.load``, a
+read takes the checkpoint to run to the stream's end (its index and trailer are there): one saved
+after another into one stream is refused as "appended to", with nothing loaded. Neither class closes the
 file object: it belongs to the caller.
 """
 
