@@ -377,8 +377,9 @@ class Checkpoint:
         return self._infos[position]
 
     def get(self, key: str, device: Any = None, *, map_location: Any = None) -> Any:
-        """Read one array (only its chunks), as the type it was saved as. ``device`` or
-        ``map_location`` (not both): where it goes, as for ``gdsckpt.load``."""
+        """Read one array (only its chunks), as the type it was saved as. ``key`` is its key path
+        as ``keys()`` lists it (a ``/`` inside a dict key written ``~1``, a ``~`` ``~0``).
+        ``device`` or ``map_location`` (not both): where it goes, as for ``gdsckpt.load``."""
         return self.get_many([key], device=device, map_location=map_location)[key]
 
     def get_many(self, keys: Iterable[str], device: Any = None, *, map_location: Any = None) -> dict[str, Any]:
