@@ -48,6 +48,22 @@ def test_map_location_takes_torch_meanings(ckpt_path: Path, h: Any, where: Any) 
         assert h.tensor_bytes(checkpoint.get("model/w", map_location=where)) == h.tensor_bytes(state["model"]["w"])
 
 
+@pytest.mark.parametrize("weights_only", [True, False, None])
+def test_weights_only_is_taken_and_changes_nothing(ckpt_path: Path, h: Any, weights_only: Any) -> None:
+    """``torch.load(p, weights_only=True)`` is how torch's callers write a load; the same call to
+    gdsckpt raised ``TypeError``. Every gdsckpt load is weights-only (no code runs from the file),
+    so the argument is taken and the state loads as it would without it."""
+    state = _state()
+    gdsckpt.save(state, ckpt_path)
+    h.assert_same(state, gdsckpt.load(ckpt_path, map_location="cpu", weights_only=weights_only))
+
+
+def test_weights_only_that_is_not_a_bool_is_a_type_error(ckpt_path: Path) -> None:
+    gdsckpt.save(_state(), ckpt_path)
+    with pytest.raises(TypeError, match="weights_only must be a bool or None, got str"):
+        gdsckpt.load(ckpt_path, weights_only="yes")
+
+
 def test_map_location_dict_remaps_the_device_an_array_was_saved_from(ckpt_path: Path, h: Any) -> None:
     """A file whose arrays record ``cuda:1`` (written here by the CPU engine, the devices given as a
     background save gives them) loads with ``{"cuda:1": "cpu"}`` on a machine without that GPU."""

@@ -49,8 +49,13 @@ from .resolve import (
 
 
 def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
-         config: Config | None = None, progress: Progress | None = None, map_location: Any = None) -> Any:
+         config: Config | None = None, progress: Progress | None = None, map_location: Any = None,
+         weights_only: bool | None = None) -> Any:
     """Load a checkpoint into the same nested structure and types it was saved from.
+
+    ``weights_only``: taken for ``torch.load``'s callers, and changes nothing: a checkpoint holds
+    arrays and plain values only and a load runs no code from the file, so every load is what
+    ``torch.load`` calls weights-only (a bool or None; anything else is ``TypeError``).
 
     ``device``: None or ``"cpu"`` puts torch tensors on the CPU; ``"cuda[:N]"`` (or a
     ``torch.device``) on that GPU (NumPy arrays stay NumPy; CuPy arrays go to that GPU or, with
@@ -73,6 +78,8 @@ def load(path: Source, *, device: Any = None, keys: Iterable[str] | None = None,
     ``gdsckpt.io.StorageReader``, closed when the load ends: ``gdsckpt.io.PreloadedReader(path,
     pinned=True)`` holds the file in memory, to measure a restore without storage.
     """
+    if weights_only is not None and not isinstance(weights_only, bool):
+        raise TypeError(f"weights_only must be a bool or None, got {type(weights_only).__name__}")
     # not a decorator: its frame would be the one warnings name; the index sets the budget
     with collector.young_only():
         cfg = resolve_config(config)
