@@ -340,8 +340,8 @@ class _Flattener:
     def _torch(self, tensor: Any, path: list[Any]) -> dict[str, Any]:
         torch = self.torch
         assert torch is not None
-        # The key is spelled only in an error: a state of many small tensors would pay it per tensor.
-        # Each torch attribute costs a call (a device object, a shape tuple): read each once.
+        # The key is spelled only in an error, and each torch attribute is read once: a state of
+        # many small tensors pays both per tensor.
         if tensor.layout != torch.strided:
             raise TypeError(f"tensor at {join_key(path)!r} has layout {tensor.layout}; only dense (strided) "
                             f"tensors are saved: convert with .to_dense()")
@@ -358,7 +358,7 @@ class _Flattener:
                             f"and CUDA tensors")
         if tensor.is_quantized or getattr(tensor, "is_nested", False):
             raise TypeError(f"tensor at {join_key(path)!r} is quantized or nested, which gdsckpt does not save")
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        if type(tensor) not in self.torch_tensor_types:
             raise TypeError(f"tensor subclass {type(tensor).__qualname__} at {join_key(path)!r} is not "
                             f"supported; pass a plain tensor (e.g. DTensor.to_local()) or use gdsckpt.dcp")
         dtype, shape = tensor.dtype, tuple(tensor.shape)
