@@ -21,6 +21,21 @@ from gdsckpt.format import index as index_module
 from gdsckpt.state import tree as tree_module
 
 
+def thresholds_seen_by(monkeypatch: pytest.MonkeyPatch, name: str, *owners: object) -> list[tuple[int, int, int]]:
+    """Replace function ``name`` of each of ``owners`` (the same function, imported by name into
+    each) with one that records the collector's thresholds when called; returns the records."""
+    seen: list[tuple[int, int, int]] = []
+    original = getattr(owners[0], name)
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(gc.get_threshold())
+        return original(*args, **kwargs)
+
+    for owner in owners:
+        monkeypatch.setattr(owner, name, spy)
+    return seen
+
+
 class OtherThread:
     """Another thread inside ``hold()`` from ``start()`` (which returns once it is inside) until
     ``end()``."""
@@ -187,14 +202,7 @@ def test_a_save_of_few_tensors_defers_nothing_and_one_of_many_defers(tmp_path: P
     from gdsckpt.api import saving
 
     before = gc.get_threshold()
-    seen: list[tuple[int, int, int]] = []
-    original = saving.run_save
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(gc.get_threshold())
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(saving, "run_save", spy)
+    seen = thresholds_seen_by(monkeypatch, "run_save", saving)
     gdsckpt.save({f"t{i}": torch.randn(16384) for i in range(64)}, tmp_path / "few.gdsckpt", chunk_bytes="64KiB")
     gdsckpt.save({f"t{i}": torch.randn(2) for i in range(20_000)}, tmp_path / "many.gdsckpt")
     assert seen[0] == before, "64 tensors deferred full collections"
@@ -328,16 +336,8 @@ def test_a_restore_defers_by_its_index_length(tmp_path: Path, monkeypatch: pytes
     data = path.read_bytes()
     index_length = unpack_trailer(data[-TRAILER_SIZE:], len(data)).index_length
     before = gc.get_threshold()
-    seen: list[tuple[int, int, int]] = []
-    original = load_module.run_restore
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(gc.get_threshold())
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(load_module, "run_restore", spy)
     from gdsckpt.api import checkpoint as checkpoint_module
-    monkeypatch.setattr(checkpoint_module, "run_restore", spy)
+    seen = thresholds_seen_by(monkeypatch, "run_restore", load_module, checkpoint_module)
     gdsckpt.load(path)
     expected = index_length // collector.INDEX_BYTES_PER_OBJECT // (before[0] * before[1])
     assert expected > 10 and seen == [(before[0], before[1], before[2] + expected)], (seen, expected)
